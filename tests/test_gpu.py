@@ -1,0 +1,141 @@
+"""GPU suite (``pytest -m gpu`` on a CUDA host): the compiled Pallas kernels against
+the reference, on shapes large enough to exercise tiling, splits and paging.
+
+Deselected on CPU by the README's test command (``-m "not gpu"``); run on the
+device in every session that changes a kernel.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged_attn as jpa
+
+pytestmark = pytest.mark.gpu
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _require_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.fail("the gpu suite needs a CUDA device; deselect it with -m 'not gpu' on CPU hosts")
+
+
+def _random_cache(key, num_blocks, block_size, num_kv_heads, head_size, dtype):
+    k1, k2 = jax.random.split(key)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    k = jax.random.normal(k1, shape, jnp.float32)
+    v = jax.random.normal(k2, shape, jnp.float32)
+    if jnp.dtype(dtype).itemsize == 1:
+        return (k / 2).astype(dtype), (v / 2).astype(dtype), 2.0
+    return k.astype(dtype), v.astype(dtype), 1.0
+
+
+def _tolerance(dtype):
+    return {jnp.float32: 2e-3, jnp.float16: 2e-2, jnp.bfloat16: 4e-2}[dtype]
+
+
+def _assert_close(out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=_tolerance(dtype), rtol=_tolerance(dtype))
+
+
+DECODE_CASES = [
+    # batch, q_per_seq, Hq, Hk, D, block_size, cache dtype, kwargs
+    (16, 1, 32, 8, 128, 16, jnp.bfloat16, {}),
+    (4, 1, 32, 8, 128, 16, jnp.bfloat16, dict(window_size=(700, 0))),
+    (8, 1, 16, 16, 64, 32, jnp.float16, dict(softcap=30.0)),
+    (8, 1, 8, 1, 80, 16, jnp.bfloat16, dict(alibi=True)),
+    (8, 4, 32, 8, 128, 16, jnp.bfloat16, {}),
+    (8, 1, 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
+    (4, 1, 16, 4, 256, 16, jnp.bfloat16, {}),
+    (4, 1, 28, 4, 96, 64, jnp.float32, {}),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}Sq{c[1]}Hq{c[2]}Hk{c[3]}D{c[4]}bs{c[5]}{jnp.dtype(c[6]).name}{sorted(c[7])}")
+def test_decode_kernel_matches_reference(case):
+    batch, sq, hq, hk, d, bs, cache_dtype, kw = case
+    q_dtype = jnp.bfloat16 if jnp.dtype(cache_dtype).itemsize == 1 else cache_dtype
+    key = jax.random.key(0)
+    max_ctx = 3000
+    blocks_per_seq = -(-max_ctx // bs)
+    num_blocks = batch * blocks_per_seq + 7
+    k_cache, v_cache, scale = _random_cache(key, num_blocks, bs, hk, d, cache_dtype)
+    table = jax.random.permutation(jax.random.key(1), num_blocks)[: batch * blocks_per_seq]
+    table = table.reshape(batch, blocks_per_seq).astype(jnp.int32)
+    lens = jax.random.randint(jax.random.key(2), (batch,), 1, max_ctx + 1).astype(jnp.int32)
+    lens = lens.at[0].set(max_ctx).at[-1].set(sq)
+    q = jax.random.normal(jax.random.key(3), (batch, sq, hq, d), jnp.float32).astype(q_dtype)
+    alibi = kw.pop("alibi", False)
+    if alibi:
+        kw["alibi_slopes"] = jnp.linspace(0.01, 0.2, hq, dtype=jnp.float32)
+    call = functools.partial(jpa.flash_attn_with_kvcache, causal=True, k_scale=scale, v_scale=scale, **kw)
+    out = jax.jit(functools.partial(call, implementation="triton"))(q, k_cache, v_cache, lens, table)
+    ref = jax.jit(functools.partial(call, implementation="xla"))(q, k_cache, v_cache, lens, table)
+    _assert_close(out, ref, q_dtype)
+
+
+PREFILL_CASES = [
+    # seq lens, Hq, Hk, D, dtype, kwargs
+    ([1, 17, 256, 1000, 130], 32, 8, 128, jnp.bfloat16, {}),
+    ([2048, 3], 16, 16, 64, jnp.float16, dict(window_size=(256, 0))),
+    ([500, 77], 8, 1, 80, jnp.bfloat16, dict(alibi=True, softcap=20.0)),
+    ([300, 1024], 16, 4, 256, jnp.bfloat16, {}),
+    ([129, 64], 4, 2, 112, jnp.float32, dict(causal=False, window_size=(40, 30))),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"L{c[0]}Hq{c[1]}Hk{c[2]}D{c[3]}{jnp.dtype(c[4]).name}{sorted(c[5])}")
+def test_packed_varlen_kernel_matches_reference(case):
+    lens, hq, hk, d, dtype, kw = case
+    kw = dict(kw)
+    total = sum(lens)
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    keys = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(keys[0], (total + 5, hq, d), jnp.float32).astype(dtype)  # 5 padding rows
+    k = jax.random.normal(keys[1], (total, hk, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (total, hk, d), jnp.float32).astype(dtype)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = jnp.linspace(0.01, 0.2, hq, dtype=jnp.float32)
+    kw.setdefault("causal", True)
+    call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **kw)
+    out = jax.jit(functools.partial(call, implementation="triton"))(q, k, v, cu, cu)
+    ref = jax.jit(functools.partial(call, implementation="xla"))(q, k, v, cu, cu)
+    _assert_close(out, ref, dtype)
+    assert not np.asarray(out[total:], np.float32).any()
+
+
+@pytest.mark.parametrize("block_size,cache_dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16), (16, jnp.float8_e5m2)])
+def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype):
+    new, cached = [512, 5, 64], [3584, 37, 0]
+    hq, hk, d = 32, 8, 128
+    seq = [n + c for n, c in zip(new, cached)]
+    blocks_per_seq = -(-max(seq) // block_size)
+    num_blocks = len(seq) * blocks_per_seq + 3
+    k_cache, v_cache, scale = _random_cache(jax.random.key(5), num_blocks, block_size, hk, d, cache_dtype)
+    table = jax.random.permutation(jax.random.key(6), num_blocks)[: len(seq) * blocks_per_seq]
+    table = table.reshape(len(seq), blocks_per_seq).astype(jnp.int32)
+    cu_q = jnp.array(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    cu_k = jnp.array(np.concatenate([[0], np.cumsum(seq)]), jnp.int32)
+    q = jax.random.normal(jax.random.key(7), (sum(new), hq, d), jnp.bfloat16)
+    call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(new), max_seqlen_k=max(seq),
+                             causal=True, block_table=table, k_scale=scale, v_scale=scale)
+    out = jax.jit(functools.partial(call, implementation="triton"))(q, k_cache, v_cache, cu_q, cu_k)
+    ref = jax.jit(functools.partial(call, implementation="xla"))(q, k_cache, v_cache, cu_q, cu_k)
+    _assert_close(out, ref, jnp.bfloat16)
+
+
+def test_auto_implementation_runs_the_kernel_on_gpu():
+    q = jnp.ones((2, 1, 8, 64), jnp.bfloat16)
+    cache = jnp.ones((8, 16, 2, 64), jnp.bfloat16)
+    lens = jnp.array([20, 64], jnp.int32)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    fn = lambda *a: jpa.flash_attn_with_kvcache(*a, causal=True)
+    assert TRITON_CALL in jax.jit(fn).lower(q, cache, cache, lens, table).as_text()
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, cache, cache, lens, table), np.float32), 1.0, atol=1e-2)

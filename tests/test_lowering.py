@@ -1,0 +1,67 @@
+"""Cross-lowering on a CPU host: the public functions, with the default (auto)
+implementation, lower for CUDA to a module that contains the Pallas Triton kernel.
+
+This is what keeps the GPU path from silently being the reference: on a CPU the
+same jitted function runs the reference, lowered for CUDA it runs the kernel.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged_attn as jpa
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _cuda_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _paged_cache(num_blocks=12, block_size=16, num_kv_heads=2, head_size=64, dtype=jnp.bfloat16):
+    k = jnp.ones((num_blocks, block_size, num_kv_heads, head_size), dtype)
+    return k, k
+
+
+@pytest.mark.parametrize("head_size", [64, 80])
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_decode_lowers_to_triton_kernel(head_size, cache_dtype):
+    k, v = _paged_cache(head_size=head_size, dtype=cache_dtype)
+    q = jnp.ones((3, 1, 8, head_size), jnp.bfloat16)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    text = _cuda_text(
+        lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, window_size=(32, 0)),
+        q, k, v, lens, table,
+    )
+    assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_lowers_to_triton_kernel(paged):
+    q = jnp.ones((40, 8, 64), jnp.bfloat16)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    if paged:
+        k, v = _paged_cache()
+        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+        cu_k = jnp.array([0, 30, 70], jnp.int32)
+        fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(
+            q, k, v, cq, ck, 33, 40, causal=True, block_table=t, softcap=30.0)
+        text = _cuda_text(fn, q, k, v, cu, cu_k, table)
+    else:
+        k = jnp.ones((40, 2, 64), jnp.bfloat16)
+        fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
+        text = _cuda_text(fn, q, k, k, cu)
+    assert TRITON_CALL in text
+
+
+def test_cpu_lowering_of_auto_is_the_reference():
+    k, v = _paged_cache()
+    q = jnp.ones((3, 1, 8, 64), jnp.bfloat16)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True)
+    text = jax.jit(fn).trace(q, k, v, lens, table).lower(lowering_platforms=("cpu",)).as_text()
+    assert TRITON_CALL not in text
+    out = jax.jit(fn)(q, k, v, lens, table)
+    assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
