@@ -1,8 +1,38 @@
-"""jax_paged_attn: vLLM's FlashAttention backend for JAX, with Pallas GPU kernels."""
+"""jax_paged_attn: vLLM's FlashAttention backend for JAX, with Pallas GPU kernels.
+
+Public API (vLLM names):
+  attention  flash_attn_varlen_func, flash_attn_with_kvcache, get_supported_head_sizes
+  cache      reshape_and_cache_flash(_kv), copy_blocks, copy_kv_cache_blocks, swap_blocks,
+             get_kv_cache_shape, get_kv_cache_dtype, allocate_kv_cache, allocate_host_kv_cache,
+             PAD_SLOT_ID
+  metadata   FlashAttentionMetadata, prefill_metadata, decode_metadata, advance_step,
+             validate_metadata, FlashAttentionMetadataBuilder, ScheduledSequence
+"""
 from jax_paged_attn.api import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
     get_supported_head_sizes,
+)
+from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
+from jax_paged_attn.cache import (
+    KV_CACHE_DTYPES,
+    PAD_SLOT_ID,
+    allocate_host_kv_cache,
+    allocate_kv_cache,
+    copy_blocks,
+    copy_kv_cache_blocks,
+    get_kv_cache_dtype,
+    get_kv_cache_shape,
+    reshape_and_cache_flash,
+    reshape_and_cache_flash_kv,
+    swap_blocks,
+)
+from jax_paged_attn.metadata import (
+    FlashAttentionMetadata,
+    advance_step,
+    decode_metadata,
+    prefill_metadata,
+    validate_metadata,
 )
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 

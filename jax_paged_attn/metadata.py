@@ -62,11 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged_attn import checks
+from jax_paged_attn.cache import PAD_SLOT_ID
 
 Array = Any  # jax.Array, or np.ndarray for host-side metadata from the builder
-
-PAD_SLOT_ID = -1
-"""Slot of a token whose K/V must not be written to the cache (padding, sliding-window skip)."""
 
 ARRAY_FIELDS = ("slot_mapping", "seq_lens", "query_start_loc", "seq_start_loc", "context_lens",
                 "block_tables")
