@@ -1,0 +1,226 @@
+"""CPU smoke test of benchmarks/bench_attention.py, so the GPU harness does not rot.
+
+Checks the work arithmetic (bytes, causal FLOPs) against brute force, the input
+layouts every peer derives from, the report (ratios, target lines, tuning literals),
+the crash-resume logic of the per-suite processes, and a tiny dry run of our
+implementations (implementation="xla") through the whole harness.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from jax_paged_attn import reference
+from jax_paged_attn.spec import AttentionSpec
+
+_BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench_attention")
+report = sys.modules["report"]  # imported by bench_attention from the same folder
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_decode_bytes_and_dense_flops_follow_anchors():
+    # ANCHORS.md: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops.
+    assert bench.decode_kv_bytes(64, 4096, 8, 128, 2) == 2 * 64 * 4096 * 8 * 128 * 2
+    assert bench.DecodeCase(64, 4096, 32, 8, 128).work == 2**30
+    assert bench.dense_causal_flops(8, 2048, 32, 128) == 4 * 8 * 32 * 128 * 2048**2 / 2
+    assert bench.PREFILL_CASES[0].work == bench.dense_causal_flops(8, 2048, 32, 128)
+
+
+@pytest.mark.parametrize("q_len,k_len", [(1, 1), (7, 7), (5, 12), (12, 5), (3, 0), (0, 4), (1, 300), (64, 64)])
+def test_causal_visible_pairs_counts_the_bottom_right_mask(q_len, k_len):
+    spec = AttentionSpec.create(8, causal=True)
+    # key_visible is elementwise: on NumPy arrays it runs in NumPy (no compile).
+    visible = reference.key_visible(np.arange(q_len)[:, None], np.arange(k_len)[None, :], q_len, k_len, spec)
+    assert bench.causal_visible_pairs(q_len, k_len) == int(np.sum(visible))
+
+
+def test_varlen_and_prefix_work_is_exact_causal_work():
+    lens = (5, 40, 17)
+    case = bench.AttentionCase("mixed", lens, lens, 4, 2, 32)
+    assert case.work == 4 * 4 * 32 * sum(n * (n + 1) // 2 for n in lens)
+    prefix = bench.PREFIX_CASES[0]  # 8 x (512 new on 4096 keys)
+    new, keys = 512, 4096
+    assert prefix.work == 4 * 32 * 128 * 8 * (new * (keys - new) + new * (new + 1) // 2)
+    mixed = bench.VARLEN_CASES[0]
+    assert len(mixed.q_lens) == 16 and all(64 <= n <= 4096 for n in mixed.q_lens)
+    assert 24_000 < sum(mixed.q_lens) < 42_000  # "about 32k tokens"
+
+
+def test_cache_bytes_count_reads_writes_and_slots():
+    bf16, fp8 = bench.CACHE_CASES[1], bench.CACHE_CASES[2]
+    rows = 2 * 16 * 2048 * 8 * 128
+    assert bf16.work == rows * (2 + 2) + 4 * 16 * 2048
+    assert fp8.work == rows * (2 + 1) + 4 * 16 * 2048 and fp8.cache_dtype == "float8_e4m3fn"
+
+
+def test_throughput_units():
+    assert bench.throughput(2e9, 1.0, "GB/s") == pytest.approx(2000.0)
+    assert bench.throughput(3e12, 10.0, "TFLOP/s") == pytest.approx(300.0)
+
+
+def test_stock_paged_grid_only_has_configs_the_stock_kernel_accepts():
+    for pages in (64, 256, 512, 2048, 4):
+        grid = bench.stock_paged_grid(pages, quick=False)
+        assert grid and len(set(grid)) == len(grid)
+        for splits, per_block in grid:
+            assert pages % splits == 0 and (pages // splits) % per_block == 0
+
+
+# --------------------------------------------------------------------------- input layouts
+
+
+def test_decode_inputs_use_a_permuted_block_table_and_a_consistent_contiguous_view():
+    case = bench.TINY_CASES["decode"][0]
+    x = bench.build_decode_inputs(case)
+    table = np.asarray(x.block_table)
+    assert sorted(table.reshape(-1).tolist()) == list(range(x.k_cache.shape[0]))
+    k = bench.to_numpy(x.contiguous(x.k_cache, case.context))
+    cache = bench.to_numpy(x.k_cache)
+    b, j = 1, 37
+    np.testing.assert_array_equal(k[b, j], cache[table[b, j // case.page_size], j % case.page_size])
+
+
+def test_attention_inputs_paged_keys_and_padding_round_trip():
+    case = bench.TINY_CASES["prefix"][0]
+    x = bench.build_attention_inputs(case)
+    keys, _ = x.keys_values()
+    assert keys.shape[0] == sum(case.k_lens)
+    table, cache = np.asarray(x.block_table), bench.to_numpy(x.k)
+    b, j = 1, 33  # sequence 1 starts after sequence 0's keys
+    row = case.k_lens[0] + j
+    np.testing.assert_array_equal(bench.to_numpy(keys)[row],
+                                  cache[table[b, j // case.page_size], j % case.page_size])
+    padded_q = x.padded_q()
+    np.testing.assert_array_equal(x.unpad(padded_q), bench.to_numpy(x.q))
+
+
+def test_cache_inputs_write_distinct_slots_in_range():
+    case = bench.CACHE_CASES[0]  # 256 sequences writing one token each
+    x = bench.build_cache_inputs(case)
+    slots = np.asarray(x.slot_mapping)
+    assert slots.shape == (case.tokens,) and len(set(slots.tolist())) == case.tokens
+    assert slots.min() >= 0 and slots.max() < case.num_blocks * case.page_size
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _row(suite, case, impl, value, status="ok", **extra):
+    row = dict(suite=suite, case=case, impl=impl, is_ours=impl == "ours", metric="GB/s", status=status,
+               value=value, ms=None if value is None else 1000.0 / value)
+    row.update(extra)
+    return row
+
+
+def test_report_ratios_targets_and_failures():
+    rows = [
+        _row("decode", "A", "ours", 3000.0), _row("decode", "A", "stock_pallas", 1500.0),
+        _row("decode", "B", "ours", 2000.0), _row("decode", "B", "stock_pallas", 1600.0, check_max_abs_diff=0.3),
+        _row("prefill", "P", "ours", 400.0), _row("prefill", "P", "cudnn", 500.0),
+        _row("prefill", "P", "stock_mha", None, status="failed", error="D=256 unsupported"),
+    ]
+    report.attach_ratios(rows)
+    assert rows[1]["ratio"] == pytest.approx(2.0) and rows[3]["ratio"] == pytest.approx(1.25)
+    lines = report.target_lines(rows)
+    assert lines[0].startswith("FAIL decode") and "B ×1.25" in lines[0]
+    assert lines[1].startswith("NOT MEASURED prefill: ours/stock_mha") and "stock_mha did not run" in lines[1]
+    assert lines[2].startswith("PASS prefill: ours/cudnn >= 0.75")
+    text = "\n".join(report.render_suite("decode", rows, "t", {"ours": "our kernel"}))
+    assert "| A (0.333 ms) | 3000 | 1500 (×2.00) |" in text
+    assert "1600 (×1.25) ≠" in text  # output differs from ours
+    prefill = "\n".join(report.render_suite("prefill", rows, "t", {}))
+    assert "failed [1]" in prefill and "1. stock_mha: failed: D=256 unsupported" in prefill
+    summary = report.render_summary(rows, [("decode", "t"), ("prefill", "t")])
+    assert summary.splitlines()[-1].startswith("  PASS prefill: ours/cudnn") and "Columns:" not in summary
+
+
+def test_tuning_literal_picks_the_best_geomean_config_per_table_key():
+    def tune_row(case, config, ms, key="(128, 16, 4)"):
+        return dict(suite="decode", case=case, impl="ours", status="ok", ms=ms, config=config,
+                    table="DECODE_TABLE", table_key=key, is_default_config=config == "A()")
+
+    rows = [tune_row("s1", "A()", 1.0), tune_row("s1", "B()", 1.1), tune_row("s2", "A()", 3.0),
+            tune_row("s2", "B()", 2.0), tune_row("s3", "C()", 1.0, key="(128, 16, 8)")]
+    chosen = report.best_per_table_key(rows)
+    # A: sqrt(1 * 2/3) = 0.816; B: sqrt(1/1.1 * 1) = 0.953
+    assert chosen[("DECODE_TABLE", "(128, 16, 4)")][0] == "B()"
+    literal = report.tuning_literals(rows)
+    assert "    (128, 16, 4): B(),  # 0.953" in literal and "    (128, 16, 8): C()," in literal
+    assert "| decode | s2 | 2 / 2 / 2 | 3.0000 | 2.0000 | ×1.50 | `B()` |" in report.render_tuning({}, rows)
+
+
+# --------------------------------------------------------------------------- per-suite processes
+
+
+def test_isolated_suite_records_a_crashed_job_and_resumes_after_it(tmp_path):
+    args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "xla_scatter,jax_elementwise"])
+    jobs = bench.plan_jobs("cache", args)
+    assert [j.impl.name for j in jobs] == ["ours", "xla_scatter", "jax_elementwise"]
+    starts = []
+
+    def fake_spawn(command, timeout_s):
+        start = int(command[command.index("--child-start") + 1])
+        rows_path = pathlib.Path(command[command.index("--child-rows") + 1])
+        starts.append(start)
+        done = jobs[start:start + 1] if start == 0 else jobs[start:]  # the first process dies after one row
+        rows_path.write_text("".join(json.dumps(dataclasses.asdict(j.blank_row())) + "\n" for j in done))
+        return -11 if start == 0 else 0
+
+    deadline = bench.Deadline(bench.time.monotonic() + 60)
+    rows, _ = bench.run_suite_isolated("cache", jobs, args, deadline, tmp_path, spawn_fn=fake_spawn)
+    assert starts == [0, 2]
+    assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("xla_scatter", "failed"),
+                                                         ("jax_elementwise", "ok")]
+    assert "process ended during this job (exit code -11)" in rows[1]["error"]
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
+    argv = ["--tiny", "--no-isolate", "--ours-impl", "xla", "--peers", "xla_gather,xla_scatter",
+            "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    ours = {r["suite"]: r for r in rows if r["is_ours"]}
+    assert set(ours) == set(bench.SUITES)
+    for suite, row in ours.items():
+        assert row["status"] == "ok", (suite, row["error"])
+        assert row["value"] > 0 and row["ms"] > 0
+    gather = next(r for r in rows if r["impl"] == "xla_gather")
+    assert gather["check_against"] == "ours" and gather["check_max_abs_diff"] < report.AGREEMENT_ATOL
+    assert gather["ratio"] == pytest.approx(ours["decode"]["value"] / gather["value"])
+    for row in (r for r in rows if r["suite"] == "cache"):
+        assert row["check_against"] == "expected" and row["check_max_abs_diff"] == 0.0
+    markdown = (tmp_path / "RESULTS.md").read_text()
+    assert "## Targets" in markdown and "### prefix:" in markdown and "implementation='xla'" in markdown
+
+
+def test_isolated_suite_runs_in_a_child_process(tmp_path):
+    args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "jax_elementwise", "--ours-impl", "xla",
+                             "--reps", "1", "--warmup", "1"])
+    jobs = bench.plan_jobs("cache", args)
+    deadline = bench.Deadline(bench.time.monotonic() + 120)
+    rows, meta = bench.run_suite_isolated("cache", jobs, args, deadline, tmp_path)
+    assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("jax_elementwise", "ok")]
+    assert rows[0]["check_against"] == "expected" and rows[0]["check_max_abs_diff"] == 0.0
+    assert meta["gpu"].startswith("cpu")
