@@ -7,6 +7,9 @@ Public API (vLLM names):
              PAD_SLOT_ID
   metadata   FlashAttentionMetadata, prefill_metadata, decode_metadata, advance_step,
              validate_metadata, FlashAttentionMetadataBuilder, ScheduledSequence
+  layer      paged_attention (vLLM's unified_flash_attention), PagedAttention (Flax NNX)
+  models     jax_paged_attn.models: LlamaForCausalLM, LlamaConfig, HF checkpoint I/O
+  engine     jax_paged_attn.engine: the generation engine
 """
 from jax_paged_attn.api import (
     flash_attn_varlen_func,
@@ -27,6 +30,7 @@ from jax_paged_attn.cache import (
     reshape_and_cache_flash_kv,
     swap_blocks,
 )
+from jax_paged_attn.layer import PagedAttention, paged_attention
 from jax_paged_attn.metadata import (
     FlashAttentionMetadata,
     advance_step,

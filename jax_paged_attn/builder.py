@@ -240,9 +240,11 @@ class FlashAttentionMetadataBuilder:
             slots = np.full(seq.query_len, PAD_SLOT_ID, np.int64)
         else:
             start_idx = 0
-            if seq.is_prompt and self.sliding_window is not None:
-                # Prompt tokens that can never be attended to are not cached; like vLLM the
-                # start is relative to the query, which matters only when context_len == 0.
+            if seq.is_prompt and self.sliding_window is not None and table.size == 0:
+                # Prompt tokens that can never be attended to after this step are not cached;
+                # like vLLM the start is relative to the query. Only when the prompt attends
+                # to its packed keys: a prompt that reads through the cache (chunked prefill)
+                # needs every one of its tokens there.
                 start_idx = max(0, seq.query_len - self.sliding_window)
             skipped = max(0, start_idx - seq.context_len)
             positions = np.arange(max(start_idx, seq.context_len), seq.seq_len)

@@ -22,9 +22,12 @@ BS = 16
 NUM_BLOCKS = 512
 
 
-def hand_slots(seq: ScheduledSequence, block_size: int, sliding_window: int | None) -> list[int]:
-    """vLLM's slot mapping, one token at a time."""
-    start = max(0, seq.query_len - sliding_window) if (seq.is_prompt and sliding_window) else 0
+def hand_slots(seq: ScheduledSequence, block_size: int, sliding_window: int | None,
+               prompt_reads_cache: bool) -> list[int]:
+    """vLLM's slot mapping, one token at a time; a prompt that attends through the cache
+    (chunked prefill) must cache every token, so only packed prompts skip window-dead ones."""
+    skip = seq.is_prompt and sliding_window and not prompt_reads_cache
+    start = max(0, seq.query_len - sliding_window) if skip else 0
     slots = []
     for pos in range(seq.context_len, seq.seq_len):
         if pos < start:
@@ -65,7 +68,7 @@ def test_slot_mapping_matches_hand_computation(sliding_window, pad):
         seqs = random_batch(rng, int(rng.integers(0, 4)), int(rng.integers(0, 5)) + 1, extra_blocks=trial % 2)
         md = builder.build_host(seqs)
         validate_metadata(md, block_size=BS, num_blocks=NUM_BLOCKS)
-        want = pack_per_token(md, seqs, [hand_slots(s, BS, sliding_window) for s in seqs],
+        want = pack_per_token(md, seqs, [hand_slots(s, BS, sliding_window, prompt_reads_cache=True) for s in seqs],
                               pad_value=PAD_SLOT_ID)
         np.testing.assert_array_equal(md.slot_mapping, want)
 

@@ -1,0 +1,28 @@
+"""Models that run on the paged attention layer (`jax_paged_attn.layer.PagedAttention`).
+
+* `LlamaForCausalLM` / `LlamaConfig`: Llama-family decoders (Llama 2 / 3, Mistral);
+  `jit_forward` / `jit_forward_dense` compile the serving and the reference forwards;
+  `last_token_indices` selects one logits row per sequence.
+* `load_llama` / `load_checkpoint` / `save_checkpoint`: Hugging Face checkpoints
+  (config.json + safetensors) from and to a local directory.
+"""
+from jax_paged_attn.models.checkpoint import CheckpointError, load_checkpoint, load_llama, save_checkpoint
+from jax_paged_attn.models.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    jit_forward,
+    jit_forward_dense,
+    last_token_indices,
+)
+
+__all__ = [
+    "CheckpointError",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "jit_forward",
+    "jit_forward_dense",
+    "last_token_indices",
+    "load_checkpoint",
+    "load_llama",
+    "save_checkpoint",
+]

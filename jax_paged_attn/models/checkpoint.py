@@ -1,0 +1,349 @@
+"""Hugging Face Llama checkpoints (config.json + safetensors) <-> `LlamaForCausalLM`.
+
+A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or
+shards listed by ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``).
+Tensor names and layouts are Hugging Face's:
+
+=============================================================  ======================  =========
+Hugging Face tensor                                            NNX parameter           layout
+=============================================================  ======================  =========
+``model.embed_tokens.weight``                                  ``model.embed_tokens    [vocab, hidden]
+                                                               .embedding``
+``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``           ``... .kernel``         [out, in], transposed
+``model.layers.{i}.mlp.{gate,up,down}_proj.weight``            ``... .kernel``         [out, in], transposed
+``model.layers.{i}.{input,post_attention}_layernorm.weight``   ``... .weight``         [hidden]
+``model.norm.weight``                                          ``model.norm.weight``   [hidden]
+``lm_head.weight`` (absent when embeddings are tied)           ``lm_head.kernel``      [vocab, hidden], transposed
+=============================================================  ======================  =========
+
+Only the local filesystem is read (no download). Tensors are read one at a time with
+`safetensors.safe_open` (numpy), so host memory holds one tensor at a time, and placed
+directly with their tensor-parallel sharding when the model has a mesh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged_attn.models.llama import LlamaConfig, LlamaForCausalLM
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Tensors some checkpoints carry that the model recomputes: skipped when loading.
+_IGNORED_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or mismatched tensors."""
+
+
+def hf_parameter_map(config: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """Hugging Face tensor name -> (NNX parameter path, transpose) for ``config``."""
+    mapping: dict[str, tuple[tuple[Any, ...], bool]] = {
+        "model.embed_tokens.weight": (("model", "embed_tokens", "embedding"), False),
+        "model.norm.weight": (("model", "norm", "weight"), False),
+    }
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        layer = ("model", "layers", i)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            mapping[f"{prefix}.self_attn.{proj}.weight"] = (layer + ("self_attn", proj, "kernel"), True)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            mapping[f"{prefix}.mlp.{proj}.weight"] = (layer + ("mlp", proj, "kernel"), True)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            mapping[f"{prefix}.{norm}.weight"] = (layer + (norm, "weight"), False)
+    if not config.tie_word_embeddings:
+        mapping["lm_head.weight"] = (("lm_head", "kernel"), True)
+    return mapping
+
+
+def read_config(directory: str | os.PathLike) -> LlamaConfig:
+    """`LlamaConfig` from ``directory/config.json``."""
+    path = os.path.join(os.fspath(directory), CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(directory)!r}.")
+    with open(path) as f:
+        try:
+            hf_config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    try:
+        return LlamaConfig.from_hf_config(hf_config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _tensor_files(directory: str) -> dict[str, str]:
+    """Tensor name -> safetensors file path, from the index or the file(s) present."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path} has no 'weight_map' dict.")
+        files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        absent = sorted({f for f in files.values() if not os.path.isfile(f)})
+        if absent:
+            raise CheckpointError(f"{index_path} lists file(s) that do not exist: {absent}.")
+        return files
+    shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors file (nor {INDEX_FILE}) in {directory!r}.")
+    from safetensors import safe_open
+
+    files = {}
+    for shard in shards:
+        path = os.path.join(directory, shard)
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():
+                if name in files:
+                    raise CheckpointError(f"tensor {name!r} appears in both {files[name]} and {path}.")
+                files[name] = path
+    return files
+
+
+def _by_file(names: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
+    grouped: dict[str, list[str]] = {}
+    for name, path in names.items():
+        grouped.setdefault(path, []).append(name)
+    yield from sorted(grouped.items())
+
+
+def load_checkpoint(
+    model: LlamaForCausalLM,
+    directory: str | os.PathLike,
+    *,
+    strict_dtype: bool = False,
+) -> LlamaForCausalLM:
+    """Loads a Hugging Face checkpoint directory into ``model`` (in place; returns it).
+
+    ``directory/config.json`` must describe the same architecture as ``model.config``.
+    Floating-point tensors are cast to each parameter's dtype (bf16 checkpoint into a
+    float32 model, ...) unless ``strict_dtype``, where any dtype difference is an error.
+
+    Raises:
+      FileNotFoundError: no config.json.
+      CheckpointError (a ValueError): config mismatch; tensors missing (named, with the
+        file or index that should hold them), unexpected, of the wrong shape or dtype
+        (each named with its file, expected and found shape / dtype). All problems are
+        reported at once; the model is left unchanged when any is found.
+    """
+    from safetensors import safe_open
+
+    directory = os.fspath(directory)
+    config = read_config(directory)
+    if config != model.config:
+        diff = {k: (getattr(config, k), getattr(model.config, k)) for k in config.__dataclass_fields__
+                if getattr(config, k) != getattr(model.config, k)}
+        raise CheckpointError(
+            f"{os.path.join(directory, CONFIG_FILE)} does not match the model's config; "
+            f"(checkpoint, model) differ on: {diff}."
+        )
+    expected = hf_parameter_map(config)
+    files = _tensor_files(directory)
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+    problems: list[str] = []
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        where = INDEX_FILE if os.path.isfile(os.path.join(directory, INDEX_FILE)) else "the *.safetensors files"
+        problems.append(f"missing tensor(s) {missing} (not in {where} of {directory!r})")
+    unexpected = sorted(
+        name for name in set(files) - set(expected)
+        if not _IGNORED_TENSORS.match(name) and not (name == "lm_head.weight" and config.tie_word_embeddings)
+    )
+    if unexpected:
+        problems.append(f"unexpected tensor(s) {[(n, files[n]) for n in unexpected]}")
+
+    # First pass: shapes and dtypes from the headers only, so nothing is loaded when any is wrong.
+    for path, names in _by_file({n: files[n] for n in expected if n in files}):
+        with safe_open(path, framework="np") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    problems.append(f"missing tensor {name!r}: {INDEX_FILE} lists it in {path}, which lacks it")
+                    continue
+                param_path, transpose = expected[name]
+                var = variables[param_path]
+                want_shape = tuple(var.get_value().shape)
+                want_dtype = jnp.dtype(var.get_value().dtype)
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if transpose:
+                    shape = shape[::-1]
+                if shape != want_shape:
+                    hf_want = want_shape[::-1] if transpose else want_shape
+                    problems.append(
+                        f"tensor {name!r} in {path} has shape {list(tensor.get_shape())}, expected {list(hf_want)}"
+                    )
+                dtype_name = tensor.get_dtype()
+                dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+                if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                    problems.append(f"tensor {name!r} in {path} has dtype {dtype_name}, expected a floating dtype")
+                elif strict_dtype and dtype != want_dtype:
+                    problems.append(
+                        f"tensor {name!r} in {path} has dtype {dtype.name}, expected {want_dtype.name} (strict_dtype)"
+                    )
+    if problems:
+        raise CheckpointError(f"checkpoint {directory!r} does not match the model:\n  " + "\n  ".join(problems))
+
+    for path, names in _by_file({n: files[n] for n in expected}):
+        with safe_open(path, framework="np") as f:
+            for name in names:
+                param_path, transpose = expected[name]
+                var = variables[param_path]
+                array = f.get_tensor(name)
+                if transpose:
+                    array = array.T
+                target = var.get_value()
+                array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
+                var.set_value(jax.device_put(array, _placement(model, param_path, target)))
+    return model
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": jnp.dtype(jnp.float64), "F32": jnp.dtype(jnp.float32), "F16": jnp.dtype(jnp.float16),
+    "BF16": jnp.dtype(jnp.bfloat16), "F8_E4M3": jnp.dtype(jnp.float8_e4m3fn),
+    "F8_E5M2": jnp.dtype(jnp.float8_e5m2), "I64": jnp.dtype(jnp.int64), "I32": jnp.dtype(jnp.int32),
+    "I16": jnp.dtype(jnp.int16), "I8": jnp.dtype(jnp.int8), "U8": jnp.dtype(jnp.uint8),
+    "BOOL": jnp.dtype(jnp.bool_),
+}
+
+
+def _placement(model: LlamaForCausalLM, param_path: tuple[Any, ...], target: Any) -> Any:
+    """Where a loaded tensor goes: its tensor-parallel sharding on the model's mesh, else
+    where the parameter is now (None, the default device, for an abstract model)."""
+    if model.mesh is not None:
+        from jax_paged_attn import parallel
+
+        return parallel.param_sharding(param_path, target.shape, model.mesh, model.tensor_parallel_axis)
+    if isinstance(target, jax.Array) and not isinstance(target, jax.core.Tracer):
+        return target.sharding
+    return None
+
+
+def load_llama(
+    directory: str | os.PathLike,
+    *,
+    dtype: Any = jnp.bfloat16,
+    param_dtype: Any | None = None,
+    strict_dtype: bool = False,
+    **model_kwargs: Any,
+) -> LlamaForCausalLM:
+    """Builds a `LlamaForCausalLM` from ``directory`` (config.json + safetensors).
+
+    Parameters are never randomly initialized: the model is built abstractly
+    (`nnx.eval_shape`) and every parameter comes from the checkpoint, placed on the
+    model's mesh with its tensor-parallel sharding when ``mesh=`` is given.
+
+    Args:
+      directory: a local checkpoint directory.
+      dtype: compute dtype; param_dtype: storage dtype of parameters (default: dtype).
+      strict_dtype: see `load_checkpoint`.
+      model_kwargs: passed to `LlamaForCausalLM` (``kv_cache_dtype``, ``implementation``,
+        ``interpret``, ``mesh``, ``tensor_parallel_axis``).
+    """
+    config = read_config(directory)
+    param_dtype = dtype if param_dtype is None else param_dtype
+
+    def build() -> LlamaForCausalLM:
+        return LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, **model_kwargs)
+
+    model = nnx.eval_shape(build)
+    return load_checkpoint(model, directory, strict_dtype=strict_dtype)
+
+
+def save_checkpoint(
+    model: LlamaForCausalLM,
+    config: LlamaConfig,
+    directory: str | os.PathLike,
+    *,
+    dtype: Any | None = None,
+    max_shard_bytes: int | None = None,
+) -> list[str]:
+    """Writes ``model`` as a Hugging Face checkpoint that `load_checkpoint` reads back.
+
+    Args:
+      model: the model (sharded parameters are gathered to the host one at a time).
+      config: its config (written as config.json; must equal ``model.config``).
+      directory: created if needed; a checkpoint already there (model.safetensors, the
+        index, model-*-of-*.safetensors shards) is replaced.
+      dtype: cast every tensor to this dtype (default: keep each parameter's dtype).
+      max_shard_bytes: if given, split tensors over ``model-0000i-of-0000n.safetensors``
+        files of at most this many bytes each (a tensor larger than that gets its own
+        file) and write ``model.safetensors.index.json``; else one ``model.safetensors``.
+
+    Returns:
+      The paths written.
+    """
+    from safetensors.numpy import save_file
+
+    if config != model.config:
+        raise ValueError("config must be the model's config (model.config).")
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    # A stale index or shard of an earlier save would shadow (or mix with) the new files.
+    for name in os.listdir(directory):
+        if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(name):
+            os.remove(os.path.join(directory, name))
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    for name, (param_path, transpose) in hf_parameter_map(config).items():
+        array = np.asarray(jax.device_get(variables[param_path].get_value()))
+        if dtype is not None:
+            array = array.astype(jnp.dtype(dtype))
+        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+
+    hf_config = config.to_hf_config()
+    dtypes = {t.dtype for t in tensors.values()}
+    hf_config["torch_dtype"] = dtypes.pop().name if len(dtypes) == 1 else "float32"
+    written = [os.path.join(directory, CONFIG_FILE)]
+    with open(written[0], "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+
+    metadata = {"format": "pt"}  # Hugging Face loaders expect this header entry.
+    if max_shard_bytes is None:
+        written.append(os.path.join(directory, SINGLE_FILE))
+        save_file(tensors, written[-1], metadata=metadata)
+        return written
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}.")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        written.append(os.path.join(directory, file))
+        save_file(shard, written[-1], metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+    written.append(os.path.join(directory, INDEX_FILE))
+    with open(written[-1], "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    return written
+
+
+__all__ = [
+    "CheckpointError",
+    "hf_parameter_map",
+    "load_checkpoint",
+    "load_llama",
+    "read_config",
+    "save_checkpoint",
+]

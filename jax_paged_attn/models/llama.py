@@ -1,0 +1,564 @@
+"""Llama-family decoder (Llama 2/3, Mistral) in Flax NNX on the paged attention layer.
+
+The model follows Hugging Face's ``LlamaForCausalLM`` numerics: RMSNorm in float32
+then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout, grouped-query
+attention, a SwiGLU MLP, tied or separate input / output embeddings. Parameter
+paths mirror the Hugging Face names (``model.layers[i].self_attn.q_proj.kernel`` is
+``model.layers.{i}.self_attn.q_proj.weight`` transposed), which is what
+`jax_paged_attn.models.checkpoint` relies on.
+
+Two forwards share the parameters:
+
+* `LlamaForCausalLM.__call__`: the serving forward. Tokens of all sequences are
+  packed along one axis (``[T]``, vLLM's layout: prefill tokens first, then decode
+  tokens), attention reads and writes a paged KV cache per layer through
+  `jax_paged_attn.layer.PagedAttention`, the batch is described by a
+  `FlashAttentionMetadata`.
+* `LlamaForCausalLM.forward_dense`: a plain causal forward over ``[B, S]`` token
+  ids with no cache, in `jax.numpy`: the oracle the paged forward and the engine
+  are tested against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged_attn import cache as cache_ops
+from jax_paged_attn.layer import PagedAttention
+
+Array = jax.Array
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family model (the fields of a Hugging Face config.json).
+
+    Frozen and hashable: the config is a static attribute of the NNX modules, so it is
+    part of the graph definition that `jax.jit` caches on.
+
+    Attributes:
+      vocab_size, hidden_size, intermediate_size, num_hidden_layers: as in Hugging Face.
+      num_attention_heads: query heads ``Hq``.
+      num_key_value_heads: KV heads ``Hk`` (``Hq`` must be a multiple: GQA / MQA).
+      head_dim: ``D``; a supported head size (multiples of 16 from 32 to 256).
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: rotary base.
+      rope_scaling: None, or the Hugging Face ``rope_scaling`` dict frozen as sorted
+        ``(key, value)`` pairs; rope types "default", "linear" and "llama3" are supported.
+        Use `rope_scaling_dict` to read it.
+      max_position_embeddings: informational (positions are not bounded by the model).
+      tie_word_embeddings: the output projection is the transposed input embedding.
+      sliding_window: None, or the number of most recent tokens (the current one
+        included) a token attends to (Mistral's convention).
+      model_type: "llama" or "mistral" (only written back to config.json).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"LlamaConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even (rotary pairs), got {self.head_dim}.")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1, got {self.sliding_window!r}.")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"LlamaConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}.")
+        rope_type = self.rope_scaling_dict().get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}."
+            )
+
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        """The ``rope_scaling`` entries as a dict (empty when there is none)."""
+        return dict(self.rope_scaling or ())
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "LlamaConfig":
+        """Builds a config from the dict of a Hugging Face ``config.json``.
+
+        Raises ValueError for features this model does not implement (biases in the
+        projections, an activation other than SiLU, unknown rope scaling).
+        """
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(f"hf_config must be a dict (a parsed config.json), got {type(hf_config).__name__}.")
+        model_type = hf_config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}.")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf_config]
+        if missing:
+            raise ValueError(f"config.json lacks required field(s) {missing}.")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf_config.get(flag, False):
+                raise ValueError(f"config.json sets {flag}=true; biases in the projections are not supported.")
+        act = hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act={act!r}; only 'silu' (SwiGLU) is supported.")
+        num_heads = int(hf_config["num_attention_heads"])
+        head_dim = hf_config.get("head_dim") or int(hf_config["hidden_size"]) // num_heads
+        rope_scaling = hf_config.get("rope_scaling")
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            # Older configs name the type "type"; newer ones "rope_type".
+            if "type" in rope_scaling and "rope_type" not in rope_scaling:
+                rope_scaling["rope_type"] = rope_scaling.pop("type")
+            rope_scaling = tuple(sorted((str(k), _freeze(v)) for k, v in rope_scaling.items()))
+        sliding_window = hf_config.get("sliding_window")
+        if hf_config.get("use_sliding_window") is False:
+            sliding_window = None
+        return cls(
+            vocab_size=int(hf_config["vocab_size"]),
+            hidden_size=int(hf_config["hidden_size"]),
+            intermediate_size=int(hf_config["intermediate_size"]),
+            num_hidden_layers=int(hf_config["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(hf_config.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            model_type=model_type,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dict that `from_hf_config` reads back to this config."""
+        out: dict[str, Any] = {
+            "architectures": ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling_dict(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+        return out
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "LlamaConfig":
+        """A 2-layer model for tests: hidden 64, 4 query heads, 2 KV heads of size 32, vocab 128."""
+        fields = dict(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=512,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
+    """float32 ``[head_dim // 2]``: the rotary angle per position of each pair of channels.
+
+    Implements Hugging Face's "default", "linear" and "llama3" rope types.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling_dict()
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotates ``x`` ``[..., H, D]`` by its token's position ``positions`` ``[...]`` (int).
+
+    Rotate-half layout: channel ``c < D/2`` pairs with ``c + D/2``. Angles are computed
+    in float32; like Hugging Face, cos / sin are cast to x's dtype before rotating.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., 1, D]
+    cos = jnp.cos(angles).astype(x.dtype)
+    sin = jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32 then cast back to x's dtype."""
+
+    def __init__(self, features: int, *, eps: float, param_dtype: Any = jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        out = self.weight[...] * normed.astype(x.dtype)
+        return out.astype(x.dtype)
+
+
+def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+class LlamaAttention(nnx.Module):
+    """Self-attention: q/k/v projections, rotary embeddings, paged attention, o_proj."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
+                 implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
+                 tensor_parallel_axis: str, rngs: nnx.Rngs):
+        self.config = config
+        hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = _linear(config.hidden_size, hq * d, **kw)
+        self.k_proj = _linear(config.hidden_size, hk * d, **kw)
+        self.v_proj = _linear(config.hidden_size, hk * d, **kw)
+        self.o_proj = _linear(hq * d, config.hidden_size, **kw)
+        self.attn = PagedAttention(
+            num_heads=hq, head_size=d, num_kv_heads=hk, scale=d ** -0.5,
+            sliding_window=config.sliding_window, kv_cache_dtype=kv_cache_dtype,
+            implementation=implementation, interpret=interpret, mesh=mesh,
+            tensor_parallel_axis=tensor_parallel_axis,
+        )
+
+    def project_qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``."""
+        cfg = self.config
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        inv_freq = rope_inverse_frequencies(cfg)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
+        """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
+        num_tokens = x.shape[0]
+        q, k, v = self.project_qkv(x, positions)
+        out, kv_cache = self.attn(
+            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
+        )
+        return self.o_proj(out), kv_cache
+
+    def dense(self, x: Array) -> Array:
+        """``[B, S, hidden]`` -> ``[B, S, hidden]``: causal attention over the whole sequence, no cache."""
+        cfg = self.config
+        batch, seq = x.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        q, k, v = self.project_qkv(x, positions)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        qg = q.astype(jnp.float32).reshape(batch, seq, cfg.num_key_value_heads, group, cfg.head_dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * (cfg.head_dim ** -0.5)
+        i = jnp.arange(seq)[:, None]
+        j = jnp.arange(seq)[None, :]
+        visible = j <= i
+        if cfg.sliding_window is not None:
+            visible &= j > i - cfg.sliding_window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        out = out.reshape(batch, seq, cfg.num_attention_heads * cfg.head_dim).astype(x.dtype)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nnx.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, **kw)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, **kw)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, **kw)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: LlamaConfig, **kwargs: Any):
+        rngs, dtype, param_dtype = kwargs["rngs"], kwargs["dtype"], kwargs["param_dtype"]
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = LlamaAttention(config, **kwargs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+    def dense(self, x: Array) -> Array:
+        x = x + self.self_attn.dense(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers and the final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, config: LlamaConfig, **kwargs: Any):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=kwargs["dtype"], param_dtype=kwargs["param_dtype"],
+            rngs=kwargs["rngs"],
+        )
+        self.layers = nnx.List([LlamaDecoderLayer(config, **kwargs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=kwargs["param_dtype"])
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Args:
+      config: the `LlamaConfig`.
+      rngs: initializes the parameters (ignored values when a checkpoint is loaded).
+      dtype: compute dtype of activations (float32, bfloat16, float16).
+      param_dtype: dtype parameters are stored in.
+      kv_cache_dtype: "auto" (the compute dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
+        "fp8_e5m2": what `allocate_kv_caches` allocates and the layers write.
+      implementation: attention implementation, None / "auto", "xla" or "triton"
+        (see `jax_paged_attn.dispatch`).
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+      mesh, tensor_parallel_axis: tensor parallelism over heads; see
+        `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
+        (`parallel.shard_model`) and attention runs under `jax.shard_map`.
+
+    Parameter paths: ``model.embed_tokens.embedding`` ``[vocab, hidden]``,
+    ``model.layers[i].self_attn.{q,k,v,o}_proj.kernel`` ``[in, out]``,
+    ``model.layers[i].mlp.{gate,up,down}_proj.kernel``,
+    ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
+    ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied).
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        kv_cache_dtype: str = "auto",
+        implementation: str | None = None,
+        interpret: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
+        tensor_parallel_axis: str = "tp",
+    ):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}.")
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.mesh = mesh
+        self.tensor_parallel_axis = tensor_parallel_axis
+        # Validates the cache dtype name early (raises ValueError naming kv_cache_dtype).
+        cache_ops.get_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.model = LlamaModel(
+            config, dtype=self.dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
+            implementation=implementation, interpret=interpret, mesh=mesh,
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs,
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype=self.dtype,
+                                   param_dtype=param_dtype, rngs=rngs)
+        if mesh is not None:
+            from jax_paged_attn import parallel
+
+            parallel.shard_model(self, mesh, tensor_parallel_axis)
+
+    # --- KV cache -------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache: ``(2, num_blocks, block_size, Hk, D)``."""
+        return tuple(cache_ops.get_kv_cache_shape(
+            num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim))
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[Array]:
+        """Zeroed caches, one per layer, in ``kv_cache_dtype``; sharded over KV heads with a mesh."""
+        sharding = None
+        if self.mesh is not None:
+            from jax_paged_attn import parallel
+
+            sharding = parallel.kv_cache_sharding(self.mesh, self.tensor_parallel_axis)
+        return [
+            cache_ops.allocate_kv_cache(
+                num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim,
+                kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.dtype, sharding=sharding,
+            )
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    # --- forwards -------------------------------------------------------------------
+
+    def __call__(
+        self,
+        input_ids: Array,
+        positions: Array,
+        kv_caches: Sequence[Array],
+        metadata: Any,
+        *,
+        logits_indices: Array | None = None,
+    ) -> tuple[Array, list[Array]]:
+        """Serving forward over packed tokens.
+
+        Args:
+          input_ids: int32 ``[T]``, tokens of all sequences packed (prefills, then decodes,
+            then optional padding, as `FlashAttentionMetadata` describes).
+          positions: int32 ``[T]``, each token's position in its sequence (context
+            length + index within the new tokens).
+          kv_caches: one ``[2, num_blocks, block_size, Hk, D]`` cache per layer
+            (`allocate_kv_caches`), or empty arrays (size 0) for a profiling run that
+            writes no cache.
+          metadata: the batch's `FlashAttentionMetadata`.
+          logits_indices: optional int32 ``[N]``: compute logits only for these token rows
+            (e.g. `last_token_indices(metadata)`), avoiding ``T x vocab`` work.
+
+        Returns:
+          (logits float32 ``[T, vocab]`` or ``[N, vocab]``, the updated caches as a list).
+        """
+        if input_ids.ndim != 1:
+            raise ValueError(f"input_ids must be [num_tokens], got shape {input_ids.shape}.")
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions must have input_ids' shape {input_ids.shape}, got {positions.shape}.")
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches must hold one cache per layer ({self.config.num_hidden_layers}), got {len(kv_caches)}."
+            )
+        x = self.model.embed_tokens(input_ids)
+        new_caches = []
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, kv_cache = layer(x, positions, kv_cache, metadata)
+            new_caches.append(kv_cache)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.compute_logits(self.model.norm(x)), new_caches
+
+    def compute_logits(self, hidden: Array) -> Array:
+        """Final hidden states ``[..., hidden]`` (already normed) -> float32 logits ``[..., vocab]``."""
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
+
+    def forward_dense(self, input_ids: Array) -> Array:
+        """Reference forward without a cache: token ids int ``[B, S]`` -> float32 logits ``[B, S, vocab]``.
+
+        Every row is one sequence starting at position 0, attended causally (and with the
+        sliding window, if any). Rows may be right-padded: logits at positions before a
+        row's padding do not depend on it.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {input_ids.shape}.")
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer.dense(x)
+        return self.compute_logits(self.model.norm(x))
+
+
+def last_token_indices(metadata: Any) -> Array:
+    """int32 ``[num_seqs]``: the packed row of each sequence's last new token.
+
+    Pass as ``logits_indices`` to get one logits row per sequence (what sampling needs).
+    Built from ``metadata.query_start_loc`` (``[num_seqs + 1]``): row ``b`` of the result is
+    metadata sequence ``b`` (prefills, then decodes; `jax_paged_attn.builder.sequence_rows`
+    maps scheduled sequences to these rows). Rows of padding sequences are meaningless.
+    """
+    starts = metadata.query_start_loc
+    return (starts[1:] - 1).astype(jnp.int32)
+
+
+def jit_forward(model: LlamaForCausalLM, *, donate_kv_caches: bool = True) -> Callable[..., tuple[Array, list[Array]]]:
+    """The serving forward of ``model`` compiled with `jax.jit`, caches donated (updated in place).
+
+    Returns ``forward(input_ids, positions, kv_caches, metadata, logits_indices=None)
+    -> (logits, new_kv_caches)`` with `LlamaForCausalLM.__call__`'s contract. The
+    parameters are captured when this is called (later changes to ``model`` are not
+    seen) and passed as arguments, not baked into the program. One program is compiled
+    per distinct set of shapes and static metadata fields. With ``donate_kv_caches``
+    the caches passed in are consumed: keep the returned ones.
+    """
+    graphdef, state = nnx.split(model)
+
+    def run(state: nnx.State, input_ids: Array, positions: Array, kv_caches: list[Array], metadata: Any,
+            logits_indices: Array | None) -> tuple[Array, list[Array]]:
+        return nnx.merge(graphdef, state)(input_ids, positions, kv_caches, metadata, logits_indices=logits_indices)
+
+    compiled = jax.jit(run, donate_argnums=(3,) if donate_kv_caches else ())
+
+    def forward(input_ids: Array, positions: Array, kv_caches: Sequence[Array], metadata: Any,
+                logits_indices: Array | None = None) -> tuple[Array, list[Array]]:
+        return compiled(state, input_ids, positions, list(kv_caches), metadata, logits_indices)
+
+    return forward
+
+
+def jit_forward_dense(model: LlamaForCausalLM) -> Callable[[Array], Array]:
+    """`LlamaForCausalLM.forward_dense` compiled with `jax.jit` (parameters captured now)."""
+    graphdef, state = nnx.split(model)
+    compiled = jax.jit(lambda state, input_ids: nnx.merge(graphdef, state).forward_dense(input_ids))
+    return lambda input_ids: compiled(state, input_ids)

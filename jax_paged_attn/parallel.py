@@ -1,0 +1,177 @@
+"""Tensor parallelism over attention heads (Megatron-style), with `jax.sharding`.
+
+Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``tp``:
+
+* q / k / v projections and the MLP's gate / up projections are column-parallel: their
+  kernels ``[in, out]`` are sharded on ``out`` (``P(None, "tp")``), so each device
+  computes the heads (and the MLP columns) it owns;
+* o_proj and down_proj are row-parallel (``P("tp", None)``): each device multiplies its
+  slice of the contraction axis and XLA inserts the all-reduce (the ``psum``);
+* the LM head is column-parallel over the vocabulary when it divides by ``tp``;
+  embeddings and norms are replicated;
+* each layer's KV cache ``[2, num_blocks, block_size, Hk, D]`` is sharded by KV head
+  (axis 3): device ``i`` holds KV heads ``[i*Hk/tp, (i+1)*Hk/tp)``, which serve query
+  heads ``[i*Hq/tp, (i+1)*Hq/tp)`` (GQA groups never straddle devices);
+* the attention call itself (`jax_paged_attn.layer.paged_attention`, whose Pallas
+  kernels XLA cannot partition) runs under `jax.shard_map` on each device's heads
+  (`head_parallel`); the attention metadata is replicated.
+
+The matmuls are partitioned by XLA's SPMD partitioner from the parameter shardings
+(`shard_model`), inside or outside `jax.jit`; only attention is manually partitioned.
+Requirements: ``Hq`` and ``Hk`` divisible by ``tp`` (checked, ValueError); an
+intermediate size or vocabulary that does not divide is replicated instead.
+
+Multi-host (several processes, one per host)
+--------------------------------------------
+The same code runs across hosts with `jax.distributed`:
+
+1. on every host, before any other JAX call::
+
+       jax.distributed.initialize()  # or (coordinator_address=..., num_processes=..., process_id=...)
+
+2. build the mesh over the global devices, e.g. ``tensor_parallel_mesh()`` (all devices
+   of all hosts on the ``"tp"`` axis), or a 2-D ``Mesh`` with a data-parallel axis across
+   hosts and ``"tp"`` within a host (keep tensor parallelism on NVLink);
+3. every host builds the same model (same seed, or `load_llama` from the same checkpoint
+   on each host) with ``mesh=``: `shard_model` places on each host only the shards of
+   its own devices;
+4. every host runs the same program on the same step inputs (token ids, positions and
+   metadata are replicated, so each host passes identical host arrays; with a data-
+   parallel axis, build global arrays with `jax.make_array_from_process_local_data`);
+   logits come back sharded or replicated; read them with ``jax.device_get`` on a
+   replicated array (or `jax.experimental.multihost_utils.process_allgather`).
+The scheduler (the engine) runs on every host and must take identical decisions, e.g.
+by running it on host 0 and broadcasting each step's inputs
+(`jax.experimental.multihost_utils.broadcast_one_to_all`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array
+
+TENSOR_PARALLEL_AXIS = "tp"
+"""Default name of the tensor-parallel mesh axis."""
+
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})
+"""Linear layers whose output features are sharded."""
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+"""Linear layers whose input features are sharded (their outputs are all-reduced)."""
+
+
+def tensor_parallel_mesh(tensor_parallel_size: int | None = None, *, axis_name: str = TENSOR_PARALLEL_AXIS,
+                         devices: Any = None) -> Mesh:
+    """A 1-D mesh of ``tensor_parallel_size`` devices (default: all of `jax.devices()`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    size = len(devices) if tensor_parallel_size is None else tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(devices):
+        raise ValueError(
+            f"tensor_parallel_size must be an int in [1, {len(devices)}] (the devices given), got {size!r}.")
+    return Mesh(np.asarray(devices[:size]), (axis_name,))
+
+
+def _axis_size(mesh: Mesh, axis_name: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis_name!r} (its axes: {tuple(mesh.shape)}).")
+    return mesh.shape[axis_name]
+
+
+def param_partition_spec(path: tuple[Any, ...], shape: tuple[int, ...], *, axis_name: str, tp_size: int) -> P:
+    """The `PartitionSpec` of one parameter, from its NNX path (e.g. ``(..., "q_proj", "kernel")``)."""
+    names = [str(p) for p in path]
+    owner = names[-2] if len(names) >= 2 else ""
+    if names[-1] == "kernel" and len(shape) == 2:
+        if owner in COLUMN_PARALLEL and shape[1] % tp_size == 0:
+            return P(None, axis_name)
+        if owner in ROW_PARALLEL and shape[0] % tp_size == 0:
+            return P(axis_name, None)
+    return P()
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, axis_name: str = TENSOR_PARALLEL_AXIS) -> None:
+    """Places every parameter of ``model`` on ``mesh`` by `param_partition_spec` (in place)."""
+    _axis_size(mesh, axis_name)  # validates mesh and axis before touching the model
+    # nnx.state holds the model's own Variables: setting their values updates the model.
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        var.set_value(jax.device_put(value, param_sharding(path, value.shape, mesh, axis_name)))
+
+
+def param_sharding(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh,
+                   axis_name: str = TENSOR_PARALLEL_AXIS) -> NamedSharding:
+    """`NamedSharding` of the parameter at NNX ``path`` with ``shape`` (`param_partition_spec`)."""
+    spec = param_partition_spec(path, tuple(shape), axis_name=axis_name, tp_size=_axis_size(mesh, axis_name))
+    return NamedSharding(mesh, spec)
+
+
+def kv_cache_spec(axis_name: str = TENSOR_PARALLEL_AXIS) -> P:
+    """`PartitionSpec` of a ``[2, num_blocks, block_size, Hk, D]`` cache: sharded by KV head."""
+    return P(None, None, None, axis_name, None)
+
+
+def kv_cache_sharding(mesh: Mesh, axis_name: str = TENSOR_PARALLEL_AXIS) -> NamedSharding:
+    """`NamedSharding` for one layer's KV cache on ``mesh`` (see `kv_cache_spec`)."""
+    _axis_size(mesh, axis_name)
+    return NamedSharding(mesh, kv_cache_spec(axis_name))
+
+
+def check_head_divisibility(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """ValueError unless both head counts divide by the tensor-parallel size."""
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor parallelism over {tp_size} devices needs num_heads ({num_heads}) and num_kv_heads "
+            f"({num_kv_heads}) divisible by {tp_size}."
+        )
+
+
+def head_parallel(
+    attention_fn: Callable[..., tuple[Array, Array]],
+    *,
+    mesh: Mesh,
+    axis_name: str = TENSOR_PARALLEL_AXIS,
+    num_heads: int,
+    num_kv_heads: int,
+) -> Callable[..., tuple[Array, Array]]:
+    """Runs ``attention_fn`` on each device's heads under `jax.shard_map`.
+
+    ``attention_fn(query, key, value, kv_cache, metadata, alibi_slopes, k_scale, v_scale,
+    *, num_heads, num_kv_heads) -> (out, kv_cache)`` is called per device with its local
+    head counts and slices: query ``[T, Hq/tp * D]``, key / value ``[T, Hk/tp * D]``, the
+    cache's KV heads, ALiBi slopes ``[Hq/tp]`` (or None); metadata and fp8 scales are
+    replicated. An empty cache (size 0, a profiling run) is replicated. The returned
+    function takes the same positional arguments with global shapes.
+
+    Pallas calls cannot be checked for varying-manual-axes, hence ``check_vma=False``.
+    """
+    tp_size = _axis_size(mesh, axis_name)
+    check_head_divisibility(num_heads, num_kv_heads, tp_size)
+    heads = P(None, axis_name)
+
+    def sharded(query: Array, key: Array, value: Array, kv_cache: Array, metadata: Any,
+                alibi_slopes: Array | None, k_scale: Any, v_scale: Any) -> tuple[Array, Array]:
+        cache_spec = kv_cache_spec(axis_name) if kv_cache.ndim == 5 and kv_cache.size > 0 else P()
+        has_alibi = alibi_slopes is not None
+
+        def local(q, k, v, cache, meta, scales, *slopes):
+            return attention_fn(
+                q, k, v, cache, meta, slopes[0] if has_alibi else None, scales[0], scales[1],
+                num_heads=num_heads // tp_size, num_kv_heads=num_kv_heads // tp_size,
+            )
+
+        scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+        args = (query, key, value, kv_cache, metadata, scales) + ((alibi_slopes,) if has_alibi else ())
+        in_specs = (heads, heads, heads, cache_spec, P(), P()) + ((P(axis_name),) if has_alibi else ())
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=in_specs, out_specs=(heads, cache_spec), check_vma=False
+        )(*args)
+
+    return sharded

@@ -1,0 +1,351 @@
+"""The Llama model (`jax_paged_attn.models.llama`) and its checkpoint loader.
+
+The serving forward (packed tokens, paged KV cache, builder metadata with padding) must
+give the logits of the dense no-cache forward, token for token, through prefills,
+chunked prefills and decode steps, in float32. Checkpoints round-trip through the
+Hugging Face format, and every kind of mismatch is reported with the tensor and file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jax_paged_attn.builder import (
+    FlashAttentionMetadataBuilder,
+    ScheduledSequence,
+    input_positions,
+    pack_per_token,
+    sequence_rows,
+)
+from jax_paged_attn.models import (
+    CheckpointError,
+    LlamaConfig,
+    LlamaForCausalLM,
+    last_token_indices,
+    load_checkpoint,
+    load_llama,
+    save_checkpoint,
+)
+from jax_paged_attn.models.llama import jit_forward, jit_forward_dense, rope_inverse_frequencies
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 32
+ATOL = 1e-4  # float32 logits of O(1): paged and dense forwards differ only by summation order
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), implementation="xla")
+
+
+@pytest.fixture(scope="module")
+def forwards(model):
+    return jit_forward(model), jit_forward_dense(model)
+
+
+def dense_logits(dense, tokens: list[int]) -> np.ndarray:
+    """Dense logits of one sequence, padded to a power of two so few programs compile."""
+    width = 1 << (len(tokens) - 1).bit_length()
+    return np.asarray(dense(jnp.asarray([tokens + [0] * (width - len(tokens))])))[0, :len(tokens)]
+
+
+class Runner:
+    """Drives the paged forward step by step with the real builder, checking every new token."""
+
+    def __init__(self, model: LlamaForCausalLM, forward, dense, *, chunked_prefill: bool):
+        self.forward, self.dense = forward, dense
+        self.builder = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                                     chunked_prefill=chunked_prefill,
+                                                     sliding_window=model.config.sliding_window)
+        self.caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        self.free_blocks = list(np.random.default_rng(0).permutation(NUM_BLOCKS))
+        self.tables: dict[int, list[int]] = {}
+
+    def table(self, seq_id: int, length: int) -> list[int]:
+        table = self.tables.setdefault(seq_id, [])
+        while len(table) * BLOCK_SIZE < length:
+            table.append(int(self.free_blocks.pop()))
+        return list(table)
+
+    def step(self, work: list[tuple[int, list[int], int, int]]) -> list[np.ndarray]:
+        """work: (seq_id, tokens, context_len, query_len); prompts are those with query_len > 1
+        or context 0. Returns each sequence's logits rows and checks them against dense."""
+        scheduled = []
+        for seq_id, tokens, ctx, n in work:
+            is_prompt = ctx == 0 or n > 1
+            scheduled.append(ScheduledSequence(is_prompt=is_prompt, seq_len=ctx + n, context_len=ctx, query_len=n,
+                                               block_table=self.table(seq_id, ctx + n)))
+        md = self.builder.build(scheduled)
+        ids = pack_per_token(md, scheduled, [tokens[ctx:ctx + n] for _, tokens, ctx, n in work])
+        logits, self.caches = self.forward(jnp.asarray(ids), jnp.asarray(input_positions(md, scheduled)),
+                                           self.caches, md)
+        logits = np.asarray(logits)
+        assert logits.shape == (md.num_tokens, 128)
+        starts = np.asarray(md.query_start_loc)
+        results = []
+        for row, (seq_id, tokens, ctx, n) in zip(sequence_rows(md, scheduled), work):
+            got = logits[starts[row]:starts[row] + n]
+            want = dense_logits(self.dense, tokens[:ctx + n])[ctx:]
+            np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=f"sequence {seq_id}, context {ctx}")
+            results.append(got)
+        return results
+
+
+def greedy(logits_rows: np.ndarray) -> int:
+    return int(np.argmax(logits_rows[-1]))
+
+
+def test_prefill_then_decode_matches_dense(model, forwards):
+    runner = Runner(model, *forwards, chunked_prefill=False)
+    rng = np.random.default_rng(1)
+    prompts = {0: rng.integers(0, 128, 5).tolist(), 1: rng.integers(0, 128, 19).tolist(),
+               2: rng.integers(0, 128, 16).tolist()}
+    rows = runner.step([(i, p, 0, len(p)) for i, p in prompts.items()])
+    for _ in range(4):
+        for (i, p), r in zip(prompts.items(), rows):
+            p.append(greedy(r))
+        rows = runner.step([(i, p, len(p) - 1, 1) for i, p in prompts.items()])
+
+
+def test_chunked_prefill_mixed_with_decodes_matches_dense(model, forwards):
+    runner = Runner(model, *forwards, chunked_prefill=True)
+    rng = np.random.default_rng(2)
+    long_prompt, short_prompt = rng.integers(0, 128, 35).tolist(), rng.integers(0, 128, 12).tolist()
+    # Step 1: the short prompt whole, the first chunk of the long one.
+    _, short_rows = runner.step([(0, long_prompt, 0, 20), (1, short_prompt, 0, 12)])
+    short_prompt.append(greedy(short_rows))
+    # Step 2: the second chunk (reads its first 20 tokens from the cache) next to a decode.
+    long_rows, short_rows = runner.step([(0, long_prompt, 20, 15), (1, short_prompt, 12, 1)])
+    long_prompt.append(greedy(long_rows))
+    short_prompt.append(greedy(short_rows))
+    for _ in range(2):
+        long_rows, short_rows = runner.step([(0, long_prompt, len(long_prompt) - 1, 1),
+                                             (1, short_prompt, len(short_prompt) - 1, 1)])
+        long_prompt.append(greedy(long_rows))
+        short_prompt.append(greedy(short_rows))
+
+
+def test_sliding_window_model_matches_dense():
+    config = LlamaConfig.tiny(sliding_window=8, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(3), implementation="xla")
+    runner = Runner(model, jit_forward(model), jit_forward_dense(model), chunked_prefill=False)
+    prompt = np.random.default_rng(3).integers(0, 128, 21).tolist()
+    (rows,) = runner.step([(0, prompt, 0, len(prompt))])
+    for _ in range(3):  # decodes read block tables truncated to the window
+        prompt.append(greedy(rows))
+        (rows,) = runner.step([(0, prompt, len(prompt) - 1, 1)])
+
+
+def test_logits_indices_select_rows_and_profiling_run_needs_no_cache(model, forwards):
+    _, dense = forwards
+    prompts = [[5, 6, 7], list(range(20, 40))]
+    scheduled = [ScheduledSequence.prompt(len(p), None) for p in prompts]
+    md = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE).build(scheduled)  # profiling: no tables
+    ids = jnp.asarray(pack_per_token(md, scheduled, prompts))
+    empty = [jnp.zeros((0,), jnp.float32)] * model.config.num_hidden_layers
+    forward = jax.jit(lambda ids, pos, caches, md, idx: model(ids, pos, caches, md, logits_indices=idx))
+    logits, caches = forward(ids, jnp.asarray(input_positions(md, scheduled)), empty, md, last_token_indices(md))
+    assert logits.shape == (md.num_seqs, 128) and logits.dtype == jnp.float32
+    assert all(c.size == 0 for c in caches)
+    rows = sequence_rows(md, scheduled)
+    for row, p in zip(rows, prompts):
+        np.testing.assert_allclose(np.asarray(logits[row]), dense_logits(dense, p)[-1], rtol=0, atol=ATOL)
+
+
+def test_bfloat16_model_from_a_float32_checkpoint(tmp_path, model, forwards):
+    save_checkpoint(model, model.config, tmp_path)
+    model16 = load_llama(tmp_path, dtype=jnp.bfloat16, implementation="xla")
+    assert model16.model.layers[0].mlp.up_proj.kernel.get_value().dtype == jnp.bfloat16
+    prompt = list(range(40, 57))
+    scheduled = [ScheduledSequence.prompt(len(prompt), list(range(2)))]
+    md = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, chunked_prefill=True).build(scheduled)
+    caches = model16.allocate_kv_caches(4, BLOCK_SIZE)
+    assert caches[0].dtype == jnp.bfloat16 and caches[0].shape == (2, 4, BLOCK_SIZE, 2, 32)
+    logits, caches = jit_forward(model16)(jnp.asarray(pack_per_token(md, scheduled, [prompt])),
+                                          jnp.asarray(input_positions(md, scheduled)), caches, md,
+                                          last_token_indices(md))
+    assert logits.dtype == jnp.float32 and caches[1].dtype == jnp.bfloat16
+    reference = dense_logits(forwards[1], prompt)[-1]  # the float32 model
+    assert np.abs(np.asarray(logits[0]) - reference).max() < 0.1 * np.abs(reference).max()
+
+
+def test_forward_rejects_bad_inputs(model):
+    md = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE).build([ScheduledSequence.prompt(3, None)])
+    ids = jnp.zeros((md.num_tokens,), jnp.int32)
+    empty = [jnp.zeros((0,))] * 2
+    with pytest.raises(ValueError, match="one cache per layer"):
+        model(ids, ids, empty[:1], md)
+    with pytest.raises(ValueError, match="input_ids must be"):
+        model(ids[None], ids[None], empty, md)
+    with pytest.raises(ValueError, match="positions must have"):
+        model(ids, ids[:-1], empty, md)
+    with pytest.raises(ValueError, match="batch, seq_len"):
+        model.forward_dense(ids)
+
+
+# --------------------------------------------------------------------------- config
+
+
+LLAMA3_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+
+
+def test_config_from_hf_config_round_trips():
+    config = LlamaConfig.from_hf_config(LLAMA3_CONFIG)
+    assert config.head_dim == 128 and config.num_key_value_heads == 8 and config.sliding_window is None
+    assert config.rope_scaling_dict()["rope_type"] == "llama3"
+    assert LlamaConfig.from_hf_config(config.to_hf_config()) == config
+    hash(config)  # static attribute of the NNX graph: must be hashable
+    mistral = LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "model_type": "mistral", "sliding_window": 4096,
+                                          "rope_scaling": None, "head_dim": None, "num_key_value_heads": None})
+    assert mistral.sliding_window == 4096 and mistral.num_key_value_heads == 32 and mistral.head_dim == 128
+    legacy = LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy.rope_scaling_dict() == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"num_key_value_heads": 5}, "multiple of num_key_value_heads"),
+])
+def test_config_rejects_unsupported_features(change, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf_config({**LLAMA3_CONFIG, **change})
+
+
+def test_rope_frequencies():
+    base = LlamaConfig.tiny(head_dim=64, rope_theta=10000.0)
+    inv = rope_inverse_frequencies(base)
+    np.testing.assert_allclose(inv, 10000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-6)
+    linear = LlamaConfig.tiny(head_dim=64, rope_scaling=(("factor", 4.0), ("rope_type", "linear")))
+    np.testing.assert_allclose(rope_inverse_frequencies(linear), inv / 4, rtol=1e-6)
+    llama3 = LlamaConfig.from_hf_config(LLAMA3_CONFIG)
+    inv3, inv_plain = rope_inverse_frequencies(llama3), 500000.0 ** (-np.arange(0, 128, 2) / 128)
+    wavelen = 2 * math.pi / inv_plain
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    np.testing.assert_allclose(inv3[high], inv_plain[high], rtol=1e-6)  # short wavelengths kept
+    np.testing.assert_allclose(inv3[low], inv_plain[low] / 8, rtol=1e-6)  # long ones divided by factor
+    mid = ~high & ~low
+    assert np.all((inv3[mid] <= inv_plain[mid]) & (inv3[mid] >= inv_plain[mid] / 8))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def params_of(model: LlamaForCausalLM) -> dict:
+    return {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoint_round_trip(tmp_path, model, sharded):
+    files = save_checkpoint(model, model.config, tmp_path, max_shard_bytes=60_000 if sharded else None)
+    names = sorted(os.listdir(tmp_path))
+    if sharded:
+        assert "model.safetensors.index.json" in names and len([n for n in names if n.startswith("model-")]) > 2
+    else:
+        assert names == ["config.json", "model.safetensors"]
+    assert all(os.path.exists(f) for f in files)
+    loaded = load_llama(tmp_path, dtype=jnp.float32, implementation="xla")
+    assert loaded.config == model.config
+    want, got = params_of(model), params_of(loaded)
+    assert want.keys() == got.keys()
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+    ids = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8]])
+    np.testing.assert_array_equal(np.asarray(jit_forward_dense(loaded)(ids)),
+                                  np.asarray(jit_forward_dense(model)(ids)))
+
+
+def test_checkpoint_uses_hugging_face_names_and_layouts(tmp_path):
+    config = LlamaConfig.tiny(tie_word_embeddings=True, num_hidden_layers=1)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(4))
+    save_checkpoint(model, config, tmp_path, dtype=jnp.bfloat16)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(tensors) == sorted([
+        "model.embed_tokens.weight", "model.norm.weight",
+        "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+        *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    ])  # tied: no lm_head.weight
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (4 * 32, 64) and q.dtype == jnp.bfloat16  # [out, in]
+    np.testing.assert_array_equal(
+        q.astype(np.float32),
+        np.asarray(model.model.layers[0].self_attn.q_proj.kernel.get_value()).T.astype(jnp.bfloat16).astype(np.float32))
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    assert hf_config["torch_dtype"] == "bfloat16" and hf_config["tie_word_embeddings"] is True
+    # A bf16 checkpoint loads into a float32 model (cast), but not with strict_dtype.
+    loaded = load_llama(tmp_path, dtype=jnp.float32)
+    assert loaded.model.embed_tokens.embedding.get_value().dtype == jnp.float32
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*has dtype bfloat16, expected float32"):
+        load_llama(tmp_path, dtype=jnp.float32, strict_dtype=True)
+
+
+def _rewrite(path: str, edit) -> None:
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_checkpoint_errors_name_tensor_and_file(tmp_path, model):
+    save_checkpoint(model, model.config, tmp_path, max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    v_file = str(tmp_path / index["model.layers.1.self_attn.v_proj.weight"])
+    norm_file = str(tmp_path / index["model.norm.weight"])
+
+    fresh = lambda: LlamaForCausalLM(model.config, rngs=nnx.Rngs(9), implementation="xla")  # noqa: E731
+    target = fresh()
+    before = params_of(target)
+
+    _rewrite(v_file, lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"))
+    with pytest.raises(CheckpointError) as error:  # the index still lists it
+        load_checkpoint(target, tmp_path)
+    assert f"missing tensor 'model.layers.1.self_attn.v_proj.weight': model.safetensors.index.json lists it in " \
+        f"{v_file}" in str(error.value)
+    index_path = tmp_path / "model.safetensors.index.json"
+    weight_map = json.loads(index_path.read_text())
+    del weight_map["weight_map"]["model.layers.1.self_attn.v_proj.weight"]
+    index_path.write_text(json.dumps(weight_map))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['model\.layers\.1\.self_attn\.v_proj\.weight'\] "
+                                              r"\(not in model\.safetensors\.index\.json"):
+        load_checkpoint(target, tmp_path)
+
+    save_checkpoint(model, model.config, tmp_path, max_shard_bytes=60_000)
+    _rewrite(norm_file, lambda t: t.update({"model.norm.weight": np.ones(63, np.float32)}))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(target, tmp_path)
+    assert "'model.norm.weight'" in str(error.value) and norm_file in str(error.value)
+    assert "shape [63], expected [64]" in str(error.value)
+
+    save_checkpoint(model, model.config, tmp_path)  # one file: every tensor in it is seen
+    _rewrite(str(tmp_path / "model.safetensors"), lambda t: t.update({
+        "model.layers.0.mlp.extra.weight": np.ones(3, np.float32),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(3, np.float32)}))  # this one is ignored
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) \[\('model\.layers\.0\.mlp\.extra\.weight'"):
+        load_checkpoint(target, tmp_path)
+    for path, value in params_of(target).items():  # a failed load changes nothing
+        np.testing.assert_array_equal(value, before[path])
+
+    save_checkpoint(model, model.config, tmp_path)
+    other = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(0))
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        load_checkpoint(other, tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_llama(tmp_path / "nowhere")

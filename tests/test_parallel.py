@@ -1,0 +1,175 @@
+"""Tensor parallelism (`jax_paged_attn.parallel`): sharded model == single-device model.
+
+The equivalence test needs several devices: it runs this file as a subprocess on the CPU
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, a flag JAX reads only when
+it starts (so it cannot be set inside a pytest process that already initialized JAX, and
+must not leak into the other tests). The subprocess runs `_equivalence_main` and checks,
+for 2-, 4- and 8-way tensor parallelism, that logits and KV caches equal the single-
+device ones through a chunked prefill and decode steps, and that parameters and caches
+are laid out as documented.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_paged_attn import parallel
+
+NUM_HOST_DEVICES = 8
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_param_partition_specs_follow_megatron_layout():
+    spec = lambda *path, shape=(64, 128): parallel.param_partition_spec(  # noqa: E731
+        path, shape, axis_name="tp", tp_size=4)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert spec("model", "layers", 0, "self_attn", proj, "kernel") == P(None, "tp")
+    assert spec("model", "layers", 0, "mlp", "gate_proj", "kernel") == P(None, "tp")
+    assert spec("model", "layers", 0, "mlp", "up_proj", "kernel") == P(None, "tp")
+    assert spec("model", "layers", 3, "self_attn", "o_proj", "kernel") == P("tp", None)
+    assert spec("model", "layers", 3, "mlp", "down_proj", "kernel") == P("tp", None)
+    assert spec("lm_head", "kernel") == P(None, "tp")
+    assert spec("lm_head", "kernel", shape=(64, 130)) == P()  # vocabulary not divisible: replicated
+    assert spec("model", "embed_tokens", "embedding") == P()
+    assert spec("model", "norm", "weight", shape=(64,)) == P()
+    assert parallel.kv_cache_spec("tp") == P(None, None, None, "tp", None)
+
+
+def test_bad_configurations_raise():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        parallel.check_head_divisibility(8, 2, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        parallel.tensor_parallel_mesh(len(jax.devices()) + 1)
+    mesh = parallel.tensor_parallel_mesh(1)
+    with pytest.raises(ValueError, match="no axis 'model'"):
+        parallel.kv_cache_sharding(mesh, "model")
+    with pytest.raises(TypeError, match="Mesh"):
+        parallel.param_sharding(("lm_head", "kernel"), (4, 4), "not a mesh")
+
+
+def test_one_device_mesh_runs_attention_under_shard_map():
+    # Exercises head_parallel's plumbing in-process (1 device), alibi slopes and scales included.
+    mesh = parallel.tensor_parallel_mesh(1)
+    seen = {}
+
+    def attention(q, k, v, cache, meta, slopes, k_scale, v_scale, *, num_heads, num_kv_heads):
+        seen.update(num_heads=num_heads, num_kv_heads=num_kv_heads)
+        return q * slopes.sum() * k_scale * v_scale + meta["x"], cache
+
+    fn = parallel.head_parallel(attention, mesh=mesh, num_heads=4, num_kv_heads=2)
+    q = jnp.ones((3, 4 * 32))
+    out, cache = fn(q, jnp.ones((3, 64)), jnp.ones((3, 64)), jnp.zeros((2, 1, 16, 2, 32)), {"x": jnp.float32(1.0)},
+                    jnp.full((4,), 0.5), 2.0, 3.0)
+    assert seen == {"num_heads": 4, "num_kv_heads": 2}
+    np.testing.assert_allclose(np.asarray(out), 13.0)
+    assert cache.shape == (2, 1, 16, 2, 32)
+
+
+def test_sharded_model_matches_single_device():
+    env = dict(os.environ)
+    force_devices = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + force_devices).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    assert "checked tp=2 tp=4 tp=8" in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------- the subprocess
+
+
+def _equivalence_main() -> None:
+    from flax import nnx
+
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence, input_positions, pack_per_token
+    from jax_paged_attn.layer import PagedAttention
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, last_token_indices, load_llama, save_checkpoint
+    from jax_paged_attn.models.llama import jit_forward
+
+    assert len(jax.devices()) == NUM_HOST_DEVICES, jax.devices()
+    block_size, num_blocks = 16, 16
+    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)  # 8 KV heads: up to 8-way
+    reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
+    builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=num_blocks, chunked_prefill=True)
+    prompts = [list(range(3, 24)), [7, 1, 9, 4, 4]]
+    tables = [[5, 2], [11]]
+
+    def generate(model):
+        """A chunked prefill (first 13 tokens, then the rest with a decode), then 2 decode steps."""
+        forward, caches = jit_forward(model), model.allocate_kv_caches(num_blocks, block_size)
+        tokens = [list(p) for p in prompts]
+        plan = [[(0, 13), (0, 5)], [(13, 8), (5, 1)], [(21, 1), (6, 1)], [(22, 1), (7, 1)]]
+        all_logits = []
+        for step in plan:
+            seqs = [ScheduledSequence(is_prompt=n > 1 or ctx == 0, seq_len=ctx + n, context_len=ctx, query_len=n,
+                                      block_table=table) for (ctx, n), table in zip(step, tables)]
+            md = builder.build(seqs)
+            ids = pack_per_token(md, seqs, [t[ctx:ctx + n] for t, (ctx, n) in zip(tokens, step)])
+            logits, caches = forward(jnp.asarray(ids), jnp.asarray(input_positions(md, seqs)), caches, md,
+                                     last_token_indices(md))
+            all_logits.append(np.asarray(logits))
+            real = [int(r) for r in np.nonzero(np.asarray(md.seq_lens))[0]]
+            for seq, row in enumerate(real):
+                ctx, n = step[seq]
+                if ctx + n == len(tokens[seq]):
+                    tokens[seq].append(int(np.argmax(all_logits[-1][row])))
+        return all_logits, caches, tokens
+
+    want_logits, want_caches, want_tokens = generate(reference)
+    checked = []
+    with tempfile.TemporaryDirectory() as directory:
+        save_checkpoint(reference, config, directory)
+        for tp in (2, 4, 8):
+            mesh = parallel.tensor_parallel_mesh(tp)
+            model = load_llama(directory, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            layer0 = model.model.layers[0]
+
+            def laid_out(array, spec):
+                return array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
+
+            assert laid_out(layer0.self_attn.q_proj.kernel.get_value(), P(None, "tp"))
+            assert laid_out(layer0.self_attn.o_proj.kernel.get_value(), P("tp", None))
+            assert laid_out(layer0.mlp.down_proj.kernel.get_value(), P("tp", None))
+            assert laid_out(model.model.embed_tokens.embedding.get_value(), P())
+            assert len(layer0.self_attn.k_proj.kernel.get_value().addressable_shards) == tp
+            got_logits, got_caches, got_tokens = generate(model)
+            assert laid_out(got_caches[0], P(None, None, None, "tp", None))
+            assert got_caches[0].addressable_shards[0].data.shape[3] == config.num_key_value_heads // tp
+            assert got_tokens == want_tokens, (tp, got_tokens, want_tokens)
+            for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp={tp} step {step}")
+            for layer, (got, want) in enumerate(zip(got_caches, want_caches)):
+                # Layer 1's keys depend on layer 0's all-reduced o_proj / down_proj: summation order.
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5,
+                                           err_msg=f"tp={tp} cache of layer {layer}")
+            checked.append(f"tp={tp}")
+
+    # The layer alone with ALiBi: slopes are split by head with the queries.
+    mesh = parallel.tensor_parallel_mesh(4)
+    slopes = [2.0 ** -(h + 1) for h in range(16)]
+    kw = dict(num_heads=16, head_size=32, num_kv_heads=8, alibi_slopes=slopes, implementation="xla")
+    seqs = [ScheduledSequence.prompt(9, [3], context_len=0)]
+    md = FlashAttentionMetadataBuilder(block_size=block_size, chunked_prefill=True).build(seqs)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((md.num_tokens, h * 32)), jnp.float32) for h in (16, 8, 8))
+    cache = jnp.zeros((2, 4, block_size, 8, 32), jnp.float32)
+    want, want_cache = PagedAttention(**kw)(q, k, v, cache, md)
+    got, got_cache = jax.jit(PagedAttention(mesh=mesh, **kw).__call__)(q, k, v, cache, md)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
+    print("checked " + " ".join(checked))
+
+
+if __name__ == "__main__":
+    _equivalence_main()
