@@ -1,0 +1,209 @@
+"""Paged decode attention (`flash_attn_with_kvcache`) through a Pallas kernel.
+
+The lowering-independent half of the decode kernel: the static support check, the
+tiling plan (query-row padding, head-dim padding, keys per step, KV split count),
+the config lookup in `jax_paged_attn.tuning`, and the merge of the KV splits
+(flash-decoding). The kernel itself is `jax_paged_attn.kernels.triton_decode`.
+
+Semantics are exactly `jax_paged_attn.reference.paged_decode_attention`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_paged_attn import checks, tuning
+from jax_paged_attn.spec import AttentionSpec
+from jax_paged_attn.tuning import DecodeConfig, next_power_of_2
+
+Array = jax.Array
+
+LOWERINGS = ("triton",)
+MIN_DOT_ROWS = 16  # smallest M / N / K of a Triton tensor-core dot
+
+
+def _prev_power_of_2(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def unsupported_reason(
+    q: Array,  # [B, Sq, Hq, D]
+    k_cache: Array,  # [num_blocks, block_size, Hk, D]
+    v_cache: Array,  # [num_blocks, block_size, Hk, D]
+    cache_seqlens: Array,  # i32[B]
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes: Array | None,  # f32[Hq] or None
+    k_scale: Array,  # f32 scalar
+    v_scale: Array,  # f32 scalar
+    *,
+    spec: AttentionSpec,
+    lowering: str,
+) -> str | None:
+    """Why the decode kernel cannot run this call, or None if it can.
+
+    Looks only at shapes, dtypes and `spec` (it runs at trace time). The public API
+    has already rejected malformed inputs; this only reports what the kernel lacks.
+    """
+    del cache_seqlens, alibi_slopes, k_scale, v_scale, spec  # every value is supported
+    if lowering not in LOWERINGS:
+        return f"the decode kernel has no {lowering!r} lowering (available: {LOWERINGS})"
+    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4 or block_table.ndim != 2:
+        return "expects q [B, Sq, Hq, D], caches [num_blocks, block_size, Hk, D], block_table [B, max_blocks]"
+    if jnp.dtype(q.dtype) not in checks.QUERY_DTYPES:
+        return f"query dtype {q.dtype} is not float16 / bfloat16 / float32"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        dtype = jnp.dtype(cache.dtype)
+        if dtype != jnp.dtype(q.dtype) and dtype not in checks.FP8_DTYPES:
+            return f"{name} dtype {cache.dtype} is neither q's dtype nor fp8"
+    head_size = q.shape[-1]
+    if head_size not in checks.supported_head_sizes():
+        return f"head size {head_size} is not a multiple of 16 in [32, 256]"
+    block_size = k_cache.shape[1]
+    if block_size % checks.BLOCK_SIZE_MULTIPLE:
+        return f"block size {block_size} is not a multiple of {checks.BLOCK_SIZE_MULTIPLE}"
+    if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
+        return "the query heads are not a multiple of the KV heads"
+    return None
+
+
+def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize: int,
+                           compute_itemsize: int, num_stages: int) -> int:
+    """Bytes of shared memory the compiled kernel takes (an upper estimate).
+
+    Calibrated on Triton's sm_90 output: K and V tiles in ``(num_stages - 1) // 2``
+    buffers (the pipeliner gives the block-table load its own stages), plus layout
+    conversion scratch, larger when fp8 tiles are upcast.
+    """
+    kv_buffers = max(1, (num_stages - 1) // 2)
+    tile_elements = tile_keys * padded_head_size
+    staged = kv_buffers * 2 * tile_elements * cache_itemsize
+    scratch = tile_elements * compute_itemsize * (3 if cache_itemsize != compute_itemsize else 2) // 2
+    return staged + scratch + 4096
+
+
+def _tile_keys(block_size: int, head_size: int, cache_itemsize: int, compute_itemsize: int,
+               config: DecodeConfig) -> int:
+    """Keys per inner step: pages_per_step pages, a power of 2, fitting shared memory."""
+    tile = max(MIN_DOT_ROWS, _prev_power_of_2(config.pages_per_step * block_size))
+    padded_head = next_power_of_2(head_size)
+    while tile > MIN_DOT_ROWS and estimate_shared_memory(
+        tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages
+    ) > tuning.DECODE_SHARED_MEMORY_BUDGET:
+        tile //= 2
+    return tile
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int, config: DecodeConfig
+) -> int:
+    """KV splits per (sequence, KV head) so that a few long sequences still fill the GPU.
+
+    ``config.num_splits > 0`` is used as is. Otherwise: enough splits for about
+    ``config.target_programs`` programs, but no more than leave each split
+    ``config.min_tiles_per_split`` steps of the longest context the block table allows
+    (``max_keys``; the kernel divides each sequence's actual keys evenly).
+    """
+    if config.num_splits > 0:
+        return config.num_splits
+    programs = batch * num_kv_heads * row_blocks
+    wanted = -(-config.target_programs // programs)
+    max_tiles = -(-max_keys // tile_keys)
+    most = max(1, max_tiles // max(config.min_tiles_per_split, 1))
+    return max(1, min(wanted, most))
+
+
+def plan_tiling(
+    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype, cache_dtype,
+    config: DecodeConfig,
+):
+    """The kernel's static launch plan (`DecodeTiling`) for these shapes and `config`."""
+    from jax_paged_attn.kernels.triton_decode import DecodeTiling
+
+    batch, num_q_tokens, num_q_heads, head_size = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    rows = num_q_tokens * (num_q_heads // num_kv_heads)
+    max_rows = max(MIN_DOT_ROWS, _prev_power_of_2(config.max_q_rows))
+    rows_per_program = min(max(MIN_DOT_ROWS, next_power_of_2(rows)), max_rows)
+    row_blocks = -(-rows // rows_per_program)
+    tile_keys = _tile_keys(block_size, head_size, jnp.dtype(cache_dtype).itemsize,
+                           jnp.dtype(q_dtype).itemsize, config)
+    num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
+    return DecodeTiling(
+        rows_per_program=rows_per_program,
+        row_blocks=row_blocks,
+        padded_head_size=next_power_of_2(head_size),
+        tile_keys=tile_keys,
+        num_splits=num_splits,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
+    """Merges per-split attention outputs (flash-decoding's final reduction).
+
+    Args:
+      partial_out: f32 ``[splits, B, Sq, Hq, D]``, each split normalized over its keys.
+      lse: f32 ``[splits, B, Sq, Hq]`` natural log-sum-exp of each split's scores,
+        -inf for a split that saw no key.
+      dtype: output dtype.
+
+    Returns:
+      ``[B, Sq, Hq, D]`` in ``dtype``; 0 for rows no split saw a key for.
+    """
+    lse_max = jnp.max(lse, axis=0)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weight = jnp.exp(lse - lse_max[None])  # empty splits: exp(-inf) = 0
+    total = jnp.sum(weight, axis=0)
+    out = jnp.sum(weight[..., None] * partial_out, axis=0)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(dtype)
+
+
+def paged_decode_attention(
+    q: Array,  # [B, Sq, Hq, D] f16 / bf16 / f32
+    k_cache: Array,  # [num_blocks, block_size, Hk, D] q's dtype or fp8 (e4m3fn / e5m2)
+    v_cache: Array,  # [num_blocks, block_size, Hk, D] like k_cache
+    cache_seqlens: Array,  # i32[B]: tokens in the cache, the Sq new ones included
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes: Array | None,  # f32[Hq] or None
+    k_scale: Array | float,  # f32 scalar, used when k_cache is fp8
+    v_scale: Array | float,  # f32 scalar, used when v_cache is fp8
+    *,
+    spec: AttentionSpec,
+    lowering: str = "triton",
+    interpret: bool = False,
+    config: DecodeConfig | None = None,
+) -> Array:  # [B, Sq, Hq, D], q.dtype
+    """Decode attention over a paged cache with the Pallas kernel (split-KV, GQA-packed).
+
+    Same contract as `jax_paged_attn.reference.paged_decode_attention`. ``config``
+    overrides the tuning table (`tuning.decode_config`); ``interpret`` runs the kernel
+    in Pallas interpret mode (CPU tests). Raises NotImplementedError when
+    `unsupported_reason` names a reason.
+    """
+    reason = unsupported_reason(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
+                                k_scale, v_scale, spec=spec, lowering=lowering)
+    if reason:
+        raise NotImplementedError(f"paged decode kernel: {reason}")
+    from jax_paged_attn.kernels import triton_decode
+
+    head_size, block_size = q.shape[-1], k_cache.shape[1]
+    group_size = q.shape[2] // k_cache.shape[2]
+    if config is None:
+        config = tuning.decode_config(head_size, block_size, group_size)
+    tiling = plan_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype, config)
+    fp8 = any(jnp.dtype(c.dtype).itemsize == 1 for c in (k_cache, v_cache))
+    scales = None
+    if fp8:
+        scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                            jnp.asarray(v_scale, jnp.float32).reshape(())])
+    result = triton_decode.paged_decode_call(
+        q, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
+        None if alibi_slopes is None else alibi_slopes.astype(jnp.float32), scales,
+        spec=spec, tiling=tiling, interpret=interpret,
+    )
+    if tiling.num_splits == 1:
+        return result
+    partial_out, lse = result
+    return combine_splits(partial_out, lse, q.dtype)

@@ -1,0 +1,330 @@
+"""Paged decode attention: the Pallas kernel body and its `pallas_call` (Triton lowering).
+
+Only the kernel lives here; `jax_paged_attn.decode` decides the tiling (`DecodeTiling`),
+checks support, and merges the KV splits. Semantics are those of
+`jax_paged_attn.reference.paged_decode_attention`.
+
+One program handles one (row block of one KV head, sequence, KV split):
+
+* its q tile holds the ``Sq * G`` query rows that share the KV head (row ``r`` is
+  query token ``r // G`` of query head ``kv_head * G + r % G``), padded to
+  ``rows_per_program`` (a power of 2, >= 16 for the tensor-core dot), so every K/V
+  page is read once per KV head and never repeated in memory;
+* it walks its share of the sequence's visible keys, ``tile_keys`` at a time, reading
+  each key's page id from the block table and gathering the rows of that page
+  (``D`` contiguous elements each) straight from the paged cache;
+* tiles are run by three loops: a masked one for the tiles at the sliding-window
+  start, an unmasked one for the interior (no key or causal masks at all), and a
+  masked one for the tiles at the end of the sequence. Keys outside the visible
+  range are never loaded; masked tiles load only in-range keys (others read as 0),
+  so NaN garbage in unused pages cannot reach the output;
+* the head dim is padded to a power of 2 inside the kernel with masked loads and
+  stores; the caller's cache is never copied.
+
+With one split the program writes the normalized output in q's dtype; with several
+it writes its normalized partial output and log-sum-exp, merged by the caller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_paged_attn import reference
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+# Running max of a row that has seen no key yet. Finite (not -inf) so that
+# exp2(m_old - m_new) never computes -inf - -inf = NaN for a fully masked row.
+_NO_KEY_MAX = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """Static launch plan of the decode kernel (chosen by `jax_paged_attn.decode`).
+
+    Attributes:
+      rows_per_program: query rows (``Sq * G`` padded) per program; power of 2, >= 16.
+      row_blocks: programs per KV head along the query rows (> 1 only when
+        ``Sq * G`` exceeds the row cap).
+      padded_head_size: head size rounded up to a power of 2 (masked in-kernel).
+      tile_keys: keys per inner-loop step; power of 2, >= 16.
+      num_splits: KV splits per (sequence, KV head); 1 writes the final output.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    rows_per_program: int
+    row_blocks: int
+    padded_head_size: int
+    tile_keys: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _div(x: Array, divisor: int) -> Array:
+    """x // divisor for non-negative int32 x (lax.div: no floor-division fixups)."""
+    return lax.div(x, jnp.int32(divisor))
+
+
+def _rem(x: Array, divisor: int) -> Array:
+    return lax.rem(x, jnp.int32(divisor))
+
+
+def _cdiv(x: Array, divisor: int) -> Array:
+    return _div(x + (divisor - 1), divisor)
+
+
+def _decode_kernel(
+    *refs,
+    spec: AttentionSpec,
+    tiling: DecodeTiling,
+    num_q_tokens: int,
+    group_size: int,
+    head_size: int,
+    block_size: int,
+    has_alibi: bool,
+    k_dequant: bool,
+    v_dequant: bool,
+):
+    (
+        # inputs
+        q_ref,  # [B, Sq, Hq, D] q dtype
+        k_ref,  # [num_blocks * block_size, Hk, D] q dtype or fp8 (the paged cache, pages flattened)
+        v_ref,  # [num_blocks * block_size, Hk, D] like k_ref
+        seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
+        block_table_ref,  # i32[B, max_blocks]
+        *rest,  # optional inputs, then the outputs
+    ) = refs
+    alibi_ref = rest.pop(0) if has_alibi else None  # f32[Hq]
+    scales_ref = rest.pop(0) if (k_dequant or v_dequant) else None  # f32[2]: k_scale, v_scale
+    # outputs
+    if tiling.num_splits == 1:
+        (o_ref,) = rest  # [B, Sq, Hq, D] q dtype
+        lse_ref = None
+    else:
+        o_ref, lse_ref = rest  # f32[splits, B, Sq, Hq, D], f32[splits, B, Sq, Hq]
+
+    num_rows, tile_keys = tiling.rows_per_program, tiling.tile_keys
+    padded_head = tiling.padded_head_size
+    max_keys = block_table_ref.shape[1] * block_size
+    num_pages = k_ref.shape[0] // block_size
+    compute_dtype = q_ref.dtype
+    # f32 inputs get true f32 dots (the default would be TF32 on GPUs).
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+
+    head_block, seq, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if tiling.row_blocks == 1:
+        kv_head, row_block = head_block, 0
+    else:
+        kv_head, row_block = _div(head_block, tiling.row_blocks), _rem(head_block, tiling.row_blocks)
+
+    # q tile rows: (query token, query head of this KV head).
+    row = row_block * num_rows + lax.iota(jnp.int32, num_rows)  # [M]
+    q_tok = _div(row, group_size)  # [M] position among the Sq new tokens
+    q_head = kv_head * group_size + _rem(row, group_size)  # [M]
+    row_ok = row < num_q_tokens * group_size  # [M] False on padding rows
+    dim = lax.iota(jnp.int32, padded_head)  # [Dp]
+    dim_ok = None if padded_head == head_size else dim < head_size  # [Dp]
+
+    def with_dims(row_mask: Array | None, rows: int) -> Array | None:
+        """[rows, Dp] load/store mask from a row mask and the head-dim padding mask."""
+        if row_mask is None and dim_ok is None:
+            return None
+        if row_mask is None:
+            return jnp.broadcast_to(dim_ok[None, :], (rows, padded_head))
+        mask = jnp.broadcast_to(row_mask[:, None], (rows, padded_head))
+        return mask if dim_ok is None else mask & dim_ok[None, :]
+
+    q_rows_mask = with_dims(row_ok, num_rows)
+    q = plgpu.load(q_ref.at[seq, q_tok[:, None], q_head[:, None], dim[None, :]], mask=q_rows_mask, other=0)
+
+    scores_scale = spec.softmax_scale
+    k_scale = v_scale = None
+    if scales_ref is not None:
+        if k_dequant:
+            k_scale = scales_ref[0]
+        if v_dequant:
+            v_scale = scales_ref[1]
+    slopes_log2 = None
+    if alibi_ref is not None:
+        slopes = plgpu.load(alibi_ref.at[q_head], mask=row_ok, other=0.0)
+        slopes_log2 = slopes * LOG2_E  # [M]
+
+    seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
+    # Visible keys of the whole tile: [kv_lo, seq_len). Query token i sees keys up to
+    # diag(i) = i + seq_len - Sq (causal) and from diag(i) - window_left.
+    kv_lo = jnp.int32(0)
+    if spec.window_left >= 0:
+        kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
+    # Tiles start at the page holding kv_lo: pages before the window are skipped.
+    base = _div(kv_lo, block_size) * block_size
+    num_tiles = _cdiv(jnp.maximum(seq_len - base, 0), tile_keys)
+    tiles_per_split = _cdiv(num_tiles, tiling.num_splits)
+    tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
+    tile_end = jnp.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    # Tiles whose keys every query row sees need no mask: keys in [free_lo, free_hi).
+    free_hi = seq_len
+    if spec.causal:
+        free_hi = jnp.minimum(free_hi, seq_len - num_q_tokens + 1)
+    elif spec.window_right >= 0:
+        free_hi = jnp.minimum(free_hi, seq_len - num_q_tokens + spec.window_right + 1)
+    first_free = jnp.int32(0)
+    if spec.window_left >= 0:
+        free_lo = seq_len - 1 - spec.window_left
+        first_free = _cdiv(jnp.maximum(free_lo - base, 0), tile_keys)
+    end_free = _div(jnp.maximum(free_hi - base, 0), tile_keys)
+    masked_until = jnp.clip(first_free, tile_begin, tile_end)
+    unmasked_until = jnp.clip(end_free, masked_until, tile_end)
+
+    key_offsets = lax.iota(jnp.int32, tile_keys)  # [T]
+
+    def load_tile(cache_ref, cache_row, key_ok):
+        """[T, Dp] rows of one KV head; masked-out keys and padded dims read as 0."""
+        mask = with_dims(key_ok, tile_keys)
+        rows = cache_ref.at[cache_row[:, None], kv_head, dim[None, :]]
+        if mask is None:
+            return plgpu.load(rows).astype(compute_dtype)
+        if jnp.dtype(cache_ref.dtype).itemsize > 1:
+            return plgpu.load(rows, mask=mask, other=0).astype(compute_dtype)
+        # Triton cannot make an fp8 fill value: zero the masked entries after the upcast.
+        x = plgpu.load(rows, mask=mask).astype(compute_dtype)
+        return jnp.where(mask, x, 0)
+
+    def step(tile, carry, *, masked: bool):
+        acc, row_max, row_sum = carry  # f32[M, Dp], f32[M], f32[M]
+        key = base + tile * tile_keys + key_offsets  # [T]
+        page_index = _div(key, block_size)
+        if masked:
+            # Keys past the sequence may have page ids out of the block table, and
+            # garbage pages: neither their ids nor their rows are read.
+            key_ok = (key >= kv_lo) & (key < seq_len)
+            page = plgpu.load(block_table_ref.at[seq, page_index], mask=key_ok, other=0)
+        else:
+            key_ok = None
+            page = plgpu.load(block_table_ref.at[seq, page_index])
+        # Ids outside the cache (only from unvalidated tables under jit) are clamped,
+        # never followed: the numbers are then meaningless but memory stays in bounds.
+        page = jnp.clip(page, 0, num_pages - 1)
+        cache_row = page * block_size + _rem(key, block_size)  # [T]
+        k = load_tile(k_ref, cache_row, key_ok)
+        qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # f32[M, T]
+        # Scores in log2 units (exp2 is the fast path): s * log2(e).
+        scale = scores_scale if k_scale is None else scores_scale * k_scale
+        if spec.softcap > 0:
+            s = jnp.tanh(qk * (scale / spec.softcap)) * (spec.softcap * LOG2_E)
+        else:
+            s = qk * (scale * LOG2_E)
+        if slopes_log2 is not None:
+            dist = reference.alibi_distance(q_tok[:, None], key[None, :], num_q_tokens, seq_len)
+            s = s - slopes_log2[:, None] * dist
+        if masked:
+            visible = reference.key_visible(q_tok[:, None], key[None, :], num_q_tokens, seq_len, spec)
+            s = jnp.where(visible, s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        p = jnp.exp2(s - new_max[:, None])  # masked keys: exp2(-inf) = 0
+        row_sum = row_sum * correction + jnp.sum(p, axis=1)
+        v = load_tile(v_ref, cache_row, key_ok)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
+        return acc, new_max, row_sum
+
+    carry = (
+        jnp.zeros((num_rows, padded_head), jnp.float32),
+        jnp.full((num_rows,), _NO_KEY_MAX, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    masked_step = functools.partial(step, masked=True)
+    carry = lax.fori_loop(tile_begin, masked_until, masked_step, carry)
+    carry = lax.fori_loop(masked_until, unmasked_until, functools.partial(step, masked=False), carry)
+    acc, row_max, row_sum = lax.fori_loop(unmasked_until, tile_end, masked_step, carry)
+
+    # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
+    seen = row_sum > 0
+    inv_sum = 1.0 / jnp.where(seen, row_sum, 1.0)
+    if v_scale is not None:
+        inv_sum = inv_sum * v_scale
+    out = acc * inv_sum[:, None]
+    out_mask = with_dims(row_ok, num_rows)
+    if lse_ref is None:
+        plgpu.store(o_ref.at[seq, q_tok[:, None], q_head[:, None], dim[None, :]],
+                    out.astype(o_ref.dtype), mask=out_mask)
+    else:
+        plgpu.store(o_ref.at[split, seq, q_tok[:, None], q_head[:, None], dim[None, :]], out, mask=out_mask)
+        # Natural-log log-sum-exp of the split's scores; -inf when it saw no key.
+        lse = jnp.where(seen, (row_max + jnp.log2(jnp.where(seen, row_sum, 1.0))) * LN_2, -jnp.inf)
+        plgpu.store(lse_ref.at[split, seq, q_tok, q_head], lse, mask=row_ok)
+
+
+def paged_decode_call(
+    q: Array,  # [B, Sq, Hq, D] f16 / bf16 / f32
+    k_cache: Array,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
+    v_cache: Array,  # [num_blocks, block_size, Hk, D] like k_cache
+    cache_seqlens: Array,  # i32[B]
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes: Array | None,  # f32[Hq] or None
+    scales: Array | None,  # f32[2] (k_scale, v_scale) when either cache is fp8, else None
+    *,
+    spec: AttentionSpec,
+    tiling: DecodeTiling,
+    interpret: bool,
+) -> Array | tuple[Array, Array]:
+    """Runs the kernel over the grid (KV heads x row blocks, sequences, splits).
+
+    Returns the output ``[B, Sq, Hq, D]`` in q's dtype when ``tiling.num_splits == 1``,
+    else ``(partial_out f32[splits, B, Sq, Hq, D], lse f32[splits, B, Sq, Hq])`` where
+    each split's output is normalized over its own keys and ``lse`` is the natural
+    log-sum-exp of its scores (-inf for a split that saw no key).
+    """
+    batch, num_q_tokens, num_q_heads, head_size = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    k_dequant = jnp.dtype(k_cache.dtype).itemsize == 1
+    v_dequant = jnp.dtype(v_cache.dtype).itemsize == 1
+    if (k_dequant or v_dequant) and scales is None:
+        raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
+    # A free reshape (no copy): one row per cached token, so a key's row is
+    # page * block_size + slot, and each (row, KV head) is D contiguous elements.
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_size)
+    inputs = [q, k_cache.reshape(flat_shape), v_cache.reshape(flat_shape), cache_seqlens, block_table]
+    if alibi_slopes is not None:
+        inputs.append(alibi_slopes)
+    if k_dequant or v_dequant:
+        inputs.append(scales)
+    if tiling.num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((tiling.num_splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((tiling.num_splits, *q.shape[:3]), jnp.float32),
+        )
+    kernel = functools.partial(
+        _decode_kernel,
+        spec=spec,
+        tiling=tiling,
+        num_q_tokens=num_q_tokens,
+        group_size=num_q_heads // num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        has_alibi=alibi_slopes is not None,
+        k_dequant=k_dequant,
+        v_dequant=v_dequant,
+    )
+    # Whole arrays are passed (no BlockSpecs): the kernel addresses pages itself.
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_kv_heads * tiling.row_blocks, batch, tiling.num_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(*inputs)

@@ -1,0 +1,372 @@
+"""The paged decode kernel (`jax_paged_attn.decode`, Pallas Triton) against the reference.
+
+Every kernel run here is in Pallas interpret mode on the CPU; cross-lowering for CUDA
+checks that the Triton lowering accepts the kernel. Unused cache pages are filled
+with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
+reads outside a sequence's keys shows up as NaN or as a wrong value.
+
+Tolerance (FlashAttention-3 style): the kernel's error against the float32 reference
+(queries upcast) must be within twice the reference's own error in the query dtype,
+plus a small absolute term for the kernel's low-precision softmax probabilities.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged_attn
+from jax_paged_attn import decode, reference, tuning
+from jax_paged_attn.kernels import triton_decode
+from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
+from jax_paged_attn.tuning import DecodeConfig
+
+# Absolute slack on top of 2x the reference's own rounding error: the kernel rounds
+# the softmax probabilities to the input dtype before the P @ V dot (as FlashAttention does).
+ABS_SLACK = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 4e-3}
+K_SCALE, V_SCALE = 0.5, 0.25
+GARBAGE_PAGE_IDS = (-1, 1 << 30)
+MIN_TILE = decode.MIN_DOT_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One decode scenario; unused pages of a cache of ``num_blocks`` pages are NaN."""
+
+    name: str
+    dtype: str = "bfloat16"
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 128
+    block_size: int = 16
+    num_q_tokens: int = 1
+    seqlens: tuple[int, ...] = (0, 1, 37, 100)
+    max_blocks: int = 8
+    num_blocks: int = 64
+    causal: bool = True
+    window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)
+    softcap: float = 0.0
+    alibi: bool = False
+    cache_dtype: str | None = None  # an fp8 dtype name, or None for the query dtype
+    config: DecodeConfig | None = None  # None: the tuning table's default
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    batch = len(case.seqlens)
+    shape = (case.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    q = rng.standard_normal((batch, case.num_q_tokens, case.num_q_heads, case.head_size))
+    k = rng.standard_normal(shape)
+    v = rng.standard_normal(shape)
+    pages = rng.permutation(case.num_blocks)
+    assert batch * case.max_blocks <= case.num_blocks
+    block_table = pages[: batch * case.max_blocks].reshape(batch, case.max_blocks).astype(np.int32)
+    used = np.zeros(case.num_blocks, bool)
+    for b, n in enumerate(case.seqlens):
+        n_pages = -(-n // case.block_size)
+        assert n_pages <= case.max_blocks, case
+        used[block_table[b, :n_pages]] = True
+        # Entries past the sequence: alternately NaN pages and ids outside the cache.
+        for j in range(n_pages, case.max_blocks, 2):
+            block_table[b, j] = GARBAGE_PAGE_IDS[(b + j) % 2]
+        # Slots past the sequence in its last page are garbage too.
+        if n % case.block_size:
+            k[block_table[b, n_pages - 1], n % case.block_size:] = np.nan
+            v[block_table[b, n_pages - 1], n % case.block_size:] = np.nan
+    k[~used] = np.nan
+    v[~used] = np.nan
+    dtype = jnp.dtype(case.dtype)
+    if case.cache_dtype is None:
+        k_cache, v_cache = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        k_scale = v_scale = 1.0
+    else:
+        # fp8 stores x / scale; readers compute x * scale.
+        k_cache = jnp.asarray(k / K_SCALE, jnp.float32).astype(case.cache_dtype)
+        v_cache = jnp.asarray(v / V_SCALE, jnp.float32).astype(case.cache_dtype)
+        k_scale, v_scale = K_SCALE, V_SCALE
+    alibi = None
+    if case.alibi:
+        alibi = jnp.asarray(2.0 ** (-8.0 * np.arange(1, case.num_q_heads + 1) / case.num_q_heads), jnp.float32)
+    return dict(
+        q=jnp.asarray(q, dtype), k_cache=k_cache, v_cache=v_cache,
+        cache_seqlens=jnp.asarray(case.seqlens, jnp.int32), block_table=jnp.asarray(block_table),
+        alibi_slopes=alibi, k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale),
+    )
+
+
+def spec_of(case: Case) -> AttentionSpec:
+    return AttentionSpec.create(case.head_size, causal=case.causal, window_size=case.window,
+                                softcap=case.softcap, has_alibi=case.alibi)
+
+
+INPUT_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "alibi_slopes", "k_scale", "v_scale")
+
+
+def run_kernel(case: Case, inputs: dict, *, interpret: bool = True) -> jax.Array:
+    """Through the decode wrapper (explicit config), jitted: one compile per case."""
+    fn = functools.partial(decode.paged_decode_attention, spec=spec_of(case), interpret=interpret,
+                           config=case.config)
+    return jax.jit(fn)(*(inputs[n] for n in INPUT_NAMES))
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def _references(q, *args, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
+    """(float32 reference from upcast queries, reference in q's dtype upcast to float32)."""
+    ref_hi = reference.paged_decode_attention(q.astype(jnp.float32), *args, spec=spec)
+    ref_lo = reference.paged_decode_attention(q, *args, spec=spec).astype(jnp.float32)
+    return ref_hi, ref_lo
+
+
+def assert_matches_reference(case: Case, inputs: dict, out: jax.Array) -> None:
+    q = inputs["q"]
+    ref_hi, ref_lo = map(np.asarray, _references(q, *(inputs[n] for n in INPUT_NAMES[1:]), spec=spec_of(case)))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.all(np.isfinite(out)), f"{case}: non-finite output"
+    for b, n in enumerate(case.seqlens):
+        if n == 0:
+            np.testing.assert_array_equal(out[b], 0.0, err_msg=f"{case}: empty sequence {b} must output 0")
+    ref_err = np.max(np.abs(ref_lo - ref_hi))
+    err = np.max(np.abs(out - ref_hi))
+    tol = 2 * ref_err + ABS_SLACK[case.dtype]
+    assert err <= tol, f"{case}: max error {err:.3g} > {tol:.3g} (reference's own error {ref_err:.3g})"
+
+
+GRID = [
+    Case("gqa4-d128-bs16-causal-bf16-3splits", config=DecodeConfig(pages_per_step=2, num_splits=3)),
+    Case("mqa-d80-bs32-sq3-window-alibi-f16-2splits", dtype="float16", num_q_heads=4, num_kv_heads=1,
+         head_size=80, block_size=32, num_q_tokens=3, seqlens=(3, 90, 0, 1, 64), window=(24, 0),
+         alibi=True, max_blocks=4, config=DecodeConfig(pages_per_step=1, num_splits=2)),
+    Case("mha-d64-softcap-noncausal-f32", dtype="float32", num_q_heads=2, num_kv_heads=2, head_size=64,
+         causal=False, softcap=20.0, seqlens=(70, 1, 0)),
+    Case("gqa8-d256-sq3-fp8e4m3-bf16", num_q_heads=16, num_kv_heads=2, head_size=256, num_q_tokens=3,
+         seqlens=(100, 3, 17), cache_dtype="float8_e4m3fn", num_blocks=32,
+         config=DecodeConfig(pages_per_step=4, num_splits=2)),
+    Case("gqa4-d64-bs32-fp8e5m2-window-alibi-softcap-f16", dtype="float16", head_size=64, block_size=32,
+         causal=False, window=(40, 6), softcap=10.0, alibi=True, cache_dtype="float8_e5m2",
+         seqlens=(0, 120, 55, 1), max_blocks=4, config=DecodeConfig(pages_per_step=2, num_splits=4)),
+    Case("gqa4-d80-bs16-sq3-fp8e4m3-f32", dtype="float32", head_size=80, num_q_tokens=3,
+         cache_dtype="float8_e4m3fn", window=(50, 0), seqlens=(128, 60, 3)),
+]
+
+
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_public_api_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash_attn_with_kvcache(implementation="triton") over the scenario grid."""
+    if case.config is not None:
+        # The public API takes no config: route the case's config through the table.
+        key = (tuning.next_power_of_2(case.head_size), case.block_size,
+               tuning.next_power_of_2(case.num_q_heads // case.num_kv_heads))
+        monkeypatch.setitem(tuning.DECODE_TABLE, key, case.config)
+    inputs = make_inputs(case)
+    out = jax_paged_attn.flash_attn_with_kvcache(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
+        causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=inputs["alibi_slopes"],
+        k_scale=inputs["k_scale"], v_scale=inputs["v_scale"], implementation="triton", interpret=True,
+    )
+    assert_matches_reference(case, inputs, out)
+
+
+@pytest.mark.parametrize("num_splits,pages_per_step", [(1, 1), (2, 4), (5, 2), (16, 1)])
+def test_split_counts_agree(num_splits: int, pages_per_step: int) -> None:
+    """Splits divide each sequence's tiles; more splits than tiles leave some empty.
+
+    Non-causal two-sided window with 2 query tokens: both window edges need masking."""
+    case = Case(f"splits{num_splits}-pps{pages_per_step}", num_q_heads=4, num_kv_heads=1, head_size=64,
+                num_q_tokens=2, seqlens=(127, 5, 64, 0), causal=False, window=(70, 5),
+                config=DecodeConfig(pages_per_step=pages_per_step, num_splits=num_splits))
+    inputs = make_inputs(case, seed=1)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+@pytest.mark.parametrize("causal,window", [(True, (18, 0)), (False, (18, 1))], ids=["causal", "two-sided"])
+def test_every_tile_boundary(causal: bool, window: tuple[int, int]) -> None:
+    """Lengths 0..49 with 16-key tiles and a window wide enough for unmasked tiles: the
+    window and causal edges fall on every offset of the tile grid, so an off-by-one in
+    the masked / unmasked split shows up for some length."""
+    case = Case(f"boundaries-{causal}", num_q_heads=2, num_kv_heads=1, head_size=32, num_q_tokens=3,
+                seqlens=tuple(range(50)), max_blocks=4, num_blocks=208, causal=causal, window=window,
+                config=DecodeConfig(pages_per_step=1, num_splits=1))
+    inputs = make_inputs(case, seed=4)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def test_block_size_not_power_of_two() -> None:
+    """block_size 48: steps of 64 keys straddle pages; each key finds its own page."""
+    case = Case("bs48-d96-g2", num_q_heads=4, num_kv_heads=2, head_size=96, block_size=48, num_q_tokens=3,
+                seqlens=(150, 49, 3), max_blocks=4, num_blocks=16,
+                config=DecodeConfig(pages_per_step=1, num_splits=2))
+    assert triton_decode_tile(case) == 32
+    case = dataclasses.replace(case, config=DecodeConfig(pages_per_step=2, num_splits=2))
+    assert triton_decode_tile(case) == 64
+    inputs = make_inputs(case, seed=2)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def triton_decode_tile(case: Case) -> int:
+    q_shape = (len(case.seqlens), case.num_q_tokens, case.num_q_heads, case.head_size)
+    cache_shape = (case.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    return decode.plan_tiling(q_shape, cache_shape, case.max_blocks, case.dtype, case.dtype, case.config).tile_keys
+
+
+def test_query_rows_split_over_programs() -> None:
+    """MQA with 3 query tokens: 24 rows over row blocks of 16 (second block half padding)."""
+    case = Case("rowblocks", num_q_heads=8, num_kv_heads=1, head_size=64, num_q_tokens=3,
+                seqlens=(40, 3, 0), window=(10, 0), alibi=True,
+                config=DecodeConfig(max_q_rows=16, num_splits=2, pages_per_step=1))
+    q_shape = (3, 3, 8, 64)
+    tiling = decode.plan_tiling(q_shape, (64, 16, 1, 64), case.max_blocks, "bfloat16", "bfloat16", case.config)
+    assert (tiling.rows_per_program, tiling.row_blocks) == (16, 2)
+    inputs = make_inputs(case, seed=3)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def test_all_sequences_empty_output_zero() -> None:
+    case = Case("empty", seqlens=(0, 0), config=DecodeConfig(num_splits=3))
+    inputs = make_inputs(case)
+    out = run_kernel(case, inputs)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
+
+
+def test_jit_with_traced_lengths() -> None:
+    """Lengths and tables traced under jit: one compiled kernel serves every batch."""
+    case = Case("jit", head_size=64, config=DecodeConfig(num_splits=2, pages_per_step=2))
+    inputs = make_inputs(case)
+    spec = spec_of(case)
+    fn = jax.jit(functools.partial(decode.paged_decode_attention, spec=spec, interpret=True, config=case.config))
+    out = fn(*(inputs[n] for n in INPUT_NAMES))
+    assert_matches_reference(case, inputs, out)
+    # Same shapes, other lengths: the compiled kernel is reused and still correct.
+    case2 = dataclasses.replace(case, seqlens=(128, 17, 0, 2))
+    inputs2 = make_inputs(case2, seed=5)
+    assert_matches_reference(case2, inputs2, fn(*(inputs2[n] for n in INPUT_NAMES)))
+    assert fn._cache_size() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRID + [
+    Case("gpu-boundaries-causal", num_q_heads=2, num_kv_heads=1, head_size=32, num_q_tokens=3,
+         seqlens=tuple(range(50)), max_blocks=4, num_blocks=208, window=(18, 0),
+         config=DecodeConfig(pages_per_step=1, num_splits=1)),
+    Case("gpu-h200-shape-splits", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
+         max_blocks=256, num_blocks=1300, config=DecodeConfig(pages_per_step=8, num_splits=7, num_stages=5)),
+], ids=str)
+def test_compiled_on_gpu_matches_reference(case: Case) -> None:
+    """The same scenarios compiled by Triton on an NVIDIA GPU (run with ``pytest -m gpu``)."""
+    inputs = make_inputs(case)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs, interpret=False))
+
+
+# --- cross-lowering for CUDA (the Triton lowering runs on this CPU host) ---
+
+
+def _lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,head_size,block_size,q_heads,kv_heads,num_q_tokens,window,softcap,alibi",
+    [
+        ("bfloat16", None, 128, 16, 32, 8, 1, (UNBOUNDED, UNBOUNDED), 0.0, False),
+        ("float16", "float8_e4m3fn", 80, 32, 64, 8, 3, (128, 0), 30.0, True),
+        ("float32", None, 256, 16, 8, 1, 2, (UNBOUNDED, UNBOUNDED), 0.0, False),
+        ("bfloat16", "float8_e5m2", 224, 48, 4, 4, 1, (64, 0), 0.0, True),
+    ],
+)
+def test_lowers_to_triton_for_cuda(dtype, cache_dtype, head_size, block_size, q_heads, kv_heads,
+                                   num_q_tokens, window, softcap, alibi) -> None:
+    batch, max_blocks, num_blocks = 4, 64, 512
+    q = jax.ShapeDtypeStruct((batch, num_q_tokens, q_heads, head_size), jnp.dtype(dtype))
+    cache = jax.ShapeDtypeStruct((num_blocks, block_size, kv_heads, head_size), jnp.dtype(cache_dtype or dtype))
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    table = jax.ShapeDtypeStruct((batch, max_blocks), jnp.int32)
+    slopes = jax.ShapeDtypeStruct((q_heads,), jnp.float32) if alibi else None
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def fn(q, k, v, lens, table, slopes, k_scale, v_scale):
+        return jax_paged_attn.flash_attn_with_kvcache(
+            q, k, v, lens, table, causal=True, window_size=window, softcap=softcap, alibi_slopes=slopes,
+            k_scale=k_scale, v_scale=v_scale, implementation="triton")
+
+    text = _lower_for_cuda(fn, q, cache, cache, lens, table, slopes, scale, scale)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_auto_picks_kernel_on_cuda_only() -> None:
+    """implementation=None: the Triton kernel in the CUDA lowering, the reference on CPU."""
+    case = Case("auto", head_size=64, seqlens=(20, 0))
+    inputs = make_inputs(case)
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table")
+    fn = lambda q, k, v, lens, table: jax_paged_attn.flash_attn_with_kvcache(q, k, v, lens, table, causal=True)
+    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(fn, *(inputs[n] for n in names))
+    assert "triton" not in jax.jit(fn).lower(*(inputs[n] for n in names)).as_text()
+
+
+# --- planning (pure Python) ---
+
+
+def test_unsupported_reason() -> None:
+    q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    lens, table = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    spec = AttentionSpec.create(128)
+    args = (q, cache, cache, lens, table, None, jnp.float32(1), jnp.float32(1))
+    assert decode.unsupported_reason(*args, spec=spec, lowering="triton") is None
+    assert "lowering" in decode.unsupported_reason(*args, spec=spec, lowering="mosaic_gpu")
+    odd_head = (q[..., :40], cache[..., :40], cache[..., :40]) + args[3:]
+    assert "head size 40" in decode.unsupported_reason(*odd_head, spec=spec, lowering="triton")
+    int_cache = cache.astype(jnp.int8)
+    assert "dtype" in decode.unsupported_reason(q, int_cache, int_cache, *args[3:], spec=spec, lowering="triton")
+    with pytest.raises(NotImplementedError, match="lowering"):
+        decode.paged_decode_attention(*args, spec=spec, lowering="mosaic_gpu")
+
+
+@pytest.mark.parametrize(
+    "batch,max_keys,expected_splits",
+    [(64, 4096, 2), (8, 32768, 16), (256, 1024, 1), (32, 8192, 4), (1, 256, 1), (1, 2048, 8)],
+)
+def test_split_choice_fills_gpu(batch: int, max_keys: int, expected_splits: int) -> None:
+    """Default: about target_programs programs, >= min_tiles_per_split steps per split."""
+    config = DecodeConfig()
+    assert decode.choose_num_splits(batch, 8, 1, max_keys, 64, config) == expected_splits
+    assert decode.choose_num_splits(batch, 8, 1, max_keys, 64, dataclasses.replace(config, num_splits=3)) == 3
+
+
+def test_tiling_fits_shared_memory() -> None:
+    """Head 80 pads to 128; 4 pages of 16 -> 64 keys; f32 head 256 shrinks an 8-page tile."""
+    config = DecodeConfig(pages_per_step=4, num_stages=3)
+    bf16 = decode.plan_tiling((8, 1, 32, 80), (100, 16, 8, 80), 64, jnp.bfloat16, jnp.bfloat16, config)
+    assert (bf16.tile_keys, bf16.padded_head_size, bf16.rows_per_program, bf16.row_blocks) == (64, 128, 16, 1)
+    config = DecodeConfig(pages_per_step=8, num_stages=5)
+    f32 = decode.plan_tiling((8, 1, 32, 256), (100, 16, 8, 256), 64, jnp.float32, jnp.float32, config)
+    assert isinstance(f32, triton_decode.DecodeTiling)
+    assert MIN_TILE <= f32.tile_keys < 128
+    assert decode.estimate_shared_memory(f32.tile_keys, 256, 4, 4, 5) <= tuning.DECODE_SHARED_MEMORY_BUDGET
+    assert decode.estimate_shared_memory(2 * f32.tile_keys, 256, 4, 4, 5) > tuning.DECODE_SHARED_MEMORY_BUDGET
+    # Measured with Triton for sm_90: 140288 bytes for 128 keys x 128 bf16, 5 stages.
+    assert decode.estimate_shared_memory(128, 128, 2, 2, 5) >= 140288
+
+
+def test_combine_splits_weights_and_empty_rows() -> None:
+    """Merging two halves equals attention over the whole; rows with no keys give 0."""
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal(10)
+    values = rng.standard_normal((10, 4))
+    halves = [(scores[:4], values[:4]), (scores[4:], values[4:])]
+    parts = [np.exp(s - s.max()) @ v / np.exp(s - s.max()).sum() for s, v in halves]
+    lses = [np.log(np.exp(s).sum()) for s, _ in halves]
+    partial_out = np.zeros((3, 1, 1, 2, 4), np.float32)
+    lse = np.full((3, 1, 1, 2), -np.inf, np.float32)
+    partial_out[0, 0, 0, 0], partial_out[2, 0, 0, 0] = parts
+    lse[0, 0, 0, 0], lse[2, 0, 0, 0] = lses  # split 1 is empty; head 1 saw no key at all
+    out = np.asarray(decode.combine_splits(jnp.asarray(partial_out), jnp.asarray(lse), jnp.float32))
+    expected = np.exp(scores - scores.max()) @ values / np.exp(scores - scores.max()).sum()
+    np.testing.assert_allclose(out[0, 0, 0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[0, 0, 1], 0.0)
