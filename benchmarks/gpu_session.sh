@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit in one command: environment, the gpu test suite, then benchmarks.
-#   bash benchmarks/gpu_session.sh [tests] [bench[=SUITES]] [tune[=SUITES]] [engine]
+#   bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [engine]
 # Logs and results land in $OUT (the device tool brings that folder back).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -8,13 +8,14 @@ out="${OUT:-/tmp/gpu_session}"
 mkdir -p "$out"
 budget="${BENCH_BUDGET_S:-200}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+python3 -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 for step in "${steps[@]}"; do
   case "$step" in
-    tests)
-      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x --durations=5 tests 2>&1 | tee "$out/gpu_tests.log" ;;
+    tests|tests=*)
+      paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;
