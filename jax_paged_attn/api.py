@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_paged_attn import checks, dispatch
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
@@ -108,12 +109,11 @@ def flash_attn_varlen_func(
     checks.check_cu_seqlens_values(cu_seqlens_k, "cu_seqlens_k", total=None if paged else k.shape[0])
     if seqused_k is not None:
         checks.check_int_array(seqused_k, "seqused_k", (batch,))
+        checks.check_nonnegative_values(seqused_k, "seqused_k")
     if paged:
         checks.check_int_array(block_table, "block_table", (batch, None))
         checks.check_block_size(k.shape[1], "block size of the cache (k.shape[1])")
         if checks.is_concrete(cu_seqlens_k):
-            import numpy as np
-
             lens = np.diff(np.asarray(cu_seqlens_k)) if seqused_k is None else seqused_k
             checks.check_block_table_values(block_table, k.shape[0], lens, k.shape[1])
     checks.check_alibi_slopes(alibi_slopes, num_q_heads)
@@ -181,11 +181,8 @@ def flash_attn_with_kvcache(
     checks.check_block_size(k_cache.shape[1], "block size of the cache (k_cache.shape[1])")
     checks.check_int_array(cache_seqlens, "cache_seqlens", (batch,))
     checks.check_int_array(block_table, "block_table", (batch, None))
+    checks.check_nonnegative_values(cache_seqlens, "cache_seqlens")
     if checks.is_concrete(cache_seqlens):
-        import numpy as np
-
-        if np.any(np.asarray(cache_seqlens) < 0):
-            raise ValueError(f"cache_seqlens must be >= 0, got {np.asarray(cache_seqlens).tolist()}.")
         checks.check_block_table_values(block_table, k_cache.shape[0], cache_seqlens, k_cache.shape[1])
     checks.check_alibi_slopes(alibi_slopes, num_q_heads)
     spec = AttentionSpec.create(

@@ -114,6 +114,12 @@ def check_scale(scale: Any, name: str) -> None:
         raise ValueError(f"{name} must be > 0, got {np.asarray(scale)}.")
 
 
+def check_nonnegative_values(x: Any, name: str) -> None:
+    """Value check (eager only): every entry >= 0."""
+    if is_concrete(x) and np.any(np.asarray(x) < 0):
+        raise ValueError(f"{name} must be >= 0, got {np.asarray(x).tolist()}.")
+
+
 def check_cu_seqlens_values(cu: Any, name: str, total: int | None = None) -> None:
     """Value check (eager only): cu_seqlens starts at 0 and never decreases."""
     if not is_concrete(cu):

@@ -67,7 +67,7 @@ class AttentionSpec:
             softmax_scale = 1.0 / math.sqrt(head_size)
         try:
             softmax_scale = float(softmax_scale)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise TypeError(
                 f"softmax_scale must be a Python number (it is static), got {type(softmax_scale)}"
             ) from e

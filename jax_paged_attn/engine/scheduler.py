@@ -1,0 +1,570 @@
+"""Continuous-batching scheduler with chunked prefill, prefix sharing and swap preemption.
+
+Everything here runs on the host between two model steps. `Scheduler.schedule` decides
+which requests run in the next step and with how many tokens each; the engine runs the
+step and hands the sampled tokens back with `Scheduler.update`.
+
+Policy (vLLM's chunked-prefill scheduler, first come first served):
+
+1. **Running** requests, oldest first, each get ``min(pending tokens, token budget)``
+   tokens: 1 for a decode, a chunk of the prompt for a prefill. When the KV cache has
+   no block left for one, the *youngest* running request not yet scheduled is
+   preempted (the request itself if it is the youngest): its blocks are swapped out
+   to host memory (`swap_blocks`), or, when the host pool is full too, dropped and
+   recomputed later from its tokens. No request ever loses a token either way.
+2. **Swapped** requests, oldest first, come back (swap in) when no preemption happened
+   this step and their blocks fit.
+3. **Waiting** requests are admitted, oldest first, only when no older request is
+   swapped out, the token budget has room and their first chunk fits. Full prompt
+   blocks already in the cache (same prefix, `BlockAllocator.lookup`) are shared
+   instead of recomputed.
+
+A request never jumps ahead of an older one in the same queue (a request that does
+not fit stops admission), so long requests are not starved by short ones.
+
+The batch is laid out as vLLM's FlashAttention backend expects it: prefill chunks
+first, then decodes (one token each).
+
+Token accounting per request: ``num_computed_tokens`` tokens have their K/V in the
+cache; the next step feeds tokens ``[num_computed_tokens, num_computed_tokens +
+num_new_tokens)`` of ``prompt + output``; a token is sampled when the chunk reaches
+the last known token.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jax_paged_attn.engine.block_allocator import BlockAllocator, hash_block_tokens
+from jax_paged_attn.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recomputation
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # its blocks live in host memory
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # a stop token or the EOS token was produced
+    MAX_MODEL_LEN = "max_model_len"  # the context is full
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its cache state (host bookkeeping only)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int
+    seed: int
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)  # device block ids
+    host_block_table: list[int] = dataclasses.field(default_factory=list)  # while swapped
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last sampled token is pending (prompt, or a recompute)."""
+        return self.num_computed_tokens < self.num_prompt_tokens or self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: its tokens ``[start, start + num_new_tokens)``.
+
+    Fixed when the step is scheduled (the request itself moves on in `Scheduler.update`).
+
+    Attributes:
+      request: the request.
+      start: tokens already in the cache before this step (the context length).
+      num_new_tokens: tokens fed in this step (the query length).
+      is_prefill: part of the prefill group (a prompt chunk or a recompute), as
+        opposed to a one-token decode.
+      samples: the chunk reaches the request's last known token, so a token is drawn.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    is_prefill: bool
+    samples: bool
+
+    @staticmethod
+    def of(request: Request, num_new_tokens: int) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, start, num_new_tokens, request.in_prefill,
+                                start + num_new_tokens == request.num_tokens)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose K/V are in the cache once this step has written its chunk."""
+        return self.start + self.num_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What the engine must do in one step, in this order.
+
+    1. ``swap_out``: (device block, host block) pairs, device -> host.
+    2. ``copies``: (src, dst) device block pairs for copy-on-write (`copy_blocks`).
+    3. ``swap_in``: (host block, device block) pairs, host -> device.
+    4. the model step over ``scheduled`` (prefills first, then decodes).
+
+    This order is safe: a block freed by a swap-out or a copy-on-write may be handed
+    out again in the same step, but only after its old content has been read.
+    """
+
+    scheduled: list[ScheduledRequest]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+    preempted: list[str]
+    num_prefills: int
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step.
+
+    Attributes:
+      max_num_seqs: requests holding device blocks at once (the batch size bound).
+      max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+      max_model_len: longest context (prompt + output) a request may reach.
+      enable_prefix_caching: share full prompt blocks between requests.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+
+
+class Scheduler:
+    """Decides, step by step, which requests run; owns the device and host block pools.
+
+    Args:
+      config: step limits (`SchedulerConfig`).
+      num_device_blocks, num_host_blocks: sizes of the device KV cache and of the host
+        swap space, in blocks.
+      block_size: token slots per block.
+      eos_token_id: token that finishes a request unless its params say ``ignore_eos``.
+      vocab_size: if given, prompt token ids must lie in ``[0, vocab_size)``.
+    """
+
+    def __init__(self, config: SchedulerConfig, *, num_device_blocks: int, num_host_blocks: int,
+                 block_size: int, eos_token_id: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self._next_arrival = 0
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.device_blocks = BlockAllocator(num_device_blocks, block_size, name="device",
+                                            enable_prefix_caching=config.enable_prefix_caching)
+        self.host_blocks = BlockAllocator(num_host_blocks, block_size, name="host",
+                                          enable_prefix_caching=False)
+        # Each queue is kept sorted by arrival (FCFS).
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_recomputed_requests = 0
+        self.num_prefix_cache_hit_tokens = 0
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams, *, seed: int) -> Request:
+        """Validates and queues a request; a bad one raises here and changes nothing.
+
+        Raises:
+          ValueError: duplicate ``request_id``; empty prompt; a token id outside
+            ``[0, vocab_size)``; a prompt that leaves no room for one generated token
+            within ``max_model_len``; a request whose longest possible context needs
+            more blocks than the whole device cache (it could never run).
+          TypeError: a prompt that is not a sequence of ints; params that are not
+            `SamplingParams`.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}.")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}.")
+        prompt = validate_prompt(prompt_token_ids, self.vocab_size)
+        max_len = self.config.max_model_len
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"prompt of request {request_id!r} has {len(prompt)} tokens; the model's max context "
+                f"(max_model_len) is {max_len}, which leaves no room to generate a token."
+            )
+        longest = min(len(prompt) + sampling_params.max_tokens, max_len)
+        blocks = -(-longest // self.block_size)
+        if blocks > self.device_blocks.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} may reach {longest} tokens (prompt {len(prompt)} + max_tokens "
+                f"{sampling_params.max_tokens}), needing {blocks} blocks of {self.block_size}, but the "
+                f"KV cache has only num_blocks={self.device_blocks.num_blocks}."
+            )
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling_params,
+                          arrival_index=self._next_arrival, seed=int(seed))
+        self._next_arrival += 1
+        self.requests[request_id] = request
+        _insort(self.waiting, request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Finishes a request now and releases its blocks. Unknown ids raise KeyError."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request_id {request_id!r}.")
+        if not request.is_finished:
+            self._finish(request, FinishReason.ABORTED)
+
+    @property
+    def next_arrival_index(self) -> int:
+        """Arrival number the next added request gets (FCFS order)."""
+        return self._next_arrival
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    def pop_finished(self, request_id: str) -> Request:
+        """Forgets a request (after it finished); returns it."""
+        return self.requests.pop(request_id)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput([], [], [], [], [], 0, 0)
+        scheduled: list[ScheduledRequest] = []
+
+        # 1. Running requests, oldest first; preempt the youngest when blocks run out.
+        queue = list(self.running)
+        while queue:
+            request = queue.pop(0)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue  # budget spent: it keeps its blocks and runs next step
+            while not self._prepare_blocks(request, num_new, out.copies):
+                victim = queue.pop() if queue else request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest.of(request, num_new))
+                budget -= num_new
+
+        # 2. Swapped requests come back, oldest first, unless this step had to preempt.
+        while not out.preempted and self.swapped and budget > 0:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            extra = self._num_blocks_needed(request, num_new, len(request.host_block_table))
+            if (len(self.running) >= self.config.max_num_seqs
+                    or not self.device_blocks.can_allocate(len(request.host_block_table) + extra)):
+                break
+            self.swapped.pop(0)
+            self._swap_in(request, out)
+            ok = self._prepare_blocks(request, num_new, out.copies)
+            assert ok, "blocks were checked before swapping in"
+            scheduled.append(ScheduledRequest.of(request, num_new))
+            budget -= num_new
+
+        # 3. Waiting requests, oldest first, only when nobody older waits in swap.
+        while not out.preempted and not self.swapped and self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits = self._lookup_prefix(request) if request.num_computed_tokens == 0 else []
+            start = request.num_computed_tokens
+            if hits:
+                # Always feed at least one token, to get logits for the next one.
+                start = min(len(hits) * self.block_size, request.num_tokens - 1)
+            num_new = min(request.num_tokens - start, budget)
+            table_before = request.block_table
+            request.block_table = table_before + hits
+            computed_before = request.num_computed_tokens
+            request.num_computed_tokens = start
+            copies_before = len(out.copies)
+            if not self._prepare_blocks(request, num_new, out.copies):
+                del out.copies[copies_before:]
+                self.device_blocks.free_many(hits)
+                request.block_table = table_before
+                request.num_computed_tokens = computed_before
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            if hits:
+                request.num_cached_prompt_tokens = start
+                request.num_registered_blocks = len(hits)
+                self.num_prefix_cache_hit_tokens += start
+            _insort(self.running, request)
+            scheduled.append(ScheduledRequest.of(request, num_new))
+            budget -= num_new
+
+        prefills = [s for s in scheduled if s.is_prefill]
+        decodes = [s for s in scheduled if not s.is_prefill]
+        out.scheduled = prefills + decodes
+        out.num_prefills = len(prefills)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
+        return out
+
+    def reserve_lookahead(self, out: SchedulerOutput, num_lookahead: int) -> bool:
+        """Gives every scheduled decode the blocks for ``num_lookahead`` more tokens.
+
+        Multi-step decoding (vLLM's lookahead slots): the engine then runs
+        ``1 + num_lookahead`` model steps before the next `schedule`, and every token
+        those steps write needs its slot. All or nothing: returns False, reserving
+        nothing, when ``out`` holds a prefill or the free blocks do not suffice (no
+        preemption is done for lookahead).
+        """
+        if out.num_prefills or num_lookahead <= 0:
+            return num_lookahead == 0 and not out.num_prefills
+        wanted = []
+        for item in out.scheduled:
+            request = item.request
+            num_required = -(-(item.seq_len + num_lookahead) // self.block_size)
+            wanted.append(max(0, num_required - len(request.block_table)))
+        if not self.device_blocks.can_allocate(sum(wanted)):
+            return False
+        for item, count in zip(out.scheduled, wanted):
+            item.request.block_table.extend(self.device_blocks.allocate_many(count))
+        return True
+
+    # --------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Records a finished step: computed tokens, new full blocks, sampled tokens.
+
+        Args:
+          out: the step's `SchedulerOutput`.
+          sampled: request_id -> new token, for every scheduled request that samples.
+
+        Returns the requests that finished in this step.
+        """
+        finished = []
+        now = time.perf_counter()
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self._register_full_blocks(request)
+            if not item.samples:
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(int(token))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._finish_reason(request, int(token))
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    # -------------------------------------------------------------- helpers
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids or (
+                self.eos_token_id is not None and token == self.eos_token_id and not params.ignore_eos):
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.MAX_MODEL_LEN
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self.device_blocks.free_many(request.block_table)
+        self.host_blocks.free_many(request.host_block_table)
+        request.block_table = []
+        request.host_block_table = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.perf_counter()
+
+    def _num_blocks_needed(self, request: Request, num_new: int, num_held: int) -> int:
+        """New blocks (allocations + copy-on-write copies) to write ``num_new`` more tokens."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        num_required = -(-end // self.block_size)
+        needed = max(0, num_required - num_held)
+        if request.status != RequestStatus.SWAPPED:
+            for index in range(start // self.block_size, min(num_required, num_held)):
+                block = request.block_table[index]
+                if self.device_blocks.is_shared(block) or self.device_blocks.is_cached(block):
+                    needed += 1
+        return needed
+
+    def _prepare_blocks(self, request: Request, num_new: int, copies: list[tuple[int, int]]) -> bool:
+        """Makes the blocks that the next ``num_new`` tokens go to exist and be private.
+
+        Returns False, changing nothing, when the device pool cannot provide them.
+        """
+        needed = self._num_blocks_needed(request, num_new, len(request.block_table))
+        if not self.device_blocks.can_allocate(needed):
+            return False
+        start = request.num_computed_tokens
+        num_required = -(-(start + num_new) // self.block_size)
+        table = request.block_table
+        for index in range(start // self.block_size, min(num_required, len(table))):
+            table[index], copy = self.device_blocks.cow(table[index])
+            if copy is not None:
+                copies.append(copy)
+                # The private copy is not (yet) in the prefix cache.
+                request.num_registered_blocks = min(request.num_registered_blocks, index)
+        table.extend(self.device_blocks.allocate_many(max(0, num_required - len(table))))
+        return True
+
+    def _lookup_prefix(self, request: Request) -> list[int]:
+        """Shares the longest run of cached full blocks at the start of the request's tokens."""
+        if not self.config.enable_prefix_caching:
+            return []
+        self._extend_hashes(request, request.num_tokens)
+        hits = []
+        for block_hash in request.block_hashes:
+            block = self.device_blocks.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _extend_hashes(self, request: Request, num_known_tokens: int) -> None:
+        bs = self.block_size
+        while (len(request.block_hashes) + 1) * bs <= num_known_tokens:
+            index = len(request.block_hashes)
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            tokens = [request.token_at(p) for p in range(index * bs, (index + 1) * bs)]
+            request.block_hashes.append(hash_block_tokens(parent, tokens))
+
+    def _register_full_blocks(self, request: Request) -> None:
+        """Offers blocks that became full and computed to the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        self._extend_hashes(request, num_full * self.block_size)
+        for index in range(request.num_registered_blocks, num_full):
+            self.device_blocks.register(request.block_table[index], request.block_hashes[index])
+        request.num_registered_blocks = num_full
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Moves a running request out of the device cache (swap, else recompute later)."""
+        self.running.remove(request)
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        out.preempted.append(request.request_id)
+        num_blocks = len(request.block_table)
+        if self.host_blocks.can_allocate(num_blocks):
+            host = self.host_blocks.allocate_many(num_blocks)
+            out.swap_out.extend(zip(request.block_table, host))
+            request.host_block_table = host
+            request.status = RequestStatus.SWAPPED
+            self.num_swapped_out_blocks += num_blocks
+            _insort(self.swapped, request)
+        else:
+            # No host room: drop the K/V, keep every token; its next prefill recomputes them.
+            request.num_computed_tokens = 0
+            request.num_registered_blocks = 0
+            request.status = RequestStatus.WAITING
+            self.num_recomputed_requests += 1
+            _insort(self.waiting, request)
+        self.device_blocks.free_many(request.block_table)
+        request.block_table = []
+
+    def _swap_in(self, request: Request, out: SchedulerOutput) -> None:
+        device = self.device_blocks.allocate_many(len(request.host_block_table))
+        out.swap_in.extend(zip(request.host_block_table, device))
+        self.host_blocks.free_many(request.host_block_table)
+        request.host_block_table = []
+        request.block_table = device
+        # The fresh blocks are offered to the prefix cache only after this step ran: their
+        # content arrives with the swap-in, after this step's copy-on-write copies.
+        request.num_registered_blocks = 0
+        request.status = RequestStatus.RUNNING
+        _insort(self.running, request)
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
+    """Checks a prompt of token ids and returns it as a list of Python ints.
+
+    Raises TypeError for something that is not a sequence of ints (a str, floats) and
+    ValueError for an empty prompt or ids outside ``[0, vocab_size)``.
+    """
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise TypeError("prompt_token_ids must be a sequence of token ids, got a string; tokenize it first.")
+    try:
+        tokens = list(prompt_token_ids)
+    except TypeError as e:
+        raise TypeError(f"prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}.") from e
+    if not tokens:
+        raise ValueError("prompt_token_ids is empty; a request needs at least one prompt token.")
+    ids = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"prompt_token_ids must hold ints, got {type(t).__name__} {t!r}.")
+        ids.append(int(t))
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise ValueError(f"prompt_token_ids has ids outside [0, {vocab_size}): {bad[:8]}.")
+    return ids
+
+
+def _insort(queue: list[Request], request: Request) -> None:
+    keys = [r.arrival_index for r in queue]
+    queue.insert(bisect.bisect(keys, request.arrival_index), request)
+

@@ -1,0 +1,268 @@
+"""Varlen (prefill) flash attention kernel for the Pallas Triton lowering.
+
+One kernel body serves packed and paged K/V: keys are rows of a ``[R, Hk, D]`` view
+(the packed tokens, or the paged cache with its first two dims merged) and a
+row-index function maps a key position of the tile's sequence to its row (packed:
+``k_row0 + j``; paged: ``block_table[b, j // bs] * bs + j % bs``), read by gather
+loads. The plan (`jax_paged_attn.prefill.plan_tiles`) says which rows a tile owns
+and which KV blocks it visits; this file only runs it.
+
+Grid: ``(Hq // heads_per_program, num_tiles)``; the head axis varies fastest so that
+programs running at the same time read the same sequence's K/V (L2 reuse).
+
+Numerics: f32 scores and accumulation; the online softmax works in base 2 with
+``log2(e)`` folded into the score scale and the ALiBi slopes (``exp2`` is a single
+MUFU instruction). fp8 K/V are converted to the query dtype for the MMA (exact: fp8
+values are representable in f16 / bf16), and their scales are applied to the scores
+(``k_scale``) and the output (``v_scale``): mathematically ``x * scale`` dequantization,
+with one rounding fewer. A masked score is ``-inf`` and the running max starts at the
+most negative finite f32, so ``exp2`` of a masked score is exactly 0 and a row that
+sees no key ends with sum 0 and outputs 0, never NaN. K/V rows past the sequence's
+keys are not read (masked loads yield 0), so NaN in unused cache pages cannot leak.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_paged_attn import reference
+from jax_paged_attn.prefill import TILE_INFO_WIDTH, TileField
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+LOG2E = math.log2(math.e)
+RUNNING_MAX_INIT = float(jnp.finfo(jnp.float32).min)  # finite: exp2(-inf - init) == 0
+
+
+def _load(ref, mask: Array | None) -> Array:
+    """Gather load; where ``mask`` is False nothing is read and the value is 0."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=0.0)
+
+
+def _prefill_kernel(
+    # inputs
+    tile_ref,  # i32[TILE_INFO_WIDTH]: this tile's row of the plan (TileField columns)
+    q_ref,  # [Tq, heads_per_program, Dp] q dtype; columns >= head_size lie outside q
+    k_ref,  # [R, Dp] q dtype or fp8: K rows of this program's KV head
+    v_ref,  # [R, Dp] same layout as k_ref
+    block_table_ref,  # i32[B, max_blocks] (paged) or None
+    alibi_ref,  # f32[heads_per_program] slopes * log2(e), or None
+    kv_scale_ref,  # f32[2] (k_scale, v_scale) when K or V is fp8, or None
+    # outputs
+    o_ref,  # [Tq, heads_per_program, Dp] q dtype
+    *,
+    spec: AttentionSpec,
+    head_size: int,
+    block_q: int,
+    block_k: int,
+    heads_per_program: int,
+    page_size: int | None,
+    num_pages: int,
+    max_pages_per_seq: int,
+    k_fp8: bool,
+    v_fp8: bool,
+):
+    head_size_padded = q_ref.shape[-1]
+    compute_dtype = q_ref.dtype
+    positions_per_tile = block_q // heads_per_program
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    def field(f: TileField) -> Array:
+        return tile_ref[int(f)]
+
+    q_rows = field(TileField.Q_ROWS)
+
+    @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
+    def _():
+        seq = field(TileField.SEQ)
+        q_row0 = field(TileField.Q_ROW0)
+        q_pos0 = field(TileField.Q_POS0)
+        q_len = field(TileField.Q_LEN)
+        k_len = field(TileField.K_LEN)
+        k_row0 = field(TileField.K_ROW0)
+
+        # Tile row r = (query position r // hpp, head r % hpp of this program's heads).
+        r = lax.iota(jnp.int32, block_q)
+        if heads_per_program == 1:
+            pos_in_tile, head_in_group = r, jnp.zeros_like(r)
+        else:
+            pos_in_tile = lax.div(r, heads_per_program)
+            head_in_group = lax.rem(r, heads_per_program)
+        stored = pos_in_tile < q_rows
+        if positions_per_tile * heads_per_program < block_q:  # group does not divide block_q
+            stored &= pos_in_tile < positions_per_tile
+        q_pos = q_pos0 + pos_in_tile  # [block_q] position in the sequence
+        attends = stored & (q_pos < q_len)
+        q_token = q_row0 + pos_in_tile  # [block_q] packed row
+
+        col = lax.iota(jnp.int32, head_size_padded)
+        col_ok = (col < head_size)[None, :] if head_size_padded != head_size else None
+
+        def and_cols(row_mask: Array | None, rows: int) -> Array | None:
+            if row_mask is None and col_ok is None:
+                return None
+            shape = (rows, head_size_padded)
+            if row_mask is None:
+                return jnp.broadcast_to(col_ok, shape)
+            m = jnp.broadcast_to(row_mask[:, None], shape)
+            return m if col_ok is None else m & col_ok
+
+        q = _load(q_ref.at[q_token[:, None], head_in_group[:, None], col[None, :]],
+                  and_cols(stored, block_q))  # [block_q, Dp]
+
+        if kv_scale_ref is not None:
+            k_scale, v_scale = kv_scale_ref[0], kv_scale_ref[1]
+        else:
+            k_scale = v_scale = None
+        # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
+        if spec.softcap > 0:
+            pre_tanh = spec.softmax_scale / spec.softcap
+            post_tanh = spec.softcap * LOG2E
+        else:
+            pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
+        if k_fp8:
+            pre_tanh = k_scale * pre_tanh
+        slope = None
+        if alibi_ref is not None:
+            slope = plgpu.load(alibi_ref.at[head_in_group])[:, None]  # [block_q, 1]
+
+        def key_rows(k_pos: Array) -> Array:  # [block_k] positions -> rows of k_ref / v_ref
+            if page_size is None:
+                return k_row0 + k_pos
+            logical = jnp.minimum(lax.div(k_pos, page_size), max_pages_per_seq - 1)
+            page = plgpu.load(block_table_ref.at[seq, logical])
+            page = jnp.clip(page, 0, num_pages - 1)  # bad ids read a real page, never outside
+            return page * page_size + lax.rem(k_pos, page_size)
+
+        def visit(kb, carry, *, masked: bool):
+            acc, m_prev, l_prev = carry
+            k_pos = kb * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
+            rows = key_rows(k_pos)
+            kv_mask = and_cols(k_pos < k_len if masked else None, block_k)
+            index = (rows[:, None], col[None, :])
+            k = _load(k_ref.at[index], kv_mask)  # [block_k, Dp]
+            if k_fp8:
+                k = k.astype(compute_dtype)
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)  # [block_q, block_k]
+            s = s * pre_tanh
+            if post_tanh is not None:
+                s = jnp.tanh(s) * post_tanh
+            if slope is not None:
+                s = s - slope * reference.alibi_distance(q_pos[:, None], k_pos[None, :], q_len, k_len)
+            if masked:
+                visible = reference.key_visible(q_pos[:, None], k_pos[None, :], q_len, k_len, spec)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            correction = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - m_next[:, None])
+            l_next = l_prev * correction + jnp.sum(p, axis=1)
+            v = _load(v_ref.at[index], kv_mask)  # [block_k, Dp]
+            if v_fp8:
+                v = v.astype(compute_dtype)
+            pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            return acc * correction[:, None] + pv, m_next, l_next
+
+        carry = (
+            jnp.zeros((block_q, head_size_padded), jnp.float32),
+            jnp.full((block_q,), RUNNING_MAX_INIT, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
+        kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
+        kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
+        masked_visit = functools.partial(visit, masked=True)
+        if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+            carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
+        carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
+        carry = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
+        acc, _, l_sum = carry
+
+        out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]  # sees no key -> 0
+        if v_fp8:
+            out = out * v_scale
+        out = jnp.where(attends[:, None], out, 0.0)
+        plgpu.store(
+            o_ref.at[q_token[:, None], head_in_group[:, None], col[None, :]],
+            out.astype(o_ref.dtype), mask=and_cols(stored, block_q))
+
+
+def varlen_attention_call(
+    q: Array,  # [Tq, Hq, D] f16 / bf16 / f32
+    k_rows: Array,  # [R, Hk, D]: packed keys, or the paged cache viewed as [num_blocks * bs, Hk, D]
+    v_rows: Array,  # [R, Hk, D] same layout as k_rows
+    plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from prefill.plan_tiles
+    block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed)
+    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e), or None
+    kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
+    *,
+    spec: AttentionSpec,
+    block_q: int,
+    block_k: int,
+    heads_per_program: int,
+    page_size: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool = False,
+) -> Array:  # [Tq, Hq, D] q.dtype
+    """Builds and runs the pallas_call of `_prefill_kernel` over the plan's tiles.
+
+    ``heads_per_program`` query heads (1, or the whole GQA group) share a tile's
+    ``block_q`` rows; ``page_size`` is the cache block size for a paged cache, None
+    for packed keys. Every row of the output is written (padding rows with 0).
+    """
+    num_q_tokens, num_q_heads, head_size = q.shape
+    num_kv_rows, num_kv_heads, _ = k_rows.shape
+    group = num_q_heads // num_kv_heads
+    hpp = heads_per_program
+    assert num_q_heads % hpp == 0 and (hpp == 1 or hpp == group), (hpp, group)
+    head_size_padded = pl.next_power_of_2(head_size)
+    num_tiles = plan.shape[0]
+    assert plan.shape[1] == TILE_INFO_WIDTH
+
+    def kv_head(g, t):  # program's KV head: heads g*hpp .. g*hpp+hpp-1 share it
+        del t
+        return (0, (g * hpp) // group, 0)
+
+    paged = block_table is not None
+    in_specs = [
+        pl.BlockSpec((None, TILE_INFO_WIDTH), lambda g, t: (t, 0)),
+        pl.BlockSpec((num_q_tokens, hpp, head_size_padded), lambda g, t: (0, g, 0)),
+        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head),
+        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head),
+        pl.BlockSpec(block_table.shape, lambda g, t: (0, 0)) if paged else None,
+        pl.BlockSpec((hpp,), lambda g, t: (g,)) if alibi_slopes_log2 is not None else None,
+        pl.BlockSpec((2,), lambda g, t: (0,)) if kv_scales is not None else None,
+    ]
+    kernel = functools.partial(
+        _prefill_kernel,
+        spec=spec,
+        head_size=head_size,
+        block_q=block_q,
+        block_k=block_k,
+        heads_per_program=hpp,
+        page_size=page_size,
+        num_pages=num_kv_rows // page_size if paged else 0,
+        max_pages_per_seq=block_table.shape[1] if paged else 0,
+        k_fp8=jnp.dtype(k_rows.dtype).itemsize == 1,
+        v_fp8=jnp.dtype(v_rows.dtype).itemsize == 1,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_heads // hpp, num_tiles),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((num_q_tokens, hpp, head_size_padded), lambda g, t: (0, g, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="varlen_attention",
+    )(plan, q, k_rows, v_rows, block_table, alibi_slopes_log2, kv_scales)

@@ -1,0 +1,380 @@
+"""Shared test helpers: implementations to parametrize over, random problem builders
+for the packed / paged / kv-cache layouts, and the tolerance rule against the oracle.
+
+Implementations (`IMPLEMENTATIONS`, used as ``@parametrize_impl``):
+
+* ``xla``: the pure-jnp reference;
+* ``triton``: the Pallas Triton kernels in interpret mode (runs on CPU);
+* ``triton_gpu``: the same kernels compiled for an NVIDIA GPU, marked ``gpu``. The CPU
+  command ``pytest -m "not gpu"`` deselects it; on the GPU machine run ``pytest -m gpu``.
+  Nothing is skipped silently: without a GPU these tests fail.
+
+Problems are built with NaN in every cache slot no sequence owns (unused pages, the tail
+of a sequence's last page) and in padding rows of packed tensors, and with randomly
+permuted block tables, so an implementation that reads padding shows NaN.
+
+Tolerance (FlashAttention-3's rule): ``max|out - exact| <= RTOL * max|low - exact| + atol``,
+where ``exact`` is the float64 oracle and ``low`` the oracle emulating the rounding a
+flash-attention kernel does in the input dtype (`oracle` module docstring).
+
+Hypothesis profiles: ``ci`` (default; derandomized, no example database, no deadline)
+and ``explore`` (random, more examples): ``pytest --hypothesis-profile=explore``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged_attn
+import oracle
+
+hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, database=None,
+                                     print_blob=True)
+hypothesis.settings.register_profile("explore", deadline=None, max_examples=200)
+hypothesis.settings.load_profile("ci")
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to run the public functions: their ``implementation=`` / ``interpret=`` args."""
+
+    name: str
+    interpret: bool
+    max_examples: int  # hypothesis examples per property test (interpret mode is slow)
+
+    def api_kwargs(self) -> dict[str, Any]:
+        return {"implementation": self.name, "interpret": self.interpret}
+
+
+XLA = Implementation("xla", interpret=False, max_examples=25)
+TRITON_INTERPRET = Implementation("triton", interpret=True, max_examples=6)
+TRITON_GPU = Implementation("triton", interpret=False, max_examples=40)
+
+IMPLEMENTATIONS = [
+    pytest.param(XLA, id="xla"),
+    pytest.param(TRITON_INTERPRET, id="triton"),
+    pytest.param(TRITON_GPU, id="triton_gpu", marks=pytest.mark.gpu),
+]
+parametrize_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+# --------------------------------------------------------------------------- tolerances
+
+RTOL = 2.0
+"""A kernel may be this many times further from the oracle than the low-precision reference."""
+
+ATOL = {
+    jnp.dtype(jnp.float32): 2e-5,
+    jnp.dtype(jnp.float16): 2e-4,
+    jnp.dtype(jnp.bfloat16): 2e-3,
+}
+"""Floor of the tolerance: for float16 / bfloat16 about twice the rounding of a value near
+0.3 (FA3's ``fwd_atol``); for float32 room for summation-order noise over a few hundred terms."""
+
+# float32 keeps its tight floor on a GPU too: the kernels ask for IEEE float32 dots
+# (Precision.HIGHEST), not TF32, and these tests hold them to it.
+
+
+def tolerance(q_dtype: Any, low_precision_error: float) -> float:
+    return RTOL * low_precision_error + ATOL[jnp.dtype(q_dtype)]
+
+
+def assert_valid_output(out: jax.Array, q: jax.Array) -> None:
+    """Output has q's shape and dtype and is finite (NaN padding never leaks)."""
+    assert out.shape == q.shape, (out.shape, q.shape)
+    assert out.dtype == q.dtype, (out.dtype, q.dtype)
+    values = np.asarray(out.astype(jnp.float32))
+    bad = np.argwhere(~np.isfinite(values))
+    assert bad.size == 0, f"non-finite output at (row, head, dim) {bad[:5].tolist()} ..."
+
+
+def assert_close_to_oracle(out: jax.Array, exact: np.ndarray, low: np.ndarray, q_dtype: Any) -> None:
+    """FA3-style check of `out` against the float64 oracle (`exact`) and its emulation (`low`)."""
+    got = np.asarray(out.astype(jnp.float32)).astype(np.float64)
+    error = np.abs(got - exact)
+    low_precision_error = float(np.max(np.abs(low - exact), initial=0.0))
+    allowed = tolerance(q_dtype, low_precision_error)
+    worst = float(np.max(error, initial=0.0))
+    if worst > allowed:
+        where = np.unravel_index(np.argmax(error), error.shape)
+        raise AssertionError(
+            f"max |out - oracle| = {worst:.3g} at {tuple(int(i) for i in where)} "
+            f"(out {got[where]:.6g}, oracle {exact[where]:.6g}) exceeds {allowed:.3g} = "
+            f"{RTOL} * {low_precision_error:.3g} (low-precision reference) + atol"
+        )
+
+
+# --------------------------------------------------------------------------- calling the API
+
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+"""XLA:CPU compiles each test case about twice as fast at LLVM level 0 (compile time
+dominates these tiny cases); the generated code computes the same IEEE operations."""
+
+
+def compile_and_call(fn: Any, static: dict[str, Any], arrays: dict[str, Any]) -> Any:
+    """``jax.jit(partial(fn, **static))(**arrays)``, with `CPU_COMPILER_OPTIONS` on a CPU backend."""
+    lowered = jax.jit(functools.partial(fn, **static)).lower(**arrays)
+    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+    return lowered.compile(options)(**arrays)
+
+
+def call_api(fn: Any, arrays: dict[str, Any], static: dict[str, Any], *, eager: bool,
+             **attention: Any) -> jax.Array:
+    """Calls a public function with `arrays` (traced unless eager) and static `attention` options.
+
+    ``alibi_slopes`` is an array, so it travels with the arrays.
+    """
+    arrays = dict(arrays, alibi_slopes=attention.pop("alibi_slopes", None))
+    if eager:
+        return fn(**arrays, **static, **attention)
+    return compile_and_call(fn, dict(static, **attention), arrays)
+
+
+# --------------------------------------------------------------------------- problem builders
+
+
+def random_array(rng: np.random.Generator, shape: Sequence[int], dtype: Any, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(scale * rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def alibi_slopes(num_heads: int) -> jax.Array:
+    """The ALiBi paper's slopes ``2^(-8 (h + 1) / H)`` (f32 ``[H]``)."""
+    return jnp.asarray([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)], jnp.float32)
+
+
+def cumulative(lengths: Sequence[int]) -> jax.Array:
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+@dataclasses.dataclass
+class PagedCache:
+    """A paged K/V cache ``[num_blocks, block_size, Hk, D]`` and its block table."""
+
+    k: jax.Array
+    v: jax.Array
+    block_table: jax.Array  # i32[B, max_blocks_per_seq]
+
+
+def build_paged_cache(
+    rng: np.random.Generator,
+    k_lens: Sequence[int],
+    *,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: Any,
+    block_size: int,
+    cache_dtype: Any | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    extra_blocks: int = 2,
+    max_blocks_per_seq: int | None = None,
+) -> PagedCache:
+    """Random tokens for each sequence, scattered over randomly permuted pages.
+
+    Every slot no sequence owns is NaN; block-table entries past a sequence's last page
+    hold random (valid) block ids, so reading them shows up as NaN or wrong values.
+    fp8 caches (``cache_dtype``) hold ``x / scale`` of random x.
+    """
+    pages_per_seq = [-(-n // block_size) for n in k_lens]
+    width = max_blocks_per_seq or max(1, max(pages_per_seq))
+    num_blocks = sum(pages_per_seq) + extra_blocks
+    page_ids = rng.permutation(num_blocks)
+    block_table = rng.integers(0, num_blocks, size=(len(k_lens), width))
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    k_values = np.full(shape, np.nan, np.float32)
+    v_values = np.full(shape, np.nan, np.float32)
+    next_page = 0
+    for b, (length, pages) in enumerate(zip(k_lens, pages_per_seq)):
+        block_table[b, :pages] = page_ids[next_page:next_page + pages]
+        next_page += pages
+        for j in range(length):
+            page, slot = block_table[b, j // block_size], j % block_size
+            k_values[page, slot] = rng.standard_normal((num_kv_heads, head_size))
+            v_values[page, slot] = rng.standard_normal((num_kv_heads, head_size))
+    if cache_dtype is not None:
+        k_cache = jnp.asarray(k_values / k_scale).astype(cache_dtype)
+        v_cache = jnp.asarray(v_values / v_scale).astype(cache_dtype)
+    else:
+        k_cache, v_cache = jnp.asarray(k_values, dtype), jnp.asarray(v_values, dtype)
+    return PagedCache(k_cache, v_cache, jnp.asarray(block_table, jnp.int32))
+
+
+@dataclasses.dataclass
+class VarlenProblem:
+    """Arguments of `flash_attn_varlen_func` (packed, or paged when block_table is set)."""
+
+    q: jax.Array  # [Tq, Hq, D]
+    k: jax.Array  # [Tk, Hk, D] or [num_blocks, block_size, Hk, D]
+    v: jax.Array
+    cu_seqlens_q: jax.Array  # i32[B + 1]
+    cu_seqlens_k: jax.Array  # i32[B + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: jax.Array | None = None
+    seqused_k: jax.Array | None = None
+    k_scale: Any = 1.0
+    v_scale: Any = 1.0
+
+    def arrays(self) -> dict[str, Any]:
+        """The array arguments (traceable under jit), by keyword."""
+        return dict(q=self.q, k=self.k, v=self.v, cu_seqlens_q=self.cu_seqlens_q,
+                    cu_seqlens_k=self.cu_seqlens_k, block_table=self.block_table,
+                    seqused_k=self.seqused_k, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def run(self, impl: Implementation, *, eager: bool = False, **attention: Any) -> jax.Array:
+        """Calls the API under jit (``eager=False``) or op by op; attention options are static."""
+        static = dict(max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+                      **impl.api_kwargs())
+        return call_api(jax_paged_attn.flash_attn_varlen_func, self.arrays(), static, eager=eager,
+                        **attention)
+
+    def oracle(self, emulate_dtype: Any | None = None, **attention: Any) -> np.ndarray:
+        return oracle.varlen_attention(**self.arrays(), **attention, emulate_dtype=emulate_dtype)
+
+
+@dataclasses.dataclass
+class KVCacheProblem:
+    """Arguments of `flash_attn_with_kvcache`."""
+
+    q: jax.Array  # [B, Sq, Hq, D]
+    k_cache: jax.Array  # [num_blocks, block_size, Hk, D]
+    v_cache: jax.Array
+    cache_seqlens: jax.Array  # i32[B]
+    block_table: jax.Array  # i32[B, max_blocks_per_seq]
+    k_scale: Any = 1.0
+    v_scale: Any = 1.0
+
+    def arrays(self) -> dict[str, Any]:
+        return dict(q=self.q, k_cache=self.k_cache, v_cache=self.v_cache,
+                    cache_seqlens=self.cache_seqlens, block_table=self.block_table,
+                    k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def run(self, impl: Implementation, *, eager: bool = False, **attention: Any) -> jax.Array:
+        """Calls the API under jit (``eager=False``) or op by op; attention options are static."""
+        return call_api(jax_paged_attn.flash_attn_with_kvcache, self.arrays(), impl.api_kwargs(),
+                        eager=eager, **attention)
+
+    def oracle(self, emulate_dtype: Any | None = None, **attention: Any) -> np.ndarray:
+        return oracle.kvcache_attention(**self.arrays(), **attention, emulate_dtype=emulate_dtype)
+
+
+def make_varlen_problem(
+    rng: np.random.Generator,
+    q_lens: Sequence[int],
+    k_lens: Sequence[int] | None = None,
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    dtype: Any = jnp.bfloat16,
+    paged: bool = False,
+    block_size: int = 16,
+    cache_dtype: Any | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    q_padding_rows: int = 0,
+    k_padding_rows: int = 0,
+    use_seqused_k: bool = False,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    extra_blocks: int = 2,
+    max_blocks_per_seq: int | None = None,
+) -> VarlenProblem:
+    """A random varlen problem; ``k_lens`` defaults to ``q_lens`` (self-attention prefill).
+
+    Packed: k / v ``[sum(k_lens) + k_padding_rows, Hk, D]``. Paged (``paged=True``): a
+    `build_paged_cache` cache read through a block table, optionally fp8. Padding rows
+    of q / k / v are NaN. With ``use_seqused_k`` the key counts come from ``seqused_k``
+    and ``cu_seqlens_k`` claims 3 more keys per sequence (so it must be ignored).
+    """
+    k_lens = list(q_lens) if k_lens is None else list(k_lens)
+    assert len(k_lens) == len(q_lens)
+    if cache_dtype is not None:
+        assert paged, "fp8 is for the paged cache"
+    q = np.concatenate([
+        rng.standard_normal((sum(q_lens), num_q_heads, head_size)).astype(np.float32),
+        np.full((q_padding_rows, num_q_heads, head_size), np.nan, np.float32),
+    ])
+    if paged:
+        cache = build_paged_cache(
+            rng, k_lens, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            block_size=block_size, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            extra_blocks=extra_blocks, max_blocks_per_seq=max_blocks_per_seq)
+        k, v, block_table = cache.k, cache.v, cache.block_table
+    else:
+        def packed() -> jax.Array:
+            rows = rng.standard_normal((sum(k_lens), num_kv_heads, head_size)).astype(np.float32)
+            pad = np.full((k_padding_rows, num_kv_heads, head_size), np.nan, np.float32)
+            return jnp.asarray(np.concatenate([rows, pad]), dtype)
+
+        k, v, block_table = packed(), packed(), None
+    claimed_k_lens = [n + 3 for n in k_lens] if use_seqused_k else k_lens
+    return VarlenProblem(
+        q=jnp.asarray(q, dtype), k=k, v=v,
+        cu_seqlens_q=cumulative(q_lens), cu_seqlens_k=cumulative(claimed_k_lens),
+        max_seqlen_q=max_seqlen_q or max(1, max(q_lens)),
+        max_seqlen_k=max_seqlen_k or max(1, max(k_lens)),
+        block_table=block_table,
+        seqused_k=jnp.asarray(k_lens, jnp.int32) if use_seqused_k else None,
+        k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale),
+    )
+
+
+def make_kvcache_problem(
+    rng: np.random.Generator,
+    cache_seqlens: Sequence[int],
+    num_queries: int = 1,
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    dtype: Any = jnp.bfloat16,
+    block_size: int = 16,
+    cache_dtype: Any | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    extra_blocks: int = 2,
+    max_blocks_per_seq: int | None = None,
+) -> KVCacheProblem:
+    """A random decode problem: ``num_queries`` new queries per sequence over its cache."""
+    cache = build_paged_cache(
+        rng, cache_seqlens, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+        block_size=block_size, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        extra_blocks=extra_blocks, max_blocks_per_seq=max_blocks_per_seq)
+    return KVCacheProblem(
+        q=random_array(rng, (len(cache_seqlens), num_queries, num_q_heads, head_size), dtype),
+        k_cache=cache.k, v_cache=cache.v,
+        cache_seqlens=jnp.asarray(cache_seqlens, jnp.int32), block_table=cache.block_table,
+        k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale),
+    )
+
+
+def check_against_oracle(problem: VarlenProblem | KVCacheProblem, impl: Implementation, *,
+                         eager: bool = False, **attention: Any) -> np.ndarray:
+    """Runs `problem` through the public API (jitted unless eager) and checks it against the oracle.
+
+    ``attention`` holds the keyword arguments shared by the API and the oracle
+    (softmax_scale, causal, window_size, softcap, alibi_slopes). Returns the output
+    as float64 for further checks.
+    """
+    out = problem.run(impl, eager=eager, **attention)
+    assert_valid_output(out, problem.q)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_close_to_oracle(out, exact, low, problem.q.dtype)
+    return np.asarray(out.astype(jnp.float32)).astype(np.float64)

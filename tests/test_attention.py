@@ -1,0 +1,612 @@
+"""Semantics of the public attention functions against the float64 oracle.
+
+Every API test runs once per implementation (`conftest.IMPLEMENTATIONS`): the XLA
+reference, the Pallas Triton kernels in interpret mode, and (marked ``gpu``) the same
+kernels compiled for a GPU. Shapes are kept small so the interpret-mode runs stay fast.
+The reference module is also checked directly, at float32, with a tight tolerance.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_paged_attn
+import oracle
+from conftest import (
+    Implementation,
+    KVCacheProblem,
+    VarlenProblem,
+    alibi_slopes,
+    assert_close_to_oracle,
+    assert_valid_output,
+    check_against_oracle,
+    compile_and_call,
+    cumulative,
+    make_kvcache_problem,
+    make_varlen_problem,
+    parametrize_impl,
+)
+from jax_paged_attn import reference
+from jax_paged_attn.spec import AttentionSpec
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+# --------------------------------------------------------------------------- mask pictures
+# (query rows, key columns), "1" = attended. The first two are the pictures of the
+# `jax_paged_attn.spec` docstring; the others have rows that see no key (output 0).
+PICTURES = {
+    "causal_sq2_sk5": (dict(causal=True), ["11110",
+                                           "11111"]),
+    "window_1_0_sq4_sk4": (dict(window_size=(1, 0)), ["1000",
+                                                      "1100",
+                                                      "0110",
+                                                      "0011"]),
+    "causal_sq4_sk2": (dict(causal=True), ["00",
+                                           "00",
+                                           "10",
+                                           "11"]),
+    "window_1_1_sq6_sk2": (dict(window_size=(1, 1)), ["00",
+                                                      "00",
+                                                      "00",
+                                                      "10",
+                                                      "11",
+                                                      "11"]),
+}
+
+
+def picture_matrix(rows: list[str]) -> np.ndarray:
+    return np.array([[c == "1" for c in row] for row in rows])
+
+
+@pytest.mark.parametrize("name", list(PICTURES))
+def test_oracle_mask_matches_pictures(name):
+    attention, rows = PICTURES[name]
+    expected = picture_matrix(rows)
+    got = oracle.visibility_matrix(*expected.shape, **attention)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_oracle_hand_computed_example():
+    # One query, two keys; scale ln(3) makes the scores (ln 3, 0): weights (3/4, 1/4).
+    head_size = 32
+    q = np.zeros((1, 1, head_size)); q[0, 0, 0] = 1.0
+    k = np.zeros((2, 1, head_size)); k[0, 0, 0] = 1.0
+    v = np.zeros((2, 1, head_size)); v[0, 0, 0] = 1.0; v[1, 0, 1] = 1.0
+    out = oracle.attention_one_sequence(q, k, v, softmax_scale=math.log(3.0))
+    np.testing.assert_allclose(out[0, 0, :2], [0.75, 0.25], rtol=1e-12)
+    # Soft-cap 1 then ALiBi slope 0.5 (distances: key 0 is 1 away, key 1 is 0 away).
+    out = oracle.attention_one_sequence(q, k, v, softmax_scale=math.log(3.0), softcap=1.0,
+                                        alibi_slopes=np.array([0.5]))
+    s0, s1 = math.tanh(math.log(3.0)) - 0.5, 0.0
+    w0 = math.exp(s0) / (math.exp(s0) + math.exp(s1))
+    np.testing.assert_allclose(out[0, 0, :2], [w0, 1.0 - w0], rtol=1e-12)
+
+
+def picture_problem(layout: str, q_len: int, k_len: int):
+    """q = k = 0 (every visible key gets the same score) and v[j] = e_j, one head.
+
+    Then output row i is the uniform distribution over the keys row i sees.
+    """
+    head_size, block_size = 32, 16
+    q = jnp.zeros((q_len, 1, head_size), jnp.float32)
+    v_rows = np.eye(k_len, head_size, dtype=np.float32)[:, None, :]  # [Sk, 1, D]
+    if layout == "packed":
+        keys = jnp.zeros((k_len, 1, head_size), jnp.float32)
+        return VarlenProblem(q, keys, jnp.asarray(v_rows), cumulative([q_len]), cumulative([k_len]),
+                             max_seqlen_q=q_len, max_seqlen_k=k_len)
+    # The sequence lives in page 2 of 3 NaN-filled pages.
+    k_cache = np.full((3, block_size, 1, head_size), np.nan, np.float32)
+    v_cache = k_cache.copy()
+    k_cache[2, :k_len] = 0.0
+    v_cache[2, :k_len] = v_rows
+    table = jnp.asarray([[2]], jnp.int32)
+    if layout == "paged":
+        return VarlenProblem(q, jnp.asarray(k_cache), jnp.asarray(v_cache), cumulative([q_len]),
+                             cumulative([k_len]), max_seqlen_q=q_len, max_seqlen_k=k_len,
+                             block_table=table)
+    return KVCacheProblem(q[None], jnp.asarray(k_cache), jnp.asarray(v_cache),
+                          jnp.asarray([k_len], jnp.int32), table)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("layout", ["packed", "paged", "kvcache"])
+@pytest.mark.parametrize("name", list(PICTURES))
+def test_mask_pictures(impl, layout, name):
+    attention, rows = PICTURES[name]
+    visible = picture_matrix(rows)
+    q_len, k_len = visible.shape
+    problem = picture_problem(layout, q_len, k_len)
+    out = problem.run(impl, **attention)
+    assert_valid_output(out, problem.q)
+    out = np.asarray(out).reshape(q_len, -1)
+    counts = np.maximum(visible.sum(axis=1, keepdims=True), 1)
+    expected = np.zeros_like(out)
+    expected[:, :k_len] = visible / counts
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the reference itself
+
+
+REFERENCE_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window_softcap": dict(window_size=(3, 2), softcap=2.0, softmax_scale=0.5),
+    "causal_window_alibi": dict(causal=True, window_size=(5, -1), alibi=True),
+    "right_window_only": dict(window_size=(-1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_reference_varlen_matches_oracle(rng, case, paged):
+    options = dict(REFERENCE_CASES[case])
+    use_alibi = options.pop("alibi", False)
+    problem = make_varlen_problem(rng, [3, 0, 17, 1], [9, 4, 30, 1] if paged else None,
+                                  num_q_heads=8, num_kv_heads=2, dtype=jnp.float32, paged=paged,
+                                  q_padding_rows=2)
+    slopes = alibi_slopes(8) if use_alibi else None
+    spec = AttentionSpec.create(32, has_alibi=use_alibi, **options)
+    static = dict(spec=spec, max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
+    out = compile_and_call(reference.varlen_attention, static,
+                           dict(problem.arrays(), alibi_slopes=slopes))
+    assert out.dtype == jnp.float32
+    expected = problem.oracle(alibi_slopes=slopes, **options)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+@pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn])
+def test_reference_decode_matches_oracle(rng, case, cache_dtype):
+    options = dict(REFERENCE_CASES[case])
+    use_alibi = options.pop("alibi", False)
+    problem = make_kvcache_problem(rng, [1, 0, 40, 19], 3, num_q_heads=4, num_kv_heads=1,
+                                   dtype=jnp.float32, cache_dtype=cache_dtype, k_scale=0.1,
+                                   v_scale=0.05)
+    slopes = alibi_slopes(4) if use_alibi else None
+    spec = AttentionSpec.create(32, has_alibi=use_alibi, **options)
+    out = compile_and_call(reference.paged_decode_attention, dict(spec=spec),
+                           dict(problem.arrays(), alibi_slopes=slopes))
+    assert out.dtype == jnp.float32
+    expected = problem.oracle(alibi_slopes=slopes, **options)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- varlen, packed K/V
+
+VARLEN_LENS = [5, 17, 1, 30]
+
+
+@parametrize_impl
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_dtypes(rng, impl, dtype, causal):
+    problem = make_varlen_problem(rng, VARLEN_LENS, dtype=dtype)
+    check_against_oracle(problem, impl, causal=causal)
+
+
+@parametrize_impl
+def test_packed_fewer_queries_than_keys(rng, impl):
+    # Bottom-right alignment with Sq < Sk in the packed layout (chunked prefill).
+    problem = make_varlen_problem(rng, [3, 1, 12], [20, 9, 12], dtype=jnp.float16)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("softmax_scale", [0.05, 1.0])
+def test_custom_softmax_scale(rng, impl, softmax_scale):
+    problem = make_varlen_problem(rng, VARLEN_LENS, dtype=jnp.float32)
+    out = check_against_oracle(problem, impl, causal=True, softmax_scale=softmax_scale)
+    default = problem.run(impl, causal=True)
+    assert np.abs(out - np.asarray(default, np.float64)).max() > 1e-3, "softmax_scale was ignored"
+
+
+@parametrize_impl
+def test_default_softmax_scale_is_inverse_sqrt_head_size(rng, impl):
+    problem = make_varlen_problem(rng, [7, 20], head_size=64, dtype=jnp.float32)
+    default = problem.run(impl, causal=True)
+    explicit = problem.run(impl, causal=True, softmax_scale=1.0 / math.sqrt(64))
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(explicit))
+
+
+@parametrize_impl
+@pytest.mark.parametrize("softcap", [1.0, 20.0])
+def test_softcap(rng, impl, softcap):
+    # softmax_scale=1 gives scores of size ~sqrt(D), so a cap of 1 changes them a lot.
+    problem = make_varlen_problem(rng, VARLEN_LENS, dtype=jnp.float32)
+    out = check_against_oracle(problem, impl, causal=True, softmax_scale=1.0, softcap=softcap)
+    uncapped = problem.oracle(causal=True, softmax_scale=1.0)
+    assert np.abs(out - uncapped).max() > 1e-3, "softcap was ignored"
+
+
+@parametrize_impl
+def test_packed_window(rng, impl):
+    problem = make_varlen_problem(rng, [9, 30], [14, 30], dtype=jnp.bfloat16)
+    check_against_oracle(problem, impl, window_size=(5, 3))
+
+
+@parametrize_impl
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
+def test_packed_head_sizes(rng, impl, head_size):
+    problem = make_varlen_problem(rng, [6, 19], num_q_heads=2, num_kv_heads=1, head_size=head_size,
+                                  dtype=jnp.bfloat16)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+def test_packed_padded_batch(rng, impl):
+    # Empty sequences in the middle and at the end, NaN rows past cu_seqlens_q[-1] and
+    # past cu_seqlens_k[-1]: the padding rows of the output are exactly 0.
+    problem = make_varlen_problem(rng, [4, 0, 9, 0], [4, 0, 9, 0], dtype=jnp.float16,
+                                  q_padding_rows=5, k_padding_rows=7, max_seqlen_q=16,
+                                  max_seqlen_k=16)
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[13:].any()
+
+
+@parametrize_impl
+@pytest.mark.parametrize("paged", [False, True])
+def test_length_one_sequences(rng, impl, paged):
+    # A single key gets weight 1: the output is that key's value (GQA head mapping included).
+    problem = make_varlen_problem(rng, [1, 1, 1], num_q_heads=4, num_kv_heads=2, dtype=jnp.float32,
+                                  paged=paged)
+    out = check_against_oracle(problem, impl, causal=True)
+    if paged:
+        table = np.asarray(problem.block_table)
+        values = np.stack([np.asarray(problem.v)[table[b, 0], 0] for b in range(3)])
+    else:
+        values = np.asarray(problem.v)
+    np.testing.assert_allclose(out, np.repeat(values, 2, axis=1), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- rows that see no key
+
+
+@parametrize_impl
+def test_packed_more_queries_than_keys_causal(rng, impl):
+    # Sq=6 > Sk=2: query i aligns with key i - 4, so queries 0..3 see nothing; a
+    # sequence with no keys at all outputs 0 too.
+    problem = make_varlen_problem(rng, [6, 3], [2, 0], dtype=jnp.bfloat16)
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[:4].any() and out[4:6].all(axis=-1).all()
+    assert not out[6:].any()
+
+
+@parametrize_impl
+def test_window_that_excludes_every_key(rng, impl):
+    # Non-causal window (1, 1) with Sq=6, Sk=2: queries 0..2 have no key in their window.
+    problem = make_varlen_problem(rng, [6], [2], dtype=jnp.float32, paged=True)
+    out = check_against_oracle(problem, impl, window_size=(1, 1))
+    assert not out[:3].any() and out[3:].all(axis=-1).all()
+
+
+@parametrize_impl
+def test_seqused_k_zero(rng, impl):
+    problem = make_varlen_problem(rng, [3, 5], [0, 21], dtype=jnp.float16, paged=True,
+                                  use_seqused_k=True)
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[:3].any()
+
+
+@parametrize_impl
+def test_kvcache_empty_rows(rng, impl):
+    # cache_seqlens 0 (batch padding) outputs 0; cache_seqlens 2 < Sq=4 under causal
+    # leaves queries 0 and 1 without keys.
+    problem = make_kvcache_problem(rng, [0, 2, 23], 4, dtype=jnp.bfloat16)
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[0].any() and not out[1, :2].any() and out[1, 2:].all(axis=-1).all()
+
+
+# --------------------------------------------------------------------------- varlen, paged K/V
+
+PREFIX_Q_LENS = [7, 1, 20, 4]
+PREFIX_K_LENS = [7, 33, 45, 16]  # cached prefix + the new tokens; some pages half full
+
+
+@parametrize_impl
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=dtype, paged=True,
+                                  extra_blocks=4, max_blocks_per_seq=5)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_block_sizes(rng, impl, block_size):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
+                                  block_size=block_size)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.float32, paged=True,
+                                  use_seqused_k=True)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("decode_len", [1, 4])
+def test_paged_varlen_decode_batch(rng, impl, decode_len):
+    # vLLM's speculative-decode path: a few queries per sequence through the varlen API.
+    problem = make_varlen_problem(rng, [decode_len] * 3, [decode_len, 17, 40], dtype=jnp.bfloat16,
+                                  paged=True)
+    check_against_oracle(problem, impl, causal=True)
+
+
+WINDOWS = [(3, 0), (0, 0), (4, -1), (-1, 2), (2, 5)]
+
+
+@parametrize_impl
+@pytest.mark.parametrize("window_size", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_window(rng, impl, window_size, causal):
+    problem = make_varlen_problem(rng, [5, 1, 12], [5, 30, 27], dtype=jnp.float32, paged=True)
+    check_against_oracle(problem, impl, causal=causal, window_size=window_size)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_alibi(rng, impl, causal):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
+                                  dtype=jnp.float32, paged=True)
+    slopes = alibi_slopes(8)
+    out = check_against_oracle(problem, impl, causal=causal, alibi_slopes=slopes)
+    assert np.abs(out - problem.oracle(causal=causal)).max() > 1e-3, "alibi_slopes were ignored"
+
+
+@parametrize_impl
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 8), (8, 2), (8, 1)])
+def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=num_q_heads,
+                                  num_kv_heads=num_kv_heads, dtype=jnp.bfloat16, paged=True)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_paged_fp8_cache(rng, impl, cache_dtype):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
+                                  cache_dtype=cache_dtype, k_scale=0.05, v_scale=0.02)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+def test_paged_everything_at_once(rng, impl):
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
+                                  head_size=80, dtype=jnp.float16, paged=True, block_size=32,
+                                  cache_dtype=jnp.float8_e4m3fn, k_scale=0.05, v_scale=0.05)
+    check_against_oracle(problem, impl, causal=True, window_size=(9, 0), softcap=3.0,
+                         softmax_scale=0.3, alibi_slopes=alibi_slopes(8))
+
+
+# --------------------------------------------------------------------------- flash_attn_with_kvcache
+
+DECODE_LENS = [1, 17, 40, 33]
+
+
+@parametrize_impl
+@pytest.mark.parametrize("num_queries", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode(rng, impl, num_queries, causal):
+    problem = make_kvcache_problem(rng, [max(n, num_queries) for n in DECODE_LENS], num_queries,
+                                   dtype=jnp.bfloat16)
+    check_against_oracle(problem, impl, causal=causal)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_dtypes(rng, impl, dtype):
+    problem = make_kvcache_problem(rng, DECODE_LENS, dtype=dtype, extra_blocks=4, max_blocks_per_seq=4)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+def test_decode_head_and_block_sizes(rng, impl, block_size, head_size):
+    problem = make_kvcache_problem(rng, [9, 50], num_q_heads=2, num_kv_heads=1, head_size=head_size,
+                                   block_size=block_size, dtype=jnp.bfloat16)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_decode_gqa(rng, impl, num_q_heads, num_kv_heads):
+    problem = make_kvcache_problem(rng, DECODE_LENS, num_q_heads=num_q_heads,
+                                   num_kv_heads=num_kv_heads, dtype=jnp.float16)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_decode_fp8_cache(rng, impl, cache_dtype, num_queries):
+    problem = make_kvcache_problem(rng, DECODE_LENS, num_queries, dtype=jnp.bfloat16,
+                                   cache_dtype=cache_dtype, k_scale=0.05, v_scale=0.02)
+    check_against_oracle(problem, impl, causal=True)
+
+
+@parametrize_impl
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(window_size=(8, 0), causal=True),
+        dict(window_size=(0, 0)),
+        dict(window_size=(-1, 3)),
+        dict(softcap=2.0, softmax_scale=1.0),
+        dict(alibi=True, causal=True),
+        dict(alibi=True, softcap=5.0, window_size=(20, 0), causal=True, softmax_scale=0.2),
+    ],
+    ids=["window_causal", "window_0_0", "window_right", "softcap", "alibi", "everything"],
+)
+def test_decode_features(rng, impl, attention):
+    attention = dict(attention)
+    if attention.pop("alibi", False):
+        attention["alibi_slopes"] = alibi_slopes(8)
+    problem = make_kvcache_problem(rng, DECODE_LENS, 2, num_q_heads=8, num_kv_heads=2,
+                                   dtype=jnp.float32)
+    check_against_oracle(problem, impl, **attention)
+
+
+# --------------------------------------------------------------------------- eager and under jax.jit
+# Every other test calls the API inside jit (`conftest.call_api`); these two run it op by
+# op (where the value checks of the arguments run too) and under a plain `jax.jit`.
+
+
+@parametrize_impl
+def test_eager_calls(rng, impl):
+    varlen = make_varlen_problem(rng, [3, 9], [20, 9], dtype=jnp.bfloat16, paged=True)
+    check_against_oracle(varlen, impl, eager=True, causal=True, softcap=4.0)
+    decode = make_kvcache_problem(rng, [3, 20], 2, dtype=jnp.bfloat16,
+                                  cache_dtype=jnp.float8_e4m3fn, k_scale=0.1, v_scale=0.1)
+    check_against_oracle(decode, impl, eager=True, causal=True, alibi_slopes=alibi_slopes(4))
+
+
+def same_shape_paged_problems(rng):
+    """Two paged varlen problems with identical shapes but different lengths and pages."""
+    common = dict(num_q_heads=4, num_kv_heads=2, dtype=jnp.bfloat16, paged=True,
+                  max_seqlen_q=24, max_seqlen_k=48, max_blocks_per_seq=3,
+                  cache_dtype=jnp.float8_e5m2)
+    first = make_varlen_problem(rng, [4, 20, 0], [4, 40, 9], q_padding_rows=2, extra_blocks=2,
+                                k_scale=0.05, v_scale=0.1, **common)  # 4 + 3 + 1 pages
+    second = make_varlen_problem(rng, [1, 1, 24], [33, 1, 24], q_padding_rows=0, extra_blocks=1,
+                                 k_scale=0.1, v_scale=0.03, **common)  # 3 + 1 + 2 pages
+    assert jax.tree.map(jnp.shape, first.arrays()) == jax.tree.map(jnp.shape, second.arrays())
+    return first, second
+
+
+@parametrize_impl
+def test_varlen_jit_with_traced_arrays(rng, impl):
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_k"))
+    def attend(arrays, slopes, max_seqlen_q, max_seqlen_k):
+        traces.append(None)
+        return jax_paged_attn.flash_attn_varlen_func(
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **arrays, causal=True,
+            window_size=(30, 0), alibi_slopes=slopes, **impl.api_kwargs())
+
+    slopes = alibi_slopes(4)
+    for problem in same_shape_paged_problems(rng):
+        out = attend(problem.arrays(), slopes, problem.max_seqlen_q, problem.max_seqlen_k)
+        assert_valid_output(out, problem.q)
+        exact = problem.oracle(causal=True, window_size=(30, 0), alibi_slopes=slopes)
+        low = problem.oracle(causal=True, window_size=(30, 0), alibi_slopes=slopes,
+                             emulate_dtype=jnp.dtype(problem.q.dtype))
+        assert_close_to_oracle(out, exact, low, problem.q.dtype)
+    assert len(traces) == 1, "new lengths / block tables / scales must not retrace"
+
+
+@parametrize_impl
+def test_kvcache_jit_with_traced_arrays(rng, impl):
+    traces = []
+
+    @jax.jit
+    def attend(arrays):
+        traces.append(None)
+        return jax_paged_attn.flash_attn_with_kvcache(**arrays, causal=True, softcap=10.0,
+                                                      **impl.api_kwargs())
+
+    common = dict(num_q_heads=4, num_kv_heads=1, dtype=jnp.float16, max_blocks_per_seq=4,
+                  cache_dtype=jnp.float8_e4m3fn)
+    problems = [make_kvcache_problem(rng, [5, 64], 4, extra_blocks=1, k_scale=0.1, v_scale=0.1,
+                                     **common),
+                make_kvcache_problem(rng, [20, 30], 4, extra_blocks=2, k_scale=0.03, v_scale=0.2,
+                                     **common)]
+    for problem in problems:
+        out = attend(problem.arrays())
+        assert_valid_output(out, problem.q)
+        exact = problem.oracle(causal=True, softcap=10.0)
+        low = problem.oracle(causal=True, softcap=10.0, emulate_dtype=jnp.dtype(problem.q.dtype))
+        assert_close_to_oracle(out, exact, low, problem.q.dtype)
+    assert len(traces) == 1
+
+
+# --------------------------------------------------------------------------- property-based
+
+WINDOW_SIDES = st.sampled_from([-1, 0, 1, 3, 8])
+# Fixed array shapes (lengths vary below the bounds) keep compilations few.
+MAX_BATCH, MAX_Q, MAX_K = 3, 12, 32
+
+
+@st.composite
+def attention_options(draw, num_q_heads: int) -> dict:
+    options = dict(
+        causal=draw(st.booleans()),
+        window_size=(draw(WINDOW_SIDES), draw(WINDOW_SIDES)),
+        softcap=draw(st.sampled_from([0.0, 0.5, 5.0])),
+        softmax_scale=draw(st.sampled_from([None, 0.3, 1.0])),
+    )
+    if draw(st.booleans()):
+        options["alibi_slopes"] = alibi_slopes(num_q_heads)
+    return options
+
+
+@parametrize_impl
+def test_random_varlen_problems(impl: Implementation):
+    @settings(max_examples=impl.max_examples)
+    @given(data=st.data())
+    def check(data):
+        batch = data.draw(st.integers(1, MAX_BATCH), label="batch")
+        q_lens = data.draw(st.lists(st.integers(0, MAX_Q), min_size=batch, max_size=batch), label="q_lens")
+        k_lens = [data.draw(st.integers(max(0, n - 4), MAX_K), label="k_len") for n in q_lens]
+        num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+        num_q_heads = num_kv_heads * data.draw(st.sampled_from([1, 2, 4]), label="group")
+        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+        paged = data.draw(st.booleans(), label="paged")
+        layout = {}
+        if paged:
+            block_size = data.draw(st.sampled_from([16, 32]), label="block_size")
+            used_pages = sum(-(-n // block_size) for n in k_lens)
+            layout = dict(block_size=block_size, max_blocks_per_seq=MAX_K // block_size,
+                          extra_blocks=MAX_BATCH * MAX_K // block_size + 1 - used_pages,
+                          cache_dtype=data.draw(st.sampled_from([None] + FP8_DTYPES), label="cache_dtype"),
+                          use_seqused_k=data.draw(st.booleans(), label="use_seqused_k"),
+                          k_scale=0.05, v_scale=0.05)
+        else:
+            layout = dict(k_padding_rows=MAX_BATCH * MAX_K - sum(k_lens))
+        problem = make_varlen_problem(
+            np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed")), q_lens, k_lens,
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype, paged=paged,
+            q_padding_rows=MAX_BATCH * MAX_Q - sum(q_lens), max_seqlen_q=MAX_Q, max_seqlen_k=MAX_K,
+            **layout)
+        check_against_oracle(problem, impl, **data.draw(attention_options(num_q_heads), label="options"))
+
+    check()
+
+
+@parametrize_impl
+def test_random_kvcache_problems(impl: Implementation):
+    @settings(max_examples=impl.max_examples)
+    @given(data=st.data())
+    def check(data):
+        batch = data.draw(st.integers(1, MAX_BATCH), label="batch")
+        cache_seqlens = data.draw(st.lists(st.integers(0, 48), min_size=batch, max_size=batch),
+                                  label="cache_seqlens")
+        num_queries = data.draw(st.sampled_from([1, 2, 4]), label="num_queries")
+        num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+        num_q_heads = num_kv_heads * data.draw(st.sampled_from([1, 2, 4]), label="group")
+        block_size = data.draw(st.sampled_from([16, 32]), label="block_size")
+        max_blocks = -(-48 // block_size)
+        used_pages = sum(-(-n // block_size) for n in cache_seqlens)
+        problem = make_kvcache_problem(
+            np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed")), cache_seqlens,
+            num_queries, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            dtype=data.draw(st.sampled_from(DTYPES), label="dtype"), block_size=block_size,
+            cache_dtype=data.draw(st.sampled_from([None] + FP8_DTYPES), label="cache_dtype"),
+            k_scale=0.05, v_scale=0.05, max_blocks_per_seq=max_blocks,
+            extra_blocks=MAX_BATCH * max_blocks + 1 - used_pages)
+        check_against_oracle(problem, impl, **data.draw(attention_options(num_q_heads), label="options"))
+
+    check()

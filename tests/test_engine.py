@@ -1,0 +1,314 @@
+"""LLMEngine end to end on a tiny random Llama (float32, CPU), and the sampler.
+
+The oracle is `dense_greedy_generate`: greedy argmax over the model's cache-free
+``forward_dense``, re-run over the whole sequence for every token. The engine must
+produce the same tokens, token for token, through the paged cache, continuous batching
+(requests arriving at different steps), chunked prefill, prefix sharing with
+copy-on-write, and preemption (swap to host, or recompute) forced by a tiny cache.
+
+Engines here share one model structure and cache size where they can, so they share
+compiled programs (`LLMEngine` keeps one jitted step per model structure).
+"""
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_paged_attn.engine import (
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    dense_greedy_generate,
+    sample_tokens,
+)
+from jax_paged_attn.builder import ScheduledSequence, input_positions, pack_per_token, sequence_rows
+from jax_paged_attn.metadata import ARRAY_FIELDS, STATIC_FIELDS
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0}
+# One bucket per count and static bounds at bucket capacity: every engine built from BASE
+# runs at most three programs (prefill only, mixed, decode only), shared between tests.
+BASE = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                    num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),
+                    block_table_width_buckets=(16,), coarse_length_bounds=True,
+                    compiler_options=FAST_CPU_COMPILE)
+VOCAB = LlamaConfig.tiny().vocab_size
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def random_prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def run_with_arrivals(engine, prompts, params, arrivals):
+    """Adds prompt i at step arrivals[i] and steps until all finish; returns outputs by index."""
+    outputs, step = {}, 0
+    while len(outputs) < len(prompts):
+        for i, when in enumerate(arrivals):
+            if when == step:
+                engine.add_request(prompts[i], params, request_id=f"req{i}")
+        for out in engine.step():
+            outputs[int(out.request_id[3:])] = engine.pop_output(out.request_id)
+        step += 1
+        assert step < 2000, "engine did not finish"
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def assert_all_blocks_free(engine):
+    assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
+    assert engine.scheduler.host_blocks.num_free_blocks == engine.config.num_host_blocks
+
+
+# --------------------------------------------------------------------------- greedy vs dense
+
+
+def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapping(model):
+    prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
+    max_tokens = 80
+    engine = LLMEngine(model, BASE)
+    outs = run_with_arrivals(engine, prompts, greedy(max_tokens), arrivals=[0, 0, 1, 2, 2, 5, 8])
+    expected = dense_greedy_generate(model, prompts, max_tokens)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.output_token_ids == ref, f"request {i} diverged from the dense reference"
+        assert out.finish_reason == "length"
+    stats = engine.stats
+    assert stats.num_preemptions > 0 and stats.num_swapped_out_blocks > 0  # the cache was too small
+    assert stats.num_recomputed_requests == 0
+    assert any(o.num_preemptions for o in outs)
+    assert_all_blocks_free(engine)
+
+
+def test_greedy_matches_dense_when_preemption_recomputes(model):
+    prompts = random_prompts(1, [40, 9, 66, 21, 33])
+    engine = LLMEngine(model, BASE, num_host_blocks=0)
+    outs = run_with_arrivals(engine, prompts, greedy(80), arrivals=[0, 0, 0, 1, 1])
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 80)
+    assert engine.stats.num_recomputed_requests > 0
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_sharing_and_copy_on_write_match_dense(model):
+    (shared,) = random_prompts(2, [32])  # exactly two blocks
+    prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]
+    engine = LLMEngine(model, BASE)
+    first = engine.generate([shared], greedy(6), use_tqdm=False)[0]
+    outs = engine.generate(prompts, greedy(6), use_tqdm=False)
+    expected = dense_greedy_generate(model, prompts, 6)
+    assert first.output_token_ids == expected[0]
+    assert [o.output_token_ids for o in outs] == expected
+    # The repeated prompt reuses both cached blocks and recomputes only its last token,
+    # which lies in a shared block: that write goes to a copy.
+    assert outs[0].num_cached_tokens == 31 and outs[1].num_cached_tokens == 32
+    assert engine.stats.num_copied_blocks >= 1
+    assert_all_blocks_free(engine)
+
+
+def test_multi_step_decoding_matches_dense_and_stops_on_time(model):
+    prompts = random_prompts(8, [6, 33, 12, 20])
+    expected = dense_greedy_generate(model, prompts, 24)
+    eos = expected[1][9]  # request 1 stops at its 10th token (or earlier, if eos came before)
+    cut = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in expected]
+    engine = LLMEngine(model, BASE, num_scheduler_steps=4, eos_token_id=eos)
+    outs = run_with_arrivals(engine, prompts, greedy(24), arrivals=[0, 0, 3, 9])
+    assert [o.output_token_ids for o in outs] == cut
+    assert [o.finish_reason for o in outs] == ["stop" if eos in ref else "length" for ref in expected]
+    # Decode-only stretches ran four model steps per scheduling step.
+    assert engine.stats.num_steps < engine.stats.num_generated_tokens * 0.6
+    assert engine.stats.num_generated_tokens == sum(len(c) for c in cut)
+    assert_all_blocks_free(engine)
+
+
+# --------------------------------------------------------------------------- compilation, donation
+
+
+def test_256_step_decode_compiles_few_programs_and_matches_dense():
+    # A model structure no other test uses, so its jitted step starts with no program.
+    small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(3))
+    prompts = random_prompts(3, [8, 5])
+    engine = LLMEngine(small, BASE, num_blocks=40, max_num_batched_tokens=64, batch_buckets=None,
+                       token_buckets=None, block_table_width_buckets=None, coarse_length_bounds=False)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [len(o.output_token_ids) for o in outs] == [256, 256]
+    # 1 prefill program + one decode program per block-table width bucket (1..32 blocks).
+    assert 2 <= engine.num_compiled_programs <= 7, engine.num_compiled_programs
+    if hasattr(engine._step.fn, "_cache_size"):
+        assert engine._step.fn._cache_size() == engine.num_compiled_programs
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(small, prompts, 256)
+
+
+def test_decode_step_updates_the_donated_cache_in_place(model):
+    engine = LLMEngine(model, BASE)
+    engine.add_request([1, 2, 3], greedy(8))
+    engine.step()  # prefill
+    engine.step()  # first decode (compiles)
+    before = list(engine.kv_caches)
+    pointers = [c.unsafe_buffer_pointer() for c in before]
+    engine.step()
+    assert all(c.is_deleted() for c in before), "the step did not consume (donate) the old caches"
+    assert [c.unsafe_buffer_pointer() for c in engine.kv_caches] == pointers, "the cache was copied"
+
+
+def test_decode_fast_path_equals_the_builder(model):
+    """Decode-only steps reuse the previous metadata moved one token on; it must be exactly
+    what the builder makes, also when a sequence crosses into a new block."""
+    engine = LLMEngine(model, BASE)
+    advance = engine._advance_decode_batch
+    checked = []
+
+    def checking(out):
+        fast = advance(out)
+        if fast is not None:
+            metadata, token_ids, positions, rows, _ = fast
+            sequences = [ScheduledSequence(is_prompt=i.is_prefill, seq_len=i.seq_len, context_len=i.start,
+                                           query_len=i.num_new_tokens, block_table=i.request.block_table)
+                         for i in out.scheduled]
+            built = engine.builder.build_host(sequences)
+            for field in ARRAY_FIELDS:
+                np.testing.assert_array_equal(getattr(metadata, field), getattr(built, field), err_msg=field)
+            for field in STATIC_FIELDS:
+                assert getattr(metadata, field) == getattr(built, field), field
+            np.testing.assert_array_equal(positions, input_positions(built, sequences))
+            np.testing.assert_array_equal(rows, sequence_rows(built, sequences))
+            expected_ids = [i.request.token_ids()[i.start:i.seq_len] for i in out.scheduled]
+            np.testing.assert_array_equal(token_ids, pack_per_token(built, sequences, expected_ids))
+            checked.append(any(i.start % BASE.block_size == 0 for i in out.scheduled))
+        return fast
+
+    engine._advance_decode_batch = checking
+    prompts = random_prompts(7, [14, 3, 30])
+    outs = engine.generate(prompts, greedy(20), use_tqdm=False)
+    assert len(checked) > 10 and any(checked)  # fast steps, some writing into a fresh block
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+
+
+# --------------------------------------------------------------------------- bad requests
+
+
+def test_bad_requests_are_rejected_and_others_continue(model):
+    prompts = random_prompts(4, [7, 20])
+    engine = LLMEngine(model, BASE)
+    ids = [engine.add_request(p, greedy(10)) for p in prompts]
+    engine.step()
+    engine.step()
+    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+        engine.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="max context"):
+        engine.add_request([1] * 512, greedy(4))
+    with pytest.raises(ValueError, match=r"outside \[0, 128\)"):
+        engine.add_request([1, 128], greedy(4))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request([1], SamplingParams(temperature=-0.5))
+    with pytest.raises(ValueError, match="prompts\\[1\\]: .*empty"):
+        engine.generate([[1, 2], []], greedy(4), use_tqdm=False)
+    assert sorted(engine.scheduler.requests) == sorted(ids)  # nothing of the bad ones remains
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = engine.pop_output(out.request_id).output_token_ids
+    assert [outputs[i] for i in ids] == dense_greedy_generate(model, prompts, 10)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-3), "top_k"),
+    (dict(seed=-1), "seed"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_engine_config_errors():
+    with pytest.raises(ValueError, match="block_size must be a multiple of 16"):
+        EngineConfig(block_size=8)
+    with pytest.raises(ValueError, match="num_blocks"):
+        EngineConfig(num_blocks=0)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sampler_greedy_top_k_and_top_p_limits():
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((6, 50)).astype(np.float32))
+    argmax = np.argmax(np.asarray(logits), axis=-1)
+    ones, seeds, counters = jnp.ones(6), jnp.arange(6, dtype=jnp.uint32), jnp.zeros(6, jnp.int32)
+    sample = jax.jit(sample_tokens)
+    greedy_tokens = sample(logits, jnp.zeros(6), ones, jnp.full(6, -1), seeds, counters)
+    np.testing.assert_array_equal(greedy_tokens, argmax)
+    top1 = sample(logits, jnp.full(6, 5.0), ones, jnp.ones(6, jnp.int32), seeds, counters)
+    np.testing.assert_array_equal(top1, argmax)
+    tiny_p = sample(logits, jnp.full(6, 5.0), jnp.full(6, 1e-6), jnp.full(6, -1), seeds, counters)
+    np.testing.assert_array_equal(tiny_p, argmax)
+
+
+def test_sampler_distribution_top_p_and_seeds():
+    n = 4000
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.tile(np.log(probs), (n, 1)).astype(np.float32))
+    seeds = jnp.full(n, 11, jnp.uint32)
+    counters = jnp.arange(n, dtype=jnp.int32)  # one stream, n draws
+    sample = jax.jit(sample_tokens)
+    tokens = np.asarray(sample(logits, jnp.ones(n), jnp.ones(n), jnp.full(n, -1), seeds, counters))
+    freq = np.bincount(tokens, minlength=4) / n
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+    # top_p=0.7 keeps tokens 0 and 1 (0.5 before token 1 < 0.7; 0.8 before token 2 is not).
+    nucleus = np.asarray(sample(logits, jnp.ones(n), jnp.full(n, 0.7), jnp.full(n, -1), seeds, counters))
+    assert set(nucleus.tolist()) == {0, 1}
+    np.testing.assert_allclose(np.mean(nucleus == 0), 0.5 / 0.8, atol=0.03)
+    top2 = np.asarray(sample(logits, jnp.ones(n), jnp.ones(n), jnp.full(n, 2), seeds, counters))
+    assert set(top2.tolist()) == {0, 1}
+    # The same (seed, counter) always draws the same token; another seed draws others.
+    again = np.asarray(sample(logits, jnp.ones(n), jnp.ones(n), jnp.full(n, -1), seeds, counters))
+    np.testing.assert_array_equal(again, tokens)
+    other = np.asarray(sample(logits, jnp.ones(n), jnp.ones(n), jnp.full(n, -1), seeds + 1, counters))
+    assert np.mean(other != tokens) > 0.3
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model, capsys):
+    prompts = random_prompts(6, [9, 14, 4, 25])
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=12, seed=7)
+    alone = LLMEngine(model, BASE).generate([prompts[0]], params, use_tqdm=False)[0]
+    engine = LLMEngine(model, BASE)
+    others = [SamplingParams(temperature=1.0, max_tokens=12, seed=s) for s in (1, 2, 3)]
+    together = engine.generate(prompts, [params] + others, use_tqdm=True)
+    assert together[0].output_token_ids == alone.output_token_ids
+    assert len({tuple(o.output_token_ids) for o in together}) == 4
+    err = capsys.readouterr().err
+    assert ("generate: 4/4 requests" in err) or ("100%" in err)  # the stderr line, or a tqdm bar
+    summary = engine.stats.summary()
+    assert "prefill:" in summary and "decode:" in summary and "tok/s" in summary
+    assert engine.stats.num_generated_tokens == 4 * 12
+
+
+# --------------------------------------------------------------------------- benchmark smoke
+
+
+def test_bench_engine_quick_smoke(capsys):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    spec = importlib.util.spec_from_file_location("bench_engine", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "| batch |" in out
+    assert len(rows) == 2 and all(r["engine_tok_s"] > 0 and r["dense_tok_s"] > 0 for r in rows)

@@ -1,0 +1,380 @@
+"""The varlen (prefill) Pallas kernel in interpret mode against `reference.varlen_attention`.
+
+* Main grid: the public `flash_attn_varlen_func(..., implementation="triton",
+  interpret=True)`, packed and paged, over GQA / MQA, head sizes, masks, ALiBi,
+  soft-cap, fp8 caches, ragged lengths and padding rows. Problems come from
+  conftest's builders: NaN in every unused cache slot and padding row, randomly
+  permuted block tables.
+* Tilings: `prefill.varlen_attention` with explicit configs (GQA packing on / off,
+  small tiles, lengths at tile boundaries, a group that does not divide block_q).
+* The tile plan in isolation, checked exhaustively against the mask rules.
+* Cross-lowering for CUDA on this CPU host finds the Triton call.
+
+Every case is jitted once (interpret mode run eagerly would compile op by op).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_paged_attn
+from conftest import VarlenProblem, alibi_slopes, make_varlen_problem
+from jax_paged_attn import prefill, reference, tuning
+from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+# Max |kernel - reference| allowed, by query dtype. The kernel rounds the probabilities
+# to the input dtype before the P.V product (as flash-attention does); the reference
+# keeps them in float32. Outputs are O(1).
+TOLERANCE = {jnp.dtype(jnp.bfloat16): 3e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-4}
+
+
+def _attention_kwargs(problem: VarlenProblem, attention: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(attention)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = alibi_slopes(problem.q.shape[1])
+    return kwargs
+
+
+def _api(problem: VarlenProblem, implementation: str, attention: dict[str, Any]) -> jax.Array:
+    """`flash_attn_varlen_func` on the problem, jitted with the static arguments bound."""
+    kwargs = _attention_kwargs(problem, attention)
+    slopes = kwargs.pop("alibi_slopes", None)
+    fn = functools.partial(
+        jax_paged_attn.flash_attn_varlen_func, max_seqlen_q=problem.max_seqlen_q,
+        max_seqlen_k=problem.max_seqlen_k, implementation=implementation,
+        interpret=implementation == "triton", **kwargs)
+    return jax.jit(fn)(alibi_slopes=slopes, **problem.arrays())
+
+
+def _assert_matches_reference(out: jax.Array, problem: VarlenProblem, attention: dict[str, Any]) -> None:
+    ref = _api(problem, "xla", attention)
+    assert out.shape == problem.q.shape and out.dtype == problem.q.dtype
+    got = np.asarray(out.astype(jnp.float32))
+    want = np.asarray(ref.astype(jnp.float32))
+    bad = np.argwhere(~np.isfinite(got))
+    assert bad.size == 0, f"non-finite output at (row, head, dim) {bad[:5].tolist()}"
+    error = np.abs(got - want)
+    worst = float(error.max(initial=0.0))
+    allowed = TOLERANCE[jnp.dtype(problem.q.dtype)]
+    assert worst <= allowed, (
+        f"max |kernel - reference| = {worst:.3g} at {np.unravel_index(np.argmax(error), error.shape)} "
+        f"> {allowed}")
+    # Rows after cu_seqlens_q[-1] are padding: exactly 0.
+    total = int(problem.cu_seqlens_q[-1])
+    assert not np.any(got[total:]), "padding rows after cu_seqlens_q[-1] must be 0"
+
+
+# (id, problem builder kwargs, attention kwargs). Lengths straddle the default tiles
+# (block_q 128 rows; with GQA packing 128 / group positions per tile).
+MAIN_GRID = [
+    ("packed-gqa4-d64-bf16-causal-ragged",
+     dict(q_lens=[1, 31, 32, 33, 65], num_q_heads=8, num_kv_heads=2, head_size=64,
+          q_padding_rows=3, k_padding_rows=2),
+     dict(causal=True)),
+    ("packed-prefix-cached-mqa-d80-f16",  # 5 new tokens on 37 cached ones
+     dict(q_lens=[5, 3], k_lens=[37, 3], num_q_heads=4, num_kv_heads=1, head_size=80,
+          dtype=jnp.float16, q_padding_rows=2),
+     dict(causal=True)),
+    ("packed-mha-d128-f32-noncausal",
+     dict(q_lens=[17, 40], k_lens=[23, 40], num_q_heads=2, num_kv_heads=2, head_size=128,
+          dtype=jnp.float32, q_padding_rows=1),
+     dict(causal=False)),
+    ("paged-bs16-gqa4-d64-bf16-causal-prefix",
+     dict(q_lens=[5, 40, 1], k_lens=[37, 40, 100], num_q_heads=8, num_kv_heads=2, head_size=64,
+          paged=True, block_size=16, extra_blocks=24, q_padding_rows=4),
+     dict(causal=True)),
+    ("paged-bs32-mqa-d128-f16-causal-window",
+     dict(q_lens=[20, 3], k_lens=[50, 33], num_q_heads=4, num_kv_heads=1, head_size=128,
+          dtype=jnp.float16, paged=True, block_size=32, extra_blocks=6),
+     dict(causal=True, window_size=(8, 0))),
+    ("paged-bs16-mha-d64-window-both-sides",
+     dict(q_lens=[30, 7], k_lens=[45, 7], num_q_heads=2, num_kv_heads=2, head_size=64,
+          paged=True, block_size=16, q_padding_rows=2),
+     dict(window_size=(16, 4))),
+    ("packed-gqa2-d64-window-right-only",
+     dict(q_lens=[33, 9], k_lens=[40, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(window_size=(UNBOUNDED, 3))),
+    ("packed-gqa2-d80-window-left-only",
+     dict(q_lens=[33, 9], k_lens=[40, 20], num_q_heads=4, num_kv_heads=2, head_size=80),
+     dict(window_size=(10, UNBOUNDED))),
+    ("packed-gqa2-d64-alibi-causal",
+     dict(q_lens=[24, 50], k_lens=[30, 50], num_q_heads=4, num_kv_heads=2, head_size=64,
+          q_padding_rows=2),
+     dict(causal=True, alibi=True)),
+    ("paged-bs16-gqa4-d128-alibi-window-noncausal",
+     dict(q_lens=[12, 30], k_lens=[40, 30], num_q_heads=8, num_kv_heads=2, head_size=128,
+          paged=True, block_size=16),
+     dict(window_size=(20, 6), alibi=True)),
+    ("paged-bs32-gqa2-d64-f16-softcap-causal",
+     dict(q_lens=[16, 45], k_lens=[70, 45], num_q_heads=4, num_kv_heads=2, head_size=64,
+          dtype=jnp.float16, paged=True, block_size=32, extra_blocks=8),
+     dict(causal=True, softcap=5.0, softmax_scale=0.3)),
+    ("paged-fp8e4m3-bs16-gqa4-d64-bf16-causal",
+     dict(q_lens=[5, 33], k_lens=[37, 60], num_q_heads=8, num_kv_heads=2, head_size=64,
+          paged=True, block_size=16, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0,
+          extra_blocks=10, q_padding_rows=2),
+     dict(causal=True)),
+    ("paged-fp8e5m2-bs32-mqa-d80-f16-alibi",
+     dict(q_lens=[9, 20], k_lens=[40, 20], num_q_heads=4, num_kv_heads=1, head_size=80,
+          dtype=jnp.float16, paged=True, block_size=32, cache_dtype=jnp.float8_e5m2,
+          k_scale=0.25, v_scale=1.5),
+     dict(causal=True, alibi=True)),
+    ("paged-bs16-gqa2-d256-bf16-causal",
+     dict(q_lens=[7, 20], k_lens=[30, 20], num_q_heads=2, num_kv_heads=1, head_size=256,
+          paged=True, block_size=16, q_padding_rows=1),
+     dict(causal=True)),
+    ("paged-seqused-k-gqa4-d64",  # cu_seqlens_k claims 3 extra keys; seqused_k wins
+     dict(q_lens=[6, 17], k_lens=[19, 50], num_q_heads=8, num_kv_heads=2, head_size=64,
+          paged=True, block_size=16, use_seqused_k=True),
+     dict(causal=True)),
+    ("packed-more-queries-than-keys-causal",  # the first 6 rows see no key: 0, not NaN
+     dict(q_lens=[10, 2], k_lens=[4, 2], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(causal=True)),
+    ("packed-empty-sequences",  # a sequence without queries, one without keys
+     dict(q_lens=[0, 7, 3], k_lens=[5, 0, 9], num_q_heads=4, num_kv_heads=2, head_size=64,
+          q_padding_rows=2),
+     dict(causal=False)),
+    ("packed-lengths-past-max-seqlen",  # flash-attention trusts max_seqlen: rows past it are 0
+     dict(q_lens=[10, 4], k_lens=[12, 4], num_q_heads=4, num_kv_heads=2, head_size=64,
+          max_seqlen_q=6, max_seqlen_k=9),
+     dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID])
+def test_kernel_matches_reference(build, attention):
+    problem = make_varlen_problem(np.random.default_rng(0), **build)
+    out = _api(problem, "triton", attention)
+    _assert_matches_reference(out, problem, attention)
+
+
+def test_query_without_keys_is_zero_not_nan():
+    problem = make_varlen_problem(np.random.default_rng(1), q_lens=[10], k_lens=[4],
+                                  num_q_heads=2, num_kv_heads=1, head_size=32)
+    out = np.asarray(_api(problem, "triton", dict(causal=True)).astype(jnp.float32))
+    assert np.all(out[:6] == 0.0)  # bottom-right: query i sees keys <= i - 6
+    assert np.all(np.isfinite(out)) and np.any(out[6:] != 0.0)
+
+
+# --------------------------------------------------------------------------- tilings
+
+
+def _kernel_with_config(problem: VarlenProblem, config: tuning.PrefillConfig,
+                        attention: dict[str, Any]) -> jax.Array:
+    kwargs = _attention_kwargs(problem, attention)
+    slopes = kwargs.pop("alibi_slopes", None)
+    spec = AttentionSpec.create(problem.q.shape[-1], has_alibi=slopes is not None, **kwargs)
+    fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=problem.max_seqlen_q,
+                           max_seqlen_k=problem.max_seqlen_k, interpret=True, config=config)
+    a = problem.arrays()
+    return jax.jit(fn)(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                       a["block_table"], a["seqused_k"], slopes, a["k_scale"], a["v_scale"])
+
+
+TILINGS = [
+    # Tiles of 16 positions (one head per tile): lengths at multiples of 16 +- 1.
+    ("unpacked-bq16-bk16-boundaries",
+     tuning.PrefillConfig(block_q=16, block_k=16, pack_gqa=False),
+     dict(q_lens=[15, 16, 17, 31, 33], num_q_heads=4, num_kv_heads=2, head_size=32, q_padding_rows=1),
+     dict(causal=True)),
+    # Packed GQA: 32 rows = 8 positions x 4 heads; lengths at multiples of 8 +- 1.
+    ("packed-bq32-bk16-boundaries-window",
+     tuning.PrefillConfig(block_q=32, block_k=16, pack_gqa=True),
+     dict(q_lens=[7, 8, 9, 23, 25], k_lens=[7, 20, 9, 40, 25], num_q_heads=8, num_kv_heads=2,
+          head_size=32, q_padding_rows=3),
+     dict(causal=True, window_size=(11, 0))),
+    # Group of 3 does not divide 16 rows: 5 positions x 3 heads, one idle row.
+    ("packed-group3-bq16",
+     tuning.PrefillConfig(block_q=16, block_k=32, pack_gqa=True),
+     dict(q_lens=[4, 5, 6, 11], k_lens=[9, 5, 20, 11], num_q_heads=6, num_kv_heads=2,
+          head_size=48, q_padding_rows=2),
+     dict(causal=True, alibi=True)),
+    # MQA group of 32 > block_q 16 rows: packing is impossible, one head per tile.
+    ("mqa-group-larger-than-tile-unpacked",
+     tuning.PrefillConfig(block_q=16, block_k=16, pack_gqa=True),
+     dict(q_lens=[3, 18], k_lens=[20, 18], num_q_heads=32, num_kv_heads=1, head_size=32),
+     dict(causal=True)),
+    # KV step of 32 keys over 16-token pages, and of 16 keys over 32-token pages.
+    ("paged-bk32-over-bs16",
+     tuning.PrefillConfig(block_q=32, block_k=32),
+     dict(q_lens=[3, 31], k_lens=[47, 33], num_q_heads=4, num_kv_heads=2, head_size=32,
+          paged=True, block_size=16, extra_blocks=5),
+     dict(causal=True)),
+    ("paged-bk16-over-bs32-in-order",
+     tuning.PrefillConfig(block_q=16, block_k=16, longest_first=False),
+     dict(q_lens=[3, 31], k_lens=[47, 33], num_q_heads=4, num_kv_heads=2, head_size=32,
+          paged=True, block_size=32, extra_blocks=5),
+     dict(window_size=(9, 2))),
+]
+
+
+@pytest.mark.parametrize("config, build, attention", [pytest.param(c, b, a, id=i) for i, c, b, a in TILINGS])
+def test_tilings_match_reference(config, build, attention):
+    problem = make_varlen_problem(np.random.default_rng(2), **build)
+    out = _kernel_with_config(problem, config, attention)
+    _assert_matches_reference(out, problem, attention)
+
+
+# --------------------------------------------------------------------------- the plan
+
+def _plan(q_lens: np.ndarray, k_lens: np.ndarray, **static: Any) -> np.ndarray:
+    """`prefill.plan_tiles` for packed sequences of these lengths, jitted, as NumPy."""
+    fn = jax.jit(functools.partial(prefill.plan_tiles, **static))
+    return np.asarray(fn(jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+                         jnp.asarray(np.concatenate([[0], np.cumsum(k_lens)]), jnp.int32), None))
+
+
+PLAN_SPECS = [
+    dict(causal=False),
+    dict(causal=True),
+    dict(causal=True, window_size=(5, 0)),
+    dict(window_size=(7, 3)),
+    dict(window_size=(UNBOUNDED, 2)),
+    dict(window_size=(4, UNBOUNDED)),
+]
+
+
+@pytest.mark.parametrize("attention", PLAN_SPECS, ids=lambda a: str(sorted(a.items())))
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_plan_covers_rows_and_skips_only_invisible_keys(attention, longest_first):
+    """Every row is stored by exactly one tile; the visited KV blocks hold every key a
+    valid row sees; the unmasked blocks hold only keys every valid row sees."""
+    q_lens = np.array([0, 1, 7, 8, 9, 23, 3], np.int32)
+    k_lens = np.array([4, 1, 30, 8, 2, 23, 40], np.int32)
+    num_q_tokens, positions, block_k = int(q_lens.sum()) + 5, 8, 4
+    spec = AttentionSpec.create(64, **attention)
+    plan = _plan(q_lens, k_lens, num_q_tokens=num_q_tokens, num_packed_keys=int(k_lens.sum()),
+                 key_capacity=None, spec=spec, max_seqlen_q=int(q_lens.max()),
+                 max_seqlen_k=int(k_lens.max()), positions_per_tile=positions, block_k=block_k,
+                 longest_first=longest_first)
+    F = prefill.TileField
+    assert plan.shape == (prefill.num_query_tiles(num_q_tokens, len(q_lens), positions),
+                          prefill.TILE_INFO_WIDTH)
+    stored = np.zeros(num_q_tokens, np.int32)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+    for tile in plan:
+        rows = range(tile[F.Q_ROW0], tile[F.Q_ROW0] + tile[F.Q_ROWS])
+        stored[list(rows)] += 1
+        lo, full_lo, full_hi, hi = tile[[F.KB_LO, F.KB_FULL_LO, F.KB_FULL_HI, F.KB_HI]]
+        assert lo <= full_lo <= full_hi <= hi
+        q_len, k_len = tile[F.Q_LEN], tile[F.K_LEN]
+        if tile[F.Q_ROWS] and tile[F.Q_POS0] < q_len:  # rows of a real sequence
+            assert tile[F.Q_ROW0] == cu_q[tile[F.SEQ]] + tile[F.Q_POS0]
+        positions = np.arange(tile[F.Q_POS0], tile[F.Q_POS0] + tile[F.Q_ROWS])
+        positions = positions[positions < q_len][:, None]  # the rows that attend
+        keys = np.arange(max(k_len, hi * block_k))[None, :]
+        visible = np.asarray(reference.key_visible(positions, keys, q_len, k_len, spec))
+        visited = (keys >= lo * block_k) & (keys < hi * block_k)
+        unmasked = (keys >= full_lo * block_k) & (keys < full_hi * block_k)
+        assert not np.any(visible & ~visited), tile  # no visible key is skipped
+        assert np.all(visible | ~unmasked), tile  # unmasked blocks: visible to every row
+    assert np.all(stored == 1), stored
+
+
+def test_plan_clamps_invalid_lengths():
+    """Under jit nobody validates cu_seqlens: out-of-range lengths must not address
+    memory outside q (rows) or outside the block table (keys)."""
+    spec = AttentionSpec.create(64, causal=False)
+    fn = jax.jit(functools.partial(
+        prefill.plan_tiles, num_q_tokens=20, num_packed_keys=None, key_capacity=32, spec=spec,
+        max_seqlen_q=64, max_seqlen_k=64, positions_per_tile=8, block_k=16))
+    cu_q = jnp.array([0, 12, 30], jnp.int32)  # claims 30 rows of a 20-row q
+    plan = np.asarray(fn(cu_q, cu_q, jnp.array([50, -3], jnp.int32)))  # 50 keys > 32 addressable
+    F = prefill.TileField
+    assert np.all(plan[:, F.Q_ROW0] + plan[:, F.Q_ROWS] <= 20)
+    assert np.all(plan[:, F.K_LEN] >= 0) and np.all(plan[:, F.K_LEN] <= 32)
+    assert np.all(plan[:, F.KB_HI] * 16 <= 32)
+
+
+def test_plan_orders_longest_first():
+    spec = AttentionSpec.create(64, causal=True)
+    q_lens = np.array([8, 40, 16], np.int32)
+    plan = _plan(q_lens, q_lens, num_q_tokens=int(q_lens.sum()), num_packed_keys=int(q_lens.sum()),
+                 key_capacity=None, spec=spec, max_seqlen_q=40, max_seqlen_k=40,
+                 positions_per_tile=8, block_k=8)
+    F = prefill.TileField
+    real = plan[plan[:, F.Q_ROWS] > 0]
+    assert real[:, F.SEQ].tolist() == [1] * 5 + [2] * 2 + [0]
+    assert real[:5, F.Q_POS0].tolist() == [32, 24, 16, 8, 0]  # the diagonal's longest tiles first
+    work = real[:, F.KB_HI] - real[:, F.KB_LO]
+    assert work[0] == work.max()
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def _static_args(paged: bool, head_size: int = 64, dtype=jnp.bfloat16, kv_dtype=None):
+    q = jax.ShapeDtypeStruct((40, 8, head_size), dtype)
+    kv_dtype = kv_dtype or dtype
+    kv_shape = (12, 16, 2, head_size) if paged else (50, 2, head_size)
+    kv = jax.ShapeDtypeStruct(kv_shape, kv_dtype)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    table = jax.ShapeDtypeStruct((2, 6), jnp.int32) if paged else None
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    return (q, kv, kv, cu, cu, table, None, None, scale, scale)
+
+
+def test_unsupported_reason():
+    static = dict(spec=AttentionSpec.create(64, causal=True), max_seqlen_q=20, max_seqlen_k=30)
+    assert prefill.unsupported_reason(*_static_args(False), lowering="triton", **static) is None
+    assert prefill.unsupported_reason(
+        *_static_args(True, kv_dtype=jnp.float8_e5m2), lowering="triton", **static) is None
+    assert "lowering" in prefill.unsupported_reason(*_static_args(False), lowering="mosaic", **static)
+    assert "head size" in prefill.unsupported_reason(*_static_args(False, head_size=72),
+                                                     lowering="triton", **static)
+    assert "dtype" in prefill.unsupported_reason(*_static_args(False, dtype=jnp.int8),
+                                                 lowering="triton", **static)
+
+
+@pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(num_warps=3), dict(num_stages=0),
+                                 dict(num_stages_paged=0)])
+def test_bad_config_is_rejected(bad):
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2,
+                                  num_kv_heads=1, head_size=32)
+    with pytest.raises(ValueError, match="config"):
+        _kernel_with_config(problem, tuning.PrefillConfig(**bad), dict(causal=True))
+
+
+# --------------------------------------------------------------------------- CUDA lowering
+
+
+def _cuda_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("paged, head_size, kv_dtype, pack_gqa", [
+    (False, 80, jnp.bfloat16, True),
+    (False, 128, jnp.float16, False),
+    (True, 64, jnp.float8_e4m3fn, True),
+    (True, 256, jnp.bfloat16, True),
+])
+def test_lowers_for_cuda_to_triton_call(paged, head_size, kv_dtype, pack_gqa):
+    """Every feature at once (window, ALiBi, soft-cap) so that every code path lowers."""
+    q_dtype = jnp.float16 if kv_dtype == jnp.float16 else jnp.bfloat16
+    args = list(_static_args(paged, head_size, q_dtype, kv_dtype))
+    args[7] = jax.ShapeDtypeStruct((8,), jnp.float32)  # alibi slopes
+    spec = AttentionSpec.create(head_size, causal=True, window_size=(32, 0), softcap=20.0,
+                                has_alibi=True)
+    config = dataclasses.replace(tuning.prefill_config(head_size, jnp.dtype(q_dtype).name),
+                                 pack_gqa=pack_gqa)
+    fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=20, max_seqlen_k=30,
+                           config=config)
+    assert TRITON_CALL in _cuda_text(fn, *args)
+
+
+def test_public_api_lowers_for_cuda_to_triton_call():
+    q = jnp.ones((40, 8, 96), jnp.bfloat16)
+    k = jnp.ones((50, 2, 96), jnp.bfloat16)
+    cu_q = jnp.array([0, 7, 40], jnp.int32)
+    cu_k = jnp.array([0, 20, 50], jnp.int32)
+    fn = lambda q, k, v, cq, ck: jax_paged_attn.flash_attn_varlen_func(
+        q, k, v, cq, ck, 33, 30, causal=True, implementation="triton")
+    assert TRITON_CALL in _cuda_text(fn, q, k, k, cu_q, cu_k)
