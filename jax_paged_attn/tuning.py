@@ -95,7 +95,13 @@ PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
 
 # key: (head_size rounded up to a power of 2, block_size, query heads per KV head rounded
 # up to a power of 2) -> DecodeConfig
-DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {
+    # Measured 2026-11-29 on an H200 (jax 0.11.2), `bench_attention.py --tune --suite decode`:
+    # 24 configs on B64 ctx4096 / B8 ctx32768 / B256 ctx1024 (group 4) and B32 ctx8192
+    # (group 8), D128 page 16 bf16; best geomean 0.404-0.409 ms per shape (2.6 TB/s).
+    (128, 16, 4): DecodeConfig(pages_per_step=4, num_warps=4, num_stages=2),
+    (128, 16, 8): DecodeConfig(pages_per_step=4, num_warps=4, num_stages=2),
+}
 
 
 def prefill_config(head_size: int, dtype_name: str) -> PrefillConfig:
