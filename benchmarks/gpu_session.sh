@@ -23,7 +23,7 @@ for step in "${steps[@]}"; do
       suites="${step#tune}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
     engine)
-      timeout 300 python3 benchmarks/bench_engine.py --out "$out" 2>&1 | tee "$out/engine.log" ;;
+      timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
