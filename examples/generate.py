@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams, dense_greedy_generate  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, load_llama  # noqa: E402
 
 DEFAULT_PROMPTS = [
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--implementation", default=None, help="attention implementation: auto, xla, triton")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify", action="store_true",
+                        help="also decode greedily through the engine and through a dense no-cache forward, "
+                             "and check they agree token for token (exits 1 if not)")
     args = parser.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
@@ -105,6 +108,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"[{out.request_id}] {out.prompt_token_ids} -> {out.output_token_ids}  ({out.finish_reason})")
     print(engine.stats.summary())
+
+    if args.verify:
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        paged = [out.output_token_ids for out in engine.generate(prompts, greedy, use_tqdm=False)]
+        dense = dense_greedy_generate(model, prompts, args.max_tokens)
+        same = sum(p == d for p, d in zip(paged, dense))
+        print(f"verify: greedy decoding through the paged cache equals dense no-cache attention for "
+              f"{same}/{len(prompts)} requests")
+        if same != len(prompts):
+            sys.exit(1)
 
 
 if __name__ == "__main__":
