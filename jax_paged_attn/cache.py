@@ -7,8 +7,10 @@ block ``s // block_size``. vLLM mutates its caches in place; here every op is a 
 function returning the new cache, written so that XLA can update in place:
 
 * `reshape_and_cache_flash` / `reshape_and_cache_flash_kv` write new tokens' keys and
-  values at their slots (one XLA scatter on the ``[num_blocks * block_size, Hk, D]``
-  view of the cache);
+  values at their slots: on CUDA a Pallas Triton kernel that stores each token's row
+  into the cache buffer (`jax_paged_attn.kernels.triton_cache`), elsewhere (and with
+  ``implementation="xla"``) one XLA scatter on the ``[num_blocks * block_size, Hk, D]``
+  view of the cache; both write the same bits;
 * `copy_blocks` / `copy_kv_cache_blocks` copy whole blocks inside each layer's cache
   (copy-on-write after a fork, beam search);
 * `swap_blocks` moves whole blocks between a device cache and a host cache
@@ -56,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged_attn import checks
+from jax_paged_attn import checks, dispatch
 
 Array = jax.Array
 
@@ -298,6 +300,9 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str = "auto",
     k_scale: Array | float = 1.0,
     v_scale: Array | float = 1.0,
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> tuple[Array, Array]:
     """Writes each token's key and value into its cache slot; returns the new caches.
 
@@ -314,6 +319,10 @@ def reshape_and_cache_flash(
         ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (static under jit: ``static_argnames``).
       k_scale, v_scale: positive float32 scalars; fp8 caches store ``x / scale``
         (saturated to the largest finite fp8 value). Ignored for ``"auto"``.
+      implementation: ``"xla"`` (the scatter), ``"triton"`` (the Pallas kernel; CUDA,
+        or any backend with ``interpret=True``) or None / ``"auto"``: the kernel when
+        lowered for CUDA, the scatter elsewhere (`_dispatch_write`). Static.
+      interpret: run the kernel in Pallas interpret mode (CPU tests). Static.
 
     Returns:
       ``(key_cache, value_cache)`` with the same shapes, dtypes and placement.
@@ -333,19 +342,12 @@ def reshape_and_cache_flash(
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, key_cache.dtype, "key_cache")
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, value_cache.dtype, "value_cache")
     k_scale, v_scale = _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale")
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_blocks, block_size = key_cache.shape[:2]
     num_slots = num_blocks * block_size
     _check_slot_mapping_values(slot_mapping, num_slots)
 
-    slots = _scatter_indices(jnp.asarray(slot_mapping), num_slots)
-
-    def write(cache: Array, rows: Array, scale: Array) -> Array:
-        flat = cache.reshape(num_slots, num_kv_heads, head_size)  # a bitcast: aliasing survives it
-        flat = flat.at[slots].set(_quantize(rows, cache.dtype, scale), mode="drop",
-                                  wrap_negative_indices=False, unique_indices=True)
-        return flat.reshape(cache.shape)
-
-    return write(key_cache, key, k_scale), write(value_cache, value, v_scale)
+    return _dispatch_write(key, value, (key_cache, value_cache), jnp.asarray(slot_mapping), k_scale, v_scale,
+                           implementation=implementation, interpret=interpret)
 
 
 def reshape_and_cache_flash_kv(
@@ -356,13 +358,17 @@ def reshape_and_cache_flash_kv(
     kv_cache_dtype: str = "auto",
     k_scale: Array | float = 1.0,
     v_scale: Array | float = 1.0,
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> Array:
     """`reshape_and_cache_flash` on one layer's stacked cache (`get_kv_cache_shape`).
 
     vLLM passes ``kv_cache[0]`` and ``kv_cache[1]`` (views) to the op; in JAX those
     would be copies, so this variant updates the ``[2, ...]`` array directly and stays
     in place under ``jax.jit(..., donate_argnums=2, static_argnames="kv_cache_dtype")``.
-    Same arguments, checks and semantics; returns the new ``kv_cache``.
+    Same arguments, checks and semantics; returns the new ``kv_cache``. The kernel
+    writes a token's key and value in the same program.
     """
     _check_token_args(key, value, slot_mapping)
     _check_cache_matches_tokens(kv_cache, key, "kv_cache", 5)
@@ -370,15 +376,70 @@ def reshape_and_cache_flash_kv(
         raise ValueError(f"kv_cache must have 2 on its first axis (keys, values), got shape {kv_cache.shape}.")
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, kv_cache.dtype, "kv_cache")
     k_scale, v_scale = _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale")
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_blocks, block_size = kv_cache.shape[1:3]
     num_slots = num_blocks * block_size
     _check_slot_mapping_values(slot_mapping, num_slots)
 
-    slots = _scatter_indices(jnp.asarray(slot_mapping), num_slots)
-    rows = jnp.stack([_quantize(key, kv_cache.dtype, k_scale), _quantize(value, kv_cache.dtype, v_scale)])
-    flat = kv_cache.reshape(2, num_slots, num_kv_heads, head_size)
-    flat = flat.at[:, slots].set(rows, mode="drop", wrap_negative_indices=False, unique_indices=True)
-    return flat.reshape(kv_cache.shape)
+    (kv_cache,) = _dispatch_write(key, value, (kv_cache,), jnp.asarray(slot_mapping), k_scale, v_scale,
+                                  implementation=implementation, interpret=interpret)
+    return kv_cache
+
+
+def _xla_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
+               *caches: Array) -> tuple[Array, ...]:
+    """The XLA path (and the kernel's reference): one scatter per cache, or one on the
+    stacked cache. ``caches`` is ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
+    num_slots = caches[0].shape[-4] * caches[0].shape[-3]
+    slots = _scatter_indices(slot_mapping, num_slots)
+    row_shape = key.shape[1:]
+    if len(caches) == 1:
+        (kv_cache,) = caches
+        rows = jnp.stack([_quantize(key, kv_cache.dtype, k_scale), _quantize(value, kv_cache.dtype, v_scale)])
+        flat = kv_cache.reshape(2, num_slots, *row_shape)  # a bitcast: aliasing survives it
+        flat = flat.at[:, slots].set(rows, mode="drop", wrap_negative_indices=False, unique_indices=True)
+        return (flat.reshape(kv_cache.shape),)
+
+    def write(cache: Array, rows: Array, scale: Array) -> Array:
+        flat = cache.reshape(num_slots, *row_shape)  # a bitcast: aliasing survives it
+        flat = flat.at[slots].set(_quantize(rows, cache.dtype, scale), mode="drop",
+                                  wrap_negative_indices=False, unique_indices=True)
+        return flat.reshape(cache.shape)
+
+    key_cache, value_cache = caches
+    return write(key_cache, key, k_scale), write(value_cache, value, v_scale)
+
+
+def _kernel_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
+                  *caches: Array, interpret: bool) -> tuple[Array, ...]:
+    from jax_paged_attn.kernels import triton_cache
+
+    scales = jnp.stack([k_scale, v_scale]) if jnp.dtype(caches[0].dtype).itemsize == 1 else None
+    return triton_cache.cache_write_call(key, value, slot_mapping, scales, caches, interpret=interpret)
+
+
+def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_mapping: Array,
+                    k_scale: Array, v_scale: Array, *, implementation: str | None,
+                    interpret: bool) -> tuple[Array, ...]:
+    """Picks the cache-write implementation, as `jax_paged_attn.dispatch` does for
+    attention: ``"xla"`` the scatter, ``"triton"`` the kernel (`NotImplementedError`
+    when it cannot write this cache), auto the kernel when lowered for CUDA (chosen per
+    lowering platform with `jax.lax.platform_dependent`) and the scatter elsewhere."""
+    impl = dispatch.normalize_implementation(implementation)
+    args = (key, value, slot_mapping, k_scale, v_scale, *caches)
+    if impl == dispatch.XLA or key.shape[0] == 0:
+        return _xla_write(*args)
+    from jax_paged_attn.kernels import triton_cache
+
+    num_slots = caches[0].shape[-4] * caches[0].shape[-3]
+    reason = triton_cache.unsupported_reason(num_slots, key.shape[1] * key.shape[2], stacked=len(caches) == 1)
+    kernel_fn = functools.partial(_kernel_write, interpret=interpret)
+    if impl == dispatch.AUTO:
+        if reason:
+            return _xla_write(*args)
+        return tuple(jax.lax.platform_dependent(*args, cuda=kernel_fn, default=_xla_write))
+    if reason:
+        raise NotImplementedError(f"implementation={impl!r} cannot run this call: {reason}")
+    return kernel_fn(*args)
 
 
 # --------------------------------------------------------------------------- block mappings

@@ -4,10 +4,16 @@ Every comparison is bit-exact: the ops only move (or, for fp8, round once) value
 The NumPy versions below are written from vLLM's kernel semantics (one loop per token
 or block pair), independently of the implementation.
 
-The ``gpu``-marked test at the end runs only on a CUDA host (``pytest -m gpu``); the
-CPU command deselects it with ``-m "not gpu"``.
+The cache-write kernel (``implementation="triton"``, Pallas interpret mode on CPU) is
+compared bit for bit with the XLA scatter, and its aliasing is checked both by buffer
+pointers (interpret mode) and in the module lowered for CUDA.
+
+The ``gpu``-marked tests at the end run only on a CUDA host (``pytest -m gpu``); the
+CPU command deselects them with ``-m "not gpu"``.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -396,6 +402,154 @@ def test_swap_without_donation_and_empty_mapping():
     assert cache.swap_blocks(src, dst, np.zeros((0, 2), np.int32)) is dst
 
 
+# --------------------------------------------------------------------------- the Triton kernel
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def kernel_case(rng, dtype, cache_dtype, num_kv_heads, head_size, num_blocks=4, num_tokens=37):
+    """Tokens, both cache layouts and slots with padding and out-of-range entries (only
+    legal under jit, where they are dropped). fp8 cases carry overflow, +-inf and NaN."""
+    shape = (num_tokens, num_kv_heads, head_size)
+    key = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    value = jnp.asarray(4 * rng.standard_normal(shape), jnp.float32).astype(dtype)
+    if jnp.dtype(cache_dtype).itemsize == 1:
+        key = key.at[0, 0, :4].set(jnp.asarray([1e4, -1e4, jnp.inf, -jnp.inf], dtype))
+        value = value.at[1, -1, -1].set(jnp.nan)
+    cache_shape = (2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+    kv = jnp.array(jnp.asarray(rng.standard_normal(cache_shape), jnp.float32).astype(cache_dtype), copy=True)
+    num_slots = num_blocks * BLOCK_SIZE
+    interior = 1 + rng.permutation(num_slots - 2)[:num_tokens - 2]
+    slots = np.concatenate([[0, num_slots - 1], interior]).astype(np.int32)  # distinct, first and last rows
+    slots[[3, 11]] = PAD_SLOT_ID
+    slots[[5, 20, 21]] = [num_slots, num_slots + 1000, -7]  # out of range: dropped
+    return key, value, kv, jnp.asarray(slots)
+
+
+KERNEL_DTYPES = [  # (token dtype, kv_cache_dtype, Hk, D, k_scale, v_scale)
+    (jnp.bfloat16, "auto", 2, 64, 1.0, 1.0),
+    (jnp.float16, "auto", 3, 80, 1.0, 1.0),  # Hk * D = 240: columns padded in-kernel
+    (jnp.float32, "auto", 1, 128, 1.0, 1.0),
+    (jnp.bfloat16, "fp8", 3, 80, 0.05, 3.0),
+    (jnp.float32, "fp8_e5m2", 2, 64, 0.3, 7.0),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, num_kv_heads, head_size, k_scale, v_scale", KERNEL_DTYPES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_triton_kernel_writes_the_same_bits_as_xla(dtype, kv_cache_dtype, num_kv_heads, head_size,
+                                                   k_scale, v_scale):
+    rng = np.random.default_rng(20)
+    cache_dtype = cache.get_kv_cache_dtype(kv_cache_dtype, dtype)
+    key, value, kv, slots = kernel_case(rng, dtype, cache_dtype, num_kv_heads, head_size)
+    static = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    want_k, want_v = jax.jit(functools.partial(cache.reshape_and_cache_flash, implementation="xla", **static))(
+        key, value, kv[0], kv[1], slots)
+    valid = np.where((np.asarray(slots) >= 0) & (np.asarray(slots) < kv.shape[1] * BLOCK_SIZE), slots, -1)
+    numpy_k, numpy_v = numpy_reshape_and_cache(np.asarray(key), np.asarray(value), kv[0], kv[1], valid,
+                                               k_scale, v_scale)
+    assert_bits_equal(want_k, numpy_k)
+    assert_bits_equal(want_v, numpy_v)
+
+    triton = dict(implementation="triton", interpret=True, **static)
+    got_k, got_v = jax.jit(functools.partial(cache.reshape_and_cache_flash, **triton))(
+        key, value, kv[0], kv[1], slots)
+    got_kv = jax.jit(functools.partial(cache.reshape_and_cache_flash_kv, **triton))(key, value, kv, slots)
+    for got in ((got_k, got_v), got_kv):
+        assert_bits_equal(got[0], want_k)
+        assert_bits_equal(got[1], want_v)
+
+
+def test_triton_kernel_multi_program_grid_and_eager_call():
+    """Several token tiles with a partial last one, and several column blocks per row
+    (a tiling smaller than the defaults), through the kernel builder; and the public
+    function called eagerly (concrete, checked slots)."""
+    from jax_paged_attn.kernels import triton_cache
+
+    rng = np.random.default_rng(21)
+    key, value, kv, slots = kernel_case(rng, jnp.bfloat16, jnp.bfloat16, 3, 80, num_blocks=3, num_tokens=23)
+    want_k, want_v = cache.reshape_and_cache_flash(key, value, kv[0], kv[1], jnp.where(
+        (slots >= 0) & (slots < 3 * BLOCK_SIZE), slots, PAD_SLOT_ID), implementation="xla")
+    tiling = triton_cache.CacheWriteTiling(tokens_per_program=4, cols_per_program=64)
+    (got_kv,) = triton_cache.cache_write_call(key, value, slots, None, (kv,), interpret=True, tiling=tiling)
+    assert_bits_equal(got_kv[0], want_k)
+    assert_bits_equal(got_kv[1], want_v)
+
+    padded = jnp.where((slots >= 0) & (slots < 3 * BLOCK_SIZE), slots, PAD_SLOT_ID)
+    eager_k, eager_v = cache.reshape_and_cache_flash(key, value, kv[0], kv[1], padded,
+                                                     implementation="triton", interpret=True)
+    assert_bits_equal(eager_k, want_k)
+    assert_bits_equal(eager_v, want_v)
+
+
+def test_triton_kernel_updates_donated_caches_in_place():
+    rng = np.random.default_rng(22)
+    key, value, kv, slots = kernel_case(rng, jnp.bfloat16, jnp.float8_e4m3fn, 2, 64)
+    key_cache, value_cache = jnp.array(kv[0], copy=True), jnp.array(kv[1], copy=True)
+    static = dict(kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0)
+    want = jax.jit(functools.partial(cache.reshape_and_cache_flash_kv, implementation="xla", **static))(
+        key, value, kv, slots)
+    triton = dict(implementation="triton", interpret=True, **static)
+
+    pointers = key_cache.unsafe_buffer_pointer(), value_cache.unsafe_buffer_pointer()
+    write = jax.jit(functools.partial(cache.reshape_and_cache_flash, **triton), donate_argnums=(2, 3))
+    new_k, new_v = write(key, value, key_cache, value_cache, slots)
+    assert key_cache.is_deleted() and value_cache.is_deleted()
+    assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
+    assert_bits_equal(new_k, want[0])
+    assert_bits_equal(new_v, want[1])
+
+    pointer = kv.unsafe_buffer_pointer()
+    new_kv = jax.jit(functools.partial(cache.reshape_and_cache_flash_kv, **triton), donate_argnums=2)(
+        key, value, kv, slots)
+    assert kv.is_deleted() and new_kv.unsafe_buffer_pointer() == pointer
+    assert_bits_equal(new_kv, want)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_auto_lowers_to_aliased_triton_kernel_for_cuda(kv_cache_dtype):
+    """Cross-lowering on this CPU host: with the default implementation the module for
+    CUDA holds the kernel, its output aliased to the donated cache; the CPU module
+    holds the scatter."""
+    cache_dtype = cache.get_kv_cache_dtype(kv_cache_dtype, jnp.bfloat16)
+    key = jnp.ones((40, 3, 80), jnp.bfloat16)
+    kv = jnp.zeros((2, 5, BLOCK_SIZE, 3, 80), cache_dtype)
+    slots = jnp.arange(40, dtype=jnp.int32)
+    static = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=2.0)
+    for fn, caches, donate in ((cache.reshape_and_cache_flash_kv, (kv,), 2),
+                               (cache.reshape_and_cache_flash, (kv[0], kv[1]), (2, 3))):
+        def call(key, value, slots, *caches, fn=fn):
+            return fn(key, value, *caches, slots, **static)
+
+        jitted = jax.jit(lambda key, value, *caches, slots, call=call: call(key, value, slots, *caches),
+                         donate_argnums=tuple(range(2, 2 + len(caches))))
+        traced = jitted.trace(key, key, *caches, slots=slots)
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert TRITON_CALL in cuda
+        assert cuda.count("tf.aliasing_output") == len(caches)
+        assert "output_operand_aliases" in cuda  # the custom call writes into its cache operand
+        cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+        assert TRITON_CALL not in cpu and "scatter" in cpu
+
+
+def test_implementation_errors_and_kernel_size_limit():
+    args = _args()
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        cache.reshape_and_cache_flash(**args, implementation="cuda")
+    # 2 * 2**17 blocks * 16 slots * (8 * 128) = 2**32 elements: past the kernel's int32 offsets.
+    key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    big = jax.ShapeDtypeStruct((2, 2**17, BLOCK_SIZE, 8, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(NotImplementedError, match="int32 element offsets"):
+        jax.eval_shape(functools.partial(cache.reshape_and_cache_flash_kv, implementation="triton"),
+                       key, key, big, slots)
+    out = jax.eval_shape(cache.reshape_and_cache_flash_kv, key, key, big, slots)  # auto: the scatter
+    assert out.shape == big.shape
+    text = jax.jit(cache.reshape_and_cache_flash_kv).trace(key, key, big, slots).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert TRITON_CALL not in text
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -518,3 +672,34 @@ def test_gpu_swap_round_trip_through_pinned_host_and_cpu_backend():
         want[:, pairs[:, 0]] = np.asarray(original)[:, pairs[:, 0]]
         assert_bits_equal(restored, want)
     assert cache.host_kv_cache_sharding(gpu).memory_kind == "pinned_host"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_gpu_triton_kernel_matches_xla_and_updates_in_place(kv_cache_dtype):
+    """Compiled on a CUDA device: the kernel writes the same bits as the XLA scatter
+    (both layouts, Hk * D a power of 2 and not), into the donated buffers."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    for dtype, num_kv_heads, head_size, num_tokens in ((jnp.bfloat16, 8, 128, 3000), (jnp.float16, 3, 80, 257)):
+        rng = np.random.default_rng(23)
+        cache_dtype = cache.get_kv_cache_dtype(kv_cache_dtype, dtype)
+        key, value, kv, slots = kernel_case(rng, dtype, cache_dtype, num_kv_heads, head_size,
+                                            num_blocks=256, num_tokens=num_tokens)
+        static = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.05, v_scale=3.0)
+        want = jax.jit(functools.partial(cache.reshape_and_cache_flash_kv, implementation="xla", **static))(
+            key, value, kv, slots)
+        want = host_copy(want)
+        key_cache, value_cache = jnp.array(kv[0], copy=True), jnp.array(kv[1], copy=True)
+        pointers = key_cache.unsafe_buffer_pointer(), value_cache.unsafe_buffer_pointer()
+        write = jax.jit(functools.partial(cache.reshape_and_cache_flash, **static), donate_argnums=(2, 3))
+        assert TRITON_CALL in write.lower(key, value, key_cache, value_cache, slots).as_text()
+        new_k, new_v = write(key, value, key_cache, value_cache, slots)
+        assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
+        assert_bits_equal(new_k, want[0])
+        assert_bits_equal(new_v, want[1])
+        pointer = kv.unsafe_buffer_pointer()
+        new_kv = jax.jit(functools.partial(cache.reshape_and_cache_flash_kv, implementation="triton", **static),
+                         donate_argnums=2)(key, value, kv, slots)
+        assert new_kv.unsafe_buffer_pointer() == pointer
+        assert_bits_equal(new_kv, want)

@@ -1,0 +1,240 @@
+"""Cache write (vLLM's ``reshape_and_cache_flash``): the Pallas kernel and its `pallas_call`.
+
+Only the kernel lives here; `jax_paged_attn.cache` checks the arguments, picks the
+implementation and keeps the XLA scatter as the reference. Semantics are those of
+`jax_paged_attn.cache.reshape_and_cache_flash`.
+
+The cache is viewed as rows: ``[num_slots, Hk * D]`` (``num_slots = num_blocks *
+block_size``, a free reshape), so token ``t``'s key is one contiguous row of
+``Hk * D`` elements written to row ``slot_mapping[t]``. One program handles
+``tokens_per_program`` tokens x ``cols_per_program`` columns of that row:
+
+* it loads the tokens' slot ids, then the key and value tile (contiguous rows of the
+  packed ``[T, Hk * D]`` inputs); rows of padding tokens (``PAD_SLOT_ID``) and of
+  out-of-range slots are neither read nor written;
+* for an fp8 cache it stores ``x / scale`` saturated to the format's largest finite
+  value (NaN stays NaN), rounded to nearest even, as `cache._quantize` does; the
+  division is IEEE-rounded (``div.rn.f32``, not Triton's approximate ``div.full``),
+  so the kernel and the XLA path write the same bits;
+* it stores into the cache buffer itself: the caches are aliased to the outputs
+  (``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` nothing
+  but the written rows is touched;
+* ``Hk * D`` need not be a power of 2: the columns are padded inside with masks.
+
+Both layouts use the same kernel: two caches ``[num_slots, Hk * D]`` (key, value) or
+one stacked cache ``[2, num_slots, Hk * D]`` written by the same program.
+
+Element offsets are int32 inside the kernel: a cache of ``2**31`` elements or more
+is not supported (`unsupported_reason`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+
+_MAX_COLS_PER_PROGRAM = 2048
+# Elements of one input tile (key or value) per program: 4 tokens of Hk * D = 1024.
+_ELEMENTS_PER_PROGRAM = 4096
+_MAX_OFFSET = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheWriteTiling:
+    """Static launch plan of the cache-write kernel.
+
+    Attributes:
+      tokens_per_program: tokens (rows) per program; a power of 2.
+      cols_per_program: columns of a ``Hk * D`` row per program; a power of 2 (the
+        last column block is masked when it passes ``Hk * D``).
+      num_warps: Triton launch parameter.
+    """
+
+    tokens_per_program: int
+    cols_per_program: int
+    num_warps: int = 4
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_tiling(num_tokens: int, row_size: int) -> CacheWriteTiling:
+    """Whole rows (up to 2048 columns) and about 4096 elements of key per program:
+    small enough to keep many programs in flight on a decode step of a few hundred
+    tokens, large enough that each program moves a few KiB per tensor."""
+    cols = min(_next_power_of_2(row_size), _MAX_COLS_PER_PROGRAM)
+    tokens = max(1, _ELEMENTS_PER_PROGRAM // cols)
+    tokens = min(tokens, _next_power_of_2(max(num_tokens, 1)))
+    return CacheWriteTiling(tokens_per_program=tokens, cols_per_program=cols)
+
+
+def unsupported_reason(num_slots: int, row_size: int, stacked: bool) -> str | None:
+    """Why the kernel cannot write a cache of this size (None when it can)."""
+    elements = (2 if stacked else 1) * num_slots * row_size
+    if elements > _MAX_OFFSET:
+        return (f"the cache holds {elements} elements; the kernel's int32 element offsets need "
+                f"fewer than 2**31")
+    return None
+
+
+def _divide_rn(x: Array, scale: Array, *, interpret: bool) -> Array:
+    """f32 ``x / scale`` rounded to nearest even (IEEE), like XLA's division.
+
+    Triton lowers f32 division to the approximate ``div.full.f32`` (up to 2 ulp off),
+    which could round a value to a different fp8 neighbour than the XLA path; the
+    inline ``div.rn.f32`` is exact. Interpret mode (no PTX) divides with jnp.
+    """
+    scale = jnp.broadcast_to(scale, x.shape)
+    if interpret:
+        return x / scale
+    [quotient] = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[x, scale],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return quotient
+
+
+def _quantize(x: Array, cache_dtype, scale: Array | None, *, interpret: bool) -> Array:
+    """``x`` in the cache's dtype; for fp8, ``x / scale`` saturated (NaN kept)."""
+    if scale is None:
+        return x.astype(cache_dtype)
+    largest = float(jnp.finfo(cache_dtype).max)
+    scaled = _divide_rn(x.astype(jnp.float32), scale, interpret=interpret)
+    # Comparisons, not jnp.clip: Triton's float min / max ignore NaN (maxnumf), and a
+    # NaN must stay NaN as in the XLA path (and vLLM's __NV_SATFINITE conversion).
+    scaled = jnp.where(scaled > largest, largest, scaled)
+    scaled = jnp.where(scaled < -largest, -largest, scaled)
+    return scaled.astype(cache_dtype)
+
+
+def _cache_write_kernel(
+    *refs,
+    tiling: CacheWriteTiling,
+    num_tokens: int,
+    row_size: int,
+    num_slots: int,
+    fp8: bool,
+    stacked: bool,
+    interpret: bool,
+):
+    (
+        # inputs
+        key_ref,  # [T, Hk * D] f16 / bf16 / f32
+        value_ref,  # [T, Hk * D] key's dtype
+        slots_ref,  # i32[T], PAD_SLOT_ID (-1) or out-of-range: not written
+        *rest,  # f32[2] scales when fp8, the aliased caches, then the outputs
+    ) = refs
+    scales_ref = rest.pop(0) if fp8 else None  # f32[2]: k_scale, v_scale
+    num_caches = 1 if stacked else 2
+    # The aliased cache inputs (rest[:num_caches]) are the outputs' buffers; only the
+    # output refs are written.
+    # outputs
+    out_refs = rest[num_caches:]  # [2, num_slots, Hk * D] or 2 x [num_slots, Hk * D] cache dtype
+    cache_dtype = out_refs[0].dtype
+
+    tokens, cols = tiling.tokens_per_program, tiling.cols_per_program
+    token = pl.program_id(0) * tokens + lax.iota(jnp.int32, tokens)  # [TT]
+    col = pl.program_id(1) * cols + lax.iota(jnp.int32, cols)  # [TC]
+    if num_tokens % tokens:
+        slot = plgpu.load(slots_ref.at[token], mask=token < num_tokens, other=-1)
+    else:
+        slot = plgpu.load(slots_ref.at[token])
+    slot_ok = (slot >= 0) & (slot < num_slots)  # [TT]
+    # Rows not written point past the end of the cache: masked on the GPU, and dropped
+    # by the interpreter's scatter (an in-range dummy row could collide with a real one).
+    target = jnp.where(slot_ok, slot, num_slots)  # [TT]
+    mask = jnp.broadcast_to(slot_ok[:, None], (tokens, cols))  # [TT, TC]
+    if row_size % cols:
+        mask = mask & (col < row_size)[None, :]
+
+    k_scale = v_scale = None
+    if scales_ref is not None:
+        k_scale, v_scale = scales_ref[0], scales_ref[1]
+    rows = (token[:, None], col[None, :])
+    key = plgpu.load(key_ref.at[rows], mask=mask, other=0)
+    value = plgpu.load(value_ref.at[rows], mask=mask, other=0)
+    key = _quantize(key, cache_dtype, k_scale, interpret=interpret)
+    value = _quantize(value, cache_dtype, v_scale, interpret=interpret)
+    dest = (target[:, None], col[None, :])
+    if stacked:
+        (kv_out_ref,) = out_refs
+        plgpu.store(kv_out_ref.at[(0, *dest)], key, mask=mask)
+        plgpu.store(kv_out_ref.at[(1, *dest)], value, mask=mask)
+    else:
+        k_out_ref, v_out_ref = out_refs
+        plgpu.store(k_out_ref.at[dest], key, mask=mask)
+        plgpu.store(v_out_ref.at[dest], value, mask=mask)
+
+
+def cache_write_call(
+    key: Array,  # [T, Hk, D] f16 / bf16 / f32
+    value: Array,  # [T, Hk, D] key's dtype
+    slots: Array,  # i32[T]: PAD_SLOT_ID or out-of-range entries are dropped
+    scales: Array | None,  # f32[2] (k_scale, v_scale) for an fp8 cache, else None
+    caches: tuple[Array, ...],  # ([2, num_blocks, bs, Hk, D],) or (k [num_blocks, bs, Hk, D], v same)
+    *,
+    interpret: bool = False,
+    tiling: CacheWriteTiling | None = None,
+) -> tuple[Array, ...]:
+    """Writes every token's key and value row into its slot; returns the caches.
+
+    ``caches`` is either one stacked cache ``[2, num_blocks, block_size, Hk, D]`` or a
+    (key, value) pair of ``[num_blocks, block_size, Hk, D]`` caches, in key's dtype or
+    fp8 (then ``scales`` is required and the cache stores ``x / scale``). The outputs
+    alias the caches (``input_output_aliases``): donated under jit, they are updated
+    in place. The returned tuple matches ``caches``. No argument checks here (see
+    `jax_paged_attn.cache`); ``tiling`` defaults to `default_tiling`.
+    """
+    num_tokens, num_kv_heads, head_size = key.shape
+    stacked = len(caches) == 1
+    cache_shape = caches[0].shape
+    num_slots = cache_shape[-4] * cache_shape[-3]
+    row_size = num_kv_heads * head_size
+    cache_dtype = jnp.dtype(caches[0].dtype)
+    fp8 = cache_dtype.itemsize == 1
+    if fp8 and scales is None:
+        raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
+    if num_tokens == 0:
+        return tuple(caches)
+    tiling = default_tiling(num_tokens, row_size) if tiling is None else tiling
+
+    # Free reshapes (bitcasts, aliasing survives them): one row per token / slot.
+    flat_caches = [c.reshape(*c.shape[:-4], num_slots, row_size) for c in caches]
+    inputs = [key.reshape(num_tokens, row_size), value.reshape(num_tokens, row_size),
+              slots.astype(jnp.int32)]
+    if fp8:
+        inputs.append(scales.astype(jnp.float32).reshape(2))
+    first_cache = len(inputs)
+    inputs.extend(flat_caches)
+    kernel = functools.partial(
+        _cache_write_kernel,
+        tiling=tiling,
+        num_tokens=num_tokens,
+        row_size=row_size,
+        num_slots=num_slots,
+        fp8=fp8,
+        stacked=stacked,
+        interpret=interpret,
+    )
+    grid = (pl.cdiv(num_tokens, tiling.tokens_per_program), pl.cdiv(row_size, tiling.cols_per_program))
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in flat_caches],
+        grid=grid,
+        input_output_aliases={first_cache + i: i for i in range(len(flat_caches))},
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
+        interpret=interpret,
+        name="reshape_and_cache_flash",
+    )(*inputs)
+    return tuple(out.reshape(c.shape) for out, c in zip(outs, caches))
