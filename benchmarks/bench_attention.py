@@ -1047,12 +1047,18 @@ def _measure_cache_step(ctx: Context, case: CacheCase, x: CacheInputs, fn: Calla
     return result
 
 
-def cache_ours(ctx: Context, case: CacheCase, x: CacheInputs) -> Measurement:
+def cache_ours(ctx: Context, case: CacheCase, x: CacheInputs, implementation: str | None = None
+               ) -> Measurement:
     from jax_paged_attn import cache
 
     fn = functools.partial(cache.reshape_and_cache_flash, kv_cache_dtype=case.kv_cache_dtype,
-                           k_scale=1.0, v_scale=1.0)
+                           k_scale=1.0, v_scale=1.0,
+                           implementation=implementation or ctx.ours_implementation, interpret=ctx.interpret)
     return _measure_cache_step(ctx, case, x, fn)
+
+
+def cache_ours_xla(ctx: Context, case: CacheCase, x: CacheInputs) -> Measurement:
+    return cache_ours(ctx, case, x, implementation="xla")
 
 
 def xla_scatter_cache(key: Array, value: Array, k_cache: Array, v_cache: Array, slots: Array
@@ -1090,8 +1096,10 @@ def cache_jax_elementwise(ctx: Context, case: CacheCase, x: CacheInputs) -> Meas
 
 
 CACHE_IMPLS = (
-    Impl("ours", "jax_paged_attn.cache.reshape_and_cache_flash under jit, caches donated", cache_ours,
-         is_ours=True),
+    Impl("ours", "jax_paged_attn.cache.reshape_and_cache_flash (implementation='triton' unless --ours-impl: "
+                 "the Pallas cache-write kernel) under jit, caches donated", cache_ours, is_ours=True),
+    Impl("ours_xla", "jax_paged_attn.cache.reshape_and_cache_flash(implementation='xla'): our XLA scatter "
+                     "path, the kernel's reference", cache_ours_xla),
     Impl("xla_scatter", "XLA .at[slots].set scatter under jit, caches donated", cache_xla_scatter),
     Impl("torch_copy", "device copy ceiling: torch copy_ moving the same bytes", cache_torch_copy),
     Impl("jax_elementwise", "a jitted elementwise op moving the same bytes", cache_jax_elementwise),
@@ -1192,16 +1200,59 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
     from jax_paged_attn.tuning import DecodeConfig, PrefillConfig
 
     if suite == "decode":
-        base = DecodeConfig()
-        axes = ((4, 8), (0,), (4, 8), (3,)) if quick else ((4, 8, 2), (0, 8), (4, 8), (3, 2))
-        grid = [dataclasses.replace(base, pages_per_step=p, num_splits=s, num_warps=w, num_stages=st)
-                for p, s, w, st in itertools.product(*axes)]
+        # Page ids prefetched a step ahead give the K/V loads num_stages - 1 buffers, so
+        # num_stages - 2 tiles stay in flight during a step's math (ids read in the step:
+        # the table's 1 buffer, issued at the end of a step, waited on at the next); the
+        # sweep trades tile size x depth (bytes in flight per program) against programs per
+        # SM (shared memory ~ (num_stages - 1) * 2 * tile_keys * 256 B at D 128 bf16).
+        # (pages_per_step, num_warps, num_stages, target_programs), all with prefetched ids:
+        prefetched = ((2, 4, 4, 1024), (4, 4, 3, 1024), (2, 4, 5, 1024)) if quick else (
+            (1, 4, 7, 1024),
+            (2, 4, 3, 1024), (2, 4, 4, 1024), (2, 4, 5, 1024), (2, 4, 6, 1024),
+            (2, 1, 4, 1024), (2, 2, 4, 1024), (2, 2, 5, 1024), (2, 8, 4, 1024),
+            (4, 4, 3, 1024), (4, 4, 4, 1024), (4, 8, 3, 1024), (4, 8, 4, 1024), (4, 2, 3, 1024),
+            (2, 4, 4, 2048), (2, 4, 4, 4096), (4, 4, 3, 2048),
+        )
+        base = DecodeConfig(prefetch_page_ids=True)
+        grid = [dataclasses.replace(base, pages_per_step=p, num_warps=w, num_stages=st, target_programs=t)
+                for p, w, st, t in prefetched]
+        if not quick:
+            # The same depth with ids read in the step: isolates the prefetch's effect.
+            grid.append(DecodeConfig(pages_per_step=2, num_warps=4, num_stages=4))
     else:
-        base = PrefillConfig()
-        tiles = ((128, 64), (64, 64), (128, 128), (64, 128))
-        axes = (tiles[:3], (4,), (3,)) if quick else (tiles, (4, 8), (3, 2))
-        grid = [dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-                for (bq, bk), w, st in itertools.product(*axes)]
+        # (block_q, block_k, num_warps, num_stages, knobs). Register / shared-memory notes
+        # from compiling for sm_90 (ptxas): at D 128, 128 x 128 / 8 warps / 2 stages (the
+        # stock mha tiling) needs 160 KiB and spills ~nothing, 3 stages 224 KiB (fits);
+        # at D 64 the 4-warp 128 x 128 tile spills, 8 warps do not; at D 256 only 64-row
+        # tiles over 8 warps compile without spills, 128-row ones spill a little.
+        # Configs that do not fit a shape's head size fail fast (shared memory) and are
+        # skipped by the sweep. The prefix suite (paged) varies the paged-only knobs.
+        dense = [  # D 64 / 128 first
+            (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 2, {}),
+            (128, 128, 8, 2, dict(pack_gqa=False)), (128, 128, 8, 2, dict(single_kv_loop=True)),
+            (128, 64, 8, 3, dict(single_kv_loop=True)), (128, 128, 8, 2, dict(longest_first=False)),
+            (128, 128, 4, 2, {}), (128, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 64, 4, 3, {}),
+            # D 256 (and small tiles for the others)
+            (64, 64, 8, 2, {}), (64, 32, 8, 2, {}), (64, 32, 8, 3, {}), (128, 64, 8, 2, {}),
+            (128, 32, 8, 2, {}), (64, 64, 4, 2, {}), (64, 64, 8, 2, dict(pack_gqa=False)),
+            (64, 64, 8, 2, dict(single_kv_loop=True)),
+        ]
+        paged = [  # D 128 over a paged cache: page ids prefetched (default) or read in the step
+            (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 4, {}),
+            (128, 64, 8, 3, dict(prefetch_page_ids=False)),
+            (128, 64, 8, 3, dict(prefetch_page_ids=False, num_stages_paged=5)),
+            (128, 128, 8, 2, dict(prefetch_page_ids=False, num_stages_paged=4)),
+            (128, 128, 8, 2, dict(single_kv_loop=True)), (128, 64, 8, 3, dict(pack_gqa=False)),
+            (64, 64, 4, 3, {}), (128, 128, 4, 2, {}),
+        ]
+        if suite == "prefix":
+            choices = paged[:4] if quick else paged
+        elif suite == "varlen":  # D 128 only
+            choices = dense[:4] if quick else dense[:12]
+        else:
+            choices = dense[:3] + dense[12:14] if quick else dense
+        grid = [PrefillConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st, **knobs)
+                for bq, bk, w, st, knobs in choices]
     return list(dict.fromkeys([table_choice(suite, c) for c in cases] + grid))
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit in one command: environment, the gpu test suite, then benchmarks.
-#   bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [engine]
+#   bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
 # Logs and results land in $OUT (the device tool brings that folder back).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,13 +15,15 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests|tests=*)
       paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
-      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
+      timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;
     tune|tune=*)
       suites="${step#tune}"; suites="${suites#=}"
-      timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
+      timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --budget-s "${TUNE_BUDGET_S:-$budget}" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
+    apply)  # the last sweep's winners become the package's measured table (copy kept in $out)
+      python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
     engine)
       timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
     *) echo "unknown step $step" ;;

@@ -67,14 +67,15 @@ def unsupported_reason(
 
 
 def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize: int,
-                           compute_itemsize: int, num_stages: int) -> int:
+                           compute_itemsize: int, num_stages: int, prefetch_page_ids: bool = False) -> int:
     """Bytes of shared memory the compiled kernel takes (an upper estimate).
 
     Calibrated on Triton's sm_90 output: K and V tiles in ``(num_stages - 1) // 2``
-    buffers (the pipeliner gives the block-table load its own stages), plus layout
-    conversion scratch, larger when fp8 tiles are upcast.
+    buffers when the block-table load is in the step that uses it (the pipeliner gives
+    it its own stages), ``num_stages - 1`` when the ids are prefetched a step ahead,
+    plus layout conversion scratch, larger when fp8 tiles are upcast.
     """
-    kv_buffers = max(1, (num_stages - 1) // 2)
+    kv_buffers = max(1, num_stages - 1 if prefetch_page_ids else (num_stages - 1) // 2)
     tile_elements = tile_keys * padded_head_size
     staged = kv_buffers * 2 * tile_elements * cache_itemsize
     scratch = tile_elements * compute_itemsize * (3 if cache_itemsize != compute_itemsize else 2) // 2
@@ -87,7 +88,7 @@ def _tile_keys(block_size: int, head_size: int, cache_itemsize: int, compute_ite
     tile = max(MIN_DOT_ROWS, _prev_power_of_2(config.pages_per_step * block_size))
     padded_head = next_power_of_2(head_size)
     while tile > MIN_DOT_ROWS and estimate_shared_memory(
-        tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages
+        tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages, config.prefetch_page_ids
     ) > tuning.DECODE_SHARED_MEMORY_BUDGET:
         tile //= 2
     return tile
@@ -136,6 +137,7 @@ def plan_tiling(
         num_splits=num_splits,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        prefetch_page_ids=config.prefetch_page_ids,
     )
 
 

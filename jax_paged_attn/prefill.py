@@ -32,6 +32,11 @@ The kernel runs those blocks without any mask; only the boundary blocks
 ``[kb_lo, kb_full_lo)`` (left window edge) and ``[kb_full_hi, kb_hi)`` (diagonal,
 right window edge, end of the keys) evaluate the mask.
 
+Each of the three loops is software-pipelined on its own (its own prefetch prologue
+and drain); ``PrefillConfig.single_kv_loop`` runs ``[kb_lo, kb_hi)`` as one loop that
+masks every block instead (as the stock Pallas ``mha`` does), trading mask arithmetic
+for one pipeline fill per tile.
+
 GQA packing (``PrefillConfig.pack_gqa``). With ``G = Hq / Hk`` query heads per KV
 head, a tile's ``block_q`` rows are ``P = block_q // G`` query positions times the
 ``G`` heads of one KV group (row ``r`` = position ``r // G``, head ``r % G``; the
@@ -262,6 +267,9 @@ def check_config(config: tuning.PrefillConfig) -> None:
             raise ValueError(f"config.{name} must be a power of 2 >= 16 (a tl.dot tile side), got {value!r}.")
     if not (isinstance(config.num_warps, int) and _is_power_of_2(config.num_warps)):
         raise ValueError(f"config.num_warps must be a power of 2, got {config.num_warps!r}.")
+    for name in ("pack_gqa", "longest_first", "single_kv_loop", "prefetch_page_ids"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     for name in ("num_stages", "num_stages_paged"):
         value = getattr(config, name)
         if name == "num_stages_paged" and value is None:
@@ -404,5 +412,6 @@ def varlen_attention(
             q, k_rows, v_rows, plan, table, slopes, kv_scales, spec=spec,
             block_q=block_q, block_k=block_k, heads_per_program=group,
             page_size=block_size, num_warps=num_warps, num_stages=num_stages,
+            single_kv_loop=config.single_kv_loop, prefetch_page_ids=config.prefetch_page_ids,
             interpret=interpret)
     raise AssertionError(lowering)  # unsupported_reason rejected it

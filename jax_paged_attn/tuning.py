@@ -33,7 +33,14 @@ class PrefillConfig:
     longest_first: schedule the sequences and tiles with the most work first;
     num_stages_paged: num_stages over a paged cache (None: num_stages). There the K/V
     addresses come from a block-table load in the same loop step, and Triton's
-    pipeliner spends stages on that load too, so a paged call may want more.
+    pipeliner spends stages on that load too: K/V get ``(num_stages - 1) // 2``
+    buffers ahead (at least 1), so a paged call may want 5; single_kv_loop: run a
+    tile's KV blocks as one loop that masks every block (one software-pipeline fill
+    and drain per tile, as the stock Pallas ``mha``) instead of three loops (masked
+    left-window edge, unmasked middle, masked diagonal / end) whose middle one does no
+    mask arithmetic; prefetch_page_ids: over a paged cache, load the block-table
+    entries of the next KV step in the current one (carried through the loop), so
+    the K/V loads of a step depend on no load of that step (no effect when packed).
     """
 
     block_q: int = 64
@@ -43,6 +50,8 @@ class PrefillConfig:
     pack_gqa: bool = True
     longest_first: bool = True
     num_stages_paged: int | None = None
+    single_kv_loop: bool = False
+    prefetch_page_ids: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +65,16 @@ class DecodeConfig:
     ``target_programs`` programs run, each with at least ``min_tiles_per_split`` steps of
     the longest possible context; max_q_rows: cap on the query rows (Sq * query heads
     per KV head, padded to a power of 2 >= 16) of one program, more rows take more
-    programs; num_warps / num_stages: Triton launch parameters. The K/V addresses come
-    from a block-table load in the same step, so Triton's pipeliner splits num_stages
-    between the two loads: K/V get ``(num_stages - 1) // 2`` buffers (at least 1), i.e.
-    num_stages 3 and 4 prefetch one tile ahead, 5 and 6 two, 7 three.
+    programs; num_warps / num_stages: Triton launch parameters; prefetch_page_ids: load
+    the block-table entries of the next step in the current one (carried through the
+    loop). Without it the K/V addresses come from a block-table load in the same step,
+    so Triton's pipeliner splits num_stages between the two loads: K/V get
+    ``(num_stages - 1) // 2`` buffers (at least 1) and every step waits for the tile
+    its previous step issued (1 buffer: no K/V load is in flight during the step's
+    math). With it the K/V loads get ``num_stages - 1`` buffers and each step waits
+    only for the oldest: ``num_stages - 2`` tiles stay in flight during the math
+    (sm_90 TTGIR: num_stages 3 -> 2 buffers, ``async_wait num=2``; 4 -> 3 buffers,
+    ``num=4``), and the id load of a step is consumed only by the next one.
     """
 
     pages_per_step: int = 4
@@ -69,6 +84,7 @@ class DecodeConfig:
     max_q_rows: int = 64
     target_programs: int = 1024
     min_tiles_per_split: int = 4
+    prefetch_page_ids: bool = False
 
 
 # Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
@@ -78,14 +94,22 @@ DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
 
 # key: (head_size rounded up to a power of 2, query dtype name) -> PrefillConfig
 PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
-    # Starting points reasoned for the H200 (228 KiB shared memory per SM, 64K
-    # registers), to be replaced by the measured sweep: 128-row tiles keep the MMA
-    # busy at D <= 128; at D = 256 a 128 x 256 f32 accumulator would spill, so 64 rows.
-    # Shared memory per stage ~ 2 * block_k * Dp * 2 bytes (K and V tiles).
-    **{(d, dt): PrefillConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
-       for d in (32, 64) for dt in ("bfloat16", "float16")},
-    **{(128, dt): PrefillConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
-       for dt in ("bfloat16", "float16")},
+    # Starting points for the H200 (228 KiB shared memory per SM, 64K registers), to be
+    # replaced by the measured sweep. D <= 128: the stock Pallas `mha` tiling, 128 x 128
+    # with 2 stages, which runs at 241 TFLOP/s (D128) in the same lowering; a 64-key
+    # step doubles the per-step fixed cost (row max / sum shuffles, accumulator rescale,
+    # two wgmma waits), and the KV loop compiles to the same code as stock's (sm_90
+    # TTGIR: wgmma, 16-byte cp.async, pipelined). 8 warps at D 64 too: with 4 the
+    # 128 x 128 score tile and the accumulator exceed 255 registers and ptxas spills
+    # (~390 spill instructions); 8 warps need 197. D = 256: every 128-row tile spills
+    # (128 x 256 f32 accumulator), 64 x 64 over 8 warps does not (measured 161 TFLOP/s);
+    # the sweep tries 64 x 32 and 128-row tiles.
+    # Shared memory ~ block_q * Dp * 2 + num_stages * 2 * block_k * Dp * 2 bytes.
+    # Over a paged cache, prefetch_page_ids (the default) gives the K/V loads the same
+    # num_stages buffers as packed keys (sm_90 TTGIR: 3 stages -> 3 buffers, waits on
+    # the oldest); reading the ids in the step, 3 stages leave 2 buffers and a full wait.
+    **{(d, dt): PrefillConfig(block_q=128, block_k=128, num_warps=8, num_stages=2)
+       for d in (32, 64, 128) for dt in ("bfloat16", "float16")},
     **{(256, dt): PrefillConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
        for dt in ("bfloat16", "float16")},
     # float32 runs IEEE f32 dots (FMA, not tensor cores) and doubles every tile's bytes.
@@ -95,13 +119,7 @@ PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
 
 # key: (head_size rounded up to a power of 2, block_size, query heads per KV head rounded
 # up to a power of 2) -> DecodeConfig
-DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {
-    # Measured 2026-11-29 on an H200 (jax 0.11.2), `bench_attention.py --tune --suite decode`:
-    # 24 configs on B64 ctx4096 / B8 ctx32768 / B256 ctx1024 (group 4) and B32 ctx8192
-    # (group 8), D128 page 16 bf16; best geomean 0.404-0.409 ms per shape (2.6 TB/s).
-    (128, 16, 4): DecodeConfig(pages_per_step=4, num_warps=4, num_stages=2),
-    (128, 16, 8): DecodeConfig(pages_per_step=4, num_warps=4, num_stages=2),
-}
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: tuned_tables.json
 
 
 def prefill_config(head_size: int, dtype_name: str) -> PrefillConfig:
@@ -111,3 +129,29 @@ def prefill_config(head_size: int, dtype_name: str) -> PrefillConfig:
 def decode_config(head_size: int, block_size: int, group_size: int) -> DecodeConfig:
     key = (next_power_of_2(head_size), block_size, next_power_of_2(group_size))
     return DECODE_TABLE.get(key, DecodeConfig())
+
+
+# --------------------------------------------------------------------------- measured tables
+MEASURED_TABLES_FILE = "tuned_tables.json"
+"""Package data written by `benchmarks/apply_tuning.py` from a sweep on the GPU
+(`bench_attention.py --tune`); its entries (each with the shapes, date, GPU and jax
+version it was measured with) override the defaults above for the same keys."""
+
+
+def _load_measured_tables() -> None:
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name(MEASURED_TABLES_FILE)
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    for table, config_type in ((PREFILL_TABLE, PrefillConfig), (DECODE_TABLE, DecodeConfig)):
+        name = "PREFILL_TABLE" if config_type is PrefillConfig else "DECODE_TABLE"
+        known = {f.name for f in dataclasses.fields(config_type)}
+        for entry in data.get(name, []):
+            fields = {k: v for k, v in entry["config"].items() if k in known}
+            table[tuple(entry["key"])] = config_type(**fields)
+
+
+_load_measured_tables()

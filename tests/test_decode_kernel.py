@@ -152,6 +152,9 @@ GRID = [
     Case("gqa4-d64-bs32-fp8e5m2-window-alibi-softcap-f16", dtype="float16", head_size=64, block_size=32,
          causal=False, window=(40, 6), softcap=10.0, alibi=True, cache_dtype="float8_e5m2",
          seqlens=(0, 120, 55, 1), max_blocks=4, config=DecodeConfig(pages_per_step=2, num_splits=4)),
+    Case("gqa8-d128-fp8e4m3-window-alibi-bf16-prefetched-ids", num_q_heads=16, num_kv_heads=2,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17),
+         config=DecodeConfig(pages_per_step=2, num_splits=2, num_stages=4, prefetch_page_ids=True)),
     Case("gqa4-d80-bs16-sq3-fp8e4m3-f32", dtype="float32", head_size=80, num_q_tokens=3,
          cache_dtype="float8_e4m3fn", window=(50, 0), seqlens=(128, 60, 3)),
 ]
@@ -174,26 +177,33 @@ def test_public_api_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatc
     assert_matches_reference(case, inputs, out)
 
 
-@pytest.mark.parametrize("num_splits,pages_per_step", [(1, 1), (2, 4), (5, 2), (16, 1)])
-def test_split_counts_agree(num_splits: int, pages_per_step: int) -> None:
+@pytest.mark.parametrize("num_splits,pages_per_step,prefetch",
+                         [(1, 1, False), (2, 4, False), (5, 2, False), (16, 1, False), (5, 2, True), (16, 1, True)])
+def test_split_counts_agree(num_splits: int, pages_per_step: int, prefetch: bool) -> None:
     """Splits divide each sequence's tiles; more splits than tiles leave some empty.
 
-    Non-causal two-sided window with 2 query tokens: both window edges need masking."""
+    Non-causal two-sided window with 2 query tokens: both window edges need masking.
+    Prefetched ids: each split starts its id vector at its own first tile."""
     case = Case(f"splits{num_splits}-pps{pages_per_step}", num_q_heads=4, num_kv_heads=1, head_size=64,
                 num_q_tokens=2, seqlens=(127, 5, 64, 0), causal=False, window=(70, 5),
-                config=DecodeConfig(pages_per_step=pages_per_step, num_splits=num_splits))
+                config=DecodeConfig(pages_per_step=pages_per_step, num_splits=num_splits,
+                                    prefetch_page_ids=prefetch))
     inputs = make_inputs(case, seed=1)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["ids-in-step", "ids-prefetched"])
 @pytest.mark.parametrize("causal,window", [(True, (18, 0)), (False, (18, 1))], ids=["causal", "two-sided"])
-def test_every_tile_boundary(causal: bool, window: tuple[int, int]) -> None:
+def test_every_tile_boundary(causal: bool, window: tuple[int, int], prefetch: bool) -> None:
     """Lengths 0..49 with 16-key tiles and a window wide enough for unmasked tiles: the
     window and causal edges fall on every offset of the tile grid, so an off-by-one in
-    the masked / unmasked split shows up for some length."""
+    the masked / unmasked split shows up for some length. With prefetched page ids the
+    id vector carried across the three loops must stay in step with the tile index,
+    and the read one step past the last tile (beyond the table for length 49 + 15)
+    must stay harmless."""
     case = Case(f"boundaries-{causal}", num_q_heads=2, num_kv_heads=1, head_size=32, num_q_tokens=3,
                 seqlens=tuple(range(50)), max_blocks=4, num_blocks=208, causal=causal, window=window,
-                config=DecodeConfig(pages_per_step=1, num_splits=1))
+                config=DecodeConfig(pages_per_step=1, num_splits=1, prefetch_page_ids=prefetch))
     inputs = make_inputs(case, seed=4)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
@@ -207,6 +217,9 @@ def test_block_size_not_power_of_two() -> None:
     case = dataclasses.replace(case, config=DecodeConfig(pages_per_step=2, num_splits=2))
     assert triton_decode_tile(case) == 64
     inputs = make_inputs(case, seed=2)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+    # Prefetched ids of a step that straddles pages: one id per key, read a step early.
+    case = dataclasses.replace(case, config=DecodeConfig(pages_per_step=2, num_splits=2, prefetch_page_ids=True))
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
@@ -328,6 +341,25 @@ def test_unsupported_reason() -> None:
         decode.paged_decode_attention(*args, spec=spec, lowering="mosaic_gpu")
 
 
+@pytest.mark.parametrize("pages_per_step,num_warps,num_stages", [(2, 4, 4), (4, 2, 3), (1, 8, 6)])
+def test_prefetched_ids_lower_for_cuda(pages_per_step: int, num_warps: int, num_stages: int) -> None:
+    """The prefetched-id variant (an id vector carried through the three loops) lowers
+    to Triton with a window (all three loops present) and fp8 K with a bf16 V."""
+    q = jax.ShapeDtypeStruct((4, 2, 16, 128), jnp.bfloat16)
+    k_cache = jax.ShapeDtypeStruct((256, 16, 4, 128), jnp.float8_e4m3fn)
+    v_cache = jax.ShapeDtypeStruct((256, 16, 4, 128), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    table = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    spec = AttentionSpec.create(128, causal=True, window_size=(100, 0))
+    config = DecodeConfig(pages_per_step=pages_per_step, num_warps=num_warps, num_stages=num_stages,
+                          prefetch_page_ids=True)
+    fn = functools.partial(decode.paged_decode_attention, spec=spec, config=config)
+    text = _lower_for_cuda(lambda q, k, v, n, t, ks, vs: fn(q, k, v, n, t, None, ks, vs),
+                           q, k_cache, v_cache, lens, table, scale, scale)
+    assert "__gpu$xla.gpu.triton" in text
+
+
 @pytest.mark.parametrize(
     "batch,max_keys,expected_splits",
     [(64, 4096, 2), (8, 32768, 16), (256, 1024, 1), (32, 8192, 4), (1, 256, 1), (1, 2048, 8)],
@@ -352,6 +384,13 @@ def test_tiling_fits_shared_memory() -> None:
     assert decode.estimate_shared_memory(2 * f32.tile_keys, 256, 4, 4, 5) > tuning.DECODE_SHARED_MEMORY_BUDGET
     # Measured with Triton for sm_90: 140288 bytes for 128 keys x 128 bf16, 5 stages.
     assert decode.estimate_shared_memory(128, 128, 2, 2, 5) >= 140288
+    # Prefetched page ids (num_stages - 1 K/V buffers), measured the same way (bf16, D 128):
+    # 64 keys: 3 stages 71680, 4 stages 104448; 32 keys, 6 stages 87040; 128 keys, 3 stages 139264.
+    for keys, stages, measured in ((64, 3, 71680), (64, 4, 104448), (32, 6, 87040), (128, 3, 139264)):
+        assert decode.estimate_shared_memory(keys, 128, 2, 2, stages, prefetch_page_ids=True) >= measured
+    config = DecodeConfig(pages_per_step=8, num_stages=4, prefetch_page_ids=True)
+    tiling = decode.plan_tiling((8, 1, 32, 128), (100, 16, 8, 128), 64, jnp.bfloat16, jnp.bfloat16, config)
+    assert tiling.tile_keys == 64 and tiling.prefetch_page_ids  # 3 buffers of 128 keys would not fit
 
 
 def test_combine_splits_weights_and_empty_rows() -> None:

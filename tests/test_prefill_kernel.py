@@ -6,7 +6,8 @@
   conftest's builders: NaN in every unused cache slot and padding row, randomly
   permuted block tables.
 * Tilings: `prefill.varlen_attention` with explicit configs (GQA packing on / off,
-  small tiles, lengths at tile boundaries, a group that does not divide block_q).
+  small tiles, lengths at tile boundaries, a group that does not divide block_q, one
+  KV loop or three, page ids prefetched or read in the step).
 * The tile plan in isolation, checked exhaustively against the mask rules.
 * Cross-lowering for CUDA on this CPU host finds the Triton call.
 
@@ -213,6 +214,23 @@ TILINGS = [
      dict(q_lens=[3, 31], k_lens=[47, 33], num_q_heads=4, num_kv_heads=2, head_size=32,
           paged=True, block_size=32, extra_blocks=5),
      dict(window_size=(9, 2))),
+    # Page ids read in the step that loads the K/V (no prefetch), over a left window.
+    ("paged-page-ids-in-step-window",
+     tuning.PrefillConfig(block_q=32, block_k=16, prefetch_page_ids=False, num_stages_paged=4),
+     dict(q_lens=[3, 31, 18], k_lens=[47, 33, 60], num_q_heads=4, num_kv_heads=2, head_size=32,
+          paged=True, block_size=16, extra_blocks=5),
+     dict(causal=True, window_size=(20, 0))),
+    # One KV loop masking every block: causal diagonal, left window edge, key ends.
+    ("packed-single-kv-loop-window-alibi",
+     tuning.PrefillConfig(block_q=32, block_k=16, single_kv_loop=True),
+     dict(q_lens=[7, 40, 17], k_lens=[30, 40, 50], num_q_heads=8, num_kv_heads=2, head_size=32,
+          q_padding_rows=2),
+     dict(causal=True, window_size=(21, 0), alibi=True)),
+    ("paged-single-kv-loop-prefetched-ids-noncausal",
+     tuning.PrefillConfig(block_q=16, block_k=32, single_kv_loop=True, pack_gqa=False),
+     dict(q_lens=[5, 33], k_lens=[70, 33], num_q_heads=4, num_kv_heads=2, head_size=32,
+          paged=True, block_size=16, extra_blocks=4),
+     dict(window_size=(13, 5))),
 ]
 
 
@@ -335,7 +353,7 @@ def test_unsupported_reason():
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(num_warps=3), dict(num_stages=0),
-                                 dict(num_stages_paged=0)])
+                                 dict(num_stages_paged=0), dict(single_kv_loop=1)])
 def test_bad_config_is_rejected(bad):
     problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2,
                                   num_kv_heads=1, head_size=32)
@@ -350,21 +368,21 @@ def _cuda_text(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("paged, head_size, kv_dtype, pack_gqa", [
-    (False, 80, jnp.bfloat16, True),
-    (False, 128, jnp.float16, False),
-    (True, 64, jnp.float8_e4m3fn, True),
-    (True, 256, jnp.bfloat16, True),
+@pytest.mark.parametrize("paged, head_size, kv_dtype, knobs", [
+    (False, 80, jnp.bfloat16, dict(pack_gqa=True)),
+    (False, 128, jnp.float16, dict(pack_gqa=False, single_kv_loop=True)),
+    (True, 64, jnp.float8_e4m3fn, dict(pack_gqa=True)),
+    (True, 128, jnp.bfloat16, dict(prefetch_page_ids=False, single_kv_loop=True)),
+    (True, 256, jnp.bfloat16, dict(pack_gqa=True)),
 ])
-def test_lowers_for_cuda_to_triton_call(paged, head_size, kv_dtype, pack_gqa):
+def test_lowers_for_cuda_to_triton_call(paged, head_size, kv_dtype, knobs):
     """Every feature at once (window, ALiBi, soft-cap) so that every code path lowers."""
     q_dtype = jnp.float16 if kv_dtype == jnp.float16 else jnp.bfloat16
     args = list(_static_args(paged, head_size, q_dtype, kv_dtype))
     args[7] = jax.ShapeDtypeStruct((8,), jnp.float32)  # alibi slopes
     spec = AttentionSpec.create(head_size, causal=True, window_size=(32, 0), softcap=20.0,
                                 has_alibi=True)
-    config = dataclasses.replace(tuning.prefill_config(head_size, jnp.dtype(q_dtype).name),
-                                 pack_gqa=pack_gqa)
+    config = dataclasses.replace(tuning.prefill_config(head_size, jnp.dtype(q_dtype).name), **knobs)
     fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=20, max_seqlen_k=30,
                            config=config)
     assert TRITON_CALL in _cuda_text(fn, *args)

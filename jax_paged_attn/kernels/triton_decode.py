@@ -12,7 +12,10 @@ One program handles one (row block of one KV head, sequence, KV split):
   page is read once per KV head and never repeated in memory;
 * it walks its share of the sequence's visible keys, ``tile_keys`` at a time, reading
   each key's page id from the block table and gathering the rows of that page
-  (``D`` contiguous elements each) straight from the paged cache;
+  (``D`` contiguous elements each) straight from the paged cache; with
+  ``prefetch_page_ids`` a step reads the next step's ids instead (carried through
+  the loops), so Triton's pipeliner can keep ``num_stages - 2`` K/V tiles in flight
+  during a step's math instead of waiting for each tile right after issuing it;
 * tiles are run by three loops: a masked one for the tiles at the sliding-window
   start, an unmasked one for the interior (no key or causal masks at all), and a
   masked one for the tiles at the end of the sequence. Keys outside the visible
@@ -60,6 +63,8 @@ class DecodeTiling:
       tile_keys: keys per inner-loop step; power of 2, >= 16.
       num_splits: KV splits per (sequence, KV head); 1 writes the final output.
       num_warps, num_stages: Triton launch parameters.
+      prefetch_page_ids: read each tile's block-table entries one step ahead (a
+        loop-carried id vector) instead of in the step that uses them.
     """
 
     rows_per_program: int
@@ -69,6 +74,7 @@ class DecodeTiling:
     num_splits: int
     num_warps: int
     num_stages: int
+    prefetch_page_ids: bool = False
 
 
 def _div(x: Array, divisor: int) -> Array:
@@ -201,18 +207,35 @@ def _decode_kernel(
         x = plgpu.load(rows, mask=mask).astype(compute_dtype)
         return jnp.where(mask, x, 0)
 
+    max_blocks = block_table_ref.shape[1]
+
+    def tile_page_ids(tile):
+        """[T] page id of each key of a tile, read without a mask from a clamped index.
+
+        Used to fetch the next tile's ids one step ahead: an index past the table
+        (the step after the last) reads its last entry, and ids of keys outside the
+        sequence are garbage that `step` masks out, exactly as in the masked load.
+        """
+        key = base + tile * tile_keys + key_offsets
+        return plgpu.load(block_table_ref.at[seq, jnp.minimum(_div(key, block_size), max_blocks - 1)])
+
     def step(tile, carry, *, masked: bool):
-        acc, row_max, row_sum = carry  # f32[M, Dp], f32[M], f32[M]
+        if tiling.prefetch_page_ids:
+            acc, row_max, row_sum, page = carry  # ..., i32[T] this tile's page ids
+        else:
+            acc, row_max, row_sum = carry  # f32[M, Dp], f32[M], f32[M]
         key = base + tile * tile_keys + key_offsets  # [T]
-        page_index = _div(key, block_size)
-        if masked:
+        key_ok = ((key >= kv_lo) & (key < seq_len)) if masked else None
+        if tiling.prefetch_page_ids:
+            # The ids came from the previous step, so this step's K/V addresses do not
+            # wait on a load of the same step (Triton can pipeline the K/V loads).
+            next_page = tile_page_ids(tile + 1)
+        elif masked:
             # Keys past the sequence may have page ids out of the block table, and
             # garbage pages: neither their ids nor their rows are read.
-            key_ok = (key >= kv_lo) & (key < seq_len)
-            page = plgpu.load(block_table_ref.at[seq, page_index], mask=key_ok, other=0)
+            page = plgpu.load(block_table_ref.at[seq, _div(key, block_size)], mask=key_ok, other=0)
         else:
-            key_ok = None
-            page = plgpu.load(block_table_ref.at[seq, page_index])
+            page = plgpu.load(block_table_ref.at[seq, _div(key, block_size)])
         # Ids outside the cache (only from unvalidated tables under jit) are clamped,
         # never followed: the numbers are then meaningless but memory stays in bounds.
         page = jnp.clip(page, 0, num_pages - 1)
@@ -237,6 +260,8 @@ def _decode_kernel(
         row_sum = row_sum * correction + jnp.sum(p, axis=1)
         v = load_tile(v_ref, cache_row, key_ok)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
+        if tiling.prefetch_page_ids:
+            return acc, new_max, row_sum, next_page
         return acc, new_max, row_sum
 
     carry = (
@@ -244,10 +269,13 @@ def _decode_kernel(
         jnp.full((num_rows,), _NO_KEY_MAX, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
+    if tiling.prefetch_page_ids:
+        # The three loops run consecutive tiles, so one carried id vector feeds them all.
+        carry = (*carry, tile_page_ids(tile_begin))
     masked_step = functools.partial(step, masked=True)
     carry = lax.fori_loop(tile_begin, masked_until, masked_step, carry)
     carry = lax.fori_loop(masked_until, unmasked_until, functools.partial(step, masked=False), carry)
-    acc, row_max, row_sum = lax.fori_loop(unmasked_until, tile_end, masked_step, carry)
+    acc, row_max, row_sum = lax.fori_loop(unmasked_until, tile_end, masked_step, carry)[:3]
 
     # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
     seen = row_sum > 0

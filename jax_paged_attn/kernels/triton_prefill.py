@@ -70,6 +70,8 @@ def _prefill_kernel(
     max_pages_per_seq: int,
     k_fp8: bool,
     v_fp8: bool,
+    single_kv_loop: bool,
+    prefetch_page_ids: bool,
 ):
     head_size_padded = q_ref.shape[-1]
     compute_dtype = q_ref.dtype
@@ -143,10 +145,9 @@ def _prefill_kernel(
             page = jnp.clip(page, 0, num_pages - 1)  # bad ids read a real page, never outside
             return page * page_size + lax.rem(k_pos, page_size)
 
-        def visit(kb, carry, *, masked: bool):
-            acc, m_prev, l_prev = carry
+        def visit(kb, state, rows, *, masked: bool):
+            acc, m_prev, l_prev = state
             k_pos = kb * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
-            rows = key_rows(k_pos)
             kv_mask = and_cols(k_pos < k_len if masked else None, block_k)
             index = (rows[:, None], col[None, :])
             k = _load(k_ref.at[index], kv_mask)  # [block_k, Dp]
@@ -173,6 +174,20 @@ def _prefill_kernel(
                                  precision=precision, preferred_element_type=jnp.float32)
             return acc * correction[:, None] + pv, m_next, l_next
 
+        def block_rows(kb: Array) -> Array:  # [block_k] rows of KV block kb
+            return key_rows(kb * block_k + lax.iota(jnp.int32, block_k))
+
+        if prefetch_page_ids:
+            # The carry holds this step's K/V rows; the step loads the block-table
+            # entries of the next one, so no K/V address waits on a load of its own step.
+            def step(kb, carry, *, masked: bool):
+                *state, rows = carry
+                next_rows = block_rows(kb + 1)
+                return (*visit(kb, state, rows, masked=masked), next_rows)
+        else:
+            def step(kb, carry, *, masked: bool):
+                return visit(kb, carry, block_rows(kb), masked=masked)
+
         carry = (
             jnp.zeros((block_q, head_size_padded), jnp.float32),
             jnp.full((block_q,), RUNNING_MAX_INIT, jnp.float32),
@@ -180,16 +195,24 @@ def _prefill_kernel(
         )
         kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
         kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
-        masked_visit = functools.partial(visit, masked=True)
-        if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
-            carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
-        carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
-        carry = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
-        acc, _, l_sum = carry
+        if prefetch_page_ids:  # rows of the first loop's first block; the loops run in order
+            first = kb_lo if single_kv_loop or spec.window_left >= 0 else kb_full_lo
+            carry = (*carry, block_rows(first))
+        masked_step = functools.partial(step, masked=True)
+        if single_kv_loop:  # one software pipeline per tile, every block masked
+            carry = lax.fori_loop(kb_lo, kb_hi, masked_step, carry)
+        else:
+            if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+                carry = lax.fori_loop(kb_lo, kb_full_lo, masked_step, carry)
+            carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(kb_full_hi, kb_hi, masked_step, carry)
+        acc, _, l_sum = carry[:3]
 
-        out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]  # sees no key -> 0
+        # One reciprocal per row instead of a division per element; sees no key -> 0.
+        inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
         if v_fp8:
-            out = out * v_scale
+            inv_sum = inv_sum * v_scale
+        out = acc * inv_sum[:, None]
         out = jnp.where(attends[:, None], out, 0.0)
         plgpu.store(
             o_ref.at[q_token[:, None], head_in_group[:, None], col[None, :]],
@@ -212,13 +235,19 @@ def varlen_attention_call(
     page_size: int | None,
     num_warps: int,
     num_stages: int,
+    single_kv_loop: bool = False,
+    prefetch_page_ids: bool = False,
     interpret: bool = False,
 ) -> Array:  # [Tq, Hq, D] q.dtype
     """Builds and runs the pallas_call of `_prefill_kernel` over the plan's tiles.
 
     ``heads_per_program`` query heads (1, or the whole GQA group) share a tile's
     ``block_q`` rows; ``page_size`` is the cache block size for a paged cache, None
-    for packed keys. Every row of the output is written (padding rows with 0).
+    for packed keys. ``single_kv_loop``: one KV loop per tile masking every block
+    (one software-pipeline fill per tile) instead of the masked / unmasked / masked
+    loops; ``prefetch_page_ids`` (paged only): load the block-table entries one KV
+    step ahead (see `jax_paged_attn.tuning.PrefillConfig`). Every row of the output
+    is written (padding rows with 0).
     """
     num_q_tokens, num_q_heads, head_size = q.shape
     num_kv_rows, num_kv_heads, _ = k_rows.shape
@@ -255,6 +284,8 @@ def varlen_attention_call(
         max_pages_per_seq=block_table.shape[1] if paged else 0,
         k_fp8=jnp.dtype(k_rows.dtype).itemsize == 1,
         v_fp8=jnp.dtype(v_rows.dtype).itemsize == 1,
+        single_kv_loop=single_kv_loop,
+        prefetch_page_ids=prefetch_page_ids and paged,
     )
     return pl.pallas_call(
         kernel,
