@@ -127,7 +127,8 @@ def paged_attention(
       attn_type: "decoder" (causal, with the cache) or "encoder_only" (bidirectional
         over the packed tokens of each sequence; the cache is returned unchanged; the
         batch must hold prefills only).
-      implementation, interpret: kernel choice (see `jax_paged_attn.dispatch`).
+      implementation, interpret: kernel choice for the attention calls and the cache write
+        (see `jax_paged_attn.dispatch`; "xla" keeps every step in plain XLA).
 
     Returns:
       ``(output [T, num_heads * head_size] in query's dtype, new kv_cache)``. Padding
@@ -186,7 +187,8 @@ def paged_attention(
             )
         # Also checks that kv_cache's dtype is what kv_cache_dtype makes of query.dtype.
         kv_cache = cache_ops.reshape_and_cache_flash_kv(
-            k, v, kv_cache, metadata.slot_mapping, kv_cache_dtype, k_scale, v_scale)
+            k, v, kv_cache, metadata.slot_mapping, kv_cache_dtype, k_scale, v_scale,
+            implementation=implementation, interpret=interpret)
     elif metadata.num_decode_tokens:
         raise ValueError("decode tokens need a KV cache, but kv_cache is empty (size 0, a profiling run).")
     cache_scales = dict(k_scale=k_scale, v_scale=v_scale)
