@@ -1180,10 +1180,10 @@ def decode_table_key(case: DecodeCase) -> str:
 
 
 def prefill_table_key(case: AttentionCase) -> str:
-    """PREFILL_TABLE key: (head_size rounded up to a power of 2, query dtype name)."""
+    """PREFILL_TABLE key: (head_size rounded up to a power of 2, query dtype name, paged)."""
     from jax_paged_attn.tuning import next_power_of_2
 
-    return repr((next_power_of_2(case.head_dim), case.dtype))
+    return repr((next_power_of_2(case.head_dim), case.dtype, case.page_size is not None))
 
 
 def table_choice(suite: str, case: Any) -> Any:
@@ -1192,7 +1192,7 @@ def table_choice(suite: str, case: Any) -> Any:
 
     if suite == "decode":
         return tuning.decode_config(case.head_dim, case.page_size, case.q_heads // case.kv_heads)
-    return tuning.prefill_config(case.head_dim, case.dtype)
+    return tuning.prefill_config(case.head_dim, case.dtype, paged=case.page_size is not None)
 
 
 def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:

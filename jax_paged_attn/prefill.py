@@ -358,7 +358,7 @@ def varlen_attention(
     num_q_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[-2]
     if config is None:
-        config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name)
+        config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None)
     check_config(config)
     paged = block_table is not None
     if num_q_tokens == 0:

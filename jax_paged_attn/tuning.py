@@ -92,8 +92,10 @@ class DecodeConfig:
 DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
 
 
-# key: (head_size rounded up to a power of 2, query dtype name) -> PrefillConfig
-PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
+# key: (head_size rounded up to a power of 2, query dtype name, paged: K/V read through a
+# block table) -> PrefillConfig. Paged and packed calls tune apart: over a paged cache
+# the K/V addresses come from a page-id load (see prefetch_page_ids).
+PREFILL_TABLE: dict[tuple[int, str, bool], PrefillConfig] = {
     # Starting points for the H200 (228 KiB shared memory per SM, 64K registers), to be
     # replaced by the measured sweep. D <= 128: the stock Pallas `mha` tiling, 128 x 128
     # with 2 stages, which runs at 241 TFLOP/s (D128) in the same lowering; a 64-key
@@ -108,13 +110,13 @@ PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
     # Over a paged cache, prefetch_page_ids (the default) gives the K/V loads the same
     # num_stages buffers as packed keys (sm_90 TTGIR: 3 stages -> 3 buffers, waits on
     # the oldest); reading the ids in the step, 3 stages leave 2 buffers and a full wait.
-    **{(d, dt): PrefillConfig(block_q=128, block_k=128, num_warps=8, num_stages=2)
-       for d in (32, 64, 128) for dt in ("bfloat16", "float16")},
-    **{(256, dt): PrefillConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
-       for dt in ("bfloat16", "float16")},
+    **{(d, dt, paged): PrefillConfig(block_q=128, block_k=128, num_warps=8, num_stages=2)
+       for d in (32, 64, 128) for dt in ("bfloat16", "float16") for paged in (False, True)},
+    **{(256, dt, paged): PrefillConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
+       for dt in ("bfloat16", "float16") for paged in (False, True)},
     # float32 runs IEEE f32 dots (FMA, not tensor cores) and doubles every tile's bytes.
-    **{(d, "float32"): PrefillConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
-       for d in (32, 64, 128, 256)},
+    **{(d, "float32", paged): PrefillConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
+       for d in (32, 64, 128, 256) for paged in (False, True)},
 }
 
 # key: (head_size rounded up to a power of 2, block_size, query heads per KV head rounded
@@ -122,8 +124,8 @@ PREFILL_TABLE: dict[tuple[int, str], PrefillConfig] = {
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: tuned_tables.json
 
 
-def prefill_config(head_size: int, dtype_name: str) -> PrefillConfig:
-    return PREFILL_TABLE.get((next_power_of_2(head_size), dtype_name), PrefillConfig())
+def prefill_config(head_size: int, dtype_name: str, paged: bool = False) -> PrefillConfig:
+    return PREFILL_TABLE.get((next_power_of_2(head_size), dtype_name, bool(paged)), PrefillConfig())
 
 
 def decode_config(head_size: int, block_size: int, group_size: int) -> DecodeConfig:
