@@ -382,7 +382,10 @@ def advance_step(
     recomputed; ``query_start_loc`` (one token per sequence) is unchanged.
 
     The input tokens / positions of the step are not arguments: the kernel overwrites all
-    of them, so the pure function returns them instead.
+    of them, so the pure function returns them instead. Host metadata (NumPy leaves, as
+    `FlashAttentionMetadataBuilder.build_host` makes) with NumPy ``sampled_token_ids``
+    and an int ``num_queries`` advances on the host and stays NumPy; otherwise the
+    arrays are JAX arrays.
 
     Static fields stay the same (so a jitted loop compiles once), except that
     ``max_decode_seq_len`` grows by one while it is below ``block_tables.shape[1] *
@@ -450,34 +453,41 @@ def advance_step(
                 f"metadata.block_tables has only {width} columns ({width * block_size} tokens); "
                 f"allocate the next block first.")
 
-    sampled = jnp.asarray(sampled_token_ids).reshape(num_sampled)
+    # Host metadata (the builder's NumPy arrays) advances on the host with NumPy, so the
+    # engine's decode loop needs no device round trip; device or traced metadata with jnp.
+    on_host = all(isinstance(x, np.ndarray) for x in (md.seq_lens, md.context_lens, md.block_tables,
+                                                       md.slot_mapping, sampled_token_ids)) \
+        and not isinstance(num_queries, jax.Array)
+    xp = np if on_host else jnp
+    sampled = xp.asarray(sampled_token_ids).reshape(num_sampled)
     if num_sampled < num_seqs:
-        sampled = jnp.pad(sampled, (0, num_seqs - num_sampled))
-    seq_lens = jnp.asarray(md.seq_lens)
-    active = jnp.arange(num_seqs, dtype=jnp.int32) < num_queries  # bool[num_seqs]
+        sampled = xp.pad(sampled, (0, num_seqs - num_sampled))
+    seq_lens = xp.asarray(md.seq_lens)
+    active = xp.arange(num_seqs, dtype=np.int32) < num_queries  # bool[num_seqs]
     position = seq_lens  # the sampled token follows the L tokens of the sequence
     block_index = position // block_size
     in_table = block_index < width
-    block = jnp.take_along_axis(
-        jnp.asarray(md.block_tables), jnp.minimum(block_index, width - 1)[:, None], axis=1)[:, 0]
-    slot = jnp.where(active & in_table, block * block_size + position % block_size, PAD_SLOT_ID)
-    new_seq_lens = jnp.where(active, seq_lens + 1, seq_lens)
-    new_context_lens = jnp.where(active, jnp.asarray(md.context_lens) + 1, jnp.asarray(md.context_lens))
-    seq_start_loc = jnp.concatenate(
-        [jnp.zeros((1,), new_seq_lens.dtype), jnp.cumsum(new_seq_lens, dtype=new_seq_lens.dtype)])
+    block_tables = xp.asarray(md.block_tables)
+    block = xp.take_along_axis(block_tables, xp.minimum(block_index, width - 1)[:, None], axis=1)[:, 0]
+    slot = xp.where(active & in_table, block * block_size + position % block_size, PAD_SLOT_ID)
+    context_lens = xp.asarray(md.context_lens)
+    new_seq_lens = xp.where(active, seq_lens + 1, seq_lens)
+    new_context_lens = xp.where(active, context_lens + 1, context_lens)
+    seq_start_loc = xp.concatenate(
+        [xp.zeros((1,), new_seq_lens.dtype), xp.cumsum(new_seq_lens, dtype=new_seq_lens.dtype)])
     capacity = width * block_size
     max_decode_seq_len = md.max_decode_seq_len if md.max_decode_seq_len >= capacity \
         else md.max_decode_seq_len + 1
     new_md = dataclasses.replace(
         md,
-        slot_mapping=slot.astype(jnp.asarray(md.slot_mapping).dtype),
+        slot_mapping=slot.astype(xp.asarray(md.slot_mapping).dtype),
         seq_lens=new_seq_lens,
-        seq_start_loc=seq_start_loc.astype(jnp.asarray(md.seq_start_loc).dtype),
+        seq_start_loc=seq_start_loc.astype(xp.asarray(md.seq_start_loc).dtype),
         context_lens=new_context_lens,
-        query_start_loc=jnp.asarray(md.query_start_loc),
-        block_tables=jnp.asarray(md.block_tables),
+        query_start_loc=xp.asarray(md.query_start_loc),
+        block_tables=block_tables,
         max_decode_seq_len=max_decode_seq_len,
     )
-    next_input_tokens = jnp.where(active, sampled, jnp.zeros_like(sampled))
-    next_input_positions = jnp.where(active, position, 0).astype(jnp.int32)
+    next_input_tokens = xp.where(active, sampled, xp.zeros_like(sampled))
+    next_input_positions = xp.where(active, position, 0).astype(np.int32)
     return new_md, next_input_tokens, next_input_positions

@@ -56,7 +56,7 @@ from jax_paged_attn.builder import (
 )
 from jax_paged_attn.engine.sampling import SamplingParams, sample_tokens
 from jax_paged_attn.engine.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.metadata import FlashAttentionMetadata, advance_step
 
 Array = jax.Array
 
@@ -517,23 +517,15 @@ class LLMEngine:
         return metadata, token_ids, positions, np.arange(n, dtype=np.int32), sampling
 
     def _advance_decode_metadata(self) -> tuple[FlashAttentionMetadata, np.ndarray, tuple[np.ndarray, ...]]:
-        """Moves the stored decode batch one token on (host numpy); returns its new
-        metadata, token positions and sampling arrays (the sampling counter + 1)."""
+        """Moves the stored decode batch one token on (`advance_step` on the host
+        metadata, so NumPy); returns its new metadata, token positions and sampling
+        arrays (the sampling counter + 1). The input tokens are the caller's: the last
+        sampled ones, on the host or still on the device in multi-step decoding."""
         prev = self._decode_batch
         assert prev is not None
-        md, bs, n = prev.metadata, self.config.block_size, len(prev.requests)
-        seq_lens = md.seq_lens.copy()
-        context_lens = md.context_lens.copy()
-        position = seq_lens[:n].copy()  # the new token follows the cached ones
-        seq_lens[:n] += 1
-        context_lens[:n] += 1
-        slot_mapping = md.slot_mapping.copy()
-        slot_mapping[:n] = md.block_tables[np.arange(n), position // bs] * bs + position % bs
-        seq_start_loc = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
-        metadata = dataclasses.replace(md, seq_lens=seq_lens, context_lens=context_lens, slot_mapping=slot_mapping,
-                                       seq_start_loc=seq_start_loc)
-        positions = np.zeros(metadata.num_tokens, np.int32)
-        positions[:n] = position
+        n = len(prev.requests)
+        metadata, _, positions = advance_step(prev.metadata, np.zeros(n, np.int32),
+                                              block_size=self.config.block_size, num_queries=n)
         temperature, top_p, top_k, seed, counter = prev.sampling
         counter = counter.copy()
         counter[:n] += 1
