@@ -19,11 +19,6 @@ from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 Array = jax.Array
 
 
-def _scale_array(scale: Any, name: str) -> Array:
-    checks.check_scale(scale, name)
-    return jnp.asarray(scale, jnp.float32).reshape(())
-
-
 def flash_attn_varlen_func(
     q: Array,
     k: Array,
@@ -126,7 +121,7 @@ def flash_attn_varlen_func(
         None if block_table is None else block_table.astype(jnp.int32),
         None if seqused_k is None else seqused_k.astype(jnp.int32),
         None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
-        _scale_array(k_scale, "k_scale"), _scale_array(v_scale, "v_scale"),
+        checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale"),
         spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         implementation=implementation, interpret=interpret,
     )
@@ -192,7 +187,7 @@ def flash_attn_with_kvcache(
     return dispatch.paged_decode_attention(
         q, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
-        _scale_array(k_scale, "k_scale"), _scale_array(v_scale, "v_scale"),
+        checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale"),
         spec=spec, implementation=implementation, interpret=interpret,
     )
 

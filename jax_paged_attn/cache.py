@@ -286,11 +286,6 @@ def _check_cache_matches_tokens(cache: Any, key: Any, name: str, expected_ndim: 
         raise ValueError(f"{name} has {num_slots} slots; int32 slot ids need fewer than {_INT32_MAX - key.shape[0]}.")
 
 
-def _scale(scale: Any, name: str) -> Array:
-    checks.check_scale(scale, name)
-    return jnp.asarray(scale, jnp.float32).reshape(())
-
-
 def reshape_and_cache_flash(
     key: Array,  # [T, Hk, D] f16 / bf16 / f32
     value: Array,  # [T, Hk, D] same dtype as key
@@ -341,7 +336,7 @@ def reshape_and_cache_flash(
         )
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, key_cache.dtype, "key_cache")
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, value_cache.dtype, "value_cache")
-    k_scale, v_scale = _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale")
+    k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
     num_blocks, block_size = key_cache.shape[:2]
     num_slots = num_blocks * block_size
     _check_slot_mapping_values(slot_mapping, num_slots)
@@ -375,7 +370,7 @@ def reshape_and_cache_flash_kv(
     if kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must have 2 on its first axis (keys, values), got shape {kv_cache.shape}.")
     _check_kv_cache_dtype(kv_cache_dtype, key.dtype, kv_cache.dtype, "kv_cache")
-    k_scale, v_scale = _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale")
+    k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
     num_blocks, block_size = kv_cache.shape[1:3]
     num_slots = num_blocks * block_size
     _check_slot_mapping_values(slot_mapping, num_slots)
@@ -409,6 +404,19 @@ def _xla_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_
     return write(key_cache, key, k_scale), write(value_cache, value, v_scale)
 
 
+_KERNEL_MAX_ELEMENTS = 2**31 - 1  # the cache-write kernel's element offsets are int32
+
+
+def _kernel_unsupported_reason(caches: tuple[Array, ...], row_size: int) -> str | None:
+    """Why the cache-write kernel cannot write these caches (None when it can)."""
+    num_slots = caches[0].shape[-4] * caches[0].shape[-3]
+    elements = (2 if len(caches) == 1 else 1) * num_slots * row_size  # a stacked cache holds K and V
+    if elements > _KERNEL_MAX_ELEMENTS:
+        return (f"the cache holds {elements} elements; the kernel's int32 element offsets need "
+                f"fewer than 2**31")
+    return None
+
+
 def _kernel_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
                   *caches: Array, interpret: bool) -> tuple[Array, ...]:
     from jax_paged_attn.kernels import triton_cache
@@ -420,26 +428,18 @@ def _kernel_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array,
 def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_mapping: Array,
                     k_scale: Array, v_scale: Array, *, implementation: str | None,
                     interpret: bool) -> tuple[Array, ...]:
-    """Picks the cache-write implementation, as `jax_paged_attn.dispatch` does for
-    attention: ``"xla"`` the scatter, ``"triton"`` the kernel (`NotImplementedError`
-    when it cannot write this cache), auto the kernel when lowered for CUDA (chosen per
-    lowering platform with `jax.lax.platform_dependent`) and the scatter elsewhere."""
-    impl = dispatch.normalize_implementation(implementation)
+    """Picks the cache-write implementation with `dispatch.run_implementation`:
+    ``"xla"`` the scatter, ``"triton"`` the kernel, auto the kernel when lowered for
+    CUDA and the scatter elsewhere. An empty token batch always takes the scatter."""
     args = (key, value, slot_mapping, k_scale, v_scale, *caches)
-    if impl == dispatch.XLA or key.shape[0] == 0:
+    if key.shape[0] == 0:
+        dispatch.normalize_implementation(implementation)
         return _xla_write(*args)
-    from jax_paged_attn.kernels import triton_cache
-
-    num_slots = caches[0].shape[-4] * caches[0].shape[-3]
-    reason = triton_cache.unsupported_reason(num_slots, key.shape[1] * key.shape[2], stacked=len(caches) == 1)
-    kernel_fn = functools.partial(_kernel_write, interpret=interpret)
-    if impl == dispatch.AUTO:
-        if reason:
-            return _xla_write(*args)
-        return tuple(jax.lax.platform_dependent(*args, cuda=kernel_fn, default=_xla_write))
-    if reason:
-        raise NotImplementedError(f"implementation={impl!r} cannot run this call: {reason}")
-    return kernel_fn(*args)
+    return tuple(dispatch.run_implementation(
+        implementation, args, reference_fn=_xla_write,
+        kernel_fn=functools.partial(_kernel_write, interpret=interpret),
+        unsupported_reason=lambda: _kernel_unsupported_reason(caches, key.shape[1] * key.shape[2]),
+    ))
 
 
 # --------------------------------------------------------------------------- block mappings

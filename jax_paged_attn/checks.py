@@ -114,6 +114,12 @@ def check_scale(scale: Any, name: str) -> None:
         raise ValueError(f"{name} must be > 0, got {np.asarray(scale)}.")
 
 
+def scale_array(scale: Any, name: str) -> jax.Array:
+    """A checked per-tensor fp8 scale as an f32 scalar array (`check_scale`)."""
+    check_scale(scale, name)
+    return jnp.asarray(scale, jnp.float32).reshape(())
+
+
 def check_nonnegative_values(x: Any, name: str) -> None:
     """Value check (eager only): every entry >= 0."""
     if is_concrete(x) and np.any(np.asarray(x) < 0):

@@ -17,7 +17,7 @@ with the reason; ``auto`` falls back to the reference instead.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -30,7 +30,6 @@ AUTO = "auto"
 XLA = "xla"
 TRITON = "triton"
 IMPLEMENTATIONS = (AUTO, XLA, TRITON)
-KERNEL_IMPLEMENTATIONS = (TRITON,)
 
 
 def normalize_implementation(implementation: str | None) -> str:
@@ -40,12 +39,32 @@ def normalize_implementation(implementation: str | None) -> str:
     return impl
 
 
-def _with_auto(kernel_fn: Callable[..., Array] | None, reference_fn: Callable[..., Array],
-               args: tuple) -> Array:
-    """Runs the kernel on CUDA and the reference elsewhere, chosen at lowering time."""
-    if kernel_fn is None:
+def run_implementation(
+    implementation: str | None,
+    args: tuple,
+    *,
+    reference_fn: Callable[..., Any],
+    kernel_fn: Callable[..., Any],
+    unsupported_reason: Callable[[], str | None],
+) -> Any:
+    """Runs ``reference_fn(*args)`` or ``kernel_fn(*args)`` as ``implementation`` says.
+
+    ``unsupported_reason()`` (looked at only when a kernel may run) names why the kernel
+    cannot run these shapes, or None. Auto chooses per lowering platform with
+    `jax.lax.platform_dependent` (the kernel on CUDA when supported, else the
+    reference); an explicit kernel that cannot run raises `NotImplementedError`.
+    """
+    impl = normalize_implementation(implementation)
+    if impl == XLA:
         return reference_fn(*args)
-    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+    reason = unsupported_reason()
+    if impl == AUTO:
+        if reason:
+            return reference_fn(*args)
+        return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)
+    if reason:
+        raise NotImplementedError(f"implementation={impl!r} cannot run this call: {reason}")
+    return kernel_fn(*args)
 
 
 def varlen_attention(
@@ -55,21 +74,16 @@ def varlen_attention(
     max_seqlen_k: int, implementation: str | None, interpret: bool,
 ) -> Array:
     """Dispatches `reference.varlen_attention` or a kernel with the same contract."""
-    impl = normalize_implementation(implementation)
-    static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
-    reference_fn = functools.partial(reference.varlen_attention, **static)
-    if impl == XLA:
-        return reference_fn(*args)
     from jax_paged_attn import prefill
 
-    reason = prefill.unsupported_reason(*args, lowering=TRITON, **static)
-    kernel_fn = functools.partial(prefill.varlen_attention, lowering=TRITON, interpret=interpret, **static)
-    if impl == AUTO:
-        return _with_auto(None if reason else kernel_fn, reference_fn, args)
-    if reason:
-        raise NotImplementedError(f"implementation={impl!r} cannot run this call: {reason}")
-    return kernel_fn(*args)
+    static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
+    return run_implementation(
+        implementation, args,
+        reference_fn=functools.partial(reference.varlen_attention, **static),
+        kernel_fn=functools.partial(prefill.varlen_attention, lowering=TRITON, interpret=interpret, **static),
+        unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=TRITON, **static),
+    )
 
 
 def paged_decode_attention(
@@ -78,17 +92,13 @@ def paged_decode_attention(
     implementation: str | None, interpret: bool,
 ) -> Array:
     """Dispatches `reference.paged_decode_attention` or a kernel with the same contract."""
-    impl = normalize_implementation(implementation)
-    args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
-    reference_fn = functools.partial(reference.paged_decode_attention, spec=spec)
-    if impl == XLA:
-        return reference_fn(*args)
     from jax_paged_attn import decode
 
-    reason = decode.unsupported_reason(*args, spec=spec, lowering=TRITON)
-    kernel_fn = functools.partial(decode.paged_decode_attention, spec=spec, lowering=TRITON, interpret=interpret)
-    if impl == AUTO:
-        return _with_auto(None if reason else kernel_fn, reference_fn, args)
-    if reason:
-        raise NotImplementedError(f"implementation={impl!r} cannot run this call: {reason}")
-    return kernel_fn(*args)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
+    return run_implementation(
+        implementation, args,
+        reference_fn=functools.partial(reference.paged_decode_attention, spec=spec),
+        kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=TRITON,
+                                    interpret=interpret),
+        unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=TRITON),
+    )

@@ -133,6 +133,35 @@ def decode_config(head_size: int, block_size: int, group_size: int) -> DecodeCon
     return DECODE_TABLE.get(key, DecodeConfig())
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheWriteConfig:
+    """Tiling of the cache-write kernel (`jax_paged_attn.kernels.triton_cache`).
+
+    tokens_per_program: tokens (rows) per program, a power of 2; cols_per_program:
+    columns of a ``Hk * D`` row per program, a power of 2 (the last column block is
+    masked when it passes ``Hk * D``); num_warps: Triton launch parameter.
+    """
+
+    tokens_per_program: int
+    cols_per_program: int
+    num_warps: int = 4
+
+
+CACHE_WRITE_MAX_COLS = 2048
+CACHE_WRITE_ELEMENTS_PER_PROGRAM = 4096  # of key (and of value): 4 tokens of Hk * D = 1024
+
+
+def cache_write_config(num_tokens: int, row_size: int) -> CacheWriteConfig:
+    """Whole rows (up to 2048 columns) and about 4096 elements of key per program:
+    small enough to keep many programs in flight on a decode step of a few hundred
+    tokens, large enough that each program moves a few KiB per tensor (1581 GB/s on a
+    32k-token bf16 prefill write on an H200, benchmarks/RESULTS.md)."""
+    cols = min(next_power_of_2(row_size), CACHE_WRITE_MAX_COLS)
+    tokens = max(1, CACHE_WRITE_ELEMENTS_PER_PROGRAM // cols)
+    tokens = min(tokens, next_power_of_2(max(num_tokens, 1)))
+    return CacheWriteConfig(tokens_per_program=tokens, cols_per_program=cols)
+
+
 # --------------------------------------------------------------------------- measured tables
 MEASURED_TABLES_FILE = "tuned_tables.json"
 """Package data written by `benchmarks/apply_tuning.py` from a sweep on the GPU
@@ -148,8 +177,8 @@ def _load_measured_tables() -> None:
     if not path.exists():
         return
     data = json.loads(path.read_text())
-    for table, config_type in ((PREFILL_TABLE, PrefillConfig), (DECODE_TABLE, DecodeConfig)):
-        name = "PREFILL_TABLE" if config_type is PrefillConfig else "DECODE_TABLE"
+    for name, table, config_type in (("PREFILL_TABLE", PREFILL_TABLE, PrefillConfig),
+                                     ("DECODE_TABLE", DECODE_TABLE, DecodeConfig)):
         known = {f.name for f in dataclasses.fields(config_type)}
         for entry in data.get(name, []):
             fields = {k: v for k, v in entry["config"].items() if k in known}

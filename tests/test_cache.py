@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_paged_attn import cache
+from jax_paged_attn import cache, tuning
 from jax_paged_attn.cache import PAD_BLOCK_ID, PAD_SLOT_ID
 
 BLOCK_SIZE = 16
@@ -470,7 +470,7 @@ def test_triton_kernel_multi_program_grid_and_eager_call():
     key, value, kv, slots = kernel_case(rng, jnp.bfloat16, jnp.bfloat16, 3, 80, num_blocks=3, num_tokens=23)
     want_k, want_v = cache.reshape_and_cache_flash(key, value, kv[0], kv[1], jnp.where(
         (slots >= 0) & (slots < 3 * BLOCK_SIZE), slots, PAD_SLOT_ID), implementation="xla")
-    tiling = triton_cache.CacheWriteTiling(tokens_per_program=4, cols_per_program=64)
+    tiling = tuning.CacheWriteConfig(tokens_per_program=4, cols_per_program=64)
     (got_kv,) = triton_cache.cache_write_call(key, value, slots, None, (kv,), interpret=True, tiling=tiling)
     assert_bits_equal(got_kv[0], want_k)
     assert_bits_equal(got_kv[1], want_v)

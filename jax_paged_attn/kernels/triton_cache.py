@@ -25,11 +25,11 @@ Both layouts use the same kernel: two caches ``[num_slots, Hk * D]`` (key, value
 one stacked cache ``[2, num_slots, Hk * D]`` written by the same program.
 
 Element offsets are int32 inside the kernel: a cache of ``2**31`` elements or more
-is not supported (`unsupported_reason`).
+is not supported (`jax_paged_attn.cache` falls back to the scatter). The tiling comes
+from `jax_paged_attn.tuning.cache_write_config`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -38,52 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_paged_attn.tuning import CacheWriteConfig, cache_write_config
+
 Array = jax.Array
-
-_MAX_COLS_PER_PROGRAM = 2048
-# Elements of one input tile (key or value) per program: 4 tokens of Hk * D = 1024.
-_ELEMENTS_PER_PROGRAM = 4096
-_MAX_OFFSET = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheWriteTiling:
-    """Static launch plan of the cache-write kernel.
-
-    Attributes:
-      tokens_per_program: tokens (rows) per program; a power of 2.
-      cols_per_program: columns of a ``Hk * D`` row per program; a power of 2 (the
-        last column block is masked when it passes ``Hk * D``).
-      num_warps: Triton launch parameter.
-    """
-
-    tokens_per_program: int
-    cols_per_program: int
-    num_warps: int = 4
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def default_tiling(num_tokens: int, row_size: int) -> CacheWriteTiling:
-    """Whole rows (up to 2048 columns) and about 4096 elements of key per program:
-    small enough to keep many programs in flight on a decode step of a few hundred
-    tokens, large enough that each program moves a few KiB per tensor."""
-    cols = min(_next_power_of_2(row_size), _MAX_COLS_PER_PROGRAM)
-    tokens = max(1, _ELEMENTS_PER_PROGRAM // cols)
-    tokens = min(tokens, _next_power_of_2(max(num_tokens, 1)))
-    return CacheWriteTiling(tokens_per_program=tokens, cols_per_program=cols)
-
-
-def unsupported_reason(num_slots: int, row_size: int, stacked: bool) -> str | None:
-    """Why the kernel cannot write a cache of this size (None when it can)."""
-    elements = (2 if stacked else 1) * num_slots * row_size
-    if elements > _MAX_OFFSET:
-        return (f"the cache holds {elements} elements; the kernel's int32 element offsets need "
-                f"fewer than 2**31")
-    return None
-
 
 def _divide_rn(x: Array, scale: Array, *, interpret: bool) -> Array:
     """f32 ``x / scale`` rounded to nearest even (IEEE), like XLA's division.
@@ -120,7 +77,7 @@ def _quantize(x: Array, cache_dtype, scale: Array | None, *, interpret: bool) ->
 
 def _cache_write_kernel(
     *refs,
-    tiling: CacheWriteTiling,
+    tiling: CacheWriteConfig,
     num_tokens: int,
     row_size: int,
     num_slots: int,
@@ -185,7 +142,7 @@ def cache_write_call(
     caches: tuple[Array, ...],  # ([2, num_blocks, bs, Hk, D],) or (k [num_blocks, bs, Hk, D], v same)
     *,
     interpret: bool = False,
-    tiling: CacheWriteTiling | None = None,
+    tiling: CacheWriteConfig | None = None,
 ) -> tuple[Array, ...]:
     """Writes every token's key and value row into its slot; returns the caches.
 
@@ -194,7 +151,7 @@ def cache_write_call(
     fp8 (then ``scales`` is required and the cache stores ``x / scale``). The outputs
     alias the caches (``input_output_aliases``): donated under jit, they are updated
     in place. The returned tuple matches ``caches``. No argument checks here (see
-    `jax_paged_attn.cache`); ``tiling`` defaults to `default_tiling`.
+    `jax_paged_attn.cache`); ``tiling`` defaults to `tuning.cache_write_config`.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     stacked = len(caches) == 1
@@ -207,7 +164,7 @@ def cache_write_call(
         raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
     if num_tokens == 0:
         return tuple(caches)
-    tiling = default_tiling(num_tokens, row_size) if tiling is None else tiling
+    tiling = cache_write_config(num_tokens, row_size) if tiling is None else tiling
 
     # Free reshapes (bitcasts, aliasing survives them): one row per token / slot.
     flat_caches = [c.reshape(*c.shape[:-4], num_slots, row_size) for c in caches]
