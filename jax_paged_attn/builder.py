@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jax_paged_attn import checks
+from jax_paged_attn.tuning import next_power_of_2
 from jax_paged_attn.metadata import PAD_SLOT_ID, FlashAttentionMetadata
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -45,7 +46,7 @@ def next_power_of_two(n: int) -> int:
     n = int(n)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}.")
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+    return 0 if n == 0 else next_power_of_2(n)
 
 
 def pad_to_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
