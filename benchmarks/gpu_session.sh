@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit in one command: environment, the gpu test suite, then benchmarks.
-#   bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
 # Logs and results land in $OUT (the device tool brings that folder back).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,7 +15,11 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests|tests=*)
       paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
-      timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
+      # TESTS_WORKERS=N: N pytest-xdist workers sharing the GPU (compiles run in parallel;
+      # each worker allocates GPU memory on demand instead of preallocating 75 %).
+      workers="${TESTS_WORKERS:-}"
+      XLA_PYTHON_CLIENT_PREALLOCATE=${workers:+false} timeout "${TESTS_TIMEOUT_S:-300}" \
+        python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${workers:+-n $workers} ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;

@@ -47,13 +47,14 @@ batch, ``q_len * G <= block_q``) fill the MMA tile G times better. For long dens
 prefill both layouts do the same work: a tile of ``block_q`` rows against the same
 KV range. Without packing (or when ``G > block_q``) rows are ``block_q`` positions
 of one query head and the grid's head axis runs over query heads. Grid:
-``(heads, tiles)``.
+``(tiles, heads)``.
 
 Tile order (``PrefillConfig.longest_first``): sequences with the most visible
 (query, key) pairs are scheduled first and, inside a sequence, its last query tiles
 (the longest under a causal mask) first, so that the GPU's tail is made of short
 tiles. Tiles of one sequence stay adjacent, so concurrently running programs share
-their K/V in L2. The head axis is the fastest-varying grid axis for the same reason.
+their K/V in L2; the tile axis is the fastest-varying grid axis for the same reason
+(concurrent programs are tiles of one head, not one tile of every head).
 """
 from __future__ import annotations
 
