@@ -510,11 +510,11 @@ class Timer:
         start = time.perf_counter()
         out = _block(call())
         compile_s = time.perf_counter() - start
+        single_ms = compile_s * 1e3  # the last warm-up call's time sizes the samples
         for _ in range(self.warmup - 1):
+            start = time.perf_counter()
             out = _block(call())
-        start = time.perf_counter()
-        out = _block(call())
-        single_ms = (time.perf_counter() - start) * 1e3
+            single_ms = (time.perf_counter() - start) * 1e3
         calls = int(min(64, max(2, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
         times = []
         for _ in range(self.reps):
@@ -1240,14 +1240,15 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
         # skipped by the sweep. The prefix suite (paged) varies the paged-only knobs.
         # Measured 2026-11-29 (H200): at D 128, 32-key blocks beat 64 and 128 (+15-25 %):
         # the QK^T tile of a 128 x 32 block leaves the registers for the PV accumulator.
-        dense = [  # D 64 / 128 first
+        dense_d128 = [  # D 64 / 128
             (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 2, {}),
             (128, 32, 8, 3, {}), (128, 32, 8, 4, {}), (64, 32, 4, 3, {}), (64, 32, 4, 4, {}),
             (128, 32, 4, 3, {}), (128, 32, 8, 3, dict(pack_gqa=False)),
             (128, 128, 8, 2, dict(pack_gqa=False)), (128, 128, 8, 2, dict(single_kv_loop=True)),
             (128, 64, 8, 3, dict(single_kv_loop=True)), (128, 128, 8, 2, dict(longest_first=False)),
             (128, 128, 4, 2, {}), (128, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 64, 4, 3, {}),
-            # D 256 (and small tiles for the others)
+        ]
+        dense_d256 = [  # D 256 (and small tiles for the others)
             (64, 64, 8, 2, {}), (64, 32, 8, 2, {}), (64, 32, 8, 3, {}), (128, 64, 8, 2, {}),
             (128, 32, 8, 2, {}), (64, 64, 4, 2, {}), (64, 64, 8, 2, dict(pack_gqa=False)),
             (64, 64, 8, 2, dict(single_kv_loop=True)),
@@ -1264,9 +1265,9 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
         if suite == "prefix":
             choices = paged[:4] if quick else paged
         elif suite == "varlen":  # D 128 only
-            choices = dense[:4] if quick else dense[:18]
+            choices = dense_d128[:4] if quick else dense_d128
         else:
-            choices = dense[:3] + dense[18:20] if quick else dense
+            choices = dense_d128[:3] + dense_d256[:2] if quick else dense_d128 + dense_d256
         grid = [PrefillConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st, **knobs)
                 for bq, bk, w, st, knobs in choices]
     return list(dict.fromkeys([table_choice(suite, c) for c in cases] + grid))

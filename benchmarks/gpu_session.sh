@@ -17,9 +17,11 @@ for step in "${steps[@]}"; do
       paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
       # TESTS_WORKERS=N: N pytest-xdist workers sharing the GPU (compiles run in parallel;
       # each worker allocates GPU memory on demand instead of preallocating 75 %).
-      workers="${TESTS_WORKERS:-}"
-      XLA_PYTHON_CLIENT_PREALLOCATE=${workers:+false} timeout "${TESTS_TIMEOUT_S:-300}" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${workers:+-n $workers} ${paths:-tests} 2>&1 | tee "$out/gpu_tests.log" ;;
+      xdist=()
+      [ -n "${TESTS_WORKERS:-}" ] && xdist=(-n "$TESTS_WORKERS")
+      ( [ -n "${TESTS_WORKERS:-}" ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+          "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;
