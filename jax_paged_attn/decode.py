@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_paged_attn import checks, tuning
+from jax_paged_attn.kv_view import CachePlane, as_plane
 from jax_paged_attn.spec import AttentionSpec
 from jax_paged_attn.tuning import DecodeConfig, next_power_of_2
 
@@ -164,8 +165,8 @@ def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
 
 def paged_decode_attention(
     q: Array,  # [B, Sq, Hq, D] f16 / bf16 / f32
-    k_cache: Array,  # [num_blocks, block_size, Hk, D] q's dtype or fp8 (e4m3fn / e5m2)
-    v_cache: Array,  # [num_blocks, block_size, Hk, D] like k_cache
+    k_cache: Array | CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8 (e4m3fn / e5m2)
+    v_cache: Array | CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]: tokens in the cache, the Sq new ones included
     block_table: Array,  # i32[B, max_blocks]
     alibi_slopes: Array | None,  # f32[Hq] or None
@@ -201,7 +202,7 @@ def paged_decode_attention(
         scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
                             jnp.asarray(v_scale, jnp.float32).reshape(())])
     result = triton_decode.paged_decode_call(
-        q, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
+        q, as_plane(k_cache), as_plane(v_cache), cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         None if alibi_slopes is None else alibi_slopes.astype(jnp.float32), scales,
         spec=spec, tiling=tiling, interpret=interpret,
     )

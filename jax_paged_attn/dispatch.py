@@ -22,6 +22,7 @@ from typing import Any, Callable
 import jax
 
 from jax_paged_attn import reference
+from jax_paged_attn.kv_view import materialize
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
@@ -67,6 +68,17 @@ def run_implementation(
     return kernel_fn(*args)
 
 
+def _on_arrays(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called with every `CachePlane` argument materialized (the reference reads
+    arrays; inside XLA the slice fuses into its gathers, so nothing is copied)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return fn(*(materialize(a) for a in args))
+
+    return call
+
+
 def varlen_attention(
     q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
     block_table: Array | None, seqused_k: Array | None, alibi_slopes: Array | None,
@@ -80,7 +92,7 @@ def varlen_attention(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
     return run_implementation(
         implementation, args,
-        reference_fn=functools.partial(reference.varlen_attention, **static),
+        reference_fn=_on_arrays(functools.partial(reference.varlen_attention, **static)),
         kernel_fn=functools.partial(prefill.varlen_attention, lowering=TRITON, interpret=interpret, **static),
         unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=TRITON, **static),
     )
@@ -97,7 +109,7 @@ def paged_decode_attention(
     args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
     return run_implementation(
         implementation, args,
-        reference_fn=functools.partial(reference.paged_decode_attention, spec=spec),
+        reference_fn=_on_arrays(functools.partial(reference.paged_decode_attention, spec=spec)),
         kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=TRITON,
                                     interpret=interpret),
         unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=TRITON),

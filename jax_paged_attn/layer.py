@@ -48,6 +48,7 @@ from flax import nnx
 from jax_paged_attn import cache as cache_ops
 from jax_paged_attn import checks
 from jax_paged_attn.api import flash_attn_varlen_func, flash_attn_with_kvcache
+from jax_paged_attn.kv_view import cache_planes
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.spec import UNBOUNDED
 
@@ -192,6 +193,8 @@ def paged_attention(
     elif metadata.num_decode_tokens:
         raise ValueError("decode tokens need a KV cache, but kv_cache is empty (size 0, a profiling run).")
     cache_scales = dict(k_scale=k_scale, v_scale=v_scale)
+    # Views, not slices: ``kv_cache[0]`` would be copied into every kernel call.
+    k_plane, v_plane = cache_planes(kv_cache) if has_cache else (None, None)
 
     outputs = []
     if prefill := metadata.prefill_metadata:
@@ -205,7 +208,7 @@ def paged_attention(
             )
         else:
             out = flash_attn_varlen_func(
-                q[rows], kv_cache[0], kv_cache[1], prefill.query_start_loc, prefill.seq_start_loc,
+                q[rows], k_plane, v_plane, prefill.query_start_loc, prefill.seq_start_loc,
                 prefill.max_query_len, max(prefill.max_prefill_seq_len, 1), causal=True,
                 block_table=prefill.block_tables, seqused_k=prefill.seq_lens, **cache_scales, **common,
             )
@@ -216,13 +219,13 @@ def paged_attention(
         dq = q[metadata.num_prefill_tokens:]
         if decode.max_decode_query_len > 1:
             out = flash_attn_varlen_func(
-                dq, kv_cache[0], kv_cache[1], decode.query_start_loc, decode.seq_start_loc,
+                dq, k_plane, v_plane, decode.query_start_loc, decode.seq_start_loc,
                 decode.max_decode_query_len, max(decode.max_decode_seq_len, 1), causal=True,
                 block_table=decode.block_tables, seqused_k=decode.seq_lens, **cache_scales, **common,
             )
         else:
             out = flash_attn_with_kvcache(
-                dq[:, None], kv_cache[0], kv_cache[1], decode.seq_lens, decode.block_tables,
+                dq[:, None], k_plane, v_plane, decode.seq_lens, decode.block_tables,
                 causal=True, **cache_scales, **common,
             )[:, 0]
         outputs.append(out)

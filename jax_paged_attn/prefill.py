@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_paged_attn import checks, tuning
+from jax_paged_attn.kv_view import CachePlane, as_plane
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
@@ -324,10 +325,16 @@ def unsupported_reason(
     return None
 
 
+def _plane_rows(plane: CachePlane) -> tuple[Array, int]:
+    """(the stacked cache viewed as rows ``[planes * num_blocks * bs, Hk, D]``, plane)."""
+    planes, num_blocks, block_size, num_kv_heads, head_size = plane.array.shape
+    return plane.array.reshape(planes * num_blocks * block_size, num_kv_heads, head_size), plane.plane
+
+
 def varlen_attention(
     q: Array,  # [Tq, Hq, D]
-    k: Array,  # [Tk, Hk, D] packed, or [num_blocks, block_size, Hk, D] with block_table
-    v: Array,  # same layout as k
+    k: Array | CachePlane,  # [Tk, Hk, D] packed, or [num_blocks, block_size, Hk, D] with block_table
+    v: Array | CachePlane,  # same layout as k
     cu_seqlens_q: Array,  # i32[B + 1]
     cu_seqlens_k: Array,  # i32[B + 1]
     block_table: Array | None,  # i32[B, max_blocks_per_seq] or None
@@ -376,16 +383,17 @@ def varlen_attention(
     positions_per_tile = block_q // group
     if paged:
         num_blocks, block_size = k.shape[0], k.shape[1]
-        # Free reshape (leading dims merge): key j of sequence b is row
-        # block_table[b, j // bs] * bs + j % bs of this view.
-        k_rows = k.reshape(num_blocks * block_size, num_kv_heads, head_size)
-        v_rows = v.reshape(num_blocks * block_size, num_kv_heads, head_size)
+        # Free reshape (leading dims merge) of the whole stacked cache: key j of sequence
+        # b is row block_table[b, j // bs] * bs + j % bs of its plane's rows, and the
+        # kernel's BlockSpec picks the plane (no slice, so no copy of the cache).
+        k_rows = _plane_rows(as_plane(k))
+        v_rows = _plane_rows(as_plane(v))
         table = block_table.astype(jnp.int32)
         key_capacity, num_packed_keys = table.shape[1] * block_size, None
         num_stages = config.num_stages if config.num_stages_paged is None else config.num_stages_paged
     else:
         block_size, table = None, None
-        k_rows, v_rows = k, v
+        k_rows, v_rows = (k, 0), (v, 0)
         key_capacity, num_packed_keys = None, k.shape[0]
         num_stages = config.num_stages
     plan = plan_tiles(
@@ -412,6 +420,7 @@ def varlen_attention(
         return triton_prefill.varlen_attention_call(
             q, k_rows, v_rows, plan, table, slopes, kv_scales, spec=spec,
             block_q=block_q, block_k=block_k, heads_per_program=group,
+            num_kv_rows=num_blocks * block_size if paged else k.shape[0],
             page_size=block_size, num_warps=num_warps, num_stages=num_stages,
             single_kv_loop=config.single_kv_loop, prefetch_page_ids=config.prefetch_page_ids,
             interpret=interpret)

@@ -65,3 +65,33 @@ def test_cpu_lowering_of_auto_is_the_reference():
     assert TRITON_CALL not in text
     out = jax.jit(fn)(q, k, v, lens, table)
     assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_layer_reads_the_stacked_cache_in_place_for_cuda():
+    """The layer passes the whole ``[2, ...]`` cache to every kernel (a free reshape) and
+    lets the kernel pick the K or V plane: no ``kv_cache[0]`` slice, which XLA would
+    materialize (a copy of half the cache) for each custom call."""
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
+
+    num_blocks, block_size, hk, d, hq = 37, 16, 2, 64, 4
+    kv = jnp.zeros((2, num_blocks, block_size, hk, d), jnp.bfloat16)
+    builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=num_blocks, pad=False,
+                                            chunked_prefill=True)
+    md = builder.build([
+        ScheduledSequence(is_prompt=True, seq_len=40, context_len=20, query_len=20, block_table=[3, 4, 5]),
+        ScheduledSequence(is_prompt=False, seq_len=9, context_len=8, query_len=1, block_table=[7]),
+    ])
+    t = md.num_tokens
+    q = jnp.ones((t, hq * d), jnp.bfloat16)
+    k = jnp.ones((t, hk * d), jnp.bfloat16)
+
+    def layer(q, k, kv, md):
+        return jpa.paged_attention(q, k, k, kv, md, num_heads=hq, head_size=d, num_kv_heads=hk, scale=0.125)
+
+    text = _cuda_text(layer, q, k, kv, md)
+    assert text.count(TRITON_CALL) >= 3  # cache write, prefill over the cache, decode
+    plane_rows = f"tensor<{num_blocks * block_size}x{hk}x{d}xbf16>"
+    stacked_rows = f"tensor<{2 * num_blocks * block_size}x{hk}x{d}xbf16>"
+    assert stacked_rows in text
+    assert plane_rows not in text
+    assert f"tensor<{num_blocks}x{block_size}x{hk}x{d}xbf16>" not in text  # no slice of a plane

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_paged_attn import reference
+from jax_paged_attn.kv_view import CachePlane
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
@@ -296,8 +297,8 @@ def _decode_kernel(
 
 def paged_decode_call(
     q: Array,  # [B, Sq, Hq, D] f16 / bf16 / f32
-    k_cache: Array,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
-    v_cache: Array,  # [num_blocks, block_size, Hk, D] like k_cache
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8, a plane of a stacked cache
+    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]
     block_table: Array,  # i32[B, max_blocks]
     alibi_slopes: Array | None,  # f32[Hq] or None
@@ -308,6 +309,10 @@ def paged_decode_call(
     interpret: bool,
 ) -> Array | tuple[Array, Array]:
     """Runs the kernel over the grid (KV heads x row blocks, sequences, splits).
+
+    The caches are planes of stacked arrays (`jax_paged_attn.kv_view.CachePlane`): the
+    whole stacked array is passed and a BlockSpec selects the plane, so XLA copies
+    nothing (K and V may be two planes of one buffer).
 
     Returns the output ``[B, Sq, Hq, D]`` in q's dtype when ``tiling.num_splits == 1``,
     else ``(partial_out f32[splits, B, Sq, Hq, D], lse f32[splits, B, Sq, Hq])`` where
@@ -320,14 +325,25 @@ def paged_decode_call(
     v_dequant = jnp.dtype(v_cache.dtype).itemsize == 1
     if (k_dequant or v_dequant) and scales is None:
         raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
-    # A free reshape (no copy): one row per cached token, so a key's row is
-    # page * block_size + slot, and each (row, KV head) is D contiguous elements.
-    flat_shape = (num_blocks * block_size, num_kv_heads, head_size)
-    inputs = [q, k_cache.reshape(flat_shape), v_cache.reshape(flat_shape), cache_seqlens, block_table]
+    # A free reshape (no copy): one row per cached token of every plane, so a key's row
+    # within its plane is page * block_size + slot, and each (row, KV head) is D
+    # contiguous elements; the BlockSpec's block index on the rows picks the plane.
+    rows = num_blocks * block_size
+
+    def plane_rows(plane: CachePlane) -> tuple[Array, pl.BlockSpec]:
+        flat = plane.array.reshape(plane.array.shape[0] * rows, num_kv_heads, head_size)
+        return flat, pl.BlockSpec((rows, num_kv_heads, head_size), lambda h, b, s: (plane.plane, 0, 0))
+
+    (k_rows, k_spec), (v_rows, v_spec) = plane_rows(k_cache), plane_rows(v_cache)
+    whole = pl.BlockSpec()  # the whole array: the kernel addresses it itself
+    inputs = [q, k_rows, v_rows, cache_seqlens, block_table]
+    in_specs = [whole, k_spec, v_spec, whole, whole]
     if alibi_slopes is not None:
         inputs.append(alibi_slopes)
+        in_specs.append(whole)
     if k_dequant or v_dequant:
         inputs.append(scales)
+        in_specs.append(whole)
     if tiling.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -347,11 +363,11 @@ def paged_decode_call(
         k_dequant=k_dequant,
         v_dequant=v_dequant,
     )
-    # Whole arrays are passed (no BlockSpecs): the kernel addresses pages itself.
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_kv_heads * tiling.row_blocks, batch, tiling.num_splits),
+        in_specs=in_specs,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="paged_decode_attention",

@@ -225,8 +225,9 @@ def _prefill_kernel(
 
 def varlen_attention_call(
     q: Array,  # [Tq, Hq, D] f16 / bf16 / f32
-    k_rows: Array,  # [R, Hk, D]: packed keys, or the paged cache viewed as [num_blocks * bs, Hk, D]
-    v_rows: Array,  # [R, Hk, D] same layout as k_rows
+    k_rows: tuple[Array, int],  # ([P * R, Hk, D], plane): packed keys (P = 1), or a stacked
+    #   paged cache viewed as rows [planes * num_blocks * bs, Hk, D]; plane p is rows p*R..p*R+R-1
+    v_rows: tuple[Array, int],  # same layout as k_rows (may be another plane of the same array)
     plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from prefill.plan_tiles
     block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed)
     alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e), or None
@@ -236,6 +237,7 @@ def varlen_attention_call(
     block_q: int,
     block_k: int,
     heads_per_program: int,
+    num_kv_rows: int,
     page_size: int | None,
     num_warps: int,
     num_stages: int,
@@ -246,15 +248,16 @@ def varlen_attention_call(
     """Builds and runs the pallas_call of `_prefill_kernel` over the plan's tiles.
 
     ``heads_per_program`` query heads (1, or the whole GQA group) share a tile's
-    ``block_q`` rows; ``page_size`` is the cache block size for a paged cache, None
-    for packed keys. ``single_kv_loop``: one KV loop per tile masking every block
-    (one software-pipeline fill per tile) instead of the masked / unmasked / masked
-    loops; ``prefetch_page_ids`` (paged only): load the block-table entries one KV
-    step ahead (see `jax_paged_attn.tuning.PrefillConfig`). Every row of the output
-    is written (padding rows with 0).
+    ``block_q`` rows; ``num_kv_rows`` is the rows of one K/V plane; ``page_size`` is the
+    cache block size for a paged cache, None for packed keys. ``single_kv_loop``: one KV
+    loop per tile masking every block (one software-pipeline fill per tile) instead of
+    the masked / unmasked / masked loops; ``prefetch_page_ids`` (paged only): load the
+    block-table entries one KV step ahead (see `jax_paged_attn.tuning.PrefillConfig`).
+    Every row of the output is written (padding rows with 0).
     """
     num_q_tokens, num_q_heads, head_size = q.shape
-    num_kv_rows, num_kv_heads, _ = k_rows.shape
+    (k_rows, k_plane), (v_rows, v_plane) = k_rows, v_rows
+    num_kv_heads = k_rows.shape[1]
     group = num_q_heads // num_kv_heads
     hpp = heads_per_program
     assert num_q_heads % hpp == 0 and (hpp == 1 or hpp == group), (hpp, group)
@@ -262,16 +265,15 @@ def varlen_attention_call(
     num_tiles = plan.shape[0]
     assert plan.shape[1] == TILE_INFO_WIDTH
 
-    def kv_head(t, g):  # program's KV head: heads g*hpp .. g*hpp+hpp-1 share it
-        del t
-        return (0, (g * hpp) // group, 0)
+    def kv_head(plane: int):  # program's KV head: heads g*hpp .. g*hpp+hpp-1 share it
+        return lambda t, g: (plane, (g * hpp) // group, 0)
 
     paged = block_table is not None
     in_specs = [
         pl.BlockSpec((None, TILE_INFO_WIDTH), lambda t, g: (t, 0)),
         pl.BlockSpec((num_q_tokens, hpp, head_size_padded), lambda t, g: (0, g, 0)),
-        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head),
-        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head),
+        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head(k_plane)),
+        pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head(v_plane)),
         pl.BlockSpec(block_table.shape, lambda t, g: (0, 0)) if paged else None,
         pl.BlockSpec((hpp,), lambda t, g: (g,)) if alibi_slopes_log2 is not None else None,
         pl.BlockSpec((2,), lambda t, g: (0,)) if kv_scales is not None else None,
