@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams, dense_greedy_generate  # noqa: E402
+from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jax_paged_attn.models import dense_greedy_generate  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, load_llama  # noqa: E402
 
 DEFAULT_PROMPTS = [

@@ -9,8 +9,10 @@ copy-on-write, and preemption (swap to host, or recompute) forced by a tiny cach
 Engines here share one model structure and cache size where they can, so they share
 compiled programs (`LLMEngine` keeps one jitted step per model structure).
 """
+import dataclasses
 import importlib.util
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +24,11 @@ from jax_paged_attn.engine import (
     EngineConfig,
     LLMEngine,
     SamplingParams,
-    dense_greedy_generate,
     sample_tokens,
 )
 from jax_paged_attn.builder import ScheduledSequence, input_positions, pack_per_token, sequence_rows
 from jax_paged_attn.metadata import ARRAY_FIELDS, STATIC_FIELDS
-from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0}
 # One bucket per count and static bounds at bucket capacity: every engine built from BASE
@@ -93,7 +94,7 @@ def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapp
 
 def test_greedy_matches_dense_when_preemption_recomputes(model):
     prompts = random_prompts(1, [40, 9, 66, 21, 33])
-    engine = LLMEngine(model, BASE, num_host_blocks=0)
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_host_blocks=0))
     outs = run_with_arrivals(engine, prompts, greedy(80), arrivals=[0, 0, 0, 1, 1])
     assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 80)
     assert engine.stats.num_recomputed_requests > 0
@@ -121,7 +122,7 @@ def test_multi_step_decoding_matches_dense_and_stops_on_time(model):
     expected = dense_greedy_generate(model, prompts, 24)
     eos = expected[1][9]  # request 1 stops at its 10th token (or earlier, if eos came before)
     cut = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in expected]
-    engine = LLMEngine(model, BASE, num_scheduler_steps=4, eos_token_id=eos)
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, eos_token_id=eos))
     outs = run_with_arrivals(engine, prompts, greedy(24), arrivals=[0, 0, 3, 9])
     assert [o.output_token_ids for o in outs] == cut
     assert [o.finish_reason for o in outs] == ["stop" if eos in ref else "length" for ref in expected]
@@ -138,23 +139,26 @@ def test_256_step_decode_compiles_few_programs_and_matches_dense():
     # A model structure no other test uses, so its jitted step starts with no program.
     small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(3))
     prompts = random_prompts(3, [8, 5])
-    engine = LLMEngine(small, BASE, num_blocks=40, max_num_batched_tokens=64, batch_buckets=None,
-                       token_buckets=None, block_table_width_buckets=None, coarse_length_bounds=False)
+    engine = LLMEngine(small, dataclasses.replace(
+        BASE, num_blocks=40, max_num_batched_tokens=64, batch_buckets=None, token_buckets=None,
+        block_table_width_buckets=None, coarse_length_bounds=False))
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [len(o.output_token_ids) for o in outs] == [256, 256]
-    # 1 prefill program + one decode program per block-table width bucket (1..32 blocks).
-    assert 2 <= engine.num_compiled_programs <= 7, engine.num_compiled_programs
-    if hasattr(engine._step.fn, "_cache_size"):
-        assert engine._step.fn._cache_size() == engine.num_compiled_programs
+    # 1 prefill program + 1 decode-window program: the persistent batch's block tables
+    # are sized for the requests' last positions, so growing sequences compile nothing.
+    assert engine.num_compiled_programs == 2, engine.num_compiled_programs
+    programs = (engine.runner.step_program, engine.runner.window_program)
+    if all(hasattr(p, "_cache_size") for p in programs):
+        assert sum(p._cache_size() for p in programs) == engine.num_compiled_programs
     assert [o.output_token_ids for o in outs] == dense_greedy_generate(small, prompts, 256)
 
 
 def test_decode_step_updates_the_donated_cache_in_place(model):
     engine = LLMEngine(model, BASE)
-    engine.add_request([1, 2, 3], greedy(8))
+    engine.add_request([1, 2, 3], greedy(64))
     engine.step()  # prefill
-    engine.step()  # first decode (compiles)
+    engine.step()  # dispatches two decode windows, reads the first
     before = list(engine.kv_caches)
     pointers = [c.unsafe_buffer_pointer() for c in before]
     engine.step()
@@ -162,37 +166,88 @@ def test_decode_step_updates_the_donated_cache_in_place(model):
     assert [c.unsafe_buffer_pointer() for c in engine.kv_caches] == pointers, "the cache was copied"
 
 
-def test_decode_fast_path_equals_the_builder(model):
-    """Decode-only steps reuse the previous metadata moved one token on; it must be exactly
-    what the builder makes, also when a sequence crosses into a new block."""
-    engine = LLMEngine(model, BASE)
-    advance = engine._advance_decode_batch
-    checked = []
+def test_device_decode_metadata_equals_the_builder():
+    """The decode window builds each step's metadata on the device; for the same rows it
+    must be what the host builder makes (slots, lengths, tables), across a block edge."""
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder
+    from jax_paged_attn.engine.model_runner import decode_metadata
 
-    def checking(out):
-        fast = advance(out)
-        if fast is not None:
-            metadata, token_ids, positions, rows, _ = fast
-            sequences = [ScheduledSequence(is_prompt=i.is_prefill, seq_len=i.seq_len, context_len=i.start,
-                                           query_len=i.num_new_tokens, block_table=i.request.block_table)
-                         for i in out.scheduled]
-            built = engine.builder.build_host(sequences)
-            for field in ARRAY_FIELDS:
-                np.testing.assert_array_equal(getattr(metadata, field), getattr(built, field), err_msg=field)
-            for field in STATIC_FIELDS:
-                assert getattr(metadata, field) == getattr(built, field), field
-            np.testing.assert_array_equal(positions, input_positions(built, sequences))
-            np.testing.assert_array_equal(rows, sequence_rows(built, sequences))
-            expected_ids = [i.request.token_ids()[i.start:i.seq_len] for i in out.scheduled]
-            np.testing.assert_array_equal(token_ids, pack_per_token(built, sequences, expected_ids))
-            checked.append(any(i.start % BASE.block_size == 0 for i in out.scheduled))
-        return fast
+    block_size, width = 16, 4
+    tables = [[3, 9], [5], [7, 2, 11, 4]]
+    seq_lens = [17, 16, 50]  # 17: the new token opens block 1; 16: the last slot of block 0
+    builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=12, pad=False)
+    built = builder.build_host([ScheduledSequence(is_prompt=False, seq_len=n, context_len=n - 1, query_len=1,
+                                                  block_table=t) for n, t in zip(seq_lens, tables)])
+    padded = np.zeros((4, width), np.int32)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    positions = np.array([n - 1 for n in seq_lens] + [0], np.int32)
+    active = np.array([True, True, True, False])
+    md = decode_metadata(jnp.asarray(positions), jnp.asarray(active), jnp.asarray(padded), block_size)
+    np.testing.assert_array_equal(np.asarray(md.slot_mapping)[:3], built.slot_mapping)
+    np.testing.assert_array_equal(np.asarray(md.seq_lens)[:3], built.seq_lens)
+    np.testing.assert_array_equal(np.asarray(md.context_lens)[:3], built.context_lens)
+    assert np.asarray(md.slot_mapping)[3] == -1 and np.asarray(md.seq_lens)[3] == 0  # a stopped row
 
-    engine._advance_decode_batch = checking
-    prompts = random_prompts(7, [14, 3, 30])
-    outs = engine.generate(prompts, greedy(20), use_tqdm=False)
-    assert len(checked) > 10 and any(checked)  # fast steps, some writing into a fresh block
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+
+def test_decode_windows_overlap_and_read_once_per_window(model):
+    """The host dispatches window n + 1 before it reads window n, and reads each window's
+    tokens once (not once per token); the outputs are still the dense ones."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
+    events = []
+    dispatch, read = engine.runner.run_decode_window, engine._read_window
+
+    def counting_dispatch(*args, **kwargs):
+        events.append("dispatch")
+        return dispatch(*args, **kwargs)
+
+    def counting_read():
+        events.append("read")
+        return read()
+
+    engine.runner.run_decode_window, engine._read_window = counting_dispatch, counting_read
+    prompts = random_prompts(11, [9, 20, 4])
+    traces = engine.runner.num_traces
+    outs = engine.generate(prompts, greedy(30), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 30)
+    reads = events.count("read")
+    assert reads == events.count("dispatch") and 29 // 4 <= reads <= 29 // 4 + 2  # 29 decoded tokens each
+    # Before every read but the last, the next window is already queued.
+    for i, event in enumerate(events):
+        if event == "read" and events[i + 1:].count("read"):
+            assert events[:i].count("dispatch") >= events[:i + 1].count("read") + 1, events
+    assert engine.runner.num_traces - traces <= 2  # the prefill step and one window program
+
+
+def test_decode_window_program_has_no_conditional():
+    """No data-dependent branch in the decode window lowered for CUDA (XLA would copy its
+    predicate to the host, and the call would wait for the whole step), greedy or sampled."""
+    small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(5))
+    engine = LLMEngine(small, dataclasses.replace(BASE, num_scheduler_steps=2))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=8))
+    engine.step()  # prefill
+    engine.step()  # starts the persistent batch
+    runner = engine.runner
+    state = runner._decode_state
+    rows, width = state.block_tables.shape
+    for greedy_batch in (True, False):
+        text = runner.window_program.trace(
+            runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+            np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
+            max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text  # the kernels, as on a GPU
+        assert "stablehlo.if" not in text
+        # `lax.platform_dependent` (the kernel-or-reference choice) lowers to cases whose
+        # index is a constant, or a case on a constant (the platform's index): XLA folds
+        # them. Any other case would branch on data.
+        def constant(name: str) -> bool:
+            if re.search(rf"{re.escape(name)} = stablehlo.constant", text):
+                return True
+            inner = re.search(rf'{re.escape(name)} = "stablehlo.case"\((%[\w#]+)\)', text)
+            return bool(inner) and constant(inner.group(1))
+
+        for index in re.findall(r'"stablehlo.case"\((%[\w#]+)\)', text):
+            assert constant(index), index
 
 
 # --------------------------------------------------------------------------- bad requests

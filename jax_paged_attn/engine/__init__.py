@@ -3,7 +3,8 @@
 * `BlockAllocator`: host-side free list, reference counts, prefix cache, copy-on-write.
 * `Scheduler`: continuous batching, chunked prefill, swap / recompute preemption (FCFS).
 * `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request.
-* `LLMEngine`: runs the jitted model step (KV caches donated) and the loop around it.
+* `ModelRunner`: the device side (parameters, caches, persistent decode batch, jitted programs).
+* `LLMEngine`: the host loop: scheduled steps and overlapped decode windows.
 """
 from jax_paged_attn.engine.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from jax_paged_attn.engine.engine import (
@@ -11,9 +12,9 @@ from jax_paged_attn.engine.engine import (
     EngineStats,
     LLMEngine,
     RequestOutput,
-    dense_greedy_generate,
 )
-from jax_paged_attn.engine.sampling import SamplingParams, sample_tokens
+from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
+from jax_paged_attn.engine.sampling import SamplingParams, greedy_tokens, sample_tokens
 from jax_paged_attn.engine.scheduler import (
     FinishReason,
     Request,
@@ -26,10 +27,13 @@ from jax_paged_attn.engine.scheduler import (
 
 __all__ = [
     "BlockAllocator",
+    "CausalLM",
     "EngineConfig",
     "EngineStats",
     "FinishReason",
     "LLMEngine",
+    "ModelConfig",
+    "ModelRunner",
     "NoFreeBlocksError",
     "Request",
     "RequestOutput",
@@ -39,7 +43,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
-    "dense_greedy_generate",
+    "greedy_tokens",
     "hash_block_tokens",
     "sample_tokens",
 ]

@@ -1,30 +1,37 @@
 """`LLMEngine`: continuous-batching generation over the paged KV cache.
 
-One engine step is::
+The engine is the host-side loop; `jax_paged_attn.engine.model_runner.ModelRunner` owns
+the device side (parameters, KV caches, the persistent decode batch, the jitted
+programs). Two kinds of step:
 
-    scheduler.schedule()                    host: who runs, how many tokens, block moves
-    swap_blocks / copy_blocks               device: swap-outs, copy-on-write, swap-ins
-    FlashAttentionMetadataBuilder.build     host: packed, bucketed batch description
-    step_fn(params, kv_caches, ...)         device: model forward + sampling, one jit,
-                                            KV caches donated (updated in place)
-    scheduler.update(sampled tokens)        host: append tokens, finish requests
+* **scheduled step** (admission, chunked prefill, swaps, recomputation, mixed
+  prefill + decode batches)::
 
-Host work per step is kept small for large decode batches: a decode-only step that
-runs the same requests as the previous one skips the builder and moves the previous
-metadata one token on (vectorized numpy), and with ``num_scheduler_steps > 1`` a
-decode-only batch runs several model steps per scheduling step (vLLM's multi-step
-scheduling), each step's sampled tokens feeding the next on the device.
+      scheduler.schedule()                 host: who runs, how many tokens, block moves
+      swap_blocks / copy_blocks            device: swap-outs, copy-on-write, swap-ins
+      FlashAttentionMetadataBuilder        host: packed, bucketed batch description
+      runner.run_step                      device: forward + sampling (caches donated)
+      scheduler.update(sampled tokens)     host: append tokens, finish requests
 
-Compilation: the jitted step is traced once per distinct *static* shape of its inputs.
-The builder pads every count (sequences, tokens, block-table width) to a bucket, so a
-long run compiles a bounded number of programs (`EngineStats.num_compiled_programs`);
-a decode-only run of fixed batch compiles one program per block-table width bucket
-(powers of two by default: about ``log2(max_model_len / block_size)``).
+* **decode window** (every running request is decoding and nothing can be admitted):
+  the running requests become the rows of a persistent batch that stays on the device,
+  and ``num_scheduler_steps`` decode steps run in one program (sampling, stop checks
+  and the next step's metadata on the device). The host reserves each window's blocks
+  ahead (lookahead slots, capped at each request's last position) and dispatches window
+  ``n + 1`` *before* it reads window ``n``'s tokens (copied to the host asynchronously),
+  so the host's bookkeeping overlaps the device's work and the device never waits for
+  the host. Rows that stop mid-window write nothing more; their blocks are freed when
+  the host reads the window.
 
-Memory: the KV caches are passed to the step with ``donate_argnums``, so XLA writes the
-new tokens' K/V into the same buffers (no copy of the cache per step); the arrays the
-engine held before a step are deleted by it. Host swap space
-(`jax_paged_attn.cache.allocate_host_kv_cache`) is allocated on the first preemption.
+Compilation: each program is traced once per distinct *static* shape of its inputs.
+The builder pads every count to a bucket and the persistent batch rounds its rows, its
+block-table width and its stop-id columns up to powers of two, so a run compiles a
+bounded number of programs (`EngineStats.num_compiled_programs`).
+
+Memory: unless ``num_blocks`` is given, the KV cache takes what the device has left
+beside the weights and the largest step's activations, up to ``gpu_memory_utilization``
+of its memory (vLLM's rule; measured with a profiling run), and the engine says what it
+chose. The caches are donated to every program, so writes are in place.
 
 Example::
 
@@ -35,16 +42,15 @@ Example::
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
+import logging
 import sys
 import time
 from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jax_paged_attn import cache as cache_ops
 from jax_paged_attn.builder import (
@@ -54,15 +60,20 @@ from jax_paged_attn.builder import (
     pack_per_token,
     sequence_rows,
 )
-from jax_paged_attn.engine.sampling import SamplingParams, sample_tokens
-from jax_paged_attn.engine.scheduler import Request, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jax_paged_attn.metadata import FlashAttentionMetadata, advance_step
+from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, HostDecodeRows, ModelRunner, check_model
+from jax_paged_attn.engine.sampling import SamplingParams
+from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from jax_paged_attn.tuning import next_power_of_2
 
 Array = jax.Array
 
+logger = logging.getLogger(__name__)
 
-DEFAULT_SWAP_SPACE_BYTES = 4 << 30
-"""Host swap space used when `EngineConfig.num_host_blocks` is None (vLLM's default, 4 GiB)."""
+DEFAULT_SWAP_SPACE_GIB = 4.0
+"""Host swap space when `EngineConfig.num_host_blocks` is None (vLLM's default, 4 GiB)."""
+
+DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS = 256
+"""KV cache blocks when ``num_blocks`` is None and the device reports no memory statistics (CPU)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +81,28 @@ class EngineConfig:
     """Sizes and policies of an `LLMEngine`.
 
     Attributes:
-      num_blocks: blocks of the device KV cache (per layer).
+      num_blocks: blocks of the device KV cache (per layer); None: as many as fit in
+        ``gpu_memory_utilization`` of the device's memory beside the weights and the
+        activations of the largest step (a profiling run measures them). Devices that
+        report no memory statistics (CPU) get `DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS`.
+      gpu_memory_utilization: fraction of the device's memory the engine may use in all
+        (weights, activations and KV cache) when ``num_blocks`` is None.
       block_size: token slots per block (a multiple of 16).
       num_host_blocks: blocks of host swap space for preemption (allocated, in pinned
         host memory where the backend has it, at the first swap-out); None = as many as
-        fit in `DEFAULT_SWAP_SPACE_BYTES` (vLLM's 4 GiB), at most ``num_blocks``. 0
-        disables swapping (preempted requests are recomputed instead).
+        fit in ``swap_space_gib``, at most ``num_blocks``. 0 disables swapping
+        (preempted requests are recomputed instead).
+      swap_space_gib: host swap space when ``num_host_blocks`` is None.
       max_num_seqs: requests holding cache blocks at once (batch size bound).
-      max_num_batched_tokens: token budget of one step; prompts longer than it are
-        prefilled in chunks across steps.
+      max_num_batched_tokens: token budget of one scheduled step; prompts longer than
+        it are prefilled in chunks across steps.
       max_model_len: longest context (prompt + output); None = the model's
         ``max_position_embeddings``.
       enable_prefix_caching: share full prompt blocks between requests (turned off for
         sliding-window models, whose caches skip tokens outside the window).
-      eos_token_id: ends a request (unless its params set ``ignore_eos``); None: never.
+      eos_token_id: ends a request (unless its params set ``ignore_eos``); an int or a
+        tuple of ints; None: the model config's ``eos_token_id`` if it has one, else
+        never.
       seed: engine seed; requests without their own seed get one derived from it and
         their arrival number.
       batch_buckets, token_buckets, block_table_width_buckets: padding buckets of the
@@ -93,38 +112,39 @@ class EngineConfig:
         ``max_prefill_seq_len`` = the block-table capacity) instead of the builder's
         next power of two: only the count and width buckets then select a program
         (fewer compilations), at the price of more padded attention work in prefills.
-      num_scheduler_steps: model steps per scheduling step for decode-only batches
-        (vLLM's multi-step scheduling): the engine reserves blocks for the extra tokens,
-        runs the steps back to back on the device (each step's sampled tokens feed the
-        next without a host round trip) and reads all tokens at once. Tokens sampled
-        after a request finished are dropped, so outputs equal ``num_scheduler_steps=1``;
-        the price is up to ``num_scheduler_steps - 1`` wasted steps per finishing
-        request and new requests waiting up to that many steps. Used only when no
-        request waits for admission.
-      compiler_options: XLA compiler options for the jitted step (``jax.jit``'s
+      num_scheduler_steps: decode steps per decode window (vLLM's multi-step
+        scheduling): the steps run back to back on the device, and the host reads the
+        window's tokens while the next window runs. Outputs do not depend on it; a
+        request that finishes mid-window frees its blocks when the host reads the
+        window, and new requests wait up to a window for admission.
+      compiler_options: XLA compiler options of the jitted programs (``jax.jit``'s
         ``compiler_options``), e.g. ``{"xla_backend_optimization_level": 0}`` to compile
         faster on a CPU; None for the defaults.
     """
 
-    num_blocks: int = 256
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     num_host_blocks: int | None = None
+    swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     seed: int = 0
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
     block_table_width_buckets: tuple[int, ...] | None = None
     coarse_length_bounds: bool = False
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = 8
     compiler_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             _check_int(getattr(self, name), name, 1)
+        if self.num_blocks is not None:
+            _check_int(self.num_blocks, "num_blocks", 1)
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}.")
         if self.num_host_blocks is not None:
@@ -132,8 +152,16 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_int(self.max_model_len, "max_model_len", 2)
         if self.eos_token_id is not None:
-            _check_int(self.eos_token_id, "eos_token_id", 0)
+            ids = self.eos_token_id if isinstance(self.eos_token_id, (tuple, list)) else (self.eos_token_id,)
+            for token in ids:
+                _check_int(token, "eos_token_id", 0)
         _check_int(self.seed, "seed", 0)
+        for name in ("gpu_memory_utilization", "swap_space_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
 
 
 def _check_int(value: Any, name: str, minimum: int) -> None:
@@ -224,95 +252,114 @@ class EngineStats:
 
 
 class _Progress:
-    """tqdm when it is installed, else a one-line stderr counter (no hard dependency)."""
+    """A tqdm bar over requests, updated every step with tokens/s since the start."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.tokens = total, 0, 0
-        self.enabled = enabled
-        self.start = self.last_print = time.perf_counter()
+        self.tokens = 0
+        self.start = time.perf_counter()
         self.bar = None
         if enabled:
-            try:
-                from tqdm.auto import tqdm
+            from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
-            except ImportError:
-                self.bar = None
+            self.bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
 
-    def update(self, finished: int, tokens: int) -> None:
-        self.done += finished
+    def update(self, finished: int, tokens: int, *, compiled: bool) -> None:
         self.tokens += tokens
-        if not self.enabled:
+        if self.bar is None:
             return
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.update(finished)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
-            return
-        now = time.perf_counter()
-        if finished and (now - self.last_print > 0.5 or self.done == self.total):
-            self.last_print = now
-            sys.stderr.write(f"\rgenerate: {self.done}/{self.total} requests, {rate:,.1f} tok/s")
-            sys.stderr.flush()
+        self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:,.0f} tok/s" + (" (compiled a program)" if compiled
+                                                                                else ""), refresh=False)
+        self.bar.update(finished)
+        if not finished:
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 class LLMEngine:
     """Generates tokens for many requests at once over a paged KV cache.
 
     Args:
-      model: a `jax_paged_attn.models.LlamaForCausalLM` (or any NNX module with its
-        contract: ``config`` with ``vocab_size``, ``num_hidden_layers``,
-        ``num_key_value_heads``, ``head_dim``, ``max_position_embeddings``;
-        ``allocate_kv_caches(num_blocks, block_size)``; ``__call__(input_ids, positions,
-        kv_caches, metadata, logits_indices=...) -> (logits, kv_caches)``).
-      config: `EngineConfig`; keyword ``overrides`` replace its fields.
+      model: a `jax_paged_attn.engine.model_runner.CausalLM` (e.g.
+        `jax_paged_attn.models.LlamaForCausalLM`).
+      config: `EngineConfig`.
 
     Public methods: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
-    `generate`; `stats` holds the counters, `kv_caches` the current caches.
+    `pop_output`, `generate`, `reset_stats`; `stats` holds the counters, `kv_caches` the
+    current caches, `start_report` what the engine chose at start.
     """
 
-    def __init__(self, model: nnx.Module, config: EngineConfig | None = None, **overrides: Any) -> None:
-        config = dataclasses.replace(config or EngineConfig(), **overrides)
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
+        check_model(model)
+        config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
         model_config = model.config
-        max_model_len = config.max_model_len or int(model_config.max_position_embeddings)
-        sliding_window = getattr(model_config, "sliding_window", None)
+        max_position = int(model_config.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > max_position:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_position}.")
+        max_model_len = config.max_model_len or max_position
+        self.vocab_size = int(model_config.vocab_size)
+        eos = config.eos_token_id
+        if eos is None:
+            eos = getattr(model_config, "eos_token_id", None)
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (tuple, list)) else (int(eos),)
+        for token in eos_ids:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {self.vocab_size}).")
+        sliding_window = model_config.sliding_window
         prefix_caching = config.enable_prefix_caching and sliding_window is None
-        self.kv_caches: list[Array] = list(model.allocate_kv_caches(config.num_blocks, config.block_size))
+        report = []
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks, line = _kv_cache_blocks_for_memory(model, config, max_model_len)
+            report.append(line)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                                  compiler_options=config.compiler_options)
+        bytes_per_block = sum(int(c.nbytes) for c in self.runner.kv_caches) // num_blocks
         num_host_blocks = config.num_host_blocks
         if num_host_blocks is None:
-            bytes_per_block = sum(int(c.nbytes) for c in self.kv_caches) // config.num_blocks
-            num_host_blocks = min(config.num_blocks, max(1, DEFAULT_SWAP_SPACE_BYTES // max(bytes_per_block, 1)))
-        self.config = dataclasses.replace(config, max_model_len=max_model_len, num_host_blocks=num_host_blocks,
-                                          enable_prefix_caching=prefix_caching)
+            num_host_blocks = min(num_blocks, int(config.swap_space_gib * (1 << 30)) // max(bytes_per_block, 1))
+        self.config = dataclasses.replace(config, num_blocks=num_blocks, max_model_len=max_model_len,
+                                          num_host_blocks=num_host_blocks, enable_prefix_caching=prefix_caching,
+                                          eos_token_id=eos_ids or None)
         self.model_config = model_config
-        self.vocab_size = int(model_config.vocab_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_prefix_caching=prefix_caching),
-            num_device_blocks=config.num_blocks, num_host_blocks=num_host_blocks, block_size=config.block_size,
-            eos_token_id=config.eos_token_id, vocab_size=self.vocab_size,
+            num_device_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=config.block_size,
+            eos_token_id=eos_ids, vocab_size=self.vocab_size,
         )
         self.builder = FlashAttentionMetadataBuilder(
-            block_size=config.block_size, num_blocks=config.num_blocks, sliding_window=sliding_window,
+            block_size=config.block_size, num_blocks=num_blocks, sliding_window=sliding_window,
             chunked_prefill=True, pad=True, batch_buckets=config.batch_buckets,
             token_buckets=config.token_buckets, block_table_width_buckets=config.block_table_width_buckets,
         )
         self._model = model
         self._host_caches: list[Array] | None = None
-        self._decode_batch: _DecodeBatch | None = None
-        graphdef, self._state = nnx.split(model)
-        options = tuple(sorted((config.compiler_options or {}).items()))
-        self._step = _compiled_step(graphdef, options)
+        self._batch: _DecodeBatch | None = None
         self._num_traces = 0
         self.stats = EngineStats()
+        self._stats_base = self._scheduler_counts()
         self._request_counter = 0
+        total_gib = bytes_per_block * num_blocks / (1 << 30)
+        report.append(f"KV cache: {num_blocks} blocks of {config.block_size} tokens "
+                      f"({num_blocks * config.block_size:,} tokens, {total_gib:.2f} GiB); host swap space "
+                      f"{num_host_blocks} blocks")
+        report.append(f"attention: {_implementation_report(model)}")
+        self.start_report = "\n".join(report)
+        """What the engine chose at start (cache size, implementations); also logged."""
+        logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
+
+    @property
+    def kv_caches(self) -> list[Array]:
+        """The current device caches, one per layer (replaced by every step: donated)."""
+        return self.runner.kv_caches
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
@@ -327,10 +374,15 @@ class LLMEngine:
           request_id: unique id; default: a counter.
 
         Raises ValueError / TypeError naming the problem (empty prompt, prompt too long
-        for the model's max context, token ids out of range, duplicate id, a request
-        the cache could never hold).
+        for the model's max context, token ids out of range, stop ids outside the
+        vocabulary, duplicate id, a request the cache could never hold).
         """
         params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"sampling_params.stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}).")
         if request_id is None:
             while str(self._request_counter) in self.scheduler.requests:
                 self._request_counter += 1
@@ -343,12 +395,17 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Stops a request and frees its blocks (KeyError for an unknown id)."""
+        """Stops a request and frees its blocks (KeyError for an unknown id).
+
+        A request in the persistent decode batch stops writing before the next window;
+        a window already running may still write into its freed blocks, before any later
+        program (the device runs them in order) can hand them to another request.
+        """
         self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting, running or swapped out."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting, running or swapped out (or a window is in flight)."""
+        return self.scheduler.has_unfinished() or bool(self._batch and self._batch.inflight)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """Removes a finished (or aborted) request from the engine and returns its output."""
@@ -362,103 +419,213 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
     @property
     def num_compiled_programs(self) -> int:
-        """Programs compiled for this engine's steps (one per distinct bucket of inputs).
+        """Programs compiled for this engine (one per distinct bucket of inputs).
 
-        Engines over models with the same structure share one jitted step (and its
+        Engines over models with the same structure share their jitted programs (and
         compiled programs); a program another engine compiled first is not counted.
         """
         return self._num_traces
 
     def _host_swap_space(self) -> list[Array]:
         if self._host_caches is None:
-            cfg, mc = self.config, self.model_config
             self._host_caches = [
                 cache_ops.allocate_host_kv_cache(
-                    cfg.num_host_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
-                    kv_cache_dtype=getattr(self._model, "kv_cache_dtype", "auto"),
-                    model_dtype=getattr(self._model, "dtype", cache.dtype),
-                    sharding=None,
+                    self.config.num_host_blocks, self.config.block_size, self.model_config.num_key_value_heads,
+                    self.model_config.head_dim, kv_cache_dtype=self._model.kv_cache_dtype,
+                    model_dtype=self._model.dtype, sharding=None,
                 )
-                for cache in self.kv_caches
+                for _ in self.runner.kv_caches
             ]
         return self._host_caches
 
     def _run_block_ops(self, out: SchedulerOutput) -> None:
         """Swap-outs, copy-on-write copies, swap-ins, in the order `SchedulerOutput` requires."""
+        runner = self.runner
         if out.swap_out:
             mapping = np.asarray(out.swap_out, np.int32)
             host = self._host_swap_space()
-            self._host_caches = [cache_ops.swap_blocks(dev, h, mapping) for dev, h in zip(self.kv_caches, host)]
+            self._host_caches = [cache_ops.swap_blocks(dev, h, mapping) for dev, h in zip(runner.kv_caches, host)]
         if out.copies:
             n = len(out.copies)
-            mapping = np.full((1 << (n - 1).bit_length(), 2), cache_ops.PAD_BLOCK_ID, np.int32)  # few programs
+            mapping = np.full((next_power_of_2(n), 2), cache_ops.PAD_BLOCK_ID, np.int32)  # few programs
             mapping[:n] = out.copies
-            self.kv_caches = _copy_blocks_donated(self.kv_caches, mapping)
+            runner.kv_caches = _copy_blocks_donated(runner.kv_caches, mapping)
             self.stats.num_copied_blocks += n
         if out.swap_in:
             mapping = np.asarray(out.swap_in, np.int32)
             host = self._host_swap_space()
-            self.kv_caches = [cache_ops.swap_blocks(h, dev, mapping) for h, dev in zip(host, self.kv_caches)]
+            runner.kv_caches = [cache_ops.swap_blocks(h, dev, mapping) for h, dev in zip(host, runner.kv_caches)]
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step and its model step(s); returns the requests that finished.
+        """Runs one decode window, or one scheduled step; returns the requests that finished.
 
-        A decode-only batch runs ``num_scheduler_steps`` model steps back to back when
-        nothing waits for admission and the cache has room for the lookahead slots (see
-        `EngineConfig.num_scheduler_steps`); otherwise one. Finished requests stay
-        retrievable with `pop_output` (`generate` pops its own).
+        While every running request decodes and none can be admitted, a call reads the
+        tokens of one decode window (after dispatching the next). Otherwise it first
+        reads the windows in flight, then runs one scheduled step. Finished requests
+        stay retrievable with `pop_output` (`generate` pops its own).
         """
         start_time = time.perf_counter()
+        traces_before = self.runner.num_traces
+        if self._decode_window_ready():
+            window = self._decode_window_step()
+            if window is not None:
+                finished, num_tokens = window
+                self._record(None, num_tokens, time.perf_counter() - start_time,
+                             self.runner.num_traces - traces_before)
+                return [RequestOutput.of(r) for r in finished]
+        finished, num_drained = self._drain()
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any request (this is a bug).")
-            return []
+            if num_drained:
+                self._record(None, num_drained, time.perf_counter() - start_time, 0)
+            return [RequestOutput.of(r) for r in finished]
         self._run_block_ops(out)
-        num_model_steps = 1
-        lookahead = self.config.num_scheduler_steps - 1
-        if (lookahead and out.num_prefills == 0 and not (out.swap_out or out.swap_in or out.copies)
-                and not self.scheduler.waiting and not self.scheduler.swapped
-                and self.builder.sliding_window is None
-                and self.scheduler.reserve_lookahead(out, lookahead)):
-            num_model_steps += lookahead
-
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
-        traces_before = self._step.num_traces
-        tokens, self.kv_caches = self._step.fn(self._state, self.kv_caches, token_ids, positions, metadata, *sampling)
-        window = [tokens]
-        for _ in range(num_model_steps - 1):
-            # The decode rows are the token rows, so the sampled tokens feed the next step
-            # on the device, without a round trip through the host.
-            metadata, positions, sampling = self._advance_decode_metadata()
-            tokens, self.kv_caches = self._step.fn(self._state, self.kv_caches, tokens, positions, metadata,
-                                                   *sampling)
-            window.append(tokens)
-        all_tokens = np.asarray(jnp.stack(window)) if len(window) > 1 else np.asarray(tokens)[None]  # waits
-        compiled = self._step.num_traces - traces_before
-        self._num_traces += compiled
-
-        finished, num_sampled, first = [], 0, out
-        row_of = {item.request.request_id: int(row) for item, row in zip(out.scheduled, rows)}
-        for k in range(num_model_steps):
-            if k:  # the requests still running take their next token
-                live = [item.request for item in out.scheduled if not item.request.is_finished]
-                out = dataclasses.replace(out, scheduled=[ScheduledRequest.of(r, 1) for r in live],
-                                          swap_out=[], swap_in=[], copies=[], preempted=[])
-            sampled = {item.request.request_id: int(all_tokens[k, row_of[item.request.request_id]])
-                       for item in out.scheduled if item.samples}
-            finished += self.scheduler.update(out, sampled)
-            num_sampled += len(sampled)
-        self._record(first, num_sampled, time.perf_counter() - start_time, compiled > 0)
+        greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
+        tokens = np.asarray(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy))  # waits
+        sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
+        finished += self.scheduler.update(out, sampled)
+        compiled = self.runner.num_traces - traces_before
+        self._record(out, len(sampled) + num_drained, time.perf_counter() - start_time, compiled)
         return [RequestOutput.of(r) for r in finished]
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[FlashAttentionMetadata, np.ndarray, np.ndarray,
-                                                               np.ndarray, tuple[np.ndarray, ...]]:
-        """Host inputs of a step: metadata, token ids, positions, metadata row of each
-        scheduled request, sampling arrays (all numpy, padded to the metadata's buckets)."""
-        fast = self._advance_decode_batch(out)
-        if fast is not None:
-            return fast
+    # ------------------------------------------------------ decode windows
+    def _decode_window_ready(self) -> bool:
+        """Whether the next step can be a decode window: every unfinished request runs,
+        decodes (no prompt token pending), and none can be admitted."""
+        sched = self.scheduler
+        if sched.swapped or not sched.running:
+            return False
+        if sched.waiting and len(sched.running) < self.config.max_num_seqs:
+            return False
+        if any(r.in_prefill for r in sched.running):
+            return False
+        return True
+
+    def _decode_window_step(self) -> tuple[list[Request], int] | None:
+        """Dispatches the next window(s) and reads the oldest in flight; None (after
+        draining) when no window can run: a request needs blocks the free list lacks."""
+        finished, num_tokens = [], 0
+        if self._batch is None or self._batch.needs_rebuild():
+            finished, num_tokens = self._drain()
+            if not self._decode_window_ready():
+                return finished, num_tokens
+            self._start_batch()
+        batch = self._batch
+        assert batch is not None
+        # Keep one window queued behind the one running, so the device never waits for us.
+        while len(batch.inflight) < 2 and self._dispatch_window():
+            pass
+        if not batch.inflight:
+            more, n = self._drain()
+            return None if not (finished or more) else (finished + more, num_tokens + n)
+        more_finished, more_tokens = self._read_window()
+        return finished + more_finished, num_tokens + more_tokens
+
+    def _start_batch(self) -> None:
+        """Uploads the running requests as the rows of a new persistent batch."""
+        running = list(self.scheduler.running)
+        cfg = self.config
+        num_rows = next_power_of_2(len(running))
+        # Wide enough for every row's last position, so the batch never needs rebuilding
+        # (and recompiling) to grow a row; the kernels read only each row's own blocks.
+        longest = max(self.scheduler.final_length(r) for r in running)
+        width = next_power_of_2(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]))
+        stop_lists = [self.scheduler.stop_token_ids(r) for r in running]
+        rows = HostDecodeRows.empty(num_rows, width, next_power_of_2(max(1, max(len(s) for s in stop_lists))))
+        for i, (request, stops) in enumerate(zip(running, stop_lists)):
+            params = request.sampling_params
+            rows.tokens[i] = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+            rows.positions[i] = request.num_tokens - 1
+            rows.active[i] = True
+            rows.block_tables[i, :len(request.block_table)] = request.block_table
+            rows.temperature[i], rows.top_p[i], rows.top_k[i] = params.temperature, params.top_p, params.top_k
+            rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids)
+            rows.max_tokens[i] = params.max_tokens
+            rows.stop_ids[i, :len(stops)] = stops
+        self.runner.start_decode(rows)
+        self._batch = _DecodeBatch(
+            requests=running, num_rows=num_rows, width=width,
+            next_position=rows.positions.copy(), table_len=np.array(
+                [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
+            greedy=all(r.sampling_params.greedy for r in running))
+
+    def _dispatch_window(self) -> bool:
+        """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
+        batch = self._batch
+        assert batch is not None
+        k, bs = self.config.num_scheduler_steps, self.config.block_size
+        live = [i for i, r in enumerate(batch.requests) if not r.is_finished
+                and batch.next_position[i] + 2 <= self.scheduler.final_length(r)]
+        if not live:
+            return False
+        need = [min(int(batch.next_position[i]) + k - 1, self.scheduler.final_length(batch.requests[i]) - 2) // bs + 1
+                for i in live]
+        if max(need) > batch.width:
+            batch.wants_wider_table = True
+            return False
+        missing = sum(max(0, n - len(batch.requests[i].block_table)) for i, n in zip(live, need))
+        if not self.scheduler.device_blocks.can_allocate(missing):
+            return False
+        changed = []
+        for i in live:
+            request = batch.requests[i]
+            reserved = self.scheduler.reserve_decode_blocks(request, int(batch.next_position[i]) + k - 1)
+            assert reserved is not None, "blocks were counted before reserving"
+            if len(request.block_table) > batch.table_len[i]:
+                changed.append(i)
+        # One shape (R updates, padding rows index R and are dropped), so one program.
+        update_rows = np.full(batch.num_rows, batch.num_rows, np.int32)
+        update_values = np.zeros((len(update_rows), batch.width), np.int32)
+        for j, i in enumerate(changed):
+            table = batch.requests[i].block_table
+            update_rows[j] = i
+            update_values[j, :len(table)] = table
+            batch.table_len[i] = len(table)
+        keep = np.zeros(batch.num_rows, bool)
+        keep[live] = True
+        out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
+                                            max_model_len=self.config.max_model_len)
+        batch.inflight.append(out)
+        batch.next_position[live] += k
+        return True
+
+    def _read_window(self) -> tuple[list[Request], int]:
+        """Waits for the oldest window in flight and records its tokens."""
+        batch = self._batch
+        assert batch is not None and batch.inflight
+        tokens = np.asarray(batch.inflight.popleft())  # [K, R]; waits for that window only
+        now = time.perf_counter()
+        counts = (tokens != NO_TOKEN).sum(axis=0)
+        finished, num_tokens = [], 0
+        for i in np.nonzero(counts[:len(batch.requests)])[0]:
+            request = batch.requests[i]
+            n = int(counts[i])
+            if self.scheduler.record_decoded(request, tokens[:n, i].tolist(), now) is not None:
+                finished.append(request)
+            num_tokens += n
+        return finished, num_tokens
+
+    def _drain(self) -> tuple[list[Request], int]:
+        """Reads every window in flight and retires the persistent batch (the host then
+        knows every request's tokens exactly, as a scheduled step needs)."""
+        finished, num_tokens = [], 0
+        while self._batch is not None and self._batch.inflight:
+            more, n = self._read_window()
+            finished += more
+            num_tokens += n
+        if self._batch is not None:
+            self._batch = None
+            self.runner.drop_decode_state()
+        return finished, num_tokens
+
+    # --------------------------------------------------- scheduled steps
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray,
+                                                               tuple[np.ndarray, ...]]:
+        """Host inputs of a scheduled step: metadata, token ids, positions, metadata row
+        of each scheduled request, sampling arrays (NumPy, padded to the metadata's buckets)."""
         sequences = [
             ScheduledSequence(is_prompt=item.is_prefill, seq_len=item.seq_len, context_len=item.start,
                               query_len=item.num_new_tokens, block_table=item.request.block_table)
@@ -474,63 +641,7 @@ class LLMEngine:
                                    [_token_slice(item.request, item.start, item.seq_len) for item in out.scheduled])
         positions = input_positions(metadata, sequences)
         rows = sequence_rows(metadata, sequences)
-        sampling = self._sampling_arrays(out, rows, metadata.num_seqs)
-        self._decode_batch = None
-        if out.num_prefills == 0 and self.builder.sliding_window is None:
-            self._decode_batch = _DecodeBatch(
-                requests=[item.request for item in out.scheduled], metadata=metadata,
-                num_blocks=[len(item.request.block_table) for item in out.scheduled], sampling=sampling)
-        return metadata, token_ids, positions, rows, sampling
-
-    def _advance_decode_batch(self, out: SchedulerOutput) -> tuple[Any, ...] | None:
-        """Decode fast path: the previous step's decode metadata moved one token on.
-
-        When a decode-only step runs exactly the requests of the previous decode-only
-        step, in the same order, with no block moved, the builder's output is the old
-        one with every real sequence one token longer (`metadata.advance_step`, on the
-        host): this skips the per-sequence Python of the builder (the dominant host cost
-        of large decode batches). New blocks of a request are written into its
-        block-table row; a request that outgrows the row falls back to the builder.
-        Returns None when the fast path does not apply.
-        """
-        prev = self._decode_batch
-        if (prev is None or out.num_prefills or out.swap_out or out.swap_in or out.copies
-                or len(out.scheduled) != len(prev.requests)
-                or any(item.request is not r for item, r in zip(out.scheduled, prev.requests))):
-            return None
-        width = int(prev.metadata.block_tables.shape[1])
-        if any(len(r.block_table) > width for r in prev.requests):
-            return None
-        block_tables = prev.metadata.block_tables
-        for row, request in enumerate(prev.requests):
-            have = prev.num_blocks[row]
-            if len(request.block_table) != have:
-                if block_tables is prev.metadata.block_tables:
-                    block_tables = block_tables.copy()
-                block_tables[row, have:len(request.block_table)] = request.block_table[have:]
-                prev.num_blocks[row] = len(request.block_table)
-        prev.metadata = dataclasses.replace(prev.metadata, block_tables=block_tables)
-        metadata, positions, sampling = self._advance_decode_metadata()
-        n = len(prev.requests)
-        token_ids = np.zeros(metadata.num_tokens, np.int32)
-        token_ids[:n] = [r.output_token_ids[-1] for r in prev.requests]
-        return metadata, token_ids, positions, np.arange(n, dtype=np.int32), sampling
-
-    def _advance_decode_metadata(self) -> tuple[FlashAttentionMetadata, np.ndarray, tuple[np.ndarray, ...]]:
-        """Moves the stored decode batch one token on (`advance_step` on the host
-        metadata, so NumPy); returns its new metadata, token positions and sampling
-        arrays (the sampling counter + 1). The input tokens are the caller's: the last
-        sampled ones, on the host or still on the device in multi-step decoding."""
-        prev = self._decode_batch
-        assert prev is not None
-        n = len(prev.requests)
-        metadata, _, positions = advance_step(prev.metadata, np.zeros(n, np.int32),
-                                              block_size=self.config.block_size, num_queries=n)
-        temperature, top_p, top_k, seed, counter = prev.sampling
-        counter = counter.copy()
-        counter[:n] += 1
-        prev.metadata, prev.sampling = metadata, (temperature, top_p, top_k, seed, counter)
-        return metadata, positions, prev.sampling
+        return metadata, token_ids, positions, rows, self._sampling_arrays(out, rows, metadata.num_seqs)
 
     def _sampling_arrays(self, out: SchedulerOutput, rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, ...]:
         temperature = np.zeros(num_rows, np.float32)  # padding rows: greedy, ignored
@@ -545,29 +656,36 @@ class LLMEngine:
             seed[row], counter[row] = request.seed, len(request.output_token_ids)
         return temperature, top_p, top_k, seed, counter
 
-    def _record(self, first: SchedulerOutput, num_sampled: int, elapsed: float, compiled: bool) -> None:
-        """Updates the stats after a scheduling step whose first model step ran ``first``."""
+    # ---------------------------------------------------------------- stats
+    def _scheduler_counts(self) -> dict[str, int]:
+        s = self.scheduler
+        return dict(num_preemptions=s.num_preemptions, num_swapped_out_blocks=s.num_swapped_out_blocks,
+                    num_recomputed_requests=s.num_recomputed_requests,
+                    num_prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens)
+
+    def _record(self, out: SchedulerOutput | None, num_sampled: int, elapsed: float, compiled: int) -> None:
+        """Updates the stats after a step (``out`` None: a decode window)."""
         s = self.stats
+        self._num_traces += compiled
         s.num_steps += 1
         s.num_generated_tokens += num_sampled
         s.num_compiled_programs = self._num_traces
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.num_swapped_out_blocks = self.scheduler.num_swapped_out_blocks
-        s.num_recomputed_requests = self.scheduler.num_recomputed_requests
-        s.num_prefix_cache_hit_tokens = self.scheduler.num_prefix_cache_hit_tokens
+        for name, value in self._scheduler_counts().items():
+            setattr(s, name, value - self._stats_base[name])
         if compiled:
             s.compile_steps += 1
             s.compile_time_s += elapsed
-        elif first.num_prefills:
-            s.num_prefill_tokens += sum(i.num_new_tokens for i in first.scheduled if i.is_prefill)
+        elif out is not None and out.num_prefills:
+            s.num_prefill_tokens += sum(i.num_new_tokens for i in out.scheduled if i.is_prefill)
             s.prefill_time_s += elapsed
         else:
             s.num_decode_tokens += num_sampled
             s.decode_time_s += elapsed
 
     def reset_stats(self) -> None:
-        """Zeroes the counters (keeps the compiled-program count), e.g. after a warm-up run."""
+        """Zeroes every counter (keeps the compiled-program count), e.g. after a warm-up run."""
         self.stats = EngineStats(num_compiled_programs=self._num_traces)
+        self._stats_base = self._scheduler_counts()
 
     # ------------------------------------------------------------ generate
     def generate(
@@ -582,7 +700,8 @@ class LLMEngine:
         Args:
           prompts: token-id sequences.
           sampling_params: one `SamplingParams` for all, or one per prompt.
-          use_tqdm: show progress (tqdm if installed, else a stderr line).
+          use_tqdm: show a progress bar (requests done, tokens/s since the start; steps
+            that compile a program are shown as such).
 
         Every prompt is validated before any runs: a bad one raises ValueError naming
         its index (``prompts[i]: ...``), and requests already in the engine are untouched.
@@ -591,13 +710,17 @@ class LLMEngine:
             raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                     f"pass one SamplingParams or one per prompt."
                 )
+        else:
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, a sequence of them or None, got "
+                f"{type(sampling_params).__name__}.")
         ids = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
@@ -613,12 +736,14 @@ class LLMEngine:
         try:
             while pending:
                 tokens_before = self.stats.num_generated_tokens
+                compiles_before = self.stats.compile_steps
                 finished = self.step()
                 mine = [f for f in finished if f.request_id in pending]
                 for f in mine:
                     pending.discard(f.request_id)
                     outputs[f.request_id] = self.pop_output(f.request_id)
-                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before)
+                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before,
+                                compiled=self.stats.compile_steps > compiles_before)
         finally:
             progress.close()
         return [outputs[rid] for rid in ids]
@@ -626,53 +751,98 @@ class LLMEngine:
 
 @dataclasses.dataclass
 class _DecodeBatch:
-    """The last decode-only step's host inputs, for `LLMEngine._advance_decode_batch`."""
+    """Host view of the persistent decode batch (see `ModelRunner.run_decode_window`)."""
 
-    requests: list[Request]  # in metadata row order
-    metadata: FlashAttentionMetadata  # numpy leaves
-    num_blocks: list[int]  # block-table entries written in each row
-    sampling: tuple[np.ndarray, ...]
+    requests: list[Request]  # row i's request (rows past the list are padding)
+    num_rows: int
+    width: int  # block-table columns of a row
+    next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
+    table_len: np.ndarray  # i64[R]: block ids the device holds for each row
+    greedy: bool
+    inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    wants_wider_table: bool = False
+
+    def needs_rebuild(self) -> bool:
+        """A request outgrew its block-table row, or most rows stopped (a smaller batch
+        bucket runs faster)."""
+        if self.wants_wider_table:
+            return True
+        live = sum(not r.is_finished for r in self.requests)
+        return live > 0 and next_power_of_2(live) < self.num_rows
 
 
 _copy_blocks_donated = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=(0,))
 """Copy-on-write over every layer's cache, in place (the caches are donated)."""
 
 
-class _CompiledStep:
-    """The jitted model step + sampling of one model structure, and how often it was traced."""
+def _implementation_report(model: Any) -> str:
+    """Which code the model's attention runs, in words (`jax_paged_attn.dispatch`)."""
+    from jax_paged_attn import dispatch
 
-    def __init__(self, graphdef: Any, compiler_options: tuple[tuple[str, Any], ...]) -> None:
-        self.num_traces = 0
-
-        def step_fn(
-            state: Any,
-            kv_caches: list[Array],  # per layer [2, num_blocks, block_size, Hk, D], donated
-            input_ids: Array,  # i32[T]
-            positions: Array,  # i32[T]
-            metadata: FlashAttentionMetadata,
-            temperature: Array,  # f32[B]
-            top_p: Array,  # f32[B]
-            top_k: Array,  # i32[B]
-            seed: Array,  # u32[B]
-            counter: Array,  # i32[B]
-        ) -> tuple[Array, list[Array]]:
-            self.num_traces += 1  # runs only while tracing: one per compiled program
-            model = nnx.merge(graphdef, state)
-            # Last token row of every sequence (padding sequences own >= 1 row or
-            # point at a real row; their tokens are ignored).
-            last_rows = jnp.maximum(metadata.query_start_loc[1:] - 1, 0).astype(jnp.int32)  # [B]
-            logits, new_caches = model(input_ids, positions, kv_caches, metadata, logits_indices=last_rows)
-            tokens = sample_tokens(logits, temperature, top_p, top_k, seed, counter)
-            return tokens, list(new_caches)
-
-        self.fn = jax.jit(step_fn, donate_argnums=(1,), compiler_options=dict(compiler_options) or None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    attn = getattr(getattr(layers[0], "self_attn", None), "attn", None) if layers else None
+    impl = dispatch.normalize_implementation(getattr(attn, "implementation", None))
+    backend = jax.default_backend()
+    if impl == dispatch.AUTO:
+        if backend == "gpu":
+            return ("auto: Pallas Triton kernels for attention and the cache write on CUDA "
+                    "(the pure-JAX reference for calls no kernel supports)")
+        return f"auto: the pure-JAX reference (no Pallas kernel for the {backend} backend)"
+    return f"{impl} (chosen by the model's implementation argument)"
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled_step(graphdef: Any, compiler_options: tuple[tuple[str, Any], ...]) -> _CompiledStep:
-    """One jitted step per model structure (NNX graph definition) and compiler options,
-    shared by engines (so they share compiled programs)."""
-    return _CompiledStep(graphdef, compiler_options)
+def _kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: int) -> tuple[int, str]:
+    """KV cache blocks that fit beside the weights and the largest step's activations
+    in ``gpu_memory_utilization`` of the device's memory; and the line saying so."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        n = DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS
+        return n, (f"KV cache sized to {n} blocks: the {device.platform} device reports no memory statistics "
+                   f"(pass EngineConfig.num_blocks to choose)")
+    peak = _profile_peak_bytes(model, config, max_model_len)
+    one = model.allocate_kv_caches(1, config.block_size)
+    bytes_per_block = sum(int(c.nbytes) for c in one)
+    del one
+    budget = int(stats["bytes_limit"] * config.gpu_memory_utilization) - peak
+    n = budget // bytes_per_block
+    if n < 1:
+        raise ValueError(
+            f"no room for a KV cache: the weights and activations take {peak / (1 << 30):.2f} GiB of the "
+            f"{config.gpu_memory_utilization:.0%} ({stats['bytes_limit'] * config.gpu_memory_utilization / (1 << 30):.2f} GiB) "
+            f"allowed by gpu_memory_utilization; raise it or lower max_num_batched_tokens.")
+    return n, (f"KV cache sized by gpu_memory_utilization={config.gpu_memory_utilization}: weights + peak "
+               f"activations {peak / (1 << 30):.2f} GiB (profiled), {n} blocks fit")
+
+
+def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) -> int:
+    """Peak device bytes of a forward over ``max_num_batched_tokens`` prompt tokens with no
+    cache (vLLM's profiling run), weights included."""
+    from flax import nnx
+
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder as Builder
+
+    num_tokens = config.max_num_batched_tokens
+    seqs = max(1, min(config.max_num_seqs, num_tokens))
+    lens = [num_tokens // seqs + (1 if i < num_tokens % seqs else 0) for i in range(seqs)]
+    lens = [min(n, max_model_len) for n in lens if n > 0]
+    builder = Builder(block_size=config.block_size, num_blocks=1, pad=False)
+    metadata = builder.build([ScheduledSequence(is_prompt=True, seq_len=n, context_len=0, query_len=n,
+                                                block_table=None) for n in lens])
+    total = metadata.num_tokens
+    graphdef, state = nnx.split(model)
+    empty = [jax.numpy.zeros((0,), model.dtype) for _ in range(model.config.num_hidden_layers)]
+
+    @jax.jit
+    def forward(state: Any, ids: Array, positions: Array, md: Any) -> Array:
+        rows = jax.numpy.maximum(md.query_start_loc[1:] - 1, 0)
+        logits, _ = nnx.merge(graphdef, state)(ids, positions, empty, md, logits_indices=rows)
+        return logits
+
+    ids = np.zeros(total, np.int32)
+    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+    forward(state, ids, positions, metadata).block_until_ready()
+    return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -683,33 +853,3 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     if end <= n:
         return prompt[start:end]
     return prompt[start:] + output[:end - n]
-
-
-def dense_greedy_generate(model: nnx.Module, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """Reference generation with no cache: greedy argmax over ``model.forward_dense``.
-
-    Every step re-runs the whole (right-padded) batch from position 0, so it shares no
-    code with the paged path (no cache, no metadata, no scheduler): the oracle the
-    engine is tested against. One compiled program for the whole loop.
-    """
-    lengths = [len(p) for p in prompts]
-    width = max(lengths) + max_tokens
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_tokens(state: Any, tokens: Array, last: Array) -> Array:
-        logits = nnx.merge(graphdef, state).forward_dense(tokens)  # [B, S, V]
-        return jnp.argmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1)
-
-    outputs: list[list[int]] = [[] for _ in prompts]
-    cur = np.asarray(lengths)
-    for _ in range(max_tokens):
-        nxt = np.asarray(next_tokens(state, tokens, cur - 1))
-        tokens[np.arange(len(prompts)), cur] = nxt
-        for i, t in enumerate(nxt.tolist()):
-            outputs[i].append(int(t))
-        cur = cur + 1
-    return outputs

@@ -94,6 +94,11 @@ def _as_int(x: object, name: str) -> int:
     return int(x)
 
 
+def greedy_tokens(logits: Array) -> Array:
+    """int32 ``[B]``: the argmax of each row of ``logits`` ``[B, V]``."""
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(
     logits: Array,  # [B, V] any float dtype
     temperature: Array,  # f32[B], 0 = greedy
@@ -106,32 +111,30 @@ def sample_tokens(
 
     Greedy rows take the argmax. Other rows divide the logits by their temperature,
     keep the top-k and then the top-p nucleus (always at least the most likely
-    token) and sample with their own key ``fold_in(PRNGKey(seed), counter)``. When
-    every row is greedy the sort is skipped at run time (`jax.lax.cond`).
+    token) and sample with their own key ``fold_in(PRNGKey(seed), counter)``.
+
+    Branchless: a batch known on the host to be all greedy should call `greedy_tokens`
+    instead (a data-dependent ``lax.cond`` would make the jitted step wait for its
+    predicate on the host, so nothing overlaps).
     """
     logits = logits.astype(jnp.float32)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = temperature <= 0.0
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    keep = mass_before < top_p[:, None]
+    keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    keep = keep.at[:, 0].set(True)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
-    def sampled(_: None) -> Array:
-        vocab = logits.shape[-1]
-        scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
-        order = jnp.argsort(-scaled, axis=-1)  # most likely first
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-        keep = mass_before < top_p[:, None]
-        keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
-        keep = keep.at[:, 0].set(True)
-        masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    def draw(row_logits: Array, row_seed: Array, row_counter: Array) -> Array:
+        key = jax.random.fold_in(jax.random.PRNGKey(row_seed), row_counter)
+        return jax.random.categorical(key, row_logits)
 
-        def draw(row_logits: Array, row_seed: Array, row_counter: Array) -> Array:
-            key = jax.random.fold_in(jax.random.PRNGKey(row_seed), row_counter)
-            return jax.random.categorical(key, row_logits)
-
-        choice = jax.vmap(draw)(masked, seed, counter)
-        tokens = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(is_greedy, greedy_tokens, tokens)
-
-    return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, sampled, None)
+    choice = jax.vmap(draw)(masked, seed, counter)
+    tokens = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(is_greedy, greedy_tokens(logits), tokens)

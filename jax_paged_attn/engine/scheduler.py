@@ -196,18 +196,21 @@ class Scheduler:
       num_device_blocks, num_host_blocks: sizes of the device KV cache and of the host
         swap space, in blocks.
       block_size: token slots per block.
-      eos_token_id: token that finishes a request unless its params say ``ignore_eos``.
+      eos_token_id: token (or tokens) that finish a request unless its params say
+        ``ignore_eos``; None: none.
       vocab_size: if given, prompt token ids must lie in ``[0, vocab_size)``.
     """
 
     def __init__(self, config: SchedulerConfig, *, num_device_blocks: int, num_host_blocks: int,
-                 block_size: int, eos_token_id: int | None = None,
+                 block_size: int, eos_token_id: int | Sequence[int] | None = None,
                  vocab_size: int | None = None) -> None:
         self.config = config
         self.vocab_size = vocab_size
         self._next_arrival = 0
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos_token_id is None else (int(eos_token_id),) if isinstance(eos_token_id, (int, np.integer))
+            else tuple(int(t) for t in eos_token_id))
         self.device_blocks = BlockAllocator(num_device_blocks, block_size, name="device",
                                             enable_prefix_caching=config.enable_prefix_caching)
         self.host_blocks = BlockAllocator(num_host_blocks, block_size, name="host",
@@ -412,11 +415,48 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    # ------------------------------------------------ persistent decode batch
+    def stop_token_ids(self, request: Request) -> tuple[int, ...]:
+        """Tokens that end ``request`` (its stop ids, and EOS unless it ignores EOS)."""
+        params = request.sampling_params
+        return params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+
+    def final_length(self, request: Request) -> int:
+        """Tokens ``request`` holds when it ends by length (``max_tokens`` or ``max_model_len``)."""
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+
+    def reserve_decode_blocks(self, request: Request, last_position: int) -> int | None:
+        """Appends the blocks ``request`` needs to write positions up to ``last_position``
+        (capped at its last possible input position); returns how many, or None (nothing
+        reserved) when the free blocks do not suffice. No preemption is done."""
+        last_position = min(last_position, self.final_length(request) - 2)
+        wanted = last_position // self.block_size + 1 - len(request.block_table)
+        if wanted <= 0:
+            return 0
+        if not self.device_blocks.can_allocate(wanted):
+            return None
+        request.block_table.extend(self.device_blocks.allocate_many(wanted))
+        return wanted
+
+    def record_decoded(self, request: Request, tokens: Sequence[int], now: float) -> FinishReason | None:
+        """Records tokens a decode window sampled for ``request`` (each fed the next), in
+        one update; finishes it when the last one ends it. Returns the finish reason."""
+        if not tokens or request.is_finished:
+            return None
+        request.output_token_ids.extend(tokens)
+        request.num_computed_tokens = request.num_tokens - 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self._register_full_blocks(request)
+        reason = self._finish_reason(request, int(tokens[-1]))
+        if reason is not None:
+            self._finish(request, reason)
+        return reason
+
     # -------------------------------------------------------------- helpers
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
-        if token in params.stop_token_ids or (
-                self.eos_token_id is not None and token == self.eos_token_id and not params.ignore_eos):
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH

@@ -2,7 +2,8 @@
 
 * `LlamaForCausalLM` / `LlamaConfig`: Llama-family decoders (Llama 2 / 3, Mistral);
   `jit_forward` / `jit_forward_dense` compile the serving and the reference forwards;
-  `last_token_indices` selects one logits row per sequence.
+  `last_token_indices` selects one logits row per sequence; `dense_greedy_generate` is
+  cache-free greedy generation, the engine's oracle.
 * `load_llama` / `load_checkpoint` / `save_checkpoint`: Hugging Face checkpoints
   (config.json + safetensors) from and to a local directory.
 """
@@ -10,6 +11,7 @@ from jax_paged_attn.models.checkpoint import CheckpointError, load_checkpoint, l
 from jax_paged_attn.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
+    dense_greedy_generate,
     jit_forward,
     jit_forward_dense,
     last_token_indices,
@@ -19,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "dense_greedy_generate",
     "jit_forward",
     "jit_forward_dense",
     "last_token_indices",

@@ -562,3 +562,34 @@ def jit_forward_dense(model: LlamaForCausalLM) -> Callable[[Array], Array]:
     graphdef, state = nnx.split(model)
     compiled = jax.jit(lambda state, input_ids: nnx.merge(graphdef, state).forward_dense(input_ids))
     return lambda input_ids: compiled(state, input_ids)
+
+
+def dense_greedy_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]],
+                          max_tokens: int) -> list[list[int]]:
+    """Reference generation with no cache: greedy argmax over `LlamaForCausalLM.forward_dense`.
+
+    Every step re-runs the whole (right-padded) batch from position 0, so it shares no
+    code with the paged path (no cache, no metadata, no scheduler): the oracle the
+    engine is tested against. One compiled program for the whole loop.
+    """
+    lengths = [len(p) for p in prompts]
+    width = max(lengths) + max_tokens
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_tokens(state: Any, tokens: Array, last: Array) -> Array:
+        logits = nnx.merge(graphdef, state).forward_dense(tokens)  # [B, S, V]
+        return jnp.argmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1)
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    cur = np.asarray(lengths)
+    for _ in range(max_tokens):
+        nxt = np.asarray(next_tokens(state, tokens, cur - 1))
+        tokens[np.arange(len(prompts)), cur] = nxt
+        for i, t in enumerate(nxt.tolist()):
+            outputs[i].append(int(t))
+        cur = cur + 1
+    return outputs

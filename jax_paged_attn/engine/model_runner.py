@@ -1,0 +1,344 @@
+"""The engine's device side: parameters, KV caches, the persistent decode batch and the
+jitted programs that run on them.
+
+The scheduler (`jax_paged_attn.engine.scheduler`) decides on the host what runs; this
+module owns everything that lives on the device between steps and never reads a device
+value back by itself. Two programs:
+
+* **step** (`ModelRunner.run_step`): one forward + sampling over any batch the metadata
+  builder describes (prefill chunks, decodes, both). Used for admission, chunked
+  prefill, recomputation and every step the scheduler must see token by token.
+* **decode window** (`ModelRunner.run_decode_window`): ``num_steps`` decode steps in one
+  ``lax.fori_loop`` over the *persistent batch* (`DecodeState`): each running request
+  keeps a row whose last token, position, block-table row, sampling parameters, RNG
+  counter and stop conditions stay on the device. Each step builds its decode metadata
+  on the device, runs the forward, samples, checks the stop conditions (stop ids, EOS,
+  ``max_tokens``, ``max_model_len``) and moves the row on; a row that stopped writes
+  nothing more to the cache (`PAD_SLOT_ID`) and samples nothing. The host sends only
+  what changed: the blocks appended to rows since the last window and the rows it
+  aborted.
+
+Neither program holds a data-dependent branch (XLA would copy the predicate to the host
+and make the call wait for the whole step): the sampler is chosen statically (greedy or
+not), and stopped rows are masked. The parameters are passed as one flat tuple of arrays
+(flattening an NNX state costs far more host time per call), and the caches are donated,
+so every cache write is in place.
+
+The model contract is `CausalLM`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_paged_attn.engine.sampling import greedy_tokens, sample_tokens
+from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.cache import PAD_SLOT_ID
+
+Array = jax.Array
+
+logger = logging.getLogger(__name__)
+
+NO_TOKEN = -1
+"""Token id of a decode-window step in which a row sampled nothing (it had stopped)."""
+
+NO_STOP_ID = -1
+"""Padding of `DecodeState.stop_ids` (no token has this id)."""
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """What the engine reads of a model's configuration."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    sliding_window: int | None
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """The model contract of `jax_paged_attn.engine.LLMEngine` (an NNX module).
+
+    `jax_paged_attn.models.LlamaForCausalLM` implements it.
+    """
+
+    config: ModelConfig
+    dtype: Any  # compute dtype
+    kv_cache_dtype: str  # "auto", "fp8", "fp8_e4m3" or "fp8_e5m2"
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[Array]:
+        """One zeroed cache ``[2, num_blocks, block_size, Hk, D]`` per layer."""
+        ...
+
+    def __call__(self, input_ids: Array, positions: Array, kv_caches: Sequence[Array], metadata: Any, *,
+                 logits_indices: Array | None = None) -> tuple[Array, list[Array]]:
+        """Packed tokens ``[T]`` -> (float32 logits ``[N, vocab]``, updated caches)."""
+        ...
+
+
+def check_model(model: Any) -> None:
+    """Raises TypeError naming what ``model`` lacks of the `CausalLM` contract."""
+    missing = [name for name in ("config", "dtype", "kv_cache_dtype", "allocate_kv_caches")
+               if not hasattr(model, name)]
+    if not callable(model):
+        missing.append("__call__")
+    if missing:
+        raise TypeError(f"model must implement the CausalLM contract; it lacks {missing}.")
+    config = model.config
+    lacking = [name for name in ModelConfig.__annotations__ if not hasattr(config, name)]
+    if lacking:
+        raise TypeError(f"model.config must have the ModelConfig fields; it lacks {lacking}.")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The persistent decode batch on the device: one row per running request.
+
+    Padding rows (and rows whose request stopped) have ``active`` False.
+
+    Attributes:
+      tokens: i32[R]: each row's last token, the next step's input.
+      positions: i32[R]: that token's position (tokens in the sequence - 1).
+      active: bool[R]: the row decodes (it has not stopped).
+      block_tables: i32[R, W]: the row's cache blocks (entries past its end are unused).
+      temperature, top_p: f32[R]; top_k: i32[R]; seed: u32[R]: sampling parameters.
+      num_generated: i32[R]: output tokens so far (the RNG counter of the next token).
+      max_tokens: i32[R]: the request's ``max_tokens``.
+      stop_ids: i32[R, S]: token ids that stop the row (EOS included unless ignored),
+        padded with `NO_STOP_ID`.
+    """
+
+    tokens: Array
+    positions: Array
+    active: Array
+    block_tables: Array
+    temperature: Array
+    top_p: Array
+    top_k: Array
+    seed: Array
+    num_generated: Array
+    max_tokens: Array
+    stop_ids: Array
+
+
+def decode_metadata(positions: Array, active: Array, block_tables: Array, block_size: int) -> FlashAttentionMetadata:
+    """Decode-only metadata of one step of the persistent batch (jnp; traced).
+
+    Row ``r`` feeds its token at ``positions[r]``: it reads ``positions[r] + 1`` keys and
+    writes its K/V to that position's slot. Inactive rows read no key (``seq_len`` 0,
+    their output is 0) and write nothing (`PAD_SLOT_ID`).
+    """
+    num_rows, width = block_tables.shape
+    block_index = jnp.minimum(positions // block_size, width - 1)
+    block = jnp.take_along_axis(block_tables, block_index[:, None], axis=1)[:, 0]
+    in_table = positions < width * block_size
+    slot = jnp.where(active & in_table, block * block_size + positions % block_size, PAD_SLOT_ID)
+    seq_lens = jnp.where(active, positions + 1, 0).astype(jnp.int32)
+    return FlashAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=num_rows, max_query_len=1,
+        max_decode_query_len=1, max_prefill_seq_len=0, max_decode_seq_len=width * block_size,
+        slot_mapping=slot.astype(jnp.int32),
+        seq_lens=seq_lens,
+        query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32),
+        seq_start_loc=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_lens, dtype=jnp.int32)]),
+        context_lens=jnp.maximum(seq_lens - 1, 0),
+        block_tables=block_tables,
+    )
+
+
+def stopped(tokens: Any, num_generated: Any, positions: Any, stop_ids: Any, max_tokens: Any,
+            max_model_len: int) -> Any:
+    """bool[R]: the row's new token ends it (the scheduler's rule, vectorized; jnp or NumPy).
+
+    ``tokens`` were just sampled after the token at ``positions``; ``num_generated``
+    counts them already. A stop id (or EOS), ``max_tokens`` outputs, or a context of
+    ``max_model_len`` tokens (``positions + 2``) ends a row.
+    """
+    xp = np if isinstance(tokens, np.ndarray) else jnp
+    hit_stop = xp.any(tokens[:, None] == stop_ids, axis=1)
+    return hit_stop | (num_generated >= max_tokens) | (positions + 2 >= max_model_len)
+
+
+class _Programs:
+    """The jitted programs of one model structure (shared by engines, so by their
+    compiled programs), and how often each was traced (= compiled)."""
+
+    def __init__(self, graphdef: Any, treedef: Any, compiler_options: tuple[tuple[str, Any], ...]) -> None:
+        self.num_traces = 0
+        self._lock = threading.Lock()
+        options = dict(compiler_options) or None
+
+        def model_of(params: tuple[Array, ...]) -> Any:
+            return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
+
+        def step(params: tuple[Array, ...], kv_caches: list[Array], input_ids: Array, positions: Array,
+                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool
+                 ) -> tuple[Array, list[Array]]:
+            self._count_trace()
+            # Last token row of every sequence (padding sequences own >= 1 row or point
+            # at a real row; their tokens are ignored).
+            last_rows = jnp.maximum(metadata.query_start_loc[1:] - 1, 0).astype(jnp.int32)
+            logits, new_caches = model_of(params)(input_ids, positions, kv_caches, metadata,
+                                                  logits_indices=last_rows)
+            tokens = greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling)
+            return tokens, list(new_caches)
+
+        def window(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
+                   block_rows: Array, block_values: Array, *, num_steps: int, greedy: bool, block_size: int,
+                   max_model_len: int) -> tuple[Array, DecodeState, list[Array]]:
+            self._count_trace()
+            model = model_of(params)
+            num_rows = state.tokens.shape[0]
+            state = dataclasses.replace(
+                state, active=state.active & keep,
+                block_tables=state.block_tables.at[block_rows].set(block_values, mode="drop"))
+            rows = jnp.arange(num_rows, dtype=jnp.int32)
+
+            def body(k: Array, carry: tuple[DecodeState, list[Array], Array]):
+                s, caches, out = carry
+                metadata = decode_metadata(s.positions, s.active, s.block_tables, block_size)
+                logits, caches = model(s.tokens, s.positions, caches, metadata, logits_indices=rows)
+                if greedy:
+                    sampled = greedy_tokens(logits)
+                else:
+                    sampled = sample_tokens(logits, s.temperature, s.top_p, s.top_k, s.seed, s.num_generated)
+                num_generated = s.num_generated + s.active.astype(jnp.int32)
+                done = stopped(sampled, num_generated, s.positions, s.stop_ids, s.max_tokens, max_model_len)
+                out = out.at[k].set(jnp.where(s.active, sampled, NO_TOKEN))
+                s = dataclasses.replace(
+                    s, tokens=jnp.where(s.active, sampled, s.tokens),
+                    positions=jnp.where(s.active, s.positions + 1, s.positions),
+                    num_generated=num_generated, active=s.active & ~done)
+                return s, list(caches), out
+
+            out = jnp.full((num_steps, num_rows), NO_TOKEN, jnp.int32)
+            state, kv_caches, out = jax.lax.fori_loop(0, num_steps, body, (state, list(kv_caches), out))
+            return out, state, kv_caches
+
+        self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy",), compiler_options=options)
+        self.window = jax.jit(window, donate_argnums=(1, 2),
+                              static_argnames=("num_steps", "greedy", "block_size", "max_model_len"),
+                              compiler_options=options)
+
+    def _count_trace(self) -> None:  # runs only while tracing: one per compiled program
+        with self._lock:
+            self.num_traces += 1
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef: Any, treedef: Any, compiler_options: tuple[tuple[str, Any], ...]) -> _Programs:
+    return _Programs(graphdef, treedef, compiler_options)
+
+
+@dataclasses.dataclass
+class HostDecodeRows:
+    """Host values of the persistent batch's rows (NumPy, padded to the row bucket);
+    `ModelRunner.start_decode` uploads them. Fields as in `DecodeState`."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    active: np.ndarray
+    block_tables: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    seed: np.ndarray
+    num_generated: np.ndarray
+    max_tokens: np.ndarray
+    stop_ids: np.ndarray
+
+    @staticmethod
+    def empty(num_rows: int, width: int, num_stop_ids: int) -> "HostDecodeRows":
+        return HostDecodeRows(
+            tokens=np.zeros(num_rows, np.int32), positions=np.zeros(num_rows, np.int32),
+            active=np.zeros(num_rows, bool), block_tables=np.zeros((num_rows, width), np.int32),
+            temperature=np.zeros(num_rows, np.float32), top_p=np.ones(num_rows, np.float32),
+            top_k=np.full(num_rows, -1, np.int32), seed=np.zeros(num_rows, np.uint32),
+            num_generated=np.zeros(num_rows, np.int32), max_tokens=np.ones(num_rows, np.int32),
+            stop_ids=np.full((num_rows, num_stop_ids), NO_STOP_ID, np.int32))
+
+
+class ModelRunner:
+    """Owns the model's parameters, the KV caches, the persistent decode batch and the
+    jitted programs; every call dispatches device work and returns device arrays.
+
+    Args:
+      model: a `CausalLM`.
+      num_blocks, block_size: the device KV cache (per layer).
+      compiler_options: XLA options of the jitted programs (``jax.jit``'s).
+    """
+
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int,
+                 compiler_options: Mapping[str, Any] | None = None) -> None:
+        check_model(model)
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        self.params: tuple[Array, ...] = tuple(leaves)
+        self.block_size = block_size
+        self.kv_caches: list[Array] = list(model.allocate_kv_caches(num_blocks, block_size))
+        self._programs = _programs(graphdef, treedef, tuple(sorted((compiler_options or {}).items())))
+        self._decode_state: DecodeState | None = None
+
+    @property
+    def num_traces(self) -> int:
+        """Programs traced (= compiled) so far by every runner of this model structure."""
+        return self._programs.num_traces
+
+    @property
+    def step_program(self) -> Any:
+        return self._programs.step
+
+    @property
+    def window_program(self) -> Any:
+        return self._programs.window
+
+    def run_step(self, token_ids: np.ndarray, positions: np.ndarray, metadata: FlashAttentionMetadata,
+                 sampling: tuple[np.ndarray, ...], *, greedy: bool) -> Array:
+        """One forward + sampling over a builder-made batch; returns the tokens i32[B]
+        (one per metadata sequence, on the device). The caches are updated in place."""
+        tokens, self.kv_caches = self._programs.step(self.params, self.kv_caches, token_ids, positions, metadata,
+                                                     sampling, greedy=greedy)
+        return tokens
+
+    def start_decode(self, rows: HostDecodeRows) -> None:
+        """Uploads a new persistent batch (after admissions, finishes or preemptions)."""
+        self._decode_state = DecodeState(**{f.name: jnp.asarray(getattr(rows, f.name))
+                                            for f in dataclasses.fields(DecodeState)})
+
+    @property
+    def has_decode_state(self) -> bool:
+        return self._decode_state is not None
+
+    def drop_decode_state(self) -> None:
+        self._decode_state = None
+
+    def run_decode_window(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, *,
+                          num_steps: int, greedy: bool, max_model_len: int) -> Array:
+        """Runs ``num_steps`` decode steps of the persistent batch.
+
+        Args:
+          keep: bool[R]: False stops a row before the window (an aborted request).
+          block_rows: i32[U]: rows whose block-table row changed (``R`` = padding, ignored).
+          block_values: i32[U, W]: their new block-table rows.
+
+        Returns the sampled tokens i32[num_steps, R] (`NO_TOKEN` where a row sampled
+        nothing), on the device; its copy to the host has been started.
+        """
+        assert self._decode_state is not None, "start_decode first"
+        out, self._decode_state, self.kv_caches = self._programs.window(
+            self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values,
+            num_steps=num_steps, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len)
+        out.copy_to_host_async()
+        return out
