@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""End-to-end decode throughput of `LLMEngine` against a dense-cache XLA decode loop.
+"""End-to-end decode throughput of `LLMEngine` beside a dense-cache XLA decode loop and
+Hugging Face transformers on the same GPU.
 
-    python benchmarks/bench_engine.py [--batches 1,32,256] [--prompt-len 128]
-                                      [--new-tokens 128] [--implementation auto]
-                                      [--dense-impl xla] [--quick]
+    python benchmarks/bench_engine.py [--batches 1,32,64,128,256] [--prompt-len 128]
+                                      [--new-tokens 128] [--num-scheduler-steps 16]
+                                      [--implementation auto] [--dense-impl xla]
+                                      [--hf] [--serving 1000] [--quick]
 
 Model: a random-weight ~1B-parameter Llama (hidden 2048, 16 layers, 32 query heads,
 8 KV heads, head_dim 64, intermediate 8192, vocab 32000), bfloat16. ``--quick`` runs a
@@ -12,20 +14,26 @@ tiny float32 config on whatever backend JAX has (a CPU smoke run, seconds).
 For each batch size B, with B random prompts of ``--prompt-len`` tokens and greedy
 decoding of ``--new-tokens`` tokens each (EOS ignored):
 
-* **engine**: `LLMEngine.generate` through the paged KV cache, the metadata builder,
-  the jitted forward + sampling step (caches donated) and the host-side scheduler,
-  once with one model step per scheduling step and once with
-  ``--num-scheduler-steps`` (multi-step decoding: host work amortized over several
-  device steps). One untimed run compiles every program; the timed run reports decode
-  tokens/s over decode-only steps (`EngineStats.decode_tokens_per_s`, scheduler and
-  host work included) and end-to-end generated tokens/s (prefill included).
-* **dense XLA**: the same model parameters with a dense per-sequence cache
+* **engine**: `LLMEngine.generate` (scheduler, metadata builder, decode windows of
+  ``--num-scheduler-steps`` steps on the device, host reads overlapped). One untimed run
+  compiles every program; the timed run reports decode tokens/s over decode steps
+  (`EngineStats.decode_tokens_per_s`, host work included), the ms per step that makes,
+  the floor (every weight and the batch's K/V read once per step at 4.2 TB/s), and
+  end-to-end generated tokens/s (prefill included).
+* **dense XLA**: the same parameters with a dense per-sequence cache
   ``[B, prompt_len + new_tokens, Hk, D]`` per layer and `jax.nn.dot_product_attention`
   (``implementation=--dense-impl``, masked by ``key_value_seq_lengths``), one jitted
-  step per token (caches donated, greedy argmax), no host-side scheduling. Its tokens/s
-  counts B tokens per step over ``--new-tokens`` steps.
+  step per token (caches donated, greedy argmax), no host-side scheduling: what a JAX
+  user writes without paging. Its tokens/s counts B tokens per step.
+* **Hugging Face** (``--hf``): `bench_hf.py` in a subprocess (torch bf16, the same shape,
+  static cache + torch.compile, plain generate, continuous batching); its best decode
+  tok/s per batch.
 
-Prints a markdown table; the run is sized to finish in well under 5 minutes on one H200.
+``--serving N`` adds a serving run: N requests with prompts of 32-2,048 and outputs of
+16-512 tokens submitted at once (the KV cache sized from the device's memory): total
+tok/s and time-to-first-token / time-per-output-token percentiles.
+
+Prints markdown tables.
 """
 from __future__ import annotations
 
@@ -116,22 +124,15 @@ def bench_dense(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens
 
 
 def bench_engine(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens: int, *,
-                 block_size: int, batch_buckets: tuple[int, ...], max_num_batched_tokens: int,
-                 num_scheduler_steps: int, lookahead_room: int, compiler_options: dict[str, Any] | None,
-                 seed: int = 0) -> dict[str, Any]:
-    """Engine decode and end-to-end tokens/s for one batch size (second of two identical runs).
-
-    ``lookahead_room`` extra token slots per sequence size the cache (and max_model_len)
-    for multi-step lookahead; pass the same value to runs that should share programs.
-    """
-    # Room for every sequence, plus multi-step lookahead slots (up to one more block each).
-    blocks_per_seq = -(-(prompt_len + new_tokens + lookahead_room) // block_size)
+                 block_size: int, max_num_batched_tokens: int, num_scheduler_steps: int,
+                 compiler_options: dict[str, Any] | None, seed: int = 0) -> dict[str, Any]:
+    """Engine decode and end-to-end tokens/s for one batch size (second of two identical runs)."""
+    blocks_per_seq = -(-(prompt_len + new_tokens) // block_size)
     config = EngineConfig(
         num_blocks=batch * blocks_per_seq + 8, block_size=block_size, num_host_blocks=0,
         max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, batch),
-        max_model_len=prompt_len + new_tokens + lookahead_room, enable_prefix_caching=False,
-        batch_buckets=batch_buckets, num_scheduler_steps=num_scheduler_steps,
-        compiler_options=compiler_options, seed=seed,
+        max_model_len=prompt_len + new_tokens, enable_prefix_caching=False,
+        num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed,
     )
     engine = LLMEngine(model, config)
     rng = np.random.default_rng(seed)
@@ -153,19 +154,92 @@ def bench_engine(model: LlamaForCausalLM, batch: int, prompt_len: int, new_token
     return result
 
 
+def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int, num_scheduler_steps: int, compiler_options: dict[str, Any] | None,
+                  seed: int = 0) -> dict[str, Any]:
+    """``num_requests`` requests with prompts of 32-2,048 and outputs of 16-512 tokens
+    (uniform), all submitted at once: total generated tok/s, time to first token and time
+    per output token percentiles. A first, smaller run compiles the programs."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(32, 2049, size=num_requests)
+    output_lens = rng.integers(16, 513, size=num_requests)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in prompt_lens]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096,
+                          num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed,
+                          enable_prefix_caching=False)
+    engine = LLMEngine(model, config)
+    warm = min(num_requests, 2 * max_num_seqs)
+    engine.generate(prompts[:warm], params[:warm], use_tqdm=False)
+    compiled = engine.num_compiled_programs
+    engine.reset_stats()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    generated = sum(len(o.output_token_ids) for o in outputs)
+    ttft = np.array([o.time_to_first_token_s for o in outputs]) * 1e3
+    tpot = np.array([(o.latency_s - o.time_to_first_token_s) / max(len(o.output_token_ids) - 1, 1)
+                     for o in outputs]) * 1e3
+    result = dict(requests=num_requests, wall_s=wall, generated_tok_s=generated / wall,
+                  total_tok_s=(generated + int(prompt_lens.sum())) / wall,
+                  ttft_ms=np.percentile(ttft, [50, 90, 99]).tolist(), tpot_ms=np.percentile(tpot, [50, 90, 99]).tolist(),
+                  programs=compiled, recompiled=engine.num_compiled_programs - compiled,
+                  kv_cache=engine.start_report.splitlines()[-2])
+    del engine, outputs
+    gc.collect()
+    return result
+
+
+def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:
+    """ms per decode step to read every weight once plus the batch's K/V, at ``copy_rate``
+    bytes/s (the H200's measured device-copy rate)."""
+    cfg = model.config
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    kv = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    return 1e3 * (weights + kv) / copy_rate
+
+
+def _run_hf(batches: Sequence[int], prompt_len: int, new_tokens: int) -> dict[int, float]:
+    """Best Hugging Face decode tok/s per batch (bench_hf.py in a subprocess), or {}."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "hf.json"
+        cmd = [sys.executable, str(pathlib.Path(__file__).with_name("bench_hf.py")), "--batches",
+               ",".join(map(str, batches)), "--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens),
+               "--json", str(out)]
+        done = subprocess.run(cmd, text=True)
+        if done.returncode or not out.exists():
+            print(f"bench_hf.py failed (exit {done.returncode}); no Hugging Face column")
+            return {}
+        rows = json.loads(out.read_text())["rows"]
+    best: dict[int, float] = {}
+    for row in rows:
+        rate = row.get("decode_tok_s") or row.get("e2e_tok_s")
+        if rate:
+            best[row["batch"]] = max(best.get(row["batch"], 0.0), rate)
+    return best
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32,256)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32,64,128,256)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-scheduler-steps", type=int, default=8,
-                        help="multi-step decoding of the second engine column (model steps per schedule)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation of the model: auto (default), xla, triton")
     parser.add_argument("--dense-impl", default="xla", choices=("xla", "cudnn", "auto"),
                         help="jax.nn.dot_product_attention implementation of the dense baseline")
+    parser.add_argument("--hf", action="store_true", help="also run bench_hf.py (torch) in a subprocess first")
+    parser.add_argument("--serving", type=int, default=0, help="requests of the mixed-length serving run (0: none)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
     args = parser.parse_args(argv)
 
@@ -176,42 +250,56 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         compiler_options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
     else:
         config, dtype = LLAMA_1B, jnp.bfloat16
-        batches = [1, 32, 256]
+        batches = [1, 32, 64, 128, 256]
         prompt_len, new_tokens = args.prompt_len or 128, args.new_tokens or 128
         compiler_options = None
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
     dense_impl = None if args.dense_impl == "auto" else args.dense_impl
+    hf = _run_hf(batches, prompt_len, new_tokens) if args.hf else {}
 
     start = time.perf_counter()
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
                              implementation=args.implementation)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
-    print(f"# LLMEngine decode throughput: {num_params / 1e6:,.1f} M params, {jnp.dtype(dtype).name}, "
-          f"prompt {prompt_len}, {new_tokens} new tokens, block size {args.block_size}, "
-          f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
-    print()
     steps = args.num_scheduler_steps
-    print(f"| batch | engine decode tok/s | engine {steps}-step decode tok/s | engine {steps}-step end-to-end "
-          f"tok/s | engine prefill tok/s | dense {args.dense_impl} decode tok/s | best engine / dense | "
-          f"programs compiled |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"# LLMEngine decode throughput: {num_params / 1e6:,.1f} M params, {jnp.dtype(dtype).name}, "
+          f"prompt {prompt_len}, {new_tokens} new tokens, block size {args.block_size}, {steps}-step decode "
+          f"windows, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+    print()
+    print("| batch | engine decode tok/s | engine ms/step | floor ms/step | engine end-to-end tok/s | "
+          "engine prefill tok/s | dense xla decode tok/s | dense ms/step | best engine / dense | "
+          "HF best decode tok/s | engine / HF | programs compiled |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    buckets = tuple(sorted(set(batches)))
-    common = dict(block_size=args.block_size, batch_buckets=buckets, lookahead_room=steps,
-                  max_num_batched_tokens=args.max_num_batched_tokens, compiler_options=compiler_options)
     for batch in batches:
-        single = bench_engine(model, batch, prompt_len, new_tokens, num_scheduler_steps=1, **common)
-        multi = bench_engine(model, batch, prompt_len, new_tokens, num_scheduler_steps=steps, **common)
+        engine = bench_engine(model, batch, prompt_len, new_tokens, num_scheduler_steps=steps,
+                              block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                              compiler_options=compiler_options)
         dense = bench_dense(model, batch, prompt_len, new_tokens, dense_impl, compiler_options)
-        row = dict(batch=batch, engine_tok_s=single["engine_tok_s"], engine_multistep_tok_s=multi["engine_tok_s"],
-                   engine_e2e_tok_s=multi["engine_e2e_tok_s"], engine_prefill_tok_s=single["engine_prefill_tok_s"],
-                   dense_tok_s=dense, programs=single["programs"] + multi["programs"])
+        floor = weight_read_floor_ms(model, batch, prompt_len + new_tokens // 2)
+        row = dict(batch=batch, dense_tok_s=dense, floor_ms=floor, hf_tok_s=hf.get(batch), **engine)
         rows.append(row)
-        ratio = max(row["engine_tok_s"], row["engine_multistep_tok_s"]) / dense
-        print(f"| {batch} | {row['engine_tok_s']:,.0f} | {row['engine_multistep_tok_s']:,.0f} | "
-              f"{row['engine_e2e_tok_s']:,.0f} | {row['engine_prefill_tok_s']:,.0f} | {dense:,.0f} | {ratio:.2f} | "
-              f"{row['programs']} |", flush=True)
+        hf_rate = hf.get(batch)
+        hf_text = "n/a" if hf_rate is None else f"{hf_rate:,.0f}"
+        hf_ratio = "n/a" if hf_rate is None else f"{engine['engine_tok_s'] / hf_rate:.2f}"
+        print(f"| {batch} | {engine['engine_tok_s']:,.0f} | {1e3 * batch / max(engine['engine_tok_s'], 1e-9):.2f} | "
+              f"{floor:.2f} | {engine['engine_e2e_tok_s']:,.0f} | {engine['engine_prefill_tok_s']:,.0f} | "
+              f"{dense:,.0f} | {1e3 * batch / dense:.2f} | {engine['engine_tok_s'] / dense:.2f} | "
+              f"{hf_text} | {hf_ratio} | "
+              f"{engine['programs']} (+{engine['recompiled']} in the timed run) |", flush=True)
+    if args.serving:
+        serving = bench_serving(model, args.serving, block_size=args.block_size, max_num_seqs=256,
+                                max_num_batched_tokens=max(args.max_num_batched_tokens, 2048),
+                                num_scheduler_steps=steps, compiler_options=compiler_options)
+        print()
+        print(f"serving: {serving['requests']} requests (prompts 32-2048, outputs 16-512, all at once): "
+              f"{serving['generated_tok_s']:,.0f} generated tok/s, {serving['total_tok_s']:,.0f} total tok/s "
+              f"(prompt + generated) in {serving['wall_s']:.1f} s; TTFT p50/p90/p99 "
+              f"{'/'.join(f'{x:,.0f}' for x in serving['ttft_ms'])} ms; TPOT p50/p90/p99 "
+              f"{'/'.join(f'{x:.2f}' for x in serving['tpot_ms'])} ms; {serving['programs']} programs "
+              f"(+{serving['recompiled']} in the timed run); {serving['kv_cache']}", flush=True)
+        rows.append(dict(serving=serving))
     print()
     print(f"total time {time.perf_counter() - start:.1f} s (compilation included)")
     return rows

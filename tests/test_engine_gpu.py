@@ -1,0 +1,79 @@
+"""The engine with the compiled Pallas kernels on an NVIDIA GPU (``gpu`` marker).
+
+Greedy generation through decode windows, continuous batching and preemption must equal
+cache-free dense generation token for token, and the compiled decode window must hold
+no copy of a KV cache and no conditional (both would cost every step).
+"""
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+pytestmark = pytest.mark.gpu
+
+BASE = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                    num_host_blocks=64, num_scheduler_steps=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
+    return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), implementation="triton")
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128, size=n).tolist() for n in lengths]
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def test_engine_greedy_matches_dense_with_compiled_kernels(model):
+    prompts = _prompts(0, [5, 45, 17, 70, 3, 30])
+    with jax.default_matmul_precision("highest"):
+        engine = LLMEngine(model, BASE)
+        outs = engine.generate(prompts, _greedy(40), use_tqdm=False)
+        expected = dense_greedy_generate(model, prompts, 40)
+    assert [o.output_token_ids for o in outs] == expected
+    assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
+
+
+@pytest.mark.parametrize("num_host_blocks", [0, 32])  # recompute, swap
+def test_engine_preemption_is_token_exact_with_compiled_kernels(model, num_host_blocks):
+    prompts = _prompts(1, [20, 33, 9, 41, 14])
+    with jax.default_matmul_precision("highest"):
+        engine = LLMEngine(model, dataclasses.replace(BASE, num_blocks=14, num_host_blocks=num_host_blocks))
+        outs = engine.generate(prompts, _greedy(60), use_tqdm=False)
+        expected = dense_greedy_generate(model, prompts, 60)
+    assert engine.stats.num_preemptions > 0
+    assert [o.output_token_ids for o in outs] == expected
+
+
+def test_compiled_decode_window_copies_no_cache_and_branches_on_nothing(model):
+    engine = LLMEngine(model, BASE)
+    engine.add_request([1, 2, 3, 4], _greedy(32))
+    engine.step()  # prefill
+    engine.step()  # the persistent batch exists
+    runner = engine.runner
+    state = runner._decode_state
+    rows, width = state.block_tables.shape
+    hlo = runner.window_program.lower(
+        runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+        np.zeros((rows, width), np.int32), num_steps=4, greedy=True, block_size=16,
+        max_model_len=512).compile().as_text()
+    cache = runner.kv_caches[0]
+    dims = ",".join(map(str, cache.shape))
+    half = ",".join(map(str, cache.shape[1:]))
+    rows_shape = f"{cache.shape[1] * cache.shape[2]},{cache.shape[3]},{cache.shape[4]}"
+    copies = [line for line in hlo.splitlines() if re.search(r"= \w+\[[^\]]*\]\S* copy\(", line)
+              and any(f"[{s}]" in line for s in (dims, half, rows_shape))]
+    assert not copies, copies[:3]
+    assert " conditional(" not in hlo
