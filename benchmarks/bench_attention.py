@@ -4,12 +4,12 @@
     python benchmarks/bench_attention.py [--suite decode,prefill,varlen,prefix,cache]
                                          [--tune] [--out DIR] [--quick]
 
-Suites (shapes from shared/ANCHORS.md; bf16, vLLM cache layout, permuted block tables):
+Suites (bf16, vLLM cache layout, permuted block tables):
 
 * ``decode``: one query token per sequence over a paged cache (page 16).
   GB/s = bytes of K and V to read (2 * B * ctx * Hk * D * itemsize) / time.
 * ``prefill``: dense causal self-attention, B sequences of S tokens, packed.
-  TFLOP/s = 4 * B * Hq * D * S^2 / 2 / time (ANCHORS.md's convention).
+  TFLOP/s = 4 * B * Hq * D * S^2 / 2 / time (flash-attention's benchmark convention).
 * ``varlen``: causal self-attention over packed sequences of mixed lengths.
 * ``prefix``: prefill of new tokens on a cached prefix, keys read from a paged cache.
   varlen / prefix TFLOP/s count the exact bottom-right causal work:
@@ -94,7 +94,7 @@ def decode_kv_bytes(batch: int, context: int, kv_heads: int, head_dim: int, item
 
 
 def dense_causal_flops(batch: int, seq_len: int, q_heads: int, head_dim: int) -> float:
-    """Causal prefill work as ANCHORS.md counts it: 4 * B * Hq * D * S^2 / 2."""
+    """Causal prefill work as flash-attention's benchmarks count it: 4 * B * Hq * D * S^2 / 2."""
     return 4.0 * batch * q_heads * head_dim * seq_len * seq_len / 2
 
 
@@ -169,7 +169,7 @@ class AttentionCase:
     ``page_size`` is set (the prefix-cached prefill). Sequence b has ``q_lens[b]``
     queries and ``k_lens[b]`` keys, its queries being its last ``q_lens[b]`` keys.
 
-    ``dense`` cases (all lengths equal, no prefix) use ANCHORS.md's S^2/2 work count.
+    ``dense`` cases (all lengths equal, no prefix) use the S^2/2 work count of flash-attention's benchmarks.
     """
 
     name: str
@@ -947,7 +947,7 @@ def varlen_torch(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measu
 
 _CUDNN_PREFIX_NOTES = {
     "CAUSAL": "cuDNN's causal mask is top-left aligned, not vLLM's bottom-right: less work and a "
-              "different result (see ANCHORS.md)",
+              "different result (cuDNN's mask alignment)",
     "NO_MASK": "no mask: every query attends all keys, more work than causal and a different "
                "result; brackets what a correct cuDNN paged prefill would take",
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU visit in one command: environment, the gpu test suite, then benchmarks.
+# Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
 #   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
-# Logs and results land in $OUT (the device tool brings that folder back).
+# Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-/tmp/gpu_session}"

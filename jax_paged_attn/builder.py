@@ -1,8 +1,8 @@
 """Host-side construction of `FlashAttentionMetadata` (vLLM's `FlashAttentionMetadataBuilder`).
 
 The builder runs in numpy once per step, before the jitted model step (FlashInfer's
-``plan``), and is the only place that looks at Python values. It ports the seed builder
-and vLLM's helpers (``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, the
+``plan``), and is the only place that looks at Python values. It ports vLLM 0.6's
+FlashAttention metadata builder and its helpers (``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, the
 model runner's sliding-window truncation) and adds bucketed padding, the counterpart of
 vLLM's CUDA-graph padding: a jitted step compiles once per distinct set of static
 fields, so every count is rounded up to one of a few bucket sizes.
@@ -24,7 +24,7 @@ decode sections are padded separately, because ``num_prefills`` and
 
 Buckets default to powers of two; explicit lists can be given, and counts above the
 largest listed bucket fall back to the next power of two. ``pad=False`` builds exact,
-unpadded metadata with the seed's exact maxima (every new batch size then compiles).
+unpadded metadata with vLLM's exact maxima (every new batch size then compiles).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _normalize_buckets(buckets: Sequence[int] | None, name: str) -> tuple[int, .
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduledSequence:
-    """One sequence of a step, as the scheduler sees it (the seed's per-sequence inputs).
+    """One sequence of a step, as the scheduler sees it (vLLM's per-sequence builder inputs).
 
     Attributes:
       is_prompt: the sequence is (still) in its prompt phase: a prefill, or a chunk of it.
@@ -91,7 +91,7 @@ class ScheduledSequence:
       block_table: physical block ids of the whole sequence, ``ceil(seq_len / block_size)``
         or more entries (extra ones are preallocated blocks); None in a profiling run.
       prefix_cache_hit: the prompt's first ``context_len`` tokens come from the prefix
-        cache. As in the seed, one hit in the batch gives every sequence its full block
+        cache. As in vLLM's builder, one hit in the batch gives every sequence its full block
         table.
     """
 
@@ -151,7 +151,7 @@ def _check_sequence(seq: Any, i: int) -> None:
 class FlashAttentionMetadataBuilder:
     """Builds `FlashAttentionMetadata` for a batch of `ScheduledSequence` (host-side, numpy).
 
-    Unlike the seed, which accumulates sequence groups and then builds, `build` takes the
+    Unlike vLLM's builder, which accumulates sequence groups and then builds, `build` takes the
     whole batch, so one builder serves every step.
 
     Attributes:
@@ -198,7 +198,7 @@ class FlashAttentionMetadataBuilder:
     # ------------------------------------------------------------------ per sequence
 
     def _row(self, seq: ScheduledSequence, i: int, *, profile_run: bool, prefix_cache_hit: bool) -> _Row:
-        """Block-table row and slots of one sequence (the seed's ``_add_seq_group``)."""
+        """Block-table row and slots of one sequence (vLLM's ``_add_seq_group``)."""
         bs = self.block_size
         name = f"sequences[{i}].block_table"
         full = np.zeros((0,), np.int64)
@@ -359,7 +359,7 @@ class FlashAttentionMetadataBuilder:
             max_decode_query_len = self._bound(max(r.query_len for r in decodes), num_decode_tokens)
         max_prefill_seq_len = 0
         if prompts:
-            # The seed's max over the unsliced prompt lengths (they are never truncated).
+            # vLLM's max over the unsliced prompt lengths (they are never truncated).
             # Keys come through the block table (capacity) or are the new tokens themselves.
             max_prefill_seq_len = self._bound(max(r.orig_seq_len for r in prompts),
                                               capacity or num_prefill_tokens)

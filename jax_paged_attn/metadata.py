@@ -9,7 +9,7 @@ by its padding (see `jax_paged_attn.builder` for how padding is chosen)::
     sequences:   | real prefills | padding prefills   | real decodes   | padding decodes   |
                  |<------- num_prefills -------->|<------ num_decodes = num_seqs - num_prefills ->|
 
-Definitions (the seed's)::
+Definitions (vLLM 0.6's FlashAttention backend's)::
 
     |---------- context_len ----------|-- query_len --|   context_len: tokens already in the
     |------------------- seq_len ---------------------|   cache; query_len: tokens computed now
@@ -33,23 +33,23 @@ are *upper bounds*, not exact maxima:
   (``seq_len == 0``) can own more query rows, which see no key and come out as 0 (the
   kernels' contract for rows past ``max_seqlen_q`` and for empty sequences).
 
-Differences from the seed
--------------------------
+Differences from vLLM's FlashAttentionMetadata
+----------------------------------------------
 * Immutable and functional: `advance_step` returns new metadata instead of updating in
   place, `prefill_metadata` / `decode_metadata` are pure slicing views (not cached).
 * The Python list ``seq_lens`` is gone (a pytree holds arrays, and a list would make
-  every length static); ``seq_lens`` is the seed's ``seq_lens_tensor``. Where the seed
+  every length static); ``seq_lens`` is vLLM's ``seq_lens_tensor``. Where vLLM
   used ``max(seq_lens)`` the static ``max_prefill_seq_len`` bound serves.
-  ``context_lens`` is the seed's ``context_lens_tensor``; ``use_cuda_graph`` is gone (every
+  ``context_lens`` is vLLM's ``context_lens_tensor``; ``use_cuda_graph`` is gone (every
   step is compiled; padding plays the role of CUDA-graph padding).
-* All arrays are int32 (the seed's slot mapping is int64; JAX runs with 32-bit ints).
+* All arrays are int32 (vLLM's slot mapping is int64; JAX runs with 32-bit ints).
 * Padding sequences own the padding tokens of their section, so ``query_start_loc``
   gives the true row of every sequence in the packed array (``query_start_loc[-1] ==
   num_tokens``) and one varlen call can cover the whole batch.
-* The decode view rebases ``query_start_loc`` / ``seq_start_loc`` to start at 0 (the
-  seed leaves them offset by the prefills, which is only harmless because it never mixes
-  prefills with multi-token decodes), and keeps ``context_lens`` (the seed drops it).
-* `advance_step` does not implement the seed's ``turn_prefills_into_decodes``; build
+* The decode view rebases ``query_start_loc`` / ``seq_start_loc`` to start at 0 (vLLM
+  leaves them offset by the prefills, which is only harmless because it never mixes
+  prefills with multi-token decodes), and keeps ``context_lens`` (vLLM drops it).
+* `advance_step` does not implement vLLM's ``turn_prefills_into_decodes``; build
   decode metadata with the builder after a mixed step instead.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ class FlashAttentionMetadata:
       max_query_len: bound on the query length of every sequence with ``seq_len > 0``.
       max_decode_query_len: same for the decode sequences; 1 means plain decoding
         (one token per sequence, ``num_decode_tokens == num_decodes``), more means
-        speculative / multi-token decoding. 0 when there are no decodes (the seed's
+        speculative / multi-token decoding. 0 when there are no decodes (vLLM's
         builder says 1 there but its prefill view 0; 0 keeps the two the same).
       max_prefill_seq_len: bound on ``seq_lens`` of the prefills; 0 without prefills.
       max_decode_seq_len: bound on ``seq_lens`` of the decodes; 0 without decodes.
@@ -146,7 +146,7 @@ class FlashAttentionMetadata:
     def has_block_tables(self) -> bool:
         """False when the block table has no column (a profiling run, or prompts without
         chunked prefill / prefix caching): prefill attention then reads the new keys
-        themselves, not the cache (the seed's ``block_tables.numel() == 0`` test)."""
+        themselves, not the cache (vLLM's ``block_tables.numel() == 0`` test)."""
         return int(self.block_tables.shape[1]) > 0
 
     @property
@@ -165,7 +165,7 @@ jax.tree_util.register_dataclass(
 
 
 def prefill_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata | None:
-    """The prefill part of a batch (the seed's ``prefill_metadata``); None without prefills.
+    """The prefill part of a batch (vLLM's ``prefill_metadata``); None without prefills.
 
     Slices the first ``num_prefills`` sequences and ``num_prefill_tokens`` token rows;
     ``query_start_loc`` / ``seq_start_loc`` already start at 0. Decode fields become 0.
@@ -192,7 +192,7 @@ def prefill_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata
 
 
 def decode_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata | None:
-    """The decode part of a batch (the seed's ``decode_metadata``); None without decodes.
+    """The decode part of a batch (vLLM's ``decode_metadata``); None without decodes.
 
     Slices the sequences after ``num_prefills`` and the token rows after
     ``num_prefill_tokens``. ``query_start_loc`` and ``seq_start_loc`` are rebased to start

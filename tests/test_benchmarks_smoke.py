@@ -37,8 +37,8 @@ report = sys.modules["report"]  # imported by bench_attention from the same fold
 # --------------------------------------------------------------------------- arithmetic
 
 
-def test_decode_bytes_and_dense_flops_follow_anchors():
-    # ANCHORS.md: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops.
+def test_decode_bytes_and_dense_flops_follow_the_documented_counts():
+    # README: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops (flash-attention's count).
     assert bench.decode_kv_bytes(64, 4096, 8, 128, 2) == 2 * 64 * 4096 * 8 * 128 * 2
     assert bench.DecodeCase(64, 4096, 32, 8, 128).work == 2**30
     assert bench.dense_causal_flops(8, 2048, 32, 128) == 4 * 8 * 32 * 128 * 2048**2 / 2

@@ -149,7 +149,7 @@ def test_views_equal_the_seed_slicing():
     np.testing.assert_array_equal(decode.seq_lens, host["seq_lens"][p:])
     np.testing.assert_array_equal(decode.block_tables, host["block_tables"][p:])
     np.testing.assert_array_equal(decode.context_lens, host["context_lens"][p:])
-    # The seed's slices, rebased to start at 0 (documented difference).
+    # vLLM's slices, rebased to start at 0 (documented difference).
     qsl, ssl = host["query_start_loc"][p:], host["seq_start_loc"][p:]
     np.testing.assert_array_equal(decode.query_start_loc, qsl - qsl[0])
     np.testing.assert_array_equal(decode.seq_start_loc, ssl - ssl[0])
