@@ -402,6 +402,100 @@ def test_swap_without_donation_and_empty_mapping():
     assert cache.swap_blocks(src, dst, np.zeros((0, 2), np.int32)) is dst
 
 
+def test_swap_blocks_under_jit_device_to_device_in_place():
+    rng = np.random.default_rng(13)
+    src = random_cache(rng, 6, jnp.float32, leading=(2,))
+    dst = random_cache(rng, 5, jnp.float32, leading=(2,))
+    src_np, dst_np = host_copy(src), host_copy(dst)
+    traces = []
+
+    def swap(s, d, mapping):
+        traces.append(1)
+        return cache.swap_blocks(s, d, mapping)
+
+    swap = jax.jit(swap, donate_argnums=1)
+    # A padding row and an out-of-range row (only legal under jit, where they are skipped).
+    mapping = jnp.asarray([[5, 0], [PAD_BLOCK_ID, 3], [2, 4], [9, 1]], jnp.int32)
+    pointer = dst.unsafe_buffer_pointer()
+    out = swap(src, dst, mapping)
+    assert dst.is_deleted() and out.unsafe_buffer_pointer() == pointer  # in place
+    want = dst_np.copy()
+    want[:, 0], want[:, 4] = src_np[:, 5], src_np[:, 2]
+    assert_bits_equal(out, want)
+    out = swap(src, out, jnp.asarray([[0, 1], [1, 2], [PAD_BLOCK_ID, PAD_BLOCK_ID], [3, 3]], jnp.int32))
+    want[:, 1], want[:, 2], want[:, 3] = src_np[:, 0], src_np[:, 1], src_np[:, 3]
+    assert_bits_equal(out, want)
+    assert len(traces) == 1  # a traced mapping: one program for every mapping of that size
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_cache", "stacked_kv"])
+def test_swap_blocks_under_jit_through_pinned_host_memory(stacked):
+    """jax 0.10.2 on CPU exposes a pinned_host memory (as GPUs do); a jitted swap moves
+    blocks out to it and back in, each in place, and keeps each cache's memory kind."""
+    device = jax.devices()[0]
+    assert "pinned_host" in {m.kind for m in device.addressable_memories()}
+    rng = np.random.default_rng(14)
+    leading = (2,) if stacked else ()
+    axis = len(leading)
+    device_cache = random_cache(rng, 8, jnp.bfloat16, leading=leading)
+    original = host_copy(device_cache)
+    host = zeros_at((*leading, 6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), jnp.bfloat16,
+                    cache.host_kv_cache_sharding(device))
+    assert host.sharding.memory_kind == "pinned_host"
+    swap = jax.jit(cache.swap_blocks, donate_argnums=1)
+
+    host_pointer = host.unsafe_buffer_pointer()
+    host = swap(device_cache, host, jnp.asarray([[1, 5], [6, 0], [3, 2]], jnp.int32))
+    assert host.sharding.memory_kind == "pinned_host" and host.unsafe_buffer_pointer() == host_pointer
+    got = host_copy(host)
+    for s, d in ((1, 5), (6, 0), (3, 2)):
+        assert_bits_equal(np.take(got, d, axis=axis), np.take(original, s, axis=axis))
+
+    device_cache = jnp.zeros_like(device_cache)
+    device_pointer = device_cache.unsafe_buffer_pointer()
+    restored = swap(host, device_cache, jnp.asarray([[5, 7], [0, 4], [2, 0]], jnp.int32))
+    assert restored.sharding.memory_kind == "device" and restored.unsafe_buffer_pointer() == device_pointer
+    got = host_copy(restored)
+    for s, d in ((1, 7), (6, 4), (3, 0)):
+        assert_bits_equal(np.take(got, d, axis=axis), np.take(original, s, axis=axis))
+
+
+def test_jitted_swap_runs_the_host_side_as_host_compute_when_lowered_for_cuda():
+    """Cross-lowered for CUDA on this host: the host cache is a pinned_host argument and
+    result of the program, its scatter (swap out) or gather (swap in) is XLA host
+    compute, and a device-to-device swap has none."""
+    device = jax.devices()[0]
+    rng = np.random.default_rng(15)
+    device_cache = random_cache(rng, 8, jnp.bfloat16, leading=(2,))
+    host = zeros_at((2, 6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), jnp.bfloat16, cache.host_kv_cache_sharding(device))
+    mapping = jnp.asarray([[1, 5], [6, 0]], jnp.int32)
+
+    def cuda_text(src, dst):
+        return jax.jit(cache.swap_blocks, donate_argnums=1).trace(src, dst, mapping).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    def host_side(text, op):
+        """Whether every ``op`` of the module runs in its host computation: in the body of
+        the function called with ``_xla_compute_type = "host"``, or of one called only
+        from there (jnp.take lowers to a nested call)."""
+        bodies = {chunk.split("(", 1)[0].split("@")[-1].strip(): chunk for chunk in text.split("func.func")[1:]}
+        on_host = {"compute_on"}
+        for name, body in bodies.items():
+            callers = {caller for caller, other in bodies.items() if f"call @{name}(" in other}
+            if callers and callers <= on_host:
+                on_host.add(name)
+        holding = {name for name, body in bodies.items() if op in body}
+        return bool(holding) and holding <= on_host
+
+    out_text, in_text = cuda_text(device_cache, host), cuda_text(host, device_cache)
+    for text in (out_text, in_text):
+        assert 'mhlo.memory_kind = "pinned_host"' in text
+        assert 'call @compute_on(' in text and '_xla_compute_type = "host"' in text
+    assert host_side(out_text, "stablehlo.scatter") and not host_side(out_text, "stablehlo.gather")  # swap out
+    assert host_side(in_text, "stablehlo.gather") and not host_side(in_text, "stablehlo.scatter")  # swap in
+    assert "compute_on" not in cuda_text(device_cache, jnp.zeros_like(device_cache))
+
+
 # --------------------------------------------------------------------------- the Triton kernel
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -632,7 +726,7 @@ def test_swap_blocks_errors():
     a = jnp.zeros((4, 16, 2, 32))
     ok = np.asarray([[0, 1]])
     cases = [
-        (lambda: cache.swap_blocks(np.zeros((4, 16, 2, 32)), a, ok), TypeError, "src must be a concrete jax.Array"),
+        (lambda: cache.swap_blocks(np.zeros((4, 16, 2, 32)), a, ok), TypeError, "src must be a jax.Array"),
         (lambda: cache.swap_blocks(a, jnp.zeros((2, 4, 16, 2, 32)), ok), ValueError, "same rank"),
         (lambda: cache.swap_blocks(a, jnp.zeros((4, 16, 2, 64)), ok), ValueError, "apart from the number of blocks"),
         (lambda: cache.swap_blocks(a, a.astype(jnp.bfloat16), ok), TypeError, "same dtype"),
@@ -640,7 +734,8 @@ def test_swap_blocks_errors():
         (lambda: cache.swap_blocks(a, jnp.zeros((9, 16, 2, 32)), np.asarray([[5, 1]])), ValueError,
          r"block_mapping\[:, 0\].* \[0, 4\)"),
         (lambda: cache.swap_blocks(a, a, np.asarray([[0, 1], [2, 1]])), ValueError, "more than once"),
-        (lambda: jax.jit(cache.swap_blocks)(a, a, ok), TypeError, "outside jax.jit"),
+        (lambda: jax.jit(cache.swap_blocks)(a, a, ok.astype(np.float32)), TypeError,
+         "block_mapping must be an integer array"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
@@ -672,6 +767,31 @@ def test_gpu_swap_round_trip_through_pinned_host_and_cpu_backend():
         want[:, pairs[:, 0]] = np.asarray(original)[:, pairs[:, 0]]
         assert_bits_equal(restored, want)
     assert cache.host_kv_cache_sharding(gpu).memory_kind == "pinned_host"
+
+
+@pytest.mark.gpu
+def test_gpu_jitted_swap_through_pinned_host_is_in_place_and_bit_exact():
+    """On a CUDA device, under jax.jit with donation: device -> pinned_host (scatter as
+    host compute) and back (gather as host compute), a traced mapping, both in place."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    gpu = jax.devices()[0]
+    rng = np.random.default_rng(16)
+    original = random_cache(rng, 64, jnp.bfloat16, leading=(2,))
+    host = cache.allocate_host_kv_cache(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=gpu)
+    assert host.sharding.memory_kind == "pinned_host"
+    swap = jax.jit(cache.swap_blocks, donate_argnums=1)
+    pairs = jnp.asarray([[3, 0], [17, 9], [63, 5], [PAD_BLOCK_ID, 1]], jnp.int32)
+    pointer = host.unsafe_buffer_pointer()
+    host = swap(original, host, pairs)
+    assert host.sharding.memory_kind == "pinned_host" and host.unsafe_buffer_pointer() == pointer
+    device_cache = jnp.zeros_like(original)
+    pointer = device_cache.unsafe_buffer_pointer()
+    restored = swap(host, device_cache, pairs[:, ::-1])
+    assert restored.sharding.memory_kind == "device" and restored.unsafe_buffer_pointer() == pointer
+    want = np.zeros_like(host_copy(original))
+    want[:, [3, 17, 63]] = host_copy(original)[:, [3, 17, 63]]
+    assert_bits_equal(restored, want)
 
 
 @pytest.mark.gpu
