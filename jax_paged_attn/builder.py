@@ -2,10 +2,11 @@
 
 The builder runs in numpy once per step, before the jitted model step (FlashInfer's
 ``plan``), and is the only place that looks at Python values. It ports vLLM 0.6's
-FlashAttention metadata builder and its helpers (``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, the
-model runner's sliding-window truncation) and adds bucketed padding, the counterpart of
-vLLM's CUDA-graph padding: a jitted step compiles once per distinct set of static
-fields, so every count is rounded up to one of a few bucket sizes.
+FlashAttention metadata builder and its helpers (``compute_slot_mapping``,
+``compute_slot_mapping_start_idx``, the model runner's sliding-window truncation), checks
+that no block is given to two owners in a step, and adds bucketed padding, the
+counterpart of vLLM's CUDA-graph padding: a jitted step compiles once per distinct set of
+static fields, so every count is rounded up to one of a few bucket sizes.
 
 Padding layout (see `jax_paged_attn.metadata` for the picture). The prefill and the
 decode sections are padded separately, because ``num_prefills`` and
@@ -254,7 +255,6 @@ class FlashAttentionMetadataBuilder:
                                     full[positions // bs] * bs + positions % bs])
             if slots.size and slots.max() > _INT32_MAX:
                 raise ValueError(f"{name} gives slots up to {slots.max()}, beyond the int32 slot range.")
-
         return _Row(seq_len=seq_len, orig_seq_len=seq.seq_len, context_len=seq.context_len,
                     query_len=seq.query_len, block_table=table, slots=slots, full_table=full)
 

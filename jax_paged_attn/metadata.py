@@ -130,10 +130,12 @@ class FlashAttentionMetadata:
     def __post_init__(self) -> None:
         # Only the static fields are checked here: JAX rebuilds pytrees with arbitrary
         # leaves (tracers, sentinels), so leaf checks live in `validate_metadata`.
-        if self.block_size is not None:
-            object.__setattr__(self, "block_size", checks.check_static_int(self.block_size, "metadata.block_size"))
-        for name in STATIC_FIELDS[:-1]:
+        for name in STATIC_FIELDS:
             value = getattr(self, name)
+            if name == "block_size":
+                if value is not None:
+                    object.__setattr__(self, name, checks.check_static_int(value, "metadata.block_size"))
+                continue
             # Normalized to int so that equal metadata hashes equally (jit cache key).
             object.__setattr__(self, name, checks.check_static_int(value, f"metadata.{name}", minimum=0))
 
