@@ -689,11 +689,14 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Any, *, donate: bool = Tr
     updates dst in place, the mapping may be traced (pairs with an out-of-range id are
     then skipped, and the winner among repeated destinations is unspecified). src and
     dst must then be on the same devices; their memory kinds come from JAX's types of
-    them: device <-> device always; device <-> ``pinned_host`` where JAX types host
-    memory inside jit (jax >= 0.10: the ``pinned_host`` caches of
-    `allocate_host_kv_cache`, and arguments placed there, keep their memory kind as
-    jit arguments and outputs). The memory kind a cache has is the one it keeps: give a
-    jitted swap host caches from `allocate_host_kv_cache`.
+    them (``jax.typeof(x).memory_space``): device <-> device always; device <->
+    ``pinned_host`` in every supported jax (0.10.2, tested on CPU, whose devices expose
+    ``device`` / ``pinned_host`` / ``unpinned_host`` memories; 0.11.x on GPUs): an
+    argument in ``pinned_host`` memory is typed as host memory inside jit, keeps that
+    memory kind as the output it is donated to, and the gather / scatter on it lower to
+    host compute (``compute_on2`` in these versions). Host caches from
+    `allocate_host_kv_cache` are in ``pinned_host`` where the device has it; a host
+    cache on JAX's CPU backend (its fallback) can only be swapped eagerly.
     """
     for name, x in (("src", src), ("dst", dst)):
         if not isinstance(x, jax.Array):
