@@ -4,12 +4,12 @@
     python benchmarks/bench_attention.py [--suite decode,prefill,varlen,prefix,cache]
                                          [--tune] [--out DIR] [--quick]
 
-Suites (shapes from shared/ANCHORS.md; bf16, vLLM cache layout, permuted block tables):
+Suites (bf16, vLLM cache layout, permuted block tables):
 
 * ``decode``: one query token per sequence over a paged cache (page 16).
   GB/s = bytes of K and V to read (2 * B * ctx * Hk * D * itemsize) / time.
 * ``prefill``: dense causal self-attention, B sequences of S tokens, packed.
-  TFLOP/s = 4 * B * Hq * D * S^2 / 2 / time (ANCHORS.md's convention).
+  TFLOP/s = 4 * B * Hq * D * S^2 / 2 / time (flash-attention's benchmark convention).
 * ``varlen``: causal self-attention over packed sequences of mixed lengths.
 * ``prefix``: prefill of new tokens on a cached prefix, keys read from a paged cache.
   varlen / prefix TFLOP/s count the exact bottom-right causal work:
@@ -23,40 +23,45 @@ compared with ours. Each peer runs inside its own try/except: a failure is recor
 (with its message) and the run goes on. Each suite runs in its own process, so a job
 that kills it (a CUDA fault poisons the context) costs that job, not the run
 (``--no-isolate`` runs everything in this process). Results go to ``--out`` (default:
-this folder) as RESULTS.md and results.json, rewritten after every suite.
+``benchmarks/results/``) as ``<date>-<device>.md`` and ``.json`` (``--stem`` names them),
+rewritten after every suite; the committed ``benchmarks/RESULTS.md`` is written only
+with ``--update-committed-md``.
 
 ``--tune`` instead sweeps our kernels' configs (`jax_paged_attn.tuning.DecodeConfig` /
-`PrefillConfig`) on the selected suites (default decode,prefill), writes TUNING.md and
-tuning.json, and prints dict literals ready to paste into tuning.py's tables.
+`PrefillConfig`) on the selected suites (default decode,prefill), writes
+``<date>-<device>-tuning.md`` and ``.json``, and prints dict literals ready to paste
+into tuning.py's tables.
 
-The run keeps to a time budget (``--budget-s``, compile time included): each suite gets
-a share of what is left, sweeps stop early and late measurements are recorded as
-skipped when their share is spent.
+Without a GPU the run stops at once with an error (exit code 2), unless ``--tiny`` or
+``--interpret`` asks for a CPU dry run of the harness. It exits with 1 when no job
+measured anything (every one failed or was skipped).
+
+The run keeps to a time budget (``--budget-s``, compile time included, counted from the
+start of `main`; ``inf`` for none): each suite gets a share of what is left, sweeps stop
+early and late measurements are recorded as skipped when their share is spent.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import functools
+import inspect
+import itertools
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-
-_START = time.monotonic()  # the budget counts imports too
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import inspect  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
+import traceback
+import warnings
+from typing import Any, Callable, Sequence
 
 # Run as a script from the repo root: make the working tree's jax_paged_attn and the
 # sibling report module importable whatever the installed packages are.
@@ -94,7 +99,7 @@ def decode_kv_bytes(batch: int, context: int, kv_heads: int, head_dim: int, item
 
 
 def dense_causal_flops(batch: int, seq_len: int, q_heads: int, head_dim: int) -> float:
-    """Causal prefill work as ANCHORS.md counts it: 4 * B * Hq * D * S^2 / 2."""
+    """Causal prefill work as flash-attention's benchmarks count it: 4 * B * Hq * D * S^2 / 2."""
     return 4.0 * batch * q_heads * head_dim * seq_len * seq_len / 2
 
 
@@ -169,7 +174,7 @@ class AttentionCase:
     ``page_size`` is set (the prefix-cached prefill). Sequence b has ``q_lens[b]``
     queries and ``k_lens[b]`` keys, its queries being its last ``q_lens[b]`` keys.
 
-    ``dense`` cases (all lengths equal, no prefix) use ANCHORS.md's S^2/2 work count.
+    ``dense`` cases (all lengths equal, no prefix) use the S^2/2 work count of flash-attention's benchmarks.
     """
 
     name: str
@@ -947,7 +952,7 @@ def varlen_torch(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measu
 
 _CUDNN_PREFIX_NOTES = {
     "CAUSAL": "cuDNN's causal mask is top-left aligned, not vLLM's bottom-right: less work and a "
-              "different result (see ANCHORS.md)",
+              "different result (cuDNN's mask alignment)",
     "NO_MASK": "no mask: every query attends all keys, more work than causal and a different "
                "result; brackets what a correct cuDNN paged prefill would take",
 }
@@ -1422,9 +1427,10 @@ MAX_RESTARTS = 3
 
 
 def spawn(command: list[str], timeout_s: float) -> str | int:
-    """Runs a child process (its output goes to ours); its exit code or 'timed out'."""
+    """Runs a child process (its output goes to ours); its exit code or 'timed out'.
+    An infinite ``timeout_s`` (``--budget-s inf``) waits as long as the child runs."""
     try:
-        return subprocess.run(command, timeout=timeout_s).returncode
+        return subprocess.run(command, timeout=timeout_s if math.isfinite(timeout_s) else None).returncode
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout_s:.0f} s"
 
@@ -1509,7 +1515,7 @@ def child_main(args: argparse.Namespace) -> int:
 # =========================================================================== driver
 
 
-def run_meta(argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+def run_meta(argv: Sequence[str], args: argparse.Namespace, started: datetime.datetime) -> dict[str, Any]:
     """What the run was (no device touched: the parent of isolated suites must leave the GPU alone)."""
     notes = []
     if args.ours_impl != "triton":
@@ -1519,7 +1525,7 @@ def run_meta(argv: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
     if args.tiny:
         notes.append("--tiny: toy shapes for a dry run; the numbers mean nothing")
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python", "benchmarks/bench_attention.py", *argv]),
         "python": platform.python_version(),
         "jax": jax.__version__,
@@ -1549,6 +1555,67 @@ def device_meta() -> dict[str, Any]:
     return meta
 
 
+_PROBE = "import jax; d = jax.devices()[0]; print(d.platform); print(getattr(d, 'device_kind', d.platform))"
+PROBE_TIMEOUT_S = 300.0
+
+
+def probe_device(isolate: bool) -> tuple[str, str]:
+    """(platform, device kind) of JAX's default device, e.g. ``("gpu", "NVIDIA H200")``.
+
+    With isolated suites a short child process asks, so that this process never opens
+    the GPU (JAX would hold its memory for the whole run); without isolation this
+    process asks itself. A probe that fails reports ``("unknown", <why>)``.
+    """
+    if not isolate:
+        device = jax.devices()[0]
+        return device.platform, getattr(device, "device_kind", device.platform)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the probe only looks
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return "unknown", f"the device probe timed out after {PROBE_TIMEOUT_S:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or len(lines) < 2:
+        tail = " ".join(done.stderr.strip().splitlines()[-1:]) or f"exit code {done.returncode}"
+        return "unknown", f"the device probe failed: {tail[:300]}"
+    return lines[-2].strip(), lines[-1].strip()
+
+
+def no_gpu_message(platform_name: str, device_kind: str) -> str | None:
+    """Why this host cannot run the benchmarks, or None on a GPU."""
+    if platform_name == "gpu":
+        return None
+    return (f"bench_attention.py: no GPU here (JAX's default device: {device_kind}, platform "
+            f"{platform_name!r}). The benchmarks time the Pallas GPU kernels against GPU peers; run "
+            f"them on an NVIDIA GPU host, or pass --tiny (toy shapes) or --interpret (Pallas "
+            f"interpret mode) for a CPU dry run of the harness.")
+
+
+def device_slug(device_kind: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia-h200"``: the device part of the output file names."""
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+
+
+def output_paths(args: argparse.Namespace, device_kind: str, started: datetime.datetime) -> list[pathlib.Path]:
+    """Markdown files the run writes (the JSON sits next to the first one).
+
+    ``--out``/``<stem>.md`` with the stem ``<YYYY-MM-DD-HHMM>-<device>`` (``-tuning``
+    appended for a sweep) unless ``--stem`` names it; plus the committed
+    ``benchmarks/RESULTS.md`` (``TUNING.md`` for a sweep) only with
+    ``--update-committed-md``.
+    """
+    stem = args.stem
+    if stem is None:
+        stem = f"{started.strftime('%Y-%m-%d-%H%M')}-{device_slug(device_kind)}"
+        if args.tune:
+            stem += "-tuning"
+    paths = [pathlib.Path(args.out) / f"{stem}.md"]
+    if args.update_committed_md:
+        paths.append(_BENCH_DIR / ("TUNING.md" if args.tune else "RESULTS.md"))
+    return paths
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1556,10 +1623,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(SUITES)} (default: all; with --tune: "
                              f"{','.join(DEFAULT_TUNE_SUITES)})")
     parser.add_argument("--tune", action="store_true", help="sweep our kernel configs instead of comparing peers")
-    parser.add_argument("--out", default=str(_BENCH_DIR), help="folder for the markdown and JSON (default: %(default)s)")
+    parser.add_argument("--out", default=str(_BENCH_DIR / "results"),
+                        help="folder for the markdown and JSON (default: %(default)s)")
+    parser.add_argument("--stem", default=None,
+                        help="file name of the outputs without extension (default: <YYYY-MM-DD-HHMM>-<device>, "
+                             "-tuning appended with --tune)")
+    parser.add_argument("--update-committed-md", action="store_true",
+                        help="also write the markdown to benchmarks/RESULTS.md (TUNING.md with --tune), the "
+                             "committed copy; never done by default")
     parser.add_argument("--quick", action="store_true", help="first shape of each suite, smaller sweeps")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                        help="wall-clock budget of the whole run, compile included (default: %(default)s)")
+                        help="wall-clock budget of the whole run from its start, compile included; inf for none "
+                             "(default: %(default)s)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median; default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first, the first compiles (default 3)")
     parser.add_argument("--peers", default=None,
@@ -1585,6 +1660,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      f"choose from {','.join(allowed)}")
     if args.reps < 1 or args.warmup < 1:
         parser.error("--reps and --warmup must be >= 1")
+    if not args.budget_s > 0:  # also rejects nan
+        parser.error(f"--budget-s must be > 0 (inf for no budget), got {args.budget_s}")
+    if args.stem is not None and (not args.stem or "/" in args.stem or args.stem.startswith(".")):
+        parser.error(f"--stem must be a plain file name, got {args.stem!r}")
     args.peer_names = None if args.peers is None else {p for p in args.peers.split(",") if p}
     known = {impl.name for suite in args.suites for impl in SUITE_IMPLS.get(suite, ())}
     if args.peer_names and args.peer_names - known:
@@ -1602,38 +1681,50 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def suite_deadline(suite: str, remaining: Sequence[str], weights: dict[str, float], end: float) -> Deadline:
     """The suite's share of the time left, in proportion to the weights of the suites left."""
     now = time.monotonic()
+    if math.isinf(end):
+        return Deadline(end)
     share = weights[suite] / sum(weights[s] for s in remaining)
     return Deadline(now + max(0.0, end - now) * share)
 
 
-def write_outputs(out_dir: pathlib.Path, meta: dict[str, Any], rows: list[dict[str, Any]],
-                  args: argparse.Namespace) -> str:
-    """Writes the markdown and the JSON of raw rows; returns the markdown."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(meta, elapsed_s=round(time.monotonic() - _START, 1))
+def write_outputs(paths: Sequence[pathlib.Path], meta: dict[str, Any], rows: list[dict[str, Any]],
+                  args: argparse.Namespace, start: float) -> str:
+    """Writes the markdown to every path in ``paths`` and the JSON of raw rows next to the
+    first one (same stem, ``.json``); returns the markdown. ``start``: `time.monotonic`
+    at the start of the run."""
+    meta = dict(meta, elapsed_s=round(time.monotonic() - start, 1))
     if args.tune:
         markdown = report.render_tuning(meta, rows)
-        md_name, json_name = "TUNING.md", "tuning.json"
     else:
         report.attach_ratios(rows)
         legends = {s: {i.name: i.describe for i in SUITE_IMPLS[s]} for s in SUITES}
         titles = [(s, SUITE_TITLES[s]) for s in args.suites]
         markdown = report.render_results(meta, rows, titles, legends)
-        md_name, json_name = "RESULTS.md", "results.json"
-    (out_dir / md_name).write_text(markdown)
-    with open(out_dir / json_name, "w") as f:
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown)
+    with open(paths[0].with_suffix(".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
     return markdown
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmarks (see the module docstring); returns the exit code: 0 when some
+    job measured something, 1 when none did, 2 without a GPU (unless a dry run)."""
+    start = time.monotonic()  # the budget counts from here, however long ago the module was imported
+    started = datetime.datetime.now(datetime.timezone.utc)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.child_rows:
         return child_main(args)
-    end = _START + args.budget_s
+    platform_name, device_kind = probe_device(args.isolate)
+    refusal = no_gpu_message(platform_name, device_kind)
+    if refusal and not (args.tiny or args.interpret):
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
+    end = start + args.budget_s
     weights = TUNE_WEIGHTS if args.tune else SUITE_WEIGHTS
-    meta = run_meta(argv, args)
+    meta = run_meta(argv, args, started)
     if not args.isolate:
         meta.update(device_meta())
         print(f"{meta['gpu']} | jax {meta['jax']} | torch {meta['torch']}", flush=True)
@@ -1641,7 +1732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # This process only plans and collects: keep it off the GPU, whose memory the
         # suites' processes need (JAX preallocates most of it in the first to touch it).
         jax.config.update("jax_platforms", "cpu")
-    out_dir = pathlib.Path(args.out)
+    paths = output_paths(args, device_kind, started)
     rows: list[dict[str, Any]] = []
     markdown = ""
     with tempfile.TemporaryDirectory(prefix="bench_attention_") as workdir:
@@ -1658,14 +1749,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                               interpret=args.interpret, quick=args.quick)
                 run_jobs(jobs, ctx, lambda row: suite_rows.append(dataclasses.asdict(row)))
             rows += suite_rows
-            markdown = write_outputs(out_dir, meta, rows, args)
+            markdown = write_outputs(paths, meta, rows, args, start)
     print()
     if args.tune:
         print(markdown)
     else:  # the full tables are in the file; keep the terminal's tail readable
         print(report.render_summary(rows, [(s, SUITE_TITLES[s]) for s in args.suites]))
-    name = "TUNING.md" if args.tune else "RESULTS.md"
-    print(f"wrote {out_dir / name} ({time.monotonic() - _START:.0f} s)", flush=True)
+    print(f"wrote {', '.join(str(p) for p in paths)} and {paths[0].with_suffix('.json').name} "
+          f"({time.monotonic() - start:.0f} s)", flush=True)
+    measured = sum(row["status"] == "ok" for row in rows)
+    if measured == 0:
+        counts = {status: sum(row["status"] == status for row in rows) for status in ("failed", "skipped")}
+        print(f"no job measured anything ({counts['failed']} failed, {counts['skipped']} skipped): see "
+              f"'Not measured' in {paths[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

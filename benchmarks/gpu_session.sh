@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU visit in one command: environment, the gpu test suite, then benchmarks.
+# Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
 #   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
-# Logs and results land in $OUT (the device tool brings that folder back).
+# Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-/tmp/gpu_session}"
@@ -24,10 +24,10 @@ for step in "${steps[@]}"; do
           "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
-      timeout 420 python3 benchmarks/bench_attention.py --out "$out" --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;
+      timeout 420 python3 benchmarks/bench_attention.py --out "$out" --stem results --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;
     tune|tune=*)
       suites="${step#tune}"; suites="${suites#=}"
-      timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --budget-s "${TUNE_BUDGET_S:-$budget}" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
+      timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --stem tuning --budget-s "${TUNE_BUDGET_S:-$budget}" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
     apply)  # the last sweep's winners become the package's measured table (copy kept in $out)
       python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
     engine)

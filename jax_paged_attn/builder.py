@@ -1,11 +1,12 @@
 """Host-side construction of `FlashAttentionMetadata` (vLLM's `FlashAttentionMetadataBuilder`).
 
 The builder runs in numpy once per step, before the jitted model step (FlashInfer's
-``plan``), and is the only place that looks at Python values. It ports the seed builder
-and vLLM's helpers (``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, the
-model runner's sliding-window truncation) and adds bucketed padding, the counterpart of
-vLLM's CUDA-graph padding: a jitted step compiles once per distinct set of static
-fields, so every count is rounded up to one of a few bucket sizes.
+``plan``), and is the only place that looks at Python values. It ports vLLM 0.6's
+FlashAttention metadata builder and its helpers (``compute_slot_mapping``,
+``compute_slot_mapping_start_idx``, the model runner's sliding-window truncation), checks
+that no block is given to two owners in a step, and adds bucketed padding, the
+counterpart of vLLM's CUDA-graph padding: a jitted step compiles once per distinct set of
+static fields, so every count is rounded up to one of a few bucket sizes.
 
 Padding layout (see `jax_paged_attn.metadata` for the picture). The prefill and the
 decode sections are padded separately, because ``num_prefills`` and
@@ -24,7 +25,7 @@ decode sections are padded separately, because ``num_prefills`` and
 
 Buckets default to powers of two; explicit lists can be given, and counts above the
 largest listed bucket fall back to the next power of two. ``pad=False`` builds exact,
-unpadded metadata with the seed's exact maxima (every new batch size then compiles).
+unpadded metadata with vLLM's exact maxima (every new batch size then compiles).
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def _normalize_buckets(buckets: Sequence[int] | None, name: str) -> tuple[int, .
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduledSequence:
-    """One sequence of a step, as the scheduler sees it (the seed's per-sequence inputs).
+    """One sequence of a step, as the scheduler sees it (vLLM's per-sequence builder inputs).
 
     Attributes:
       is_prompt: the sequence is (still) in its prompt phase: a prefill, or a chunk of it.
@@ -91,7 +92,7 @@ class ScheduledSequence:
       block_table: physical block ids of the whole sequence, ``ceil(seq_len / block_size)``
         or more entries (extra ones are preallocated blocks); None in a profiling run.
       prefix_cache_hit: the prompt's first ``context_len`` tokens come from the prefix
-        cache. As in the seed, one hit in the batch gives every sequence its full block
+        cache. As in vLLM's builder, one hit in the batch gives every sequence its full block
         table.
     """
 
@@ -127,6 +128,7 @@ class _Row:
     query_len: int
     block_table: np.ndarray  # i64[n], the metadata row (maybe empty / truncated)
     slots: np.ndarray  # i64[query_len]
+    full_table: np.ndarray  # i64[m], the sequence's whole block table as given
 
 
 def _check_sequence(seq: Any, i: int) -> None:
@@ -151,7 +153,7 @@ def _check_sequence(seq: Any, i: int) -> None:
 class FlashAttentionMetadataBuilder:
     """Builds `FlashAttentionMetadata` for a batch of `ScheduledSequence` (host-side, numpy).
 
-    Unlike the seed, which accumulates sequence groups and then builds, `build` takes the
+    Unlike vLLM's builder, which accumulates sequence groups and then builds, `build` takes the
     whole batch, so one builder serves every step.
 
     Attributes:
@@ -198,7 +200,7 @@ class FlashAttentionMetadataBuilder:
     # ------------------------------------------------------------------ per sequence
 
     def _row(self, seq: ScheduledSequence, i: int, *, profile_run: bool, prefix_cache_hit: bool) -> _Row:
-        """Block-table row and slots of one sequence (the seed's ``_add_seq_group``)."""
+        """Block-table row and slots of one sequence (vLLM's ``_add_seq_group``)."""
         bs = self.block_size
         name = f"sequences[{i}].block_table"
         full = np.zeros((0,), np.int64)
@@ -254,9 +256,71 @@ class FlashAttentionMetadataBuilder:
             if slots.size and slots.max() > _INT32_MAX:
                 raise ValueError(f"{name} gives slots up to {slots.max()}, beyond the int32 slot range.")
         return _Row(seq_len=seq_len, orig_seq_len=seq.seq_len, context_len=seq.context_len,
-                    query_len=seq.query_len, block_table=table, slots=slots)
+                    query_len=seq.query_len, block_table=table, slots=slots, full_table=full)
 
     # ------------------------------------------------------------------ batch
+
+    def _check_block_use(self, rows: Sequence[_Row]) -> None:
+        """No block is used twice where that would be a bug (see `build`, Raises).
+
+        1. No slot is written twice in the step.
+        2. Without a sliding window, a sequence's block table holds distinct blocks: a
+           repeat would make two parts of the sequence one physical block. (With a
+           sliding window vLLM's block managers reuse blocks on purpose: cyclic tables
+           whose positions that left the window are overwritten, or one shared null
+           block for them; rule 1 still holds there.)
+        3. A block written in this step (it holds a slot of ``slot_mapping``) belongs to
+           the sequence writing it: no other sequence writes it, and none has it in its
+           block table. Prefix caching does share blocks between sequences, but only full,
+           computed ones, which no sequence writes (the writer gets a copy first: vLLM's
+           copy-on-write), so shared read-only blocks pass.
+        """
+        for i, row in enumerate(rows):
+            written = row.slots[row.slots >= 0]
+            slots, counts = np.unique(written, return_counts=True)
+            if np.any(counts > 1):
+                raise ValueError(
+                    f"sequences[{i}] writes slot {int(slots[counts > 1][0])} more than once in this step "
+                    f"(its block_table repeats block {int(slots[counts > 1][0]) // self.block_size}).")
+            if self.sliding_window is None:
+                blocks, counts = np.unique(row.full_table, return_counts=True)
+                if np.any(counts > 1):
+                    block = int(blocks[counts > 1][0])
+                    where = np.nonzero(row.full_table == block)[0].tolist()
+                    raise ValueError(
+                        f"sequences[{i}].block_table holds block {block} more than once (entries {where[:8]}); "
+                        f"each block of a sequence must be a different block.")
+        writer: dict[int, tuple[int, int]] = {}  # block -> (sequence, one slot it writes there)
+        for i, row in enumerate(rows):
+            written = row.slots[row.slots >= 0]
+            blocks, first = np.unique(written // self.block_size, return_index=True)
+            for block, slot in zip(blocks.tolist(), written[first].tolist()):
+                if block in writer:
+                    other, other_slot = writer[block]
+                    what = f"slot {slot}" if slot in set(rows[other].slots.tolist()) else \
+                        f"slots {other_slot} and {slot}"
+                    raise ValueError(
+                        f"sequences[{other}] and sequences[{i}] both write block {block} in this step "
+                        f"({what}); a block written in a step belongs to one sequence.")
+                writer[block] = (i, slot)
+        if not writer:
+            return
+        written_blocks = np.fromiter(writer, np.int64, len(writer))
+        order = np.argsort(written_blocks)
+        written_blocks = written_blocks[order]
+        writers = np.fromiter((w for w, _ in writer.values()), np.int64, len(writer))[order]
+        for j, row in enumerate(rows):
+            table = row.full_table
+            at = np.minimum(np.searchsorted(written_blocks, table), written_blocks.size - 1)
+            foreign = (written_blocks[at] == table) & (writers[at] != j)
+            if np.any(foreign):
+                k = int(np.nonzero(foreign)[0][0])
+                block = int(table[k])
+                i, slot = writer[block]
+                raise ValueError(
+                    f"block {block} is written by sequences[{i}] in this step (slot {slot}) and is also entry "
+                    f"{k} of sequences[{j}].block_table; a block written in a step belongs to one sequence "
+                    f"(share only full, computed blocks; copy a shared block before writing it).")
 
     def _validate_batch(self, sequences: Sequence[ScheduledSequence]) -> tuple[int, bool, bool]:
         """Returns (num_prompts, profile_run, prefix_cache_hit) after the batch checks."""
@@ -322,6 +386,8 @@ class FlashAttentionMetadataBuilder:
         num_prompts, profile_run, prefix_cache_hit = self._validate_batch(sequences)
         rows = [self._row(seq, i, profile_run=profile_run, prefix_cache_hit=prefix_cache_hit)
                 for i, seq in enumerate(sequences)]
+        if not profile_run:
+            self._check_block_use(rows)
         sections = (rows[:num_prompts], rows[num_prompts:])
         decode_one_token = all(r.query_len == 1 for r in sections[1])
 
@@ -359,7 +425,7 @@ class FlashAttentionMetadataBuilder:
             max_decode_query_len = self._bound(max(r.query_len for r in decodes), num_decode_tokens)
         max_prefill_seq_len = 0
         if prompts:
-            # The seed's max over the unsliced prompt lengths (they are never truncated).
+            # vLLM's max over the unsliced prompt lengths (they are never truncated).
             # Keys come through the block table (capacity) or are the new tokens themselves.
             max_prefill_seq_len = self._bound(max(r.orig_seq_len for r in prompts),
                                               capacity or num_prefill_tokens)
@@ -384,6 +450,7 @@ class FlashAttentionMetadataBuilder:
             max_decode_query_len=max_decode_query_len,
             max_prefill_seq_len=max_prefill_seq_len,
             max_decode_seq_len=max_decode_seq_len,
+            block_size=self.block_size,
         )
 
     def build(self, sequences: Sequence[ScheduledSequence], device: Any = None) -> FlashAttentionMetadata:
@@ -398,6 +465,16 @@ class FlashAttentionMetadataBuilder:
           attribute: lengths that do not add up, prompts after decodes, block tables
           too short for ``seq_len``, block ids outside ``[0, num_blocks)``, a batch mixing
           prompts and decodes without chunked prefill, a partial profiling run, ...
+          Blocks, with the sequence indices and the block id:
+
+          * a slot written twice in the step;
+          * without a sliding window, a block twice in one sequence's ``block_table``
+            (with one, vLLM's block managers reuse blocks on purpose: cyclic tables, or
+            one null block for the positions that left the window);
+          * a block written in this step (one of its slots is in ``slot_mapping``) that
+            another sequence also writes or has in its ``block_table``. Sequences may
+            share blocks they only read (prefix caching shares full, computed prompt
+            blocks; a shared block is copied before it is written, vLLM's copy-on-write).
         """
         return jax.device_put(self.build_host(sequences), device)
 

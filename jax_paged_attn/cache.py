@@ -32,7 +32,8 @@ Two CPU-only traps make a donation silently copy instead: a cache made by
 `allocate_kv_cache` / `allocate_host_kv_cache` or any jitted computation), and in
 jax >= 0.11 a cache once read with ``np.asarray`` keeps a zero-copy view that blocks
 reuse (read a copy: ``np.asarray(jnp.array(cache, copy=True))``).
-`swap_blocks` runs eagerly between steps and donates ``dst`` itself (``donate=True``).
+Called eagerly between steps, `swap_blocks` donates ``dst`` itself (``donate=True``);
+under jit it is pure like the others (``jax.jit(swap_blocks, donate_argnums=1)``).
 
 **Padding and out-of-range ids.** ``PAD_SLOT_ID`` (-1) in a slot mapping, and -1 in
 either column of a block mapping, mark padding that is skipped, so a fixed-size
@@ -52,7 +53,8 @@ to the format's largest finite value first (vLLM's ``scaled_fp8_conversion`` wit
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -404,16 +406,25 @@ def _xla_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_
     return write(key_cache, key, k_scale), write(value_cache, value, v_scale)
 
 
-_KERNEL_MAX_ELEMENTS = 2**31 - 1  # the cache-write kernel's element offsets are int32
+_TRITON_64BIT_OFFSETS_ABOVE_BYTES = 2**32
+"""Pallas' Triton lowering addresses a ref with 64-bit element offsets when it holds more
+than this many bytes, with signed 32-bit offsets otherwise (jax 0.10.2 and 0.11)."""
 
 
-def _kernel_unsupported_reason(caches: tuple[Array, ...], row_size: int) -> str | None:
-    """Why the cache-write kernel cannot write these caches (None when it can)."""
-    num_slots = caches[0].shape[-4] * caches[0].shape[-3]
-    elements = (2 if len(caches) == 1 else 1) * num_slots * row_size  # a stacked cache holds K and V
-    if elements > _KERNEL_MAX_ELEMENTS:
-        return (f"the cache holds {elements} elements; the kernel's int32 element offsets need "
-                f"fewer than 2**31")
+def _kernel_unsupported_reason(caches: tuple[Array, ...]) -> str | None:
+    """Why the cache-write kernel cannot write these caches (None when it can).
+
+    Inside the kernel every index stays below 2**31 (slot ids are int32 and
+    ``num_slots + num_tokens < 2**31``); the flat element offset into a cache is
+    computed by Pallas' Triton lowering, in 64 bits for a cache of more than 4 GiB,
+    so caches of 2**31 and more 2- or 4-byte elements are written by the kernel. A
+    1-byte (fp8) cache of 2**31 to 2**32 elements would get 32-bit offsets past 2**31.
+    """
+    elements = math.prod(caches[0].shape)  # each cache is one ref (the stacked one holds K and V)
+    nbytes = elements * jnp.dtype(caches[0].dtype).itemsize
+    if elements > 2**31 and nbytes <= _TRITON_64BIT_OFFSETS_ABOVE_BYTES:
+        return (f"an fp8 cache of {elements} elements ({nbytes} bytes): Pallas' Triton lowering addresses a "
+                f"ref of at most 4 GiB with signed 32-bit offsets, which reach 2**31 elements only")
     return None
 
 
@@ -430,7 +441,9 @@ def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_ma
                     interpret: bool) -> tuple[Array, ...]:
     """Picks the cache-write implementation with `dispatch.run_implementation`:
     ``"xla"`` the scatter, ``"triton"`` the kernel, auto the kernel when lowered for
-    CUDA and the scatter elsewhere. An empty token batch always takes the scatter."""
+    CUDA and the scatter elsewhere (warned once on a GPU when the kernel cannot write
+    these caches, `_kernel_unsupported_reason`). An empty token batch always takes the
+    scatter (nothing to write)."""
     args = (key, value, slot_mapping, k_scale, v_scale, *caches)
     if key.shape[0] == 0:
         dispatch.normalize_implementation(implementation)
@@ -438,7 +451,7 @@ def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_ma
     return tuple(dispatch.run_implementation(
         implementation, args, reference_fn=_xla_write,
         kernel_fn=functools.partial(_kernel_write, interpret=interpret),
-        unsupported_reason=lambda: _kernel_unsupported_reason(caches, key.shape[1] * key.shape[2]),
+        unsupported_reason=lambda: _kernel_unsupported_reason(caches),
     ))
 
 
@@ -562,35 +575,77 @@ def copy_kv_cache_blocks(
 # --------------------------------------------------------------------------- swap_blocks
 
 
-@functools.partial(jax.jit, static_argnames=("axis",))
-def _gather_blocks(cache: Array, ids: Array, *, axis: int) -> Array:
-    return jnp.take(cache, ids, axis=axis, mode="clip")
+def _in_host_memory(x: Any) -> bool:
+    """Whether JAX's type of ``x`` (an array, or a tracer inside jit) places it in host
+    memory (memory kind ``pinned_host`` / ``unpinned_host``)."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
-def _scatter_blocks_impl(cache: Array, ids: Array, blocks: Array, *, axis: int) -> Array:
-    index = (slice(None),) * axis + (ids,)
-    return cache.at[index].set(blocks, mode="drop", wrap_negative_indices=False, unique_indices=True)
+def _host_compute(fn: Callable[..., Array], out_space: Any) -> Callable[..., Array]:
+    """``fn`` as XLA host computation (`jax.experimental.compute_on`, compute type
+    ``device_host``), its result placed in memory space ``out_space``.
+
+    Gathers and scatters whose operand is a host-memory cache run on the host, next to
+    the data, so only the chosen blocks cross between memories. jax 0.10 / 0.11 spell it
+    ``compute_on2(f, ...)``; later versions ``compute_on(f, ...)``.
+    """
+    from jax.experimental import compute_on as compute_on_lib
+
+    wrap = getattr(compute_on_lib, "compute_on2", None) or compute_on_lib.compute_on
+    return wrap(fn, compute_type="device_host", out_memory_spaces=out_space)
+
+
+def _take_blocks(src: Array, ids: Array, *, axis: int, to_host: bool) -> Array:
+    """``src``'s blocks ``ids`` (i32[N], clipped), gathered where src lives; returned in
+    host memory if ``to_host``, else in device memory."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def take(cache: Array, block_ids: Array) -> Array:
+        return jnp.take(cache, block_ids, axis=axis, mode="clip")
+
+    if _in_host_memory(src):
+        # A gather's operands share one memory space: the ids go to the host too.
+        return _host_compute(take, host if to_host else device)(src, jax.device_put(ids, host))
+    blocks = take(src, ids)
+    return jax.device_put(blocks, host) if to_host else blocks
+
+
+def _put_blocks(dst: Array, ids: Array, blocks: Array, *, axis: int) -> Array:
+    """``dst`` with ``blocks`` (in dst's memory) written at ``ids`` (i32[N], distinct; an
+    id past the end is dropped), scattered where dst lives."""
+    def put(cache: Array, block_ids: Array, values: Array) -> Array:
+        index = (slice(None),) * axis + (block_ids,)
+        return cache.at[index].set(values, mode="drop", wrap_negative_indices=False, unique_indices=True)
+
+    if _in_host_memory(dst):
+        host = jax.memory.Space.Host
+        return _host_compute(put, host)(dst, jax.device_put(ids, host), blocks)
+    return put(dst, ids, blocks)
+
+
+def _swap_impl(src: Array, dst: Array, src_ids: Array, dst_ids: Array, *, axis: int) -> Array:
+    """The swap as one traceable function: gather where src lives, move only the blocks
+    to dst's memory, scatter where dst lives."""
+    blocks = _take_blocks(src, src_ids, axis=axis, to_host=_in_host_memory(dst))
+    return _put_blocks(dst, dst_ids, blocks, axis=axis)
 
 
 @functools.lru_cache(maxsize=None)
-def _scatter_blocks(axis: int, donate: bool, sharding: jax.sharding.Sharding):
-    """One jitted scatter per (axis, donation, placement); the output keeps dst's memory kind."""
-    return jax.jit(functools.partial(_scatter_blocks_impl, axis=axis),
-                   donate_argnums=(0,) if donate else (), out_shardings=sharding)
+def _swap_program(axis: int, donate: bool, sharding: jax.sharding.Sharding) -> Callable[..., Array]:
+    """The jitted swap between caches of one device set; the result keeps dst's sharding."""
+    return jax.jit(functools.partial(_swap_impl, axis=axis), donate_argnums=(1,) if donate else (),
+                   out_shardings=sharding)
 
 
-def _place_index(ids: np.ndarray, cache: Array) -> Array | np.ndarray:
-    """Puts 1-D block ids in the memory space JAX's type of ``cache`` records (a gather
-    needs all its operands in one): host-typed caches get ids in their host memory,
-    device-typed ones get NumPy ids, which jit places in device memory."""
-    memory_space = getattr(jax.typeof(cache), "memory_space", None)
-    if "host" not in str(memory_space).lower():
-        return ids
-    sharding = cache.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
-                                              memory_kind=sharding.memory_kind)
-    return jax.device_put(ids, sharding)
+@functools.lru_cache(maxsize=None)
+def _take_program(axis: int, to_host: bool) -> Callable[..., Array]:
+    return jax.jit(functools.partial(_take_blocks, axis=axis, to_host=to_host))
+
+
+@functools.lru_cache(maxsize=None)
+def _put_program(axis: int, donate: bool, sharding: jax.sharding.Sharding) -> Callable[..., Array]:
+    return jax.jit(functools.partial(_put_blocks, axis=axis), donate_argnums=(0,) if donate else (),
+                   out_shardings=sharding)
 
 
 def _block_axis(cache: Any, name: str) -> int:
@@ -606,32 +661,47 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Any, *, donate: bool = Tr
     see `allocate_host_kv_cache`): swap out with ``swap_blocks(device_cache,
     host_cache, mapping)``, swap in with ``swap_blocks(host_cache, device_cache,
     mapping)``. The chosen blocks are gathered where src lives, only they cross to
-    dst's memory (`jax.device_put`), and they are scattered where dst lives.
+    dst's memory, and they are scattered where dst lives; on a host-memory cache the
+    gather / scatter run as XLA host compute (`jax.experimental.compute_on`).
 
     Args:
       src, dst: both ``[num_blocks, block_size, Hk, D]`` (one of vLLM's key / value
         caches) or both ``[2, num_blocks, block_size, Hk, D]`` (a whole layer: keys and
         values in one call, as vLLM's ``FlashAttentionBackend.swap_blocks``); the same
-        dtype and per-block shape, any number of blocks each. Concrete `jax.Array`s:
-        this is a host-driven op between steps, not for use under `jax.jit`.
+        dtype and per-block shape, any number of blocks each.
       block_mapping: integer ``[N, 2]`` (NumPy or JAX), rows ``(src_block, dst_block)``;
-        rows with ``PAD_BLOCK_ID`` (-1) are skipped. Ids are checked (in range, no
-        destination twice).
-      donate: reuse dst's buffer for the result (in place). The ``dst`` passed in is
-        then deleted; use the returned array. With ``donate=False`` dst is copied.
+        rows with ``PAD_BLOCK_ID`` (-1) are skipped. Concrete ids are checked (in
+        range, no destination twice).
+      donate: eager calls only: reuse dst's buffer for the result (in place); the
+        ``dst`` passed in is then deleted, use the returned array. With
+        ``donate=False`` dst is copied. Under jit, donate dst through your own
+        ``jax.jit(..., donate_argnums=...)``.
 
     Returns:
       The updated dst, with dst's sharding (and memory kind).
 
-    The number of pairs is padded to a power of two, so a serving loop compiles a
-    handful of programs, not one per mapping size.
+    **Eagerly** (concrete arrays, between steps) the number of pairs is padded to a
+    power of two, so a serving loop compiles a handful of programs, not one per mapping
+    size; caches on different devices (a host cache on JAX's CPU backend, the fallback
+    of `host_kv_cache_sharding`) are joined with `jax.device_put`.
+
+    **Under jax.jit** it is a pure function: ``jax.jit(swap_blocks, donate_argnums=1)``
+    updates dst in place, the mapping may be traced (pairs with an out-of-range id are
+    then skipped, and the winner among repeated destinations is unspecified). src and
+    dst must then be on the same devices; their memory kinds come from JAX's types of
+    them (``jax.typeof(x).memory_space``): device <-> device always; device <->
+    ``pinned_host`` in every supported jax (0.10.2, tested on CPU, whose devices expose
+    ``device`` / ``pinned_host`` / ``unpinned_host`` memories; 0.11.x on GPUs): an
+    argument in ``pinned_host`` memory is typed as host memory inside jit, keeps that
+    memory kind as the output it is donated to, and the gather / scatter on it lower to
+    host compute (``compute_on2`` in these versions). Host caches from
+    `allocate_host_kv_cache` are in ``pinned_host`` where the device has it; a host
+    cache on JAX's CPU backend (its fallback) can only be swapped eagerly.
     """
     for name, x in (("src", src), ("dst", dst)):
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            raise TypeError(
-                f"{name} must be a concrete jax.Array (swap_blocks runs eagerly between steps, "
-                f"outside jax.jit), got {type(x).__name__}."
-            )
+        if not isinstance(x, jax.Array):
+            raise TypeError(f"{name} must be a jax.Array (its placement says where the blocks live), "
+                            f"got {type(x).__name__}.")
     axis = _block_axis(src, "src")
     if _block_axis(dst, "dst") != axis:
         raise ValueError(f"src and dst must have the same rank, got shapes {src.shape} and {dst.shape}.")
@@ -644,20 +714,27 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Any, *, donate: bool = Tr
         )
     if src.dtype != dst.dtype:
         raise TypeError(f"src and dst must have the same dtype, got {src.dtype} and {dst.dtype}.")
-    if isinstance(block_mapping, jax.core.Tracer):
-        raise TypeError("block_mapping must be concrete (swap_blocks runs outside jax.jit).")
+    if not hasattr(block_mapping, "dtype"):
+        block_mapping = np.asarray(block_mapping)
+    _check_block_mapping(block_mapping)
+    num_src, num_dst = src.shape[axis], dst.shape[axis]
+    _check_block_mapping_values(block_mapping, num_src, num_dst)
+
+    if any(isinstance(x, jax.core.Tracer) for x in (src, dst, block_mapping)):
+        src_ids, dst_ids = _pair_ids(block_mapping, num_src, num_dst)
+        return _swap_impl(src, dst, src_ids, dst_ids, axis=axis)
+
     pairs = np.asarray(block_mapping)
-    _check_block_mapping(pairs)
-    _check_block_mapping_values(pairs, src.shape[axis], dst.shape[axis])
     pairs = pairs[(pairs[:, 0] >= 0) & (pairs[:, 1] >= 0)].astype(np.int32)
     if pairs.shape[0] == 0:
         return dst
-
     bucket = 1 << (pairs.shape[0] - 1).bit_length()
     src_ids = np.zeros(bucket, np.int32)  # padding reads block 0 ...
-    dst_ids = dst.shape[axis] + np.arange(bucket, dtype=np.int32)  # ... and writes nowhere
+    dst_ids = num_dst + np.arange(bucket, dtype=np.int32)  # ... and writes nowhere
     src_ids[:pairs.shape[0]], dst_ids[:pairs.shape[0]] = pairs[:, 0], pairs[:, 1]
 
-    blocks = _gather_blocks(src, _place_index(src_ids, src), axis=axis)
+    if src.sharding.device_set == dst.sharding.device_set:
+        return _swap_program(axis, donate, dst.sharding)(src, dst, src_ids, dst_ids)
+    blocks = _take_program(axis, _in_host_memory(src))(src, src_ids)
     blocks = jax.device_put(blocks, dst.sharding)
-    return _scatter_blocks(axis, donate, dst.sharding)(dst, _place_index(dst_ids, dst), blocks)
+    return _put_program(axis, donate, dst.sharding)(dst, dst_ids, blocks)

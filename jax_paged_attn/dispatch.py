@@ -12,11 +12,18 @@ Implementations (the ``implementation=`` argument of the public functions):
   kernel in the compiled module.
 
 An explicit kernel implementation that cannot run the call raises `NotImplementedError`
-with the reason; ``auto`` falls back to the reference instead.
+with the reason; ``auto`` falls back to the reference instead, and says so once per
+reason (`ReferenceFallbackWarning`) when JAX's default device is a GPU or another
+accelerator: a call no kernel runs (the reason the kernel gives), or an accelerator the
+kernels are not lowered for (a non-CUDA GPU, a TPU). On a CPU the reference is the
+intended path and nothing is said. The default device stands for where the call runs:
+the choice itself is made per lowering platform, so a call lowered for another
+platform than the default device's (cross-lowering) is not warned about.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -31,6 +38,48 @@ AUTO = "auto"
 XLA = "xla"
 TRITON = "triton"
 IMPLEMENTATIONS = (AUTO, XLA, TRITON)
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """``implementation=None`` / ``"auto"`` runs the XLA reference where a kernel was
+    expected (see the module docstring); issued once per reason."""
+
+
+_warned_reasons: set[str] = set()
+
+
+def default_platform() -> str:
+    """Platform of JAX's default device as lowering names it: ``"cpu"``, ``"cuda"``,
+    ``"rocm"``, ``"tpu"``, ... (a GPU's runtime tells CUDA from ROCm, as JAX itself does)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return device.platform
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    for name in ("cuda", "rocm", "oneapi"):
+        if name in version:
+            return name
+    return "gpu"
+
+
+def warn_reference_fallback(reason: str) -> None:
+    """Warns once per distinct ``reason`` that auto runs the reference."""
+    if reason in _warned_reasons:
+        return
+    _warned_reasons.add(reason)
+    warnings.warn(f"implementation=None ('auto') runs the XLA reference here, not a Pallas kernel: {reason}.",
+                  ReferenceFallbackWarning, stacklevel=3)
+
+
+def _auto_fallback_reason(kernel_reason: str | None) -> str | None:
+    """Why auto will run the reference on the default device, or None (the kernel runs,
+    or the default device is a CPU, where the reference is the intended path)."""
+    platform = default_platform()
+    if platform == "cpu":
+        return None
+    if platform != "cuda":
+        return (f"JAX's default device is a {platform} device ({jax.devices()[0].device_kind}); the Pallas "
+                f"Triton kernels are lowered for CUDA only")
+    return kernel_reason
 
 
 def normalize_implementation(implementation: str | None) -> str:
@@ -53,13 +102,18 @@ def run_implementation(
     ``unsupported_reason()`` (looked at only when a kernel may run) names why the kernel
     cannot run these shapes, or None. Auto chooses per lowering platform with
     `jax.lax.platform_dependent` (the kernel on CUDA when supported, else the
-    reference); an explicit kernel that cannot run raises `NotImplementedError`.
+    reference) and warns once per reason when the reference runs on an accelerator
+    (`ReferenceFallbackWarning`); an explicit kernel that cannot run raises
+    `NotImplementedError`.
     """
     impl = normalize_implementation(implementation)
     if impl == XLA:
         return reference_fn(*args)
     reason = unsupported_reason()
     if impl == AUTO:
+        fallback = _auto_fallback_reason(reason)
+        if fallback:
+            warn_reference_fallback(fallback)
         if reason:
             return reference_fn(*args)
         return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=reference_fn)

@@ -9,7 +9,7 @@ by its padding (see `jax_paged_attn.builder` for how padding is chosen)::
     sequences:   | real prefills | padding prefills   | real decodes   | padding decodes   |
                  |<------- num_prefills -------->|<------ num_decodes = num_seqs - num_prefills ->|
 
-Definitions (the seed's)::
+Definitions (vLLM 0.6's FlashAttention backend's)::
 
     |---------- context_len ----------|-- query_len --|   context_len: tokens already in the
     |------------------- seq_len ---------------------|   cache; query_len: tokens computed now
@@ -33,23 +33,27 @@ are *upper bounds*, not exact maxima:
   (``seq_len == 0``) can own more query rows, which see no key and come out as 0 (the
   kernels' contract for rows past ``max_seqlen_q`` and for empty sequences).
 
-Differences from the seed
--------------------------
+``block_size`` is static too (None when unknown): the builder records the block size the
+slots and block tables were computed with, so that `advance_step` cannot silently use
+another one.
+
+Differences from vLLM's FlashAttentionMetadata
+----------------------------------------------
 * Immutable and functional: `advance_step` returns new metadata instead of updating in
   place, `prefill_metadata` / `decode_metadata` are pure slicing views (not cached).
 * The Python list ``seq_lens`` is gone (a pytree holds arrays, and a list would make
-  every length static); ``seq_lens`` is the seed's ``seq_lens_tensor``. Where the seed
+  every length static); ``seq_lens`` is vLLM's ``seq_lens_tensor``. Where vLLM
   used ``max(seq_lens)`` the static ``max_prefill_seq_len`` bound serves.
-  ``context_lens`` is the seed's ``context_lens_tensor``; ``use_cuda_graph`` is gone (every
+  ``context_lens`` is vLLM's ``context_lens_tensor``; ``use_cuda_graph`` is gone (every
   step is compiled; padding plays the role of CUDA-graph padding).
-* All arrays are int32 (the seed's slot mapping is int64; JAX runs with 32-bit ints).
+* All arrays are int32 (vLLM's slot mapping is int64; JAX runs with 32-bit ints).
 * Padding sequences own the padding tokens of their section, so ``query_start_loc``
   gives the true row of every sequence in the packed array (``query_start_loc[-1] ==
   num_tokens``) and one varlen call can cover the whole batch.
-* The decode view rebases ``query_start_loc`` / ``seq_start_loc`` to start at 0 (the
-  seed leaves them offset by the prefills, which is only harmless because it never mixes
-  prefills with multi-token decodes), and keeps ``context_lens`` (the seed drops it).
-* `advance_step` does not implement the seed's ``turn_prefills_into_decodes``; build
+* The decode view rebases ``query_start_loc`` / ``seq_start_loc`` to start at 0 (vLLM
+  leaves them offset by the prefills, which is only harmless because it never mixes
+  prefills with multi-token decodes), and keeps ``context_lens`` (vLLM drops it).
+* `advance_step` does not implement vLLM's ``turn_prefills_into_decodes``; build
   decode metadata with the builder after a mixed step instead.
 """
 from __future__ import annotations
@@ -71,7 +75,7 @@ ARRAY_FIELDS = ("slot_mapping", "seq_lens", "query_start_loc", "seq_start_loc", 
 """Pytree leaves of `FlashAttentionMetadata` (traced under jit)."""
 
 STATIC_FIELDS = ("num_prefills", "num_prefill_tokens", "num_decode_tokens", "max_query_len",
-                 "max_decode_query_len", "max_prefill_seq_len", "max_decode_seq_len")
+                 "max_decode_query_len", "max_prefill_seq_len", "max_decode_seq_len", "block_size")
 """Pytree aux data of `FlashAttentionMetadata` (part of the jit cache key)."""
 
 
@@ -99,10 +103,13 @@ class FlashAttentionMetadata:
       max_query_len: bound on the query length of every sequence with ``seq_len > 0``.
       max_decode_query_len: same for the decode sequences; 1 means plain decoding
         (one token per sequence, ``num_decode_tokens == num_decodes``), more means
-        speculative / multi-token decoding. 0 when there are no decodes (the seed's
+        speculative / multi-token decoding. 0 when there are no decodes (vLLM's
         builder says 1 there but its prefill view 0; 0 keeps the two the same).
       max_prefill_seq_len: bound on ``seq_lens`` of the prefills; 0 without prefills.
       max_decode_seq_len: bound on ``seq_lens`` of the decodes; 0 without decodes.
+      block_size: tokens per cache block that ``slot_mapping`` and ``block_tables`` were
+        computed with (the builder sets it), or None when unknown. `advance_step` and
+        `validate_metadata` check a ``block_size`` argument against it.
     """
 
     slot_mapping: Array  # i32[num_tokens]
@@ -118,12 +125,17 @@ class FlashAttentionMetadata:
     max_decode_query_len: int
     max_prefill_seq_len: int
     max_decode_seq_len: int
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         # Only the static fields are checked here: JAX rebuilds pytrees with arbitrary
         # leaves (tracers, sentinels), so leaf checks live in `validate_metadata`.
         for name in STATIC_FIELDS:
             value = getattr(self, name)
+            if name == "block_size":
+                if value is not None:
+                    object.__setattr__(self, name, checks.check_static_int(value, "metadata.block_size"))
+                continue
             # Normalized to int so that equal metadata hashes equally (jit cache key).
             object.__setattr__(self, name, checks.check_static_int(value, f"metadata.{name}", minimum=0))
 
@@ -146,7 +158,7 @@ class FlashAttentionMetadata:
     def has_block_tables(self) -> bool:
         """False when the block table has no column (a profiling run, or prompts without
         chunked prefill / prefix caching): prefill attention then reads the new keys
-        themselves, not the cache (the seed's ``block_tables.numel() == 0`` test)."""
+        themselves, not the cache (vLLM's ``block_tables.numel() == 0`` test)."""
         return int(self.block_tables.shape[1]) > 0
 
     @property
@@ -165,7 +177,7 @@ jax.tree_util.register_dataclass(
 
 
 def prefill_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata | None:
-    """The prefill part of a batch (the seed's ``prefill_metadata``); None without prefills.
+    """The prefill part of a batch (vLLM's ``prefill_metadata``); None without prefills.
 
     Slices the first ``num_prefills`` sequences and ``num_prefill_tokens`` token rows;
     ``query_start_loc`` / ``seq_start_loc`` already start at 0. Decode fields become 0.
@@ -188,11 +200,12 @@ def prefill_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata
         max_decode_query_len=0,
         max_prefill_seq_len=md.max_prefill_seq_len,
         max_decode_seq_len=0,
+        block_size=md.block_size,
     )
 
 
 def decode_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata | None:
-    """The decode part of a batch (the seed's ``decode_metadata``); None without decodes.
+    """The decode part of a batch (vLLM's ``decode_metadata``); None without decodes.
 
     Slices the sequences after ``num_prefills`` and the token rows after
     ``num_prefill_tokens``. ``query_start_loc`` and ``seq_start_loc`` are rebased to start
@@ -221,6 +234,7 @@ def decode_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata 
         max_decode_query_len=md.max_decode_query_len,
         max_prefill_seq_len=0,
         max_decode_seq_len=md.max_decode_seq_len,
+        block_size=md.block_size,
     )
 
 
@@ -231,6 +245,41 @@ def _check_leaf(x: Any, name: str, shape: tuple[int | None, ...]) -> None:
     checks.check_int_array(x, f"metadata.{name}", shape)
 
 
+def _resolve_block_size(md: FlashAttentionMetadata, block_size: Any, *, required: bool) -> int | None:
+    """The block size to use: the argument, checked against ``metadata.block_size``."""
+    if block_size is None:
+        if required and md.block_size is None:
+            raise ValueError("block_size is required: metadata.block_size is None (metadata not made by the builder).")
+        return md.block_size
+    block_size = checks.check_static_int(block_size, "block_size")
+    if md.block_size is not None and block_size != md.block_size:
+        raise ValueError(
+            f"block_size={block_size} disagrees with metadata.block_size={md.block_size}, the block size "
+            f"its slot_mapping and block_tables were built with.")
+    return block_size
+
+
+def _check_slots_follow_block_tables(md: FlashAttentionMetadata, block_size: int) -> None:
+    """Decode metadata of unknown block size, concrete arrays: each live sequence's slot
+    must be that of its last position through its block-table row with ``block_size``."""
+    slots, seq_lens, tables = (np.asarray(x).astype(np.int64) for x in (md.slot_mapping, md.seq_lens,
+                                                                        md.block_tables))
+    last = seq_lens - 1
+    column = last // block_size
+    rows = np.nonzero((slots >= 0) & (seq_lens > 0) & (column < tables.shape[1]))[0]
+    if rows.size == 0:
+        return
+    expected = tables[rows, column[rows]] * block_size + last[rows] % block_size
+    wrong = np.nonzero(expected != slots[rows])[0]
+    if wrong.size:
+        i = int(rows[wrong[0]])
+        raise ValueError(
+            f"block_size={block_size} does not match the metadata: metadata.slot_mapping[{i}] = {slots[i]}, but "
+            f"position {last[i]} of sequence {i} through metadata.block_tables[{i}] is slot "
+            f"{expected[wrong[0]]} with block_size={block_size}. Pass the block size the metadata was built "
+            f"with (sliding-window metadata, whose block tables are truncated, cannot advance).")
+
+
 def validate_metadata(metadata: FlashAttentionMetadata, *, block_size: int | None = None,
                       num_blocks: int | None = None) -> None:
     """Checks that `metadata` is consistent; raises ValueError / TypeError naming the field.
@@ -238,14 +287,14 @@ def validate_metadata(metadata: FlashAttentionMetadata, *, block_size: int | Non
     Static checks (shapes, dtypes, counts; safe under jit) always run. Value checks
     (cumulative offsets, bounds, slot and block-id ranges) run when the arrays are
     concrete (host metadata from the builder, or eager device arrays). ``block_size``
-    enables the block-table coverage check, ``block_size`` with ``num_blocks`` the range
-    checks of slots and block ids.
+    (default: ``metadata.block_size``; when both are given they must agree) enables the
+    block-table coverage check, ``block_size`` with ``num_blocks`` the range checks of
+    slots and block ids.
     """
     md = metadata
     if not isinstance(md, FlashAttentionMetadata):
         raise TypeError(f"metadata must be a FlashAttentionMetadata, got {type(md).__name__}.")
-    if block_size is not None:
-        block_size = checks.check_static_int(block_size, "block_size")
+    block_size = _resolve_block_size(md, block_size, required=False)
     if num_blocks is not None:
         num_blocks = checks.check_static_int(num_blocks, "num_blocks")
     checks.check_ndim(md.seq_lens, 1, "metadata.seq_lens")
@@ -363,7 +412,7 @@ def advance_step(
     metadata: FlashAttentionMetadata,
     sampled_token_ids: Array,  # int[num_sampled] or int[num_sampled, 1]
     *,
-    block_size: int,
+    block_size: int | None = None,
     num_queries: int | Array,
 ) -> tuple[FlashAttentionMetadata, Array, Array]:
     """Decode metadata of the next step, given the tokens sampled in this one.
@@ -396,7 +445,10 @@ def advance_step(
         sequence: ``max_query_len == 1``), e.g. from the builder or a previous call.
       sampled_token_ids: integer ``[N]`` or ``[N, 1]`` (vLLM's layout), ``num_queries <= N
         <= num_seqs``; rows past ``num_queries`` are ignored.
-      block_size: tokens per cache block (static).
+      block_size: tokens per cache block (static); default ``metadata.block_size``. It must
+        be the block size the metadata was built with: ValueError when it disagrees with
+        ``metadata.block_size`` or, for metadata without one (None) and concrete arrays,
+        when this step's slots do not follow the block tables with it.
       num_queries: real sequences: a Python int (static) or an integer scalar array, which
         lets one compiled program serve any number of live sequences in the bucket.
 
@@ -413,7 +465,8 @@ def advance_step(
     md = metadata
     if not isinstance(md, FlashAttentionMetadata):
         raise TypeError(f"metadata must be a FlashAttentionMetadata, got {type(md).__name__}.")
-    block_size = checks.check_static_int(block_size, "block_size")
+    known_block_size = md.block_size
+    block_size = _resolve_block_size(md, block_size, required=True)
     if md.num_prefills != 0 or md.num_prefill_tokens != 0 or md.max_prefill_seq_len != 0:
         raise ValueError(
             f"advance_step needs decode-only metadata, got num_prefills={md.num_prefills}, "
@@ -441,6 +494,9 @@ def advance_step(
             f"sampled_token_ids must have shape [N] or [N, 1] with N <= num_seqs = {num_seqs}, got {shape}.")
     num_sampled = shape[0]
     num_queries = _check_num_queries(num_queries, num_seqs, num_sampled)
+    if known_block_size is None and all(checks.is_concrete(x) for x in (md.slot_mapping, md.seq_lens,
+                                                                        md.block_tables)):
+        _check_slots_follow_block_tables(md, block_size)
 
     if checks.is_concrete(md.seq_lens) and checks.is_concrete(md.block_tables) \
             and checks.is_concrete(num_queries):

@@ -1,6 +1,6 @@
 """Float64 NumPy oracle for the attention semantics of `jax_paged_attn`.
 
-Written from the rules in the project brief and `jax_paged_attn.spec`'s docstring,
+Written from the semantics stated in README.md and `jax_paged_attn.spec`'s docstring,
 independently of `jax_paged_attn.reference` (no code is shared): one Python loop per
 sequence and per query head, the mask spelled out key by key. Slow, obvious and
 exact; tests compare every implementation, the reference included, against it.

@@ -2,16 +2,23 @@
 
 Checks the work arithmetic (bytes, causal FLOPs) against brute force, the input
 layouts every peer derives from, the report (ratios, target lines, tuning literals),
-the crash-resume logic of the per-suite processes, and a tiny dry run of our
-implementations (implementation="xla") through the whole harness.
+the crash-resume logic of the per-suite processes, a tiny dry run of our
+implementations (implementation="xla") through the whole harness, the refusal to run
+without a GPU, where the outputs go and the exit code when nothing was measured.
+
+No test depends on wall-clock time: dry runs pass ``--budget-s inf`` and deadlines are
+infinite, except where a test shifts the clock itself.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.util
 import json
+import math
 import pathlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -37,8 +44,8 @@ report = sys.modules["report"]  # imported by bench_attention from the same fold
 # --------------------------------------------------------------------------- arithmetic
 
 
-def test_decode_bytes_and_dense_flops_follow_anchors():
-    # ANCHORS.md: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops.
+def test_decode_bytes_and_dense_flops_follow_the_documented_counts():
+    # README: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops (flash-attention's count).
     assert bench.decode_kv_bytes(64, 4096, 8, 128, 2) == 2 * 64 * 4096 * 8 * 128 * 2
     assert bench.DecodeCase(64, 4096, 32, 8, 128).work == 2**30
     assert bench.dense_causal_flops(8, 2048, 32, 128) == 4 * 8 * 32 * 128 * 2048**2 / 2
@@ -185,8 +192,7 @@ def test_isolated_suite_records_a_crashed_job_and_resumes_after_it(tmp_path):
         rows_path.write_text("".join(json.dumps(dataclasses.asdict(j.blank_row())) + "\n" for j in done))
         return -11 if start == 0 else 0
 
-    deadline = bench.Deadline(bench.time.monotonic() + 60)
-    rows, _ = bench.run_suite_isolated("cache", jobs, args, deadline, tmp_path, spawn_fn=fake_spawn)
+    rows, _ = bench.run_suite_isolated("cache", jobs, args, bench.Deadline(math.inf), tmp_path, spawn_fn=fake_spawn)
     assert starts == [0, 2]
     assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("xla_scatter", "failed"),
                                                          ("jax_elementwise", "ok")]
@@ -198,9 +204,10 @@ def test_isolated_suite_records_a_crashed_job_and_resumes_after_it(tmp_path):
 
 def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     argv = ["--tiny", "--no-isolate", "--ours-impl", "xla", "--peers", "xla_gather,xla_scatter",
-            "--reps", "1", "--warmup", "1", "--out", str(tmp_path)]
+            "--reps", "1", "--warmup", "1", "--out", str(tmp_path), "--stem", "run", "--budget-s", "inf"]
     assert bench.main(argv) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.md"]
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     ours = {r["suite"]: r for r in rows if r["is_ours"]}
     assert set(ours) == set(bench.SUITES)
     for suite, row in ours.items():
@@ -211,7 +218,7 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     assert gather["ratio"] == pytest.approx(ours["decode"]["value"] / gather["value"])
     for row in (r for r in rows if r["suite"] == "cache"):
         assert row["check_against"] == "expected" and row["check_max_abs_diff"] == 0.0
-    markdown = (tmp_path / "RESULTS.md").read_text()
+    markdown = (tmp_path / "run.md").read_text()
     assert "## Targets" in markdown and "### prefix:" in markdown and "implementation='xla'" in markdown
 
 
@@ -219,8 +226,75 @@ def test_isolated_suite_runs_in_a_child_process(tmp_path):
     args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "jax_elementwise", "--ours-impl", "xla",
                              "--reps", "1", "--warmup", "1"])
     jobs = bench.plan_jobs("cache", args)
-    deadline = bench.Deadline(bench.time.monotonic() + 120)
-    rows, meta = bench.run_suite_isolated("cache", jobs, args, deadline, tmp_path)
+    rows, meta = bench.run_suite_isolated("cache", jobs, args, bench.Deadline(math.inf), tmp_path)
     assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("jax_elementwise", "ok")]
     assert rows[0]["check_against"] == "expected" and rows[0]["check_max_abs_diff"] == 0.0
     assert meta["gpu"].startswith("cpu")
+
+
+# --------------------------------------------------------------------------- driver: budget, device, outputs
+
+_CACHE_DRY_RUN = ["--tiny", "--no-isolate", "--suite", "cache", "--ours-impl", "xla", "--peers", "xla_scatter",
+                  "--reps", "1", "--warmup", "1"]
+
+
+def test_budget_counts_from_the_start_of_main_not_from_import(tmp_path, monkeypatch):
+    """A run that starts a day after the module was imported still has its whole budget.
+    (The clock is shifted, nothing waits: the test does not depend on how long it runs.)"""
+    class ADayLater:
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + 86_400.0
+
+    monkeypatch.setattr(bench, "time", ADayLater)
+    assert bench.main([*_CACHE_DRY_RUN, "--budget-s", "3600", "--out", str(tmp_path), "--stem", "run"]) == 0
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("xla_scatter", "ok")], rows
+
+
+def test_exit_code_is_one_when_every_job_failed(tmp_path, monkeypatch, capsys):
+    def broken_inputs(case):
+        raise RuntimeError("no inputs today")
+
+    monkeypatch.setitem(bench.INPUT_BUILDERS, "cache", broken_inputs)
+    assert bench.main([*_CACHE_DRY_RUN, "--budget-s", "inf", "--out", str(tmp_path), "--stem", "run"]) == 1
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert rows and all(r["status"] == "failed" and "no inputs today" in r["error"] for r in rows)
+    assert "no job measured anything (2 failed, 0 skipped)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_refuses_at_once_without_a_gpu_unless_a_dry_run(tmp_path, monkeypatch, capsys, isolate):
+    monkeypatch.setattr(bench, "probe_device", lambda isolate: ("cpu", "cpu"))
+    argv = ["--suite", "cache", "--out", str(tmp_path), *([] if isolate else ["--no-isolate"])]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no GPU here" in err and "--tiny" in err and "--interpret" in err
+    assert not any(tmp_path.iterdir())  # nothing was run, nothing written
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_device_probe_reports_jaxs_default_device(isolate):
+    import jax
+
+    device = jax.devices()[0]
+    assert bench.probe_device(isolate) == (device.platform, device.device_kind)
+    refusal = bench.no_gpu_message(device.platform, device.device_kind)
+    assert (refusal is None) == (device.platform == "gpu")
+
+
+def test_outputs_go_to_a_results_folder_and_never_to_the_committed_results_by_default():
+    started = datetime.datetime(2026, 11, 29, 16, 38, tzinfo=datetime.timezone.utc)
+    args = bench.parse_args([])
+    assert bench.output_paths(args, "NVIDIA H200", started) == [_BENCH_DIR / "results" / "2026-11-29-1638-nvidia-h200.md"]
+    tune = bench.parse_args(["--tune", "--out", "/tmp/x"])
+    assert bench.output_paths(tune, "NVIDIA H200", started) == [
+        pathlib.Path("/tmp/x/2026-11-29-1638-nvidia-h200-tuning.md")]
+    committed = bench.parse_args(["--stem", "results", "--update-committed-md"])
+    assert bench.output_paths(committed, "cpu", started) == [_BENCH_DIR / "results" / "results.md",
+                                                             _BENCH_DIR / "RESULTS.md"]
+    for bad in (["--budget-s", "0"], ["--budget-s", "nan"], ["--stem", "../RESULTS"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

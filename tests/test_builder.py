@@ -95,7 +95,7 @@ def test_profile_run_has_only_pad_slots_and_no_block_table():
 # --------------------------------------------------------------------------- block tables
 
 
-def test_block_tables_follow_the_seed_rules():
+def test_block_tables_follow_vllms_rules():
     prompts = [ScheduledSequence.prompt(20, [4, 5]), ScheduledSequence.prompt(3, [6])]
     # Without chunked prefill prompts attend to their own keys: no block table at all.
     plain = FlashAttentionMetadataBuilder(block_size=BS).build_host(prompts)
@@ -113,13 +113,13 @@ def test_block_tables_follow_the_seed_rules():
 def test_sliding_window_truncates_decode_block_tables():
     builder = FlashAttentionMetadataBuilder(block_size=16, sliding_window=32, pad=False)
     table = [10, 11, 12, 13, 14, 15, 16]  # 5 used blocks for 70 tokens, 2 preallocated
-    md = builder.build_host([ScheduledSequence.decode(70, table), ScheduledSequence.decode(64, table[:4]),
-                             ScheduledSequence.decode(20, table[:2])])
+    md = builder.build_host([ScheduledSequence.decode(70, table), ScheduledSequence.decode(64, [20, 21, 22, 23]),
+                             ScheduledSequence.decode(20, [30, 31])])
     # 70 = 4 full blocks + 6: the window's 2 blocks plus the partial one, 32 + 6 keys.
     np.testing.assert_array_equal(md.seq_lens, [38, 32, 20])
-    np.testing.assert_array_equal(md.block_tables, [[12, 13, 14], [12, 13, 0], [10, 11, 0]])
+    np.testing.assert_array_equal(md.block_tables, [[12, 13, 14], [22, 23, 0], [30, 31, 0]])
     # Slots use the untruncated position.
-    np.testing.assert_array_equal(md.slot_mapping, [14 * 16 + 5, 13 * 16 + 15, 11 * 16 + 3])
+    np.testing.assert_array_equal(md.slot_mapping, [14 * 16 + 5, 23 * 16 + 15, 31 * 16 + 3])
     np.testing.assert_array_equal(md.context_lens, [69, 63, 19])
     assert md.max_decode_seq_len == 38
 
@@ -148,7 +148,7 @@ def test_padding_layout():
     validate_metadata(md, block_size=BS)
 
 
-def test_unpadded_metadata_has_the_seed_values():
+def test_unpadded_metadata_has_vllms_values():
     seqs = [ScheduledSequence.prompt(20, [1, 2]), ScheduledSequence.prompt(40, [3, 4, 5], context_len=16),
             ScheduledSequence.decode(17, [6, 7]), ScheduledSequence.decode(5, [8])]
     md = FlashAttentionMetadataBuilder(block_size=BS, chunked_prefill=True, pad=False).build_host(seqs)
@@ -306,3 +306,55 @@ def test_bad_builder_config_raises():
     md = FlashAttentionMetadataBuilder(block_size=16).build_host([ScheduledSequence.decode(3, [0])])
     with pytest.raises(ValueError, match=r"values\[0\] must have query_len = 1 entries"):
         pack_per_token(md, [ScheduledSequence.decode(3, [0])], [[1, 2]])
+
+
+# --------------------------------------------------------------------------- block ownership
+
+
+def test_sequences_may_share_blocks_they_only_read():
+    # Prefix caching: two prompts share their two full, cached prompt blocks (7, 8) and
+    # write their own third block; a decode shares them too.
+    builder = FlashAttentionMetadataBuilder(block_size=BS, num_blocks=NUM_BLOCKS, chunked_prefill=True)
+    shared = [7, 8]
+    md = builder.build_host([
+        ScheduledSequence.prompt(40, shared + [9], context_len=32, prefix_cache_hit=True),
+        ScheduledSequence.prompt(36, shared + [10], context_len=32, prefix_cache_hit=True),
+        ScheduledSequence.decode(33, shared + [11]),
+    ])
+    validate_metadata(md, num_blocks=NUM_BLOCKS)
+    written = md.slot_mapping[md.slot_mapping >= 0] // BS
+    assert set(written.tolist()) == {9, 10, 11}
+
+
+@pytest.mark.parametrize("seqs,match", [
+    # The same block given to two sequences that both write it (even in different rows).
+    ([ScheduledSequence.decode(20, [3, 5]), ScheduledSequence.decode(18, [4, 5])],
+     r"sequences\[0\] and sequences\[1\] both write block 5 in this step \(slots 83 and 81\)"),
+    ([ScheduledSequence.decode(20, [3, 5]), ScheduledSequence.decode(20, [4, 5])],
+     r"sequences\[0\] and sequences\[1\] both write block 5 in this step \(slot 83\)"),
+    # A block one sequence writes while another reads it (a shared block not copied first).
+    ([ScheduledSequence.decode(20, [3, 5]), ScheduledSequence.decode(40, [5, 6, 7])],
+     r"block 5 is written by sequences\[0\] in this step \(slot 83\) and is also entry 0 of "
+     r"sequences\[1\]\.block_table"),
+    # One block twice in one sequence's table (even past what the step touches).
+    ([ScheduledSequence.decode(20, [3, 4, 3])],
+     r"sequences\[0\]\.block_table holds block 3 more than once \(entries \[0, 2\]\)"),
+])
+def test_a_block_given_to_two_owners_is_rejected(seqs, match):
+    builder = FlashAttentionMetadataBuilder(block_size=BS, num_blocks=NUM_BLOCKS)
+    with pytest.raises(ValueError, match=match):
+        builder.build_host(seqs)
+
+
+def test_sliding_window_tables_may_repeat_blocks_but_not_write_a_slot_twice():
+    builder = FlashAttentionMetadataBuilder(block_size=16, sliding_window=32, pad=False)
+    # vLLM's cyclic table [0, 1, 0] (see above) and one null block (0) for the blocks
+    # that left the window: both legitimate.
+    builder.build_host([ScheduledSequence.prompt(40, [0, 1, 0])])
+    builder.build_host([ScheduledSequence.decode(70, [0, 0, 12, 13, 14])])
+    # A prompt read through the cache (chunked prefill) caches all its 64 tokens: through
+    # a cyclic table of 2 blocks, positions 0 and 32 would land in the same slot.
+    chunked = FlashAttentionMetadataBuilder(block_size=16, sliding_window=32, pad=False, chunked_prefill=True)
+    with pytest.raises(ValueError, match=r"sequences\[0\] writes slot 0 more than once in this step "
+                                         r"\(its block_table repeats block 0\)"):
+        chunked.build_host([ScheduledSequence.prompt(64, [0, 1, 0, 1])])

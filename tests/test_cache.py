@@ -13,7 +13,12 @@ CPU command deselects them with ``-m "not gpu"``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import math
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +26,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_paged_attn import cache, tuning
+from jax_paged_attn import cache, dispatch, tuning
+from jax_paged_attn.kernels import triton_cache
 from jax_paged_attn.cache import PAD_BLOCK_ID, PAD_SLOT_ID
 
 BLOCK_SIZE = 16
@@ -402,6 +408,100 @@ def test_swap_without_donation_and_empty_mapping():
     assert cache.swap_blocks(src, dst, np.zeros((0, 2), np.int32)) is dst
 
 
+def test_swap_blocks_under_jit_device_to_device_in_place():
+    rng = np.random.default_rng(13)
+    src = random_cache(rng, 6, jnp.float32, leading=(2,))
+    dst = random_cache(rng, 5, jnp.float32, leading=(2,))
+    src_np, dst_np = host_copy(src), host_copy(dst)
+    traces = []
+
+    def swap(s, d, mapping):
+        traces.append(1)
+        return cache.swap_blocks(s, d, mapping)
+
+    swap = jax.jit(swap, donate_argnums=1)
+    # A padding row and an out-of-range row (only legal under jit, where they are skipped).
+    mapping = jnp.asarray([[5, 0], [PAD_BLOCK_ID, 3], [2, 4], [9, 1]], jnp.int32)
+    pointer = dst.unsafe_buffer_pointer()
+    out = swap(src, dst, mapping)
+    assert dst.is_deleted() and out.unsafe_buffer_pointer() == pointer  # in place
+    want = dst_np.copy()
+    want[:, 0], want[:, 4] = src_np[:, 5], src_np[:, 2]
+    assert_bits_equal(out, want)
+    out = swap(src, out, jnp.asarray([[0, 1], [1, 2], [PAD_BLOCK_ID, PAD_BLOCK_ID], [3, 3]], jnp.int32))
+    want[:, 1], want[:, 2], want[:, 3] = src_np[:, 0], src_np[:, 1], src_np[:, 3]
+    assert_bits_equal(out, want)
+    assert len(traces) == 1  # a traced mapping: one program for every mapping of that size
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_cache", "stacked_kv"])
+def test_swap_blocks_under_jit_through_pinned_host_memory(stacked):
+    """jax 0.10.2 on CPU exposes a pinned_host memory (as GPUs do); a jitted swap moves
+    blocks out to it and back in, each in place, and keeps each cache's memory kind."""
+    device = jax.devices()[0]
+    assert "pinned_host" in {m.kind for m in device.addressable_memories()}
+    rng = np.random.default_rng(14)
+    leading = (2,) if stacked else ()
+    axis = len(leading)
+    device_cache = random_cache(rng, 8, jnp.bfloat16, leading=leading)
+    original = host_copy(device_cache)
+    host = zeros_at((*leading, 6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), jnp.bfloat16,
+                    cache.host_kv_cache_sharding(device))
+    assert host.sharding.memory_kind == "pinned_host"
+    swap = jax.jit(cache.swap_blocks, donate_argnums=1)
+
+    host_pointer = host.unsafe_buffer_pointer()
+    host = swap(device_cache, host, jnp.asarray([[1, 5], [6, 0], [3, 2]], jnp.int32))
+    assert host.sharding.memory_kind == "pinned_host" and host.unsafe_buffer_pointer() == host_pointer
+    got = host_copy(host)
+    for s, d in ((1, 5), (6, 0), (3, 2)):
+        assert_bits_equal(np.take(got, d, axis=axis), np.take(original, s, axis=axis))
+
+    device_cache = jnp.zeros_like(device_cache)
+    device_pointer = device_cache.unsafe_buffer_pointer()
+    restored = swap(host, device_cache, jnp.asarray([[5, 7], [0, 4], [2, 0]], jnp.int32))
+    assert restored.sharding.memory_kind == "device" and restored.unsafe_buffer_pointer() == device_pointer
+    got = host_copy(restored)
+    for s, d in ((1, 7), (6, 4), (3, 0)):
+        assert_bits_equal(np.take(got, d, axis=axis), np.take(original, s, axis=axis))
+
+
+def test_jitted_swap_runs_the_host_side_as_host_compute_when_lowered_for_cuda():
+    """Cross-lowered for CUDA on this host: the host cache is a pinned_host argument and
+    result of the program, its scatter (swap out) or gather (swap in) is XLA host
+    compute, and a device-to-device swap has none."""
+    device = jax.devices()[0]
+    rng = np.random.default_rng(15)
+    device_cache = random_cache(rng, 8, jnp.bfloat16, leading=(2,))
+    host = zeros_at((2, 6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), jnp.bfloat16, cache.host_kv_cache_sharding(device))
+    mapping = jnp.asarray([[1, 5], [6, 0]], jnp.int32)
+
+    def cuda_text(src, dst):
+        return jax.jit(cache.swap_blocks, donate_argnums=1).trace(src, dst, mapping).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    def host_side(text, op):
+        """Whether every ``op`` of the module runs in its host computation: in the body of
+        the function called with ``_xla_compute_type = "host"``, or of one called only
+        from there (jnp.take lowers to a nested call)."""
+        bodies = {chunk.split("(", 1)[0].split("@")[-1].strip(): chunk for chunk in text.split("func.func")[1:]}
+        on_host = {"compute_on"}
+        for name, body in bodies.items():
+            callers = {caller for caller, other in bodies.items() if f"call @{name}(" in other}
+            if callers and callers <= on_host:
+                on_host.add(name)
+        holding = {name for name, body in bodies.items() if op in body}
+        return bool(holding) and holding <= on_host
+
+    out_text, in_text = cuda_text(device_cache, host), cuda_text(host, device_cache)
+    for text in (out_text, in_text):
+        assert 'mhlo.memory_kind = "pinned_host"' in text
+        assert 'call @compute_on(' in text and '_xla_compute_type = "host"' in text
+    assert host_side(out_text, "stablehlo.scatter") and not host_side(out_text, "stablehlo.gather")  # swap out
+    assert host_side(in_text, "stablehlo.gather") and not host_side(in_text, "stablehlo.scatter")  # swap in
+    assert "compute_on" not in cuda_text(device_cache, jnp.zeros_like(device_cache))
+
+
 # --------------------------------------------------------------------------- the Triton kernel
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -532,22 +632,78 @@ def test_auto_lowers_to_aliased_triton_kernel_for_cuda(kv_cache_dtype):
         assert TRITON_CALL not in cpu and "scatter" in cpu
 
 
-def test_implementation_errors_and_kernel_size_limit():
+def test_implementation_errors():
     args = _args()
     with pytest.raises(ValueError, match="implementation must be one of"):
         cache.reshape_and_cache_flash(**args, implementation="cuda")
-    # 2 * 2**17 blocks * 16 slots * (8 * 128) = 2**32 elements: past the kernel's int32 offsets.
+
+
+def _triton_module_of_cuda_lowering(fn, *args, monkeypatch) -> tuple[str, str]:
+    """(StableHLO for CUDA, the Triton modules Pallas printed while lowering it)."""
+    monkeypatch.setattr(triton_cache.pl, "pallas_call", functools.partial(triton_cache.pl.pallas_call, debug=True))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text, printed.getvalue()
+
+
+def _store_offset_types(triton_text: str) -> set[str]:
+    """Element types of the offsets added to the cache pointers that ``tt.store`` writes."""
+    offsets = {}
+    for line in triton_text.splitlines():
+        match = re.search(r"(%\w+) = tt\.addptr .*: tensor<[^>]*!tt\.ptr<\w+>>, tensor<[0-9x]*(i\d+)>", line)
+        if match:
+            offsets[match.group(1)] = match.group(2)
+    stored = re.findall(r"tt\.store (%\w+),", triton_text)
+    assert stored, "no store in the Triton module"
+    return {offsets[name] for name in stored}
+
+
+@pytest.mark.parametrize("layout", ["stacked_kv", "per_cache"])
+def test_kernel_writes_caches_of_2_31_elements_and_more_with_64_bit_offsets(layout, monkeypatch):
+    """Abstract caches past 2**31 elements (4.3 GB of bf16, never allocated): with the
+    default implementation the CUDA module holds the kernel (no fallback to the scatter),
+    and the kernel's stores address the cache with 64-bit offsets; a small cache keeps
+    32-bit ones."""
+    key = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((64,), jnp.int32)
+    for num_blocks, offset_type in ((2**17 + 16, "i64"), (4096, "i32")):
+        kv_shape = (2, num_blocks, BLOCK_SIZE, 8, 128)
+        if layout == "stacked_kv":
+            caches = (jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16),)
+            fn = cache.reshape_and_cache_flash_kv
+        else:  # each cache alone holds 2**31 + 2**21 elements
+            caches = (jax.ShapeDtypeStruct(kv_shape[1:], jnp.bfloat16),) * 2
+            fn = cache.reshape_and_cache_flash
+        elements = math.prod(caches[0].shape)
+        assert (elements > 2**31) == (offset_type == "i64")
+        text, triton_text = _triton_module_of_cuda_lowering(
+            lambda k, v, s, *c: fn(k, v, *c, s), key, key, slots, *caches, monkeypatch=monkeypatch)
+        assert TRITON_CALL in text
+        assert _store_offset_types(triton_text) == {offset_type}
+
+
+def test_fp8_cache_the_kernel_cannot_address_is_refused_or_warned_about(monkeypatch):
+    """An fp8 cache of 2**31 to 2**32 elements gets 32-bit offsets from Pallas' Triton
+    lowering: the explicit kernel refuses it, auto writes it with the scatter and, on a
+    CUDA device, says so once. Past 2**32 elements (more than 4 GiB) the kernel takes it."""
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
     key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-    big = jax.ShapeDtypeStruct((2, 2**17, BLOCK_SIZE, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((4,), jnp.int32)
-    with pytest.raises(NotImplementedError, match="int32 element offsets"):
-        jax.eval_shape(functools.partial(cache.reshape_and_cache_flash_kv, implementation="triton"),
-                       key, key, big, slots)
-    out = jax.eval_shape(cache.reshape_and_cache_flash_kv, key, key, big, slots)  # auto: the scatter
-    assert out.shape == big.shape
-    text = jax.jit(cache.reshape_and_cache_flash_kv).trace(key, key, big, slots).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert TRITON_CALL not in text
+    band = jax.ShapeDtypeStruct((2, 2**16 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn)  # 2**31 + 2**21 elements
+    fn = functools.partial(cache.reshape_and_cache_flash_kv, kv_cache_dtype="fp8")
+    with pytest.raises(NotImplementedError, match=r"an fp8 cache of 2148007936 elements .* signed 32-bit"):
+        jax.eval_shape(functools.partial(fn, implementation="triton"), key, key, band, slots)
+    with pytest.warns(dispatch.ReferenceFallbackWarning, match="an fp8 cache of 2148007936 elements"):
+        text = jax.jit(fn).trace(key, key, band, slots).lower(lowering_platforms=("cuda",)).as_text()
+    assert TRITON_CALL not in text and "scatter" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)  # said once, not twice
+        jax.eval_shape(fn, key, key, band, slots)
+        big = jax.ShapeDtypeStruct((2, 2**17 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn)  # 4.3e9 bytes
+        text = jax.jit(fn).trace(key, key, big, slots).lower(lowering_platforms=("cuda",)).as_text()
+    assert TRITON_CALL in text
 
 
 # --------------------------------------------------------------------------- errors
@@ -632,7 +788,7 @@ def test_swap_blocks_errors():
     a = jnp.zeros((4, 16, 2, 32))
     ok = np.asarray([[0, 1]])
     cases = [
-        (lambda: cache.swap_blocks(np.zeros((4, 16, 2, 32)), a, ok), TypeError, "src must be a concrete jax.Array"),
+        (lambda: cache.swap_blocks(np.zeros((4, 16, 2, 32)), a, ok), TypeError, "src must be a jax.Array"),
         (lambda: cache.swap_blocks(a, jnp.zeros((2, 4, 16, 2, 32)), ok), ValueError, "same rank"),
         (lambda: cache.swap_blocks(a, jnp.zeros((4, 16, 2, 64)), ok), ValueError, "apart from the number of blocks"),
         (lambda: cache.swap_blocks(a, a.astype(jnp.bfloat16), ok), TypeError, "same dtype"),
@@ -640,7 +796,8 @@ def test_swap_blocks_errors():
         (lambda: cache.swap_blocks(a, jnp.zeros((9, 16, 2, 32)), np.asarray([[5, 1]])), ValueError,
          r"block_mapping\[:, 0\].* \[0, 4\)"),
         (lambda: cache.swap_blocks(a, a, np.asarray([[0, 1], [2, 1]])), ValueError, "more than once"),
-        (lambda: jax.jit(cache.swap_blocks)(a, a, ok), TypeError, "outside jax.jit"),
+        (lambda: jax.jit(cache.swap_blocks)(a, a, ok.astype(np.float32)), TypeError,
+         "block_mapping must be an integer array"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
@@ -675,6 +832,31 @@ def test_gpu_swap_round_trip_through_pinned_host_and_cpu_backend():
 
 
 @pytest.mark.gpu
+def test_gpu_jitted_swap_through_pinned_host_is_in_place_and_bit_exact():
+    """On a CUDA device, under jax.jit with donation: device -> pinned_host (scatter as
+    host compute) and back (gather as host compute), a traced mapping, both in place."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    gpu = jax.devices()[0]
+    rng = np.random.default_rng(16)
+    original = random_cache(rng, 64, jnp.bfloat16, leading=(2,))
+    host = cache.allocate_host_kv_cache(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=gpu)
+    assert host.sharding.memory_kind == "pinned_host"
+    swap = jax.jit(cache.swap_blocks, donate_argnums=1)
+    pairs = jnp.asarray([[3, 0], [17, 9], [63, 5], [PAD_BLOCK_ID, 1]], jnp.int32)
+    pointer = host.unsafe_buffer_pointer()
+    host = swap(original, host, pairs)
+    assert host.sharding.memory_kind == "pinned_host" and host.unsafe_buffer_pointer() == pointer
+    device_cache = jnp.zeros_like(original)
+    pointer = device_cache.unsafe_buffer_pointer()
+    restored = swap(host, device_cache, pairs[:, ::-1])
+    assert restored.sharding.memory_kind == "device" and restored.unsafe_buffer_pointer() == pointer
+    want = np.zeros_like(host_copy(original))
+    want[:, [3, 17, 63]] = host_copy(original)[:, [3, 17, 63]]
+    assert_bits_equal(restored, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_gpu_triton_kernel_matches_xla_and_updates_in_place(kv_cache_dtype):
     """Compiled on a CUDA device: the kernel writes the same bits as the XLA scatter
@@ -703,3 +885,40 @@ def test_gpu_triton_kernel_matches_xla_and_updates_in_place(kv_cache_dtype):
                          donate_argnums=2)(key, value, kv, slots)
         assert new_kv.unsafe_buffer_pointer() == pointer
         assert_bits_equal(new_kv, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,num_blocks", [("stacked_kv", 2**16 + 16), ("per_cache", 2**17 + 16)])
+def test_gpu_kernel_writes_a_cache_of_more_than_2_31_elements(layout, num_blocks):
+    """Compiled on a CUDA device: bf16 caches of 2**31 + 2**21 elements each (4.3 GB; one
+    stacked layer, or a key and a value cache) written by the kernel in place, with
+    64-bit offsets; slots at both ends included; only the written rows change."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    num_kv_heads, head_size = 8, 128
+    num_slots = num_blocks * BLOCK_SIZE
+    rng = np.random.default_rng(24)
+    key, value = (jnp.asarray(rng.standard_normal((64, num_kv_heads, head_size)), jnp.bfloat16) for _ in range(2))
+    ends = np.asarray([0, 1, num_slots - 2, num_slots - 1])
+    slots_np = np.concatenate([ends, rng.choice(np.arange(2, num_slots - 2), 60, replace=False)]).astype(np.int32)
+    slots = jnp.asarray(slots_np)
+    if layout == "stacked_kv":
+        caches = (cache.allocate_kv_cache(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, model_dtype=jnp.bfloat16),)
+        write = jax.jit(lambda k, v, c, s: (cache.reshape_and_cache_flash_kv(k, v, c, s),), donate_argnums=2)
+    else:
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+        caches = tuple(jax.jit(functools.partial(jnp.zeros, shape, jnp.bfloat16))() for _ in range(2))
+        write = jax.jit(cache.reshape_and_cache_flash, donate_argnums=(2, 3))
+    assert all(math.prod(c.shape) > 2**31 for c in caches)
+    assert TRITON_CALL in write.lower(key, value, *caches, slots).as_text()
+    pointers = [c.unsafe_buffer_pointer() for c in caches]
+    out = write(key, value, *caches, slots)
+    assert [c.unsafe_buffer_pointer() for c in out] == pointers
+    flat = [c.reshape(*c.shape[:-4], num_slots, num_kv_heads, head_size) for c in out]
+    k_rows = flat[0][0][slots] if layout == "stacked_kv" else flat[0][slots]
+    v_rows = flat[0][1][slots] if layout == "stacked_kv" else flat[1][slots]
+    assert_bits_equal(k_rows, host_copy(key))
+    assert_bits_equal(v_rows, host_copy(value))
+    untouched = jnp.asarray(np.setdiff1d(np.arange(num_slots - 4096, num_slots), slots_np)[:256])
+    rest = flat[0][:, untouched] if layout == "stacked_kv" else flat[0][untouched]
+    assert not np.any(host_copy(rest.astype(jnp.float32)))

@@ -123,7 +123,7 @@ def test_static_fields_are_normalized_and_checked():
 # --------------------------------------------------------------------------- views
 
 
-def test_views_equal_the_seed_slicing():
+def test_views_equal_vllms_slicing():
     md = mixed_metadata()
     p, tp = md.num_prefills, md.num_prefill_tokens
     host = {name: np.asarray(getattr(md, name)) for name in ARRAY_FIELDS}
@@ -149,7 +149,7 @@ def test_views_equal_the_seed_slicing():
     np.testing.assert_array_equal(decode.seq_lens, host["seq_lens"][p:])
     np.testing.assert_array_equal(decode.block_tables, host["block_tables"][p:])
     np.testing.assert_array_equal(decode.context_lens, host["context_lens"][p:])
-    # The seed's slices, rebased to start at 0 (documented difference).
+    # vLLM's slices, rebased to start at 0 (documented difference).
     qsl, ssl = host["query_start_loc"][p:], host["seq_start_loc"][p:]
     np.testing.assert_array_equal(decode.query_start_loc, qsl - qsl[0])
     np.testing.assert_array_equal(decode.seq_start_loc, ssl - ssl[0])
@@ -184,8 +184,10 @@ def test_validate_metadata_reports_inconsistencies():
         validate_metadata(dataclasses.replace(host, slot_mapping=host.slot_mapping[:-1]))
     with pytest.raises(TypeError, match="metadata.block_tables must be an integer array"):
         validate_metadata(dataclasses.replace(host, block_tables=host.block_tables.astype(np.float32)))
-    with pytest.raises(ValueError, match="only 4 columns"):
+    with pytest.raises(ValueError, match="block_size=8 disagrees with metadata.block_size=16"):
         validate_metadata(host, block_size=8)
+    with pytest.raises(ValueError, match="only 4 columns"):  # metadata of unknown block size
+        validate_metadata(dataclasses.replace(host, block_size=None), block_size=8)
     with pytest.raises(ValueError, match=r"query_start_loc\[-1\]"):
         qsl = host.query_start_loc.copy()
         qsl[-1] -= 1
@@ -292,6 +294,31 @@ def test_advance_step_block_overflow():
     new, _, _ = jax.jit(lambda m: advance_step(m, jnp.asarray([1]), block_size=BLOCK_SIZE,
                                                num_queries=1))(md)
     assert int(new.slot_mapping[0]) == PAD_SLOT_ID
+
+
+def test_advance_step_refuses_a_block_size_that_disagrees_with_the_metadata():
+    builder = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    md = builder.build([ScheduledSequence.decode(20, [3, 9, 4]), ScheduledSequence.decode(5, [6, 7])])
+    assert md.block_size == BLOCK_SIZE and decode_metadata(md).block_size == BLOCK_SIZE
+    ids = jnp.asarray([1, 2], jnp.int32)
+    # The builder records the block size statically: checked eagerly and under jit.
+    with pytest.raises(ValueError, match="block_size=32 disagrees with metadata.block_size=16"):
+        advance_step(md, ids, block_size=32, num_queries=2)
+    with pytest.raises(ValueError, match="block_size=32 disagrees"):
+        jax.jit(lambda m: advance_step(m, ids, block_size=32, num_queries=2))(md)
+    # Without the static field, the slots of concrete metadata tell: with block size 32,
+    # position 19 of sequence 0 would be slot 3 * 32 + 19, not the 9 * 16 + 3 it holds.
+    unknown = dataclasses.replace(md, block_size=None)
+    with pytest.raises(ValueError, match=r"block_size=32 does not match the metadata: "
+                                         r"metadata.slot_mapping\[0\] = 147"):
+        advance_step(unknown, ids, block_size=32, num_queries=2)
+    with pytest.raises(ValueError, match="block_size is required"):
+        advance_step(unknown, ids, num_queries=2)
+    # The right size, given or taken from the metadata, advances alike.
+    by_field = advance_step(md, ids, num_queries=2)
+    by_argument = advance_step(unknown, ids, block_size=BLOCK_SIZE, num_queries=2)
+    np.testing.assert_array_equal(by_field[0].slot_mapping, by_argument[0].slot_mapping)
+    np.testing.assert_array_equal(by_field[0].slot_mapping[:2], [9 * 16 + 4, 6 * 16 + 5])
 
 
 def test_advance_step_rejects_bad_inputs():

@@ -24,9 +24,13 @@ block_size``, a free reshape), so token ``t``'s key is one contiguous row of
 Both layouts use the same kernel: two caches ``[num_slots, Hk * D]`` (key, value) or
 one stacked cache ``[2, num_slots, Hk * D]`` written by the same program.
 
-Element offsets are int32 inside the kernel: a cache of ``2**31`` elements or more
-is not supported (`jax_paged_attn.cache` falls back to the scatter). The tiling comes
-from `jax_paged_attn.tuning.cache_write_config`.
+Addressing: the kernel's own indices (tokens, slot ids, columns) are int32 and each
+stays below ``2**31``; the store addresses ``(slot, column)`` of the cache ref, and
+Pallas' Triton lowering turns that into a flat element offset, in 64 bits for a ref of
+more than 4 GiB. So caches of ``2**31`` elements and more are written here when their
+elements take 2 or 4 bytes; an fp8 cache of ``2**31`` to ``2**32`` elements would get
+32-bit offsets past ``2**31`` and stays on the scatter (`jax_paged_attn.cache`, which
+says so). The tiling comes from `jax_paged_attn.tuning.cache_write_config`.
 """
 from __future__ import annotations
 
