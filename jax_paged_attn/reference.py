@@ -46,6 +46,23 @@ def key_visible(q_pos: Array, k_pos: Array, q_len: Array, k_len: Array, spec: At
     return visible
 
 
+def hide_masked_nonfinite_values(p: Array, v: Array, visible: Array) -> tuple[Array, Array]:
+    """``(p, v)`` for a P·V product where a non-finite value reaches only the rows seeing it.
+
+    p: f32 ``[M, N]`` probabilities (0 where not visible), v: ``[N, D]`` values,
+    visible: bool ``[M, N]``. A masked probability is 0, but 0 * NaN = NaN would put
+    NaN (or inf) in every row of the product: non-finite values become 0 and the
+    probabilities of rows that *see* such a key become NaN, so exactly those rows of
+    the product are NaN (in every column). Pure elementwise jnp and row reductions, so
+    Pallas kernels run it in-kernel, on the tiles whose mask hides keys from some rows.
+    """
+    v_finite = jnp.isfinite(v)
+    bad_key = jnp.max(jnp.where(v_finite, 0.0, 1.0), axis=1) > 0.0  # [N]; f32 max lowers everywhere
+    v = jnp.where(v_finite, v, jnp.zeros_like(v))
+    p = jnp.where(visible & bad_key[None, :], jnp.nan, p)
+    return p, v
+
+
 def alibi_distance(q_pos: Array, k_pos: Array, q_len: Array, k_len: Array) -> Array:
     """f32 ``|diag - k_pos|``: ALiBi subtracts ``slope * alibi_distance`` from the score."""
     return jnp.abs(q_pos + (k_len - q_len) - k_pos).astype(jnp.float32)
@@ -68,6 +85,12 @@ def _attend_padded(
     k_in_seq = (jnp.arange(max_k)[None, :] < k_lens[:, None])[:, :, None, None]
     k = jnp.where(k_in_seq, k, 0.0)
     v = jnp.where(k_in_seq, v, 0.0)
+    # A non-finite value inside the sequence must reach exactly the rows that see its
+    # key: P·V over the raw values would give 0 * NaN = NaN in every row. So P·V runs
+    # over finite values and the rows that see a non-finite one are poisoned after.
+    v_finite = jnp.isfinite(v)
+    v_bad_key = ~jnp.all(v_finite, axis=-1)  # [B, K, Hk]
+    v = jnp.where(v_finite, v, 0.0)
     qg = q.astype(jnp.float32).reshape(batch, max_q, num_kv_heads, group, head_size)
     # scores: [B, Hk, G, Q, K]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=jax.lax.Precision.HIGHEST)
@@ -92,6 +115,8 @@ def _attend_padded(
     # A row that sees no key has denom 0: its output is 0, not NaN.
     p = p / jnp.where(denom > 0, denom, 1.0)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    sees_bad = jnp.any(visible & jnp.swapaxes(v_bad_key, 1, 2)[:, :, None, None, :], axis=-1)  # [B, Hk, 1, Q]
+    o = jnp.where(jnp.moveaxis(sees_bad, 3, 1)[..., None], jnp.nan, o)
     return o.reshape(batch, max_q, num_q_heads, head_size)
 
 

@@ -119,6 +119,24 @@ def assert_close_to_oracle(out: jax.Array, exact: np.ndarray, low: np.ndarray, q
         )
 
 
+def assert_nonfinite_rows_match_oracle(out: jax.Array, exact: np.ndarray, low: np.ndarray,
+                                       q_dtype: Any) -> None:
+    """`out` is non-finite in exactly the (token, head) rows where the oracle is, and
+    close to the oracle elsewhere (a non-finite K / V reaches only the rows that see it).
+
+    Which columns of such a row are non-finite, and NaN versus inf, is left open.
+    """
+    got = np.asarray(out.astype(jnp.float32)).astype(np.float64)
+    bad_out = ~np.isfinite(got).all(axis=-1)
+    bad_exact = ~np.isfinite(exact).all(axis=-1)
+    leaked = np.argwhere(bad_out & ~bad_exact)
+    assert leaked.size == 0, f"non-finite output in rows (row, head) {leaked[:8].tolist()} that see no non-finite key"
+    lost = np.argwhere(bad_exact & ~bad_out)
+    assert lost.size == 0, f"finite output in rows (row, head) {lost[:8].tolist()} that see a non-finite key"
+    clean = lambda x: np.where(bad_exact[..., None], 0.0, x)
+    assert_close_to_oracle(jnp.asarray(clean(got), jnp.float32), clean(exact), clean(low), q_dtype)
+
+
 # --------------------------------------------------------------------------- calling the API
 
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}

@@ -7,6 +7,7 @@ The reference module is also checked directly, at float32, with a tight toleranc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,6 +26,7 @@ from conftest import (
     VarlenProblem,
     alibi_slopes,
     assert_close_to_oracle,
+    assert_nonfinite_rows_match_oracle,
     assert_valid_output,
     check_against_oracle,
     compile_and_call,
@@ -304,6 +306,81 @@ def test_kvcache_empty_rows(rng, impl):
     problem = make_kvcache_problem(rng, [0, 2, 23], 4, dtype=jnp.bfloat16)
     out = check_against_oracle(problem, impl, causal=True)
     assert not out[0].any() and not out[1, :2].any() and out[1, 2:].all(axis=-1).all()
+
+
+# --------------------------------------------------------------------------- non-finite K / V behind the mask
+# A NaN or inf in K or V at a key a query may not see (its causal future, outside its
+# window, a stale cache slot) must not change that query's output; a query that sees
+# it gets a non-finite row. (key position, "k" / "v", value) per sequence; the
+# positions are chosen so that each value is hidden from some rows and seen by others,
+# in the same tile as the rows it is hidden from.
+
+NAN, INF = float("nan"), float("inf")
+
+
+def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]) -> VarlenProblem | KVCacheProblem:
+    """A copy of `problem` with ``value`` written at key ``pos`` of sequence ``b`` for
+    each ``(pos, "k" | "v", value)`` of ``poison[b]`` (packed rows or cache slots)."""
+    kvcache = isinstance(problem, KVCacheProblem)
+    k_name, v_name = ("k_cache", "v_cache") if kvcache else ("k", "v")
+    arrays = {"k": np.array(getattr(problem, k_name).astype(jnp.float32)),
+              "v": np.array(getattr(problem, v_name).astype(jnp.float32))}
+    table = None if getattr(problem, "block_table", None) is None else np.asarray(problem.block_table)
+    for b, entries in poison.items():
+        for pos, which, value in entries:
+            if table is None:
+                arrays[which][int(problem.cu_seqlens_k[b]) + pos] = value
+            else:
+                block_size = arrays[which].shape[1]
+                arrays[which][table[b, pos // block_size], pos % block_size] = value
+    dtype = getattr(problem, k_name).dtype
+    return dataclasses.replace(problem, **{k_name: jnp.asarray(arrays["k"], dtype),
+                                           v_name: jnp.asarray(arrays["v"], dtype)})
+
+
+NONFINITE_CASES = {
+    # The issue's example: key 7 of 8 is seen by row 7 only (causal).
+    "packed-causal": (dict(q_lens=[8, 13]), dict(causal=True),
+                      {0: [(7, "v", NAN)], 1: [(6, "k", NAN), (9, "v", INF), (12, "v", NAN)]}),
+    # Non-causal window (2, 1): key 3 is seen by rows 2..5.
+    "packed-window": (dict(q_lens=[12]), dict(window_size=(2, 1)), {0: [(3, "v", NAN), (9, "k", NAN)]}),
+    # Long enough for unmasked interior KV blocks next to the masked diagonal ones.
+    "packed-causal-long": (dict(q_lens=[150], dtype=jnp.float32), dict(causal=True),
+                           {0: [(20, "v", NAN), (70, "k", NAN), (149, "v", INF)]}),
+    # Cached prefix: key 17 of 20 is seen by rows >= 1 of 4, key 35 of 40 by rows >= 4 of 9.
+    "paged-prefix-causal": (dict(q_lens=[4, 9], k_lens=[20, 40], paged=True), dict(causal=True),
+                            {0: [(17, "v", NAN)], 1: [(35, "v", INF), (38, "k", NAN)]}),
+    # A page that held NaN for a previous owner, outside every query's window, and a
+    # key at the window's left edge (seen by rows 0 and 1 only).
+    "paged-window-stale-page": (
+        dict(q_lens=[6], k_lens=[40], paged=True), dict(causal=True, window_size=(5, 0)),
+        {0: [(j, "v", NAN) for j in range(16)] + [(j, "k", NAN) for j in range(16)] + [(30, "v", NAN)]}),
+    # Decode of 4 tokens: the last key is seen by the last query only.
+    "kvcache-causal": (dict(cache_seqlens=[20, 37], num_queries=4), dict(causal=True),
+                       {0: [(19, "v", NAN)], 1: [(34, "v", INF), (36, "k", NAN)]}),
+    "kvcache-window": (dict(cache_seqlens=[40], num_queries=3), dict(causal=True, window_size=(4, 0)),
+                       {0: [(j, "v", NAN) for j in range(33)] + [(33, "k", NAN), (39, "v", NAN)]}),
+    # One query token: keys left of its window hold a stale page.
+    "kvcache-one-token-window": (dict(cache_seqlens=[40, 9], num_queries=1), dict(window_size=(3, 0)),
+                                 {0: [(j, "v", NAN) for j in range(36)], 1: [(8, "v", NAN)]}),
+}
+
+
+@parametrize_impl
+@pytest.mark.parametrize("name", list(NONFINITE_CASES))
+def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
+    build, attention, poison = NONFINITE_CASES[name]
+    if "cache_seqlens" in build:
+        build = dict(build)
+        problem = make_kvcache_problem(rng, build.pop("cache_seqlens"), build.pop("num_queries"), **build)
+    else:
+        problem = make_varlen_problem(rng, **build)
+    problem = poison_keys(problem, poison)
+    out = problem.run(impl, **attention)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert (~np.isfinite(exact)).any(), "the case must have rows that see a non-finite key"
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
 
 
 # --------------------------------------------------------------------------- varlen, paged K/V

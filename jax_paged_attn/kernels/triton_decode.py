@@ -194,6 +194,10 @@ def _decode_kernel(
     unmasked_until = jnp.clip(end_free, masked_until, tile_end)
 
     key_offsets = lax.iota(jnp.int32, tile_keys)  # [T]
+    # A masked tile loads only keys in [kv_lo, seq_len). With one query token that is
+    # exactly what it sees; with several, a causal or window mask hides some loaded keys
+    # from some rows, and their non-finite values must stay out of those rows' P·V.
+    mask_hides_loaded_keys = num_q_tokens > 1 and (spec.causal or spec.is_local)
 
     def load_tile(cache_ref, cache_row, key_ok):
         """[T, Dp] rows of one KV head; masked-out keys and padded dims read as 0."""
@@ -259,6 +263,8 @@ def _decode_kernel(
         p = jnp.exp2(s - new_max[:, None])  # masked keys: exp2(-inf) = 0
         row_sum = row_sum * correction + jnp.sum(p, axis=1)
         v = load_tile(v_ref, cache_row, key_ok)
+        if masked and mask_hides_loaded_keys:
+            p, v = reference.hide_masked_nonfinite_values(p, v, visible)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
         if tiling.prefetch_page_ids:
             return acc, new_max, row_sum, next_page

@@ -141,6 +141,11 @@ def _prefill_kernel(
         if alibi_ref is not None:
             slope = plgpu.load(alibi_ref.at[head_in_group])[:, None]  # [block_q, 1]
 
+        # Masked blocks load only keys < k_len, and rows past q_len are zeroed at the end;
+        # a causal or window mask also hides loaded keys from some rows, whose non-finite
+        # values must then stay out of those rows' P·V (unmasked blocks need nothing).
+        mask_hides_loaded_keys = spec.causal or spec.is_local
+
         def key_rows(k_pos: Array) -> Array:  # [block_k] positions -> rows of k_ref / v_ref
             if page_size is None:
                 return k_row0 + k_pos
@@ -174,6 +179,8 @@ def _prefill_kernel(
             v = _load(v_ref.at[index], kv_mask)  # [block_k, Dp]
             if v_fp8:
                 v = v.astype(compute_dtype)
+            if masked and mask_hides_loaded_keys:
+                p, v = reference.hide_masked_nonfinite_values(p, v, visible)
             pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             return acc * correction[:, None] + pv, m_next, l_next
