@@ -110,8 +110,11 @@ def check_scale(scale: Any, name: str) -> None:
     shape = getattr(scale, "shape", ())
     if tuple(shape) not in ((), (1,)):
         raise ValueError(f"{name} must be a scalar (per-tensor fp8 scale), got shape {tuple(shape)}.")
-    if is_concrete(scale) and not np.all(np.asarray(scale) > 0):
-        raise ValueError(f"{name} must be > 0, got {np.asarray(scale)}.")
+    # An infinite scale passes "> 0" but quantizes every value to 0 and dequantizes to NaN.
+    if is_concrete(scale):
+        value = float(np.asarray(scale, np.float64).reshape(-1)[0])
+        if not (value > 0 and np.isfinite(value)):
+            raise ValueError(f"{name} must be > 0 and finite, got {value}.")
 
 
 def scale_array(scale: Any, name: str) -> jax.Array:

@@ -182,6 +182,12 @@ CASES = [
     case("kvcache", ValueError, r"v_scale must be a scalar", "v_scale_matrix",
          v_scale=lambda: jnp.ones((1, 1))),
     case("kvcache", ValueError, r"k_scale must be > 0", "k_scale_zero", k_scale=0.0),
+    case("paged", ValueError, r"k_scale must be > 0 and finite, got inf", "k_scale_inf", k_scale=float("inf")),
+    case("paged", ValueError, r"v_scale must be > 0 and finite, got inf", "v_scale_inf_array",
+         v_scale=lambda: jnp.float32(np.inf)),
+    case("kvcache", ValueError, r"v_scale must be > 0 and finite, got nan", "v_scale_nan", v_scale=float("nan")),
+    case("kvcache", ValueError, r"k_scale must be > 0 and finite, got -inf", "k_scale_minus_inf",
+         k_scale=lambda: jnp.asarray([-np.inf], jnp.float32)),
 ]
 
 
