@@ -2,7 +2,9 @@
 fallback implementation on any backend (CPU, or a GPU feature no kernel covers).
 
 Every function here is jit-able with the documented static arguments. Scores are
-computed in float32 whatever the input dtype; outputs take the query's dtype.
+computed in float32 whatever the input dtype; outputs take the query's dtype. A NaN or
+inf in K or V makes the (query, head) rows that see its key non-finite and changes no
+other row.
 The mask conventions are documented in `jax_paged_attn.spec`.
 
 Layouts (vLLM's):

@@ -396,3 +396,23 @@ def check_against_oracle(problem: VarlenProblem | KVCacheProblem, impl: Implemen
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert_close_to_oracle(out, exact, low, problem.q.dtype)
     return np.asarray(out.astype(jnp.float32)).astype(np.float64)
+
+
+def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]) -> VarlenProblem | KVCacheProblem:
+    """A copy of `problem` with ``value`` written at key ``pos`` of sequence ``b`` for
+    each ``(pos, "k" | "v", value)`` of ``poison[b]`` (packed rows or cache slots)."""
+    kvcache = isinstance(problem, KVCacheProblem)
+    k_name, v_name = ("k_cache", "v_cache") if kvcache else ("k", "v")
+    arrays = {"k": np.array(getattr(problem, k_name).astype(jnp.float32)),
+              "v": np.array(getattr(problem, v_name).astype(jnp.float32))}
+    table = None if getattr(problem, "block_table", None) is None else np.asarray(problem.block_table)
+    for b, entries in poison.items():
+        for pos, which, value in entries:
+            if table is None:
+                arrays[which][int(problem.cu_seqlens_k[b]) + pos] = value
+            else:
+                block_size = arrays[which].shape[1]
+                arrays[which][table[b, pos // block_size], pos % block_size] = value
+    dtype = getattr(problem, k_name).dtype
+    return dataclasses.replace(problem, **{k_name: jnp.asarray(arrays["k"], dtype),
+                                           v_name: jnp.asarray(arrays["v"], dtype)})

@@ -7,7 +7,6 @@ The reference module is also checked directly, at float32, with a tight toleranc
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -34,6 +33,7 @@ from conftest import (
     make_kvcache_problem,
     make_varlen_problem,
     parametrize_impl,
+    poison_keys,
 )
 from jax_paged_attn import reference
 from jax_paged_attn.spec import AttentionSpec
@@ -316,26 +316,6 @@ def test_kvcache_empty_rows(rng, impl):
 # in the same tile as the rows it is hidden from.
 
 NAN, INF = float("nan"), float("inf")
-
-
-def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]) -> VarlenProblem | KVCacheProblem:
-    """A copy of `problem` with ``value`` written at key ``pos`` of sequence ``b`` for
-    each ``(pos, "k" | "v", value)`` of ``poison[b]`` (packed rows or cache slots)."""
-    kvcache = isinstance(problem, KVCacheProblem)
-    k_name, v_name = ("k_cache", "v_cache") if kvcache else ("k", "v")
-    arrays = {"k": np.array(getattr(problem, k_name).astype(jnp.float32)),
-              "v": np.array(getattr(problem, v_name).astype(jnp.float32))}
-    table = None if getattr(problem, "block_table", None) is None else np.asarray(problem.block_table)
-    for b, entries in poison.items():
-        for pos, which, value in entries:
-            if table is None:
-                arrays[which][int(problem.cu_seqlens_k[b]) + pos] = value
-            else:
-                block_size = arrays[which].shape[1]
-                arrays[which][table[b, pos // block_size], pos % block_size] = value
-    dtype = getattr(problem, k_name).dtype
-    return dataclasses.replace(problem, **{k_name: jnp.asarray(arrays["k"], dtype),
-                                           v_name: jnp.asarray(arrays["v"], dtype)})
 
 
 NONFINITE_CASES = {

@@ -20,7 +20,9 @@ One program handles one (row block of one KV head, sequence, KV split):
   start, an unmasked one for the interior (no key or causal masks at all), and a
   masked one for the tiles at the end of the sequence. Keys outside the visible
   range are never loaded; masked tiles load only in-range keys (others read as 0),
-  so NaN garbage in unused pages cannot reach the output;
+  so NaN garbage in unused pages cannot reach the output; with several query tokens
+  and a causal / window mask, masked tiles also keep non-finite values out of the
+  P·V of rows that cannot see them (`reference.hide_masked_nonfinite_values`);
 * the head dim is padded to a power of 2 inside the kernel with masked loads and
   stores; the caller's cache is never copied.
 

@@ -23,6 +23,11 @@ with one rounding fewer. A masked score is ``-inf`` and the running max starts a
 most negative finite f32, so ``exp2`` of a masked score is exactly 0 and a row that
 sees no key ends with sum 0 and outputs 0, never NaN. K/V rows past the sequence's
 keys are not read (masked loads yield 0), so NaN in unused cache pages cannot leak.
+A masked score is removed with ``where`` (a NaN key never reaches the softmax of a row
+that cannot see it); in blocks where a causal / window mask hides loaded keys from some
+rows, P·V runs over finite values and the rows that see a non-finite value get NaN
+probabilities (`reference.hide_masked_nonfinite_values`): a NaN or inf in K or V
+reaches exactly the rows that see its key. Unmasked blocks need neither.
 """
 from __future__ import annotations
 
