@@ -7,6 +7,7 @@ The reference module is also checked directly, at float32, with a tight toleranc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -34,6 +35,7 @@ from conftest import (
     make_varlen_problem,
     parametrize_impl,
     poison_keys,
+    random_array,
 )
 from jax_paged_attn import reference
 from jax_paged_attn.spec import AttentionSpec
@@ -253,6 +255,20 @@ def test_packed_padded_batch(rng, impl):
                                   max_seqlen_k=16)
     out = check_against_oracle(problem, impl, causal=True)
     assert not out[13:].any()
+
+
+@parametrize_impl
+@pytest.mark.parametrize("paged", [False, True])
+def test_rows_outside_every_sequence_are_zero_under_jit(rng, impl, paged):
+    # Under jit cu_seqlens_q is not validated: one starting past 0 leaves rows before
+    # its first sequence, as the padding after its last. Every implementation writes 0 there.
+    problem = make_varlen_problem(rng, [3, 4], [5, 20] if paged else [4, 6], dtype=jnp.float16,
+                                  paged=paged, q_padding_rows=5)
+    problem = dataclasses.replace(problem, cu_seqlens_q=problem.cu_seqlens_q + 2,  # rows 2..8 of 12
+                                  q=random_array(rng, problem.q.shape, problem.q.dtype))
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[:2].any() and not out[9:].any()
+    assert out[2:9].all(axis=-1).all()
 
 
 @parametrize_impl

@@ -343,6 +343,23 @@ def test_plan_clamps_invalid_lengths():
     assert np.all(plan[:, F.KB_HI] * 16 <= 32)
 
 
+@pytest.mark.parametrize("cu_q", [[3, 5, 9], [0, 9, 5], [4, 4, 4]], ids=str)
+def test_plan_stores_every_row_once_for_unvalidated_cu_seqlens(cu_q):
+    """Under jit cu_seqlens_q may start past 0 or decrease: the rows before the first
+    sequence and after the largest offset are padding tiles (written as 0), and no row
+    is stored twice (tiles writing the same row in parallel would race)."""
+    spec = AttentionSpec.create(64, causal=True)
+    fn = jax.jit(functools.partial(
+        prefill.plan_tiles, num_q_tokens=12, num_packed_keys=20, key_capacity=None, spec=spec,
+        max_seqlen_q=16, max_seqlen_k=16, positions_per_tile=2, block_k=16))
+    plan = np.asarray(fn(jnp.asarray(cu_q, jnp.int32), jnp.asarray([0, 4, 10], jnp.int32), None))
+    F = prefill.TileField
+    stored = np.zeros(12, np.int32)
+    for tile in plan:
+        stored[tile[F.Q_ROW0]:tile[F.Q_ROW0] + tile[F.Q_ROWS]] += 1
+    assert np.all(stored == 1), stored
+
+
 def test_plan_orders_longest_first():
     spec = AttentionSpec.create(64, causal=True)
     q_lens = np.array([8, 40, 16], np.int32)
