@@ -370,7 +370,7 @@ def varlen_attention(
         config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None)
     check_config(config)
     paged = block_table is not None
-    if num_q_tokens == 0:
+    if q.size == 0:  # no token or no head: nothing to compute (a zero-size grid)
         return jnp.zeros(q.shape, q.dtype)
     if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
         return jnp.zeros(q.shape, q.dtype)  # no key anywhere: every row sees nothing

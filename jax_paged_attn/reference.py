@@ -157,10 +157,16 @@ def varlen_attention(
 ) -> Array:  # [Tq, Hq, D], q.dtype
     """Variable-length attention over packed or paged keys (flash_attn_varlen_func).
 
-    Query rows past ``cu_seqlens_q[-1]`` (padding) come out as 0. ``max_seqlen_q`` and
+    Query rows past ``cu_seqlens_q[-1]`` (padding) come out as 0, and so does every
+    row when there is no key (no packed row, no cache block, no block-table column).
+    ``max_seqlen_q`` and
     ``max_seqlen_k`` are static bounds: lengths above them are not attended (exactly
-    like flash-attention, which trusts the caller).
+    like flash-attention, which trusts the caller; the public API rejects such lengths
+    when they are concrete).
     """
+    no_keys = k.shape[0] == 0 or (block_table is not None and block_table.shape[1] == 0)
+    if q.size == 0 or no_keys:  # zero-size gathers would fail: every row sees nothing
+        return jnp.zeros(q.shape, q.dtype)
     batch = cu_seqlens_q.shape[0] - 1
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).astype(jnp.int32)
     if seqused_k is not None:
@@ -204,10 +210,13 @@ def paged_decode_attention(
 ) -> Array:  # [B, Sq, Hq, D], q.dtype
     """Attention of Sq new queries per sequence over its paged cache (flash_attn_with_kvcache).
 
-    A sequence with ``cache_seqlens == 0`` (padding of a batch) outputs 0.
+    A sequence with ``cache_seqlens == 0`` (padding of a batch) outputs 0; without any
+    key (no cache block or no block-table column) every row does. Empty q, empty output.
     """
     batch, num_queries = q.shape[0], q.shape[1]
     max_k = block_table.shape[1] * k_cache.shape[1]
+    if q.size == 0 or max_k == 0 or k_cache.shape[0] == 0:  # no row, or no key anywhere
+        return jnp.zeros(q.shape, q.dtype)
     kp = dequantize(_gather_paged(k_cache, block_table, max_k), k_scale)
     vp = dequantize(_gather_paged(v_cache, block_table, max_k), v_scale)
     q_lens = jnp.full((batch,), num_queries, jnp.int32)

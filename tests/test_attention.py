@@ -28,6 +28,7 @@ from conftest import (
     assert_close_to_oracle,
     assert_nonfinite_rows_match_oracle,
     assert_valid_output,
+    call_api,
     check_against_oracle,
     compile_and_call,
     cumulative,
@@ -377,6 +378,63 @@ def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert (~np.isfinite(exact)).any(), "the case must have rows that see a non-finite key"
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
+# --------------------------------------------------------------------------- zero-size inputs
+# One behaviour on every implementation: no query gives an empty output, no key
+# anywhere (no packed row, no cache block, no block-table column) gives zeros.
+
+
+def _zero_size_call(name: str):
+    """(function, array arguments, static arguments) of one zero-size call."""
+    heads, kv_heads, head_size, block_size = 4, 2, 32, 16
+    ints = lambda values, shape=None: jnp.asarray(values, jnp.int32).reshape(shape or np.shape(values))
+    tokens = lambda n, h: jnp.ones((n, h, head_size), jnp.bfloat16)
+    cache = lambda blocks: jnp.full((blocks, block_size, kv_heads, head_size), jnp.nan, jnp.bfloat16)
+    kvcache = jax_paged_attn.flash_attn_with_kvcache
+    varlen = jax_paged_attn.flash_attn_varlen_func
+    decode_args = lambda q, blocks, lens, table: dict(q=q, k_cache=cache(blocks), v_cache=cache(blocks),
+                                                      cache_seqlens=ints(lens), block_table=table)
+    varlen_args = lambda q, k, cu_q, cu_k, table=None: dict(q=q, k=k, v=k, cu_seqlens_q=ints(cu_q),
+                                                            cu_seqlens_k=ints(cu_k), block_table=table)
+    bounds = dict(max_seqlen_q=4, max_seqlen_k=4)
+    calls = {
+        "decode-empty-batch": (kvcache, decode_args(jnp.ones((0, 1, heads, head_size), jnp.bfloat16), 4,
+                                                    [], ints([], (0, 2))), {}),
+        "decode-no-query-token": (kvcache, decode_args(jnp.ones((2, 0, heads, head_size), jnp.bfloat16), 4,
+                                                       [3, 5], ints([[0, 1], [2, 3]])), {}),
+        "decode-no-query-head": (kvcache, decode_args(jnp.ones((2, 1, 0, head_size), jnp.bfloat16), 4,
+                                                      [3, 5], ints([[0, 1], [2, 3]])), {}),
+        "decode-table-without-columns": (kvcache, decode_args(jnp.ones((2, 1, heads, head_size), jnp.bfloat16),
+                                                              4, [0, 0], ints([], (2, 0))), {}),
+        "decode-cache-without-blocks": (kvcache, decode_args(jnp.ones((2, 1, heads, head_size), jnp.bfloat16),
+                                                             0, [0, 0], ints([[0], [0]])), {}),
+        "varlen-no-token": (varlen, varlen_args(tokens(0, heads), tokens(0, kv_heads), [0, 0], [0, 0]), bounds),
+        "varlen-no-key": (varlen, varlen_args(tokens(3, heads), tokens(0, kv_heads), [0, 3], [0, 0]), bounds),
+        "varlen-no-query-head": (varlen, varlen_args(tokens(3, 0), tokens(3, kv_heads), [0, 3], [0, 3]), bounds),
+        "paged-no-token": (varlen, varlen_args(tokens(0, heads), cache(4), [0, 0], [0, 0], ints([[0]])), bounds),
+        "paged-table-without-columns": (varlen, varlen_args(tokens(3, heads), cache(4), [0, 3], [0, 0],
+                                                            ints([], (1, 0))), bounds),
+        "paged-cache-without-blocks": (varlen, varlen_args(tokens(3, heads), cache(0), [0, 3], [0, 0],
+                                                           ints([[0]])), bounds),
+    }
+    return calls[name]
+
+
+ZERO_SIZE_CALLS = ["decode-empty-batch", "decode-no-query-token", "decode-no-query-head",
+                   "decode-table-without-columns", "decode-cache-without-blocks", "varlen-no-token",
+                   "varlen-no-key", "varlen-no-query-head", "paged-no-token", "paged-table-without-columns",
+                   "paged-cache-without-blocks"]
+
+
+@parametrize_impl
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", ZERO_SIZE_CALLS)
+def test_zero_size_inputs(impl, name, eager):
+    fn, arrays, static = _zero_size_call(name)
+    out = call_api(fn, arrays, dict(static, **impl.api_kwargs()), eager=eager, causal=True)
+    assert out.shape == arrays["q"].shape and out.dtype == arrays["q"].dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
 
 
 # --------------------------------------------------------------------------- varlen, paged K/V
