@@ -54,7 +54,9 @@ def flash_attn_varlen_func(
       cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, cumulative query / key lengths
         starting at 0. With a block table, ``cu_seqlens_k`` gives each sequence's key
         count (its tokens are read from the cache, the new ones included).
-      max_seqlen_q, max_seqlen_k: static Python ints bounding the lengths.
+      max_seqlen_q, max_seqlen_k: static Python ints bounding the lengths: at least every
+        sequence's query / key count (sequences without keys, or without queries,
+        excepted); checked when the lengths are concrete.
       softmax_scale: scores are ``softmax_scale * q·k``; default ``1/sqrt(D)``.
       causal: bottom-right aligned causal mask (query i sees key j iff
         ``j <= i + Sk - Sq``).
@@ -65,7 +67,8 @@ def flash_attn_varlen_func(
         scaling, before ALiBi and the mask).
       block_table: int32 ``[B, max_blocks_per_seq]`` page ids into k / v, or None for
         packed k / v.
-      seqused_k: optional int32 ``[B]`` key counts overriding ``cu_seqlens_k``.
+      seqused_k: optional int32 ``[B]`` key counts overriding ``cu_seqlens_k``; with packed
+        k / v at most each sequence's ``cu_seqlens_k`` segment.
       k_scale, v_scale: float32 scalars; used only with an fp8 cache.
       implementation: None/"auto", "xla" (reference) or "triton" (`jax_paged_attn.dispatch`).
       interpret: run Pallas kernels in interpret mode (for CPU tests).
@@ -75,7 +78,9 @@ def flash_attn_varlen_func(
 
     Checked always (also under jit): ranks, dtypes, head sizes, head counts, the
     ALiBi shape, block size. Checked only on concrete (non-traced) arrays:
-    cu_seqlens start at 0 and never decrease, block ids in range.
+    cu_seqlens start at 0 and never decrease, lengths within ``max_seqlen_*`` and
+    (packed) ``seqused_k`` within its segment, block ids in range, fp8 scales finite
+    and > 0.
     """
     checks.check_ndim(q, 3, "q")
     checks.check_query_dtype(q)
@@ -111,6 +116,8 @@ def flash_attn_varlen_func(
         if checks.is_concrete(cu_seqlens_k):
             lens = np.diff(np.asarray(cu_seqlens_k)) if seqused_k is None else seqused_k
             checks.check_block_table_values(block_table, k.shape[0], lens, k.shape[1])
+    checks.check_varlen_length_values(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                      packed=not paged)
     checks.check_alibi_slopes(alibi_slopes, num_q_heads)
     spec = AttentionSpec.create(
         head_size, softmax_scale=softmax_scale, causal=causal, window_size=window_size,

@@ -110,8 +110,11 @@ def check_scale(scale: Any, name: str) -> None:
     shape = getattr(scale, "shape", ())
     if tuple(shape) not in ((), (1,)):
         raise ValueError(f"{name} must be a scalar (per-tensor fp8 scale), got shape {tuple(shape)}.")
-    if is_concrete(scale) and not np.all(np.asarray(scale) > 0):
-        raise ValueError(f"{name} must be > 0, got {np.asarray(scale)}.")
+    # An infinite scale passes "> 0" but quantizes every value to 0 and dequantizes to NaN.
+    if is_concrete(scale):
+        value = float(np.asarray(scale, np.float64).reshape(-1)[0])
+        if not (value > 0 and np.isfinite(value)):
+            raise ValueError(f"{name} must be > 0 and finite, got {value}.")
 
 
 def scale_array(scale: Any, name: str) -> jax.Array:
@@ -137,6 +140,47 @@ def check_cu_seqlens_values(cu: Any, name: str, total: int | None = None) -> Non
         raise ValueError(f"{name} must be non-decreasing, got {c.tolist()}.")
     if total is not None and c.size and c[-1] > total:
         raise ValueError(f"{name}[-1] = {c[-1]} exceeds the {total} rows of the packed tensor.")
+
+
+def check_varlen_length_values(cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any | None,
+                               max_seqlen_q: int, max_seqlen_k: int, *, packed: bool) -> None:
+    """Value checks (eager only) of the per-sequence lengths of a varlen call.
+
+    Implementations attend at most ``max_seqlen_q`` queries and ``max_seqlen_k`` keys of
+    a sequence, so a bound below a true length would silently drop queries or keys: it
+    raises, except for sequences where nothing is dropped (no keys, or no queries).
+    With packed keys, ``seqused_k`` past its ``cu_seqlens_k`` segment would read the
+    next sequence's keys. Call after `check_cu_seqlens_values`.
+    """
+    q_lens = np.diff(np.asarray(cu_seqlens_q)) if is_concrete(cu_seqlens_q) else None
+    segments = np.diff(np.asarray(cu_seqlens_k)) if is_concrete(cu_seqlens_k) else None
+    if seqused_k is None:
+        k_lens, k_name = segments, "cu_seqlens_k"
+    else:
+        k_lens, k_name = (np.asarray(seqused_k) if is_concrete(seqused_k) else None), "seqused_k"
+    if packed and seqused_k is not None and k_lens is not None and segments is not None:
+        over = np.nonzero(k_lens > segments)[0]
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"seqused_k[{b}] = {k_lens[b]} exceeds the {segments[b]} keys of sequence {b} in "
+                f"cu_seqlens_k (with packed k / v it would read the next sequence's keys).")
+    if q_lens is not None:
+        attends = np.ones_like(q_lens, bool) if k_lens is None else k_lens > 0
+        over = np.nonzero((q_lens > max_seqlen_q) & attends)[0]
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"max_seqlen_q={max_seqlen_q} is below the {q_lens[b]} queries of sequence {b} "
+                f"(cu_seqlens_q); queries past it would silently get no output.")
+    if k_lens is not None:
+        queried = np.ones_like(k_lens, bool) if q_lens is None else q_lens > 0
+        over = np.nonzero((k_lens > max_seqlen_k) & queried)[0]
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"max_seqlen_k={max_seqlen_k} is below the {k_lens[b]} keys of sequence {b} "
+                f"({k_name}); keys past it would silently be ignored.")
 
 
 def check_block_table_values(block_table: Any, num_blocks: int, lengths: Any, block_size: int,

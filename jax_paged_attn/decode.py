@@ -191,6 +191,10 @@ def paged_decode_attention(
         raise NotImplementedError(f"paged decode kernel: {reason}")
     from jax_paged_attn.kernels import triton_decode
 
+    # Zero-size launches: no query (B, Sq or Hq of 0), or no key anywhere; same results
+    # as the reference (the tiling plan divides by these sizes).
+    if q.size == 0 or block_table.shape[1] == 0 or k_cache.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
     head_size, block_size = q.shape[-1], k_cache.shape[1]
     group_size = q.shape[2] // k_cache.shape[2]
     if config is None:

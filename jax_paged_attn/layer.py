@@ -49,7 +49,7 @@ from jax_paged_attn import cache as cache_ops
 from jax_paged_attn import checks
 from jax_paged_attn.api import flash_attn_varlen_func, flash_attn_with_kvcache
 from jax_paged_attn.kv_view import cache_planes
-from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.metadata import FlashAttentionMetadata, validate_metadata
 from jax_paged_attn.spec import UNBOUNDED
 
 Array = jax.Array
@@ -134,6 +134,10 @@ def paged_attention(
     Returns:
       ``(output [T, num_heads * head_size] in query's dtype, new kv_cache)``. Padding
       rows (of padding sequences, see `FlashAttentionMetadata`) come out as 0.
+
+    ``metadata`` goes through `jax_paged_attn.metadata.validate_metadata` (against the
+    cache's block size and block count): its value checks run when its arrays are
+    concrete (eager calls), its static checks always.
     """
     if not isinstance(metadata, FlashAttentionMetadata):
         raise TypeError(f"metadata must be a FlashAttentionMetadata, got {type(metadata).__name__}.")
@@ -155,6 +159,13 @@ def paged_attention(
             f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens} "
             f"(num_prefill_tokens={metadata.num_prefill_tokens} + num_decode_tokens={metadata.num_decode_tokens})."
         )
+    # Concrete metadata (eager calls) is checked value by value: a bound below a true
+    # length or query_start_loc[-1] != T would otherwise silently give rows of zeros.
+    # Under jit only its static fields and shapes are.
+    cache_dims = {}
+    if attn_type == DECODER and kv_cache.size > 0 and kv_cache.ndim == 5:
+        cache_dims = dict(num_blocks=int(kv_cache.shape[1]), block_size=int(kv_cache.shape[2]))
+    validate_metadata(metadata, **cache_dims)
     if alibi_slopes is not None:
         alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)
     window = window_size(sliding_window, attn_type)

@@ -7,11 +7,12 @@ holds everything that does not depend on the lowering:
 
 * `unsupported_reason`: the static support check (shapes, dtypes, spec; trace time).
 * `plan_tiles`: the work list, computed in jax.numpy from the cu_seqlens under jit.
-  The kernel's grid has a *static* number of query tiles, ``ceil(Tq / P) + B``
+  The kernel's grid has a *static* number of query tiles, ``ceil(Tq / P) + B + 1``
   (P query positions per tile), enough for any ragged packing of Tq rows into B
-  sequences plus the padding rows after ``cu_seqlens_q[-1]``. Row ``t`` of the plan
-  tells tile ``t`` which rows it owns and which KV blocks it can see; surplus tiles
-  own no row and exit at once.
+  sequences plus the padding rows before ``cu_seqlens_q[0]`` (only unvalidated input
+  under jit has them) and after ``cu_seqlens_q[-1]``, which are written as 0. Row
+  ``t`` of the plan tells tile ``t`` which rows it owns and which KV blocks it can
+  see; surplus tiles own no row and exit at once.
 * Head-dim padding: D is padded to the next power of two *inside* the kernel by
   masked loads (Triton's tiles need power-of-two sizes); the caller's arrays are
   never copied or padded.
@@ -124,10 +125,11 @@ def visible_key_interval(q_pos: Array, q_len: Array, k_len: Array, spec: Attenti
 def num_query_tiles(num_q_tokens: int, batch: int, positions_per_tile: int) -> int:
     """Static grid size bounding the tiles of any packing of the query rows.
 
-    B sequences plus the padding segment split ``num_q_tokens`` rows into at most
-    ``B + 1`` segments; ``sum(ceil(len_i / P)) <= ceil(sum(len_i) / P) + B``.
+    B sequences and the padding segments before and after them split ``num_q_tokens``
+    rows into at most ``B + 2`` segments; ``sum(ceil(len_i / P)) <= ceil(sum(len_i) / P)
+    + B + 1``.
     """
-    return -(-num_q_tokens // positions_per_tile) + batch
+    return -(-num_q_tokens // positions_per_tile) + batch + 1
 
 
 def plan_tiles(
@@ -148,8 +150,8 @@ def plan_tiles(
     """The kernel's work list: one row of `TileField` columns per query tile.
 
     Args:
-      num_q_tokens: Tq, rows of q (rows past ``cu_seqlens_q[-1]`` form a padding
-        segment whose tiles write zeros).
+      num_q_tokens: Tq, rows of q (rows before ``cu_seqlens_q[0]`` and past
+        ``max(cu_seqlens_q)`` form two padding segments whose tiles write zeros).
       num_packed_keys: rows of packed k / v (key counts are clamped so no read goes
         past them), or None for a paged cache.
       key_capacity: keys a block-table row can address (``max_blocks * block_size``)
@@ -178,14 +180,20 @@ def plan_tiles(
         k_row0 = jnp.clip(cu_k[:-1], 0, num_packed_keys)
         k_len = jnp.minimum(k_len, num_packed_keys - k_row0)
 
-    # Segments: the B sequences, then the padding rows after cu_seqlens_q[-1].
-    zero = jnp.zeros((1,), jnp.int32)
-    seg_rows = jnp.concatenate([q_raw, jnp.maximum(num_q_tokens - cu_q[-1:], 0)])
-    seg_row0 = jnp.clip(cu_q, 0, num_q_tokens)
-    seg_q_len = jnp.concatenate([q_len, zero])
-    seg_k_len = jnp.concatenate([k_len, zero])
-    seg_k_row0 = jnp.concatenate([k_row0, zero])
-    seg_seq = jnp.concatenate([jnp.arange(batch, dtype=jnp.int32), zero])
+    # Segments: the B sequences, then the padding rows after them and those before
+    # cu_seqlens_q[0] (valid cu_seqlens start at 0, but under jit nobody checks), so
+    # that every row outside the sequences is written with 0, as the reference does.
+    # The trailing one starts at the largest offset: no row of a sequence is also a
+    # padding row, even for decreasing (invalid) cu_seqlens.
+    zeros = jnp.zeros((2,), jnp.int32)
+    last_row = jnp.clip(jnp.max(cu_q, keepdims=True), 0, num_q_tokens)
+    first_row = jnp.clip(cu_q[:1], 0, num_q_tokens)
+    seg_rows = jnp.concatenate([q_raw, num_q_tokens - last_row, first_row])
+    seg_row0 = jnp.concatenate([jnp.clip(cu_q[:-1], 0, num_q_tokens), last_row, zeros[:1]])
+    seg_q_len = jnp.concatenate([q_len, zeros])
+    seg_k_len = jnp.concatenate([k_len, zeros])
+    seg_k_row0 = jnp.concatenate([k_row0, zeros])
+    seg_seq = jnp.concatenate([jnp.arange(batch, dtype=jnp.int32), zeros])
     seg_tiles = _cdiv(seg_rows, P)
 
     if longest_first:
@@ -193,17 +201,17 @@ def plan_tiles(
         # the linear spans of causal / window masks away from the clipping).
         mid_lo, mid_hi = visible_key_interval((seg_q_len - 1) // 2, seg_q_len, seg_k_len, spec)
         work = seg_q_len.astype(jnp.float32) * jnp.maximum(mid_hi - mid_lo, 0).astype(jnp.float32)
-        work = work.at[batch].set(-1.0)  # the padding segment goes last
+        work = work.at[batch:].set(-1.0)  # the padding segments go last
         order = jnp.argsort(-work, stable=True).astype(jnp.int32)
     else:
-        order = jnp.arange(batch + 1, dtype=jnp.int32)
+        order = jnp.arange(batch + 2, dtype=jnp.int32)
     ordered_tiles = seg_tiles[order]
     ends = jnp.cumsum(ordered_tiles)
     num_tiles = num_query_tiles(num_q_tokens, batch, P)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     slot = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
-    real = slot <= batch
-    slot = jnp.minimum(slot, batch)
+    real = slot <= batch + 1
+    slot = jnp.minimum(slot, batch + 1)
     seg = order[slot]
     local = t - (ends[slot] - ordered_tiles[slot])
     if longest_first:
@@ -369,7 +377,7 @@ def varlen_attention(
         config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None)
     check_config(config)
     paged = block_table is not None
-    if num_q_tokens == 0:
+    if q.size == 0:  # no token or no head: nothing to compute (a zero-size grid)
         return jnp.zeros(q.shape, q.dtype)
     if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
         return jnp.zeros(q.shape, q.dtype)  # no key anywhere: every row sees nothing

@@ -2,7 +2,9 @@
 fallback implementation on any backend (CPU, or a GPU feature no kernel covers).
 
 Every function here is jit-able with the documented static arguments. Scores are
-computed in float32 whatever the input dtype; outputs take the query's dtype.
+computed in float32 whatever the input dtype; outputs take the query's dtype. A NaN or
+inf in K or V makes the (query, head) rows that see its key non-finite and changes no
+other row.
 The mask conventions are documented in `jax_paged_attn.spec`.
 
 Layouts (vLLM's):
@@ -46,6 +48,23 @@ def key_visible(q_pos: Array, k_pos: Array, q_len: Array, k_len: Array, spec: At
     return visible
 
 
+def hide_masked_nonfinite_values(p: Array, v: Array, visible: Array) -> tuple[Array, Array]:
+    """``(p, v)`` for a P·V product where a non-finite value reaches only the rows seeing it.
+
+    p: f32 ``[M, N]`` probabilities (0 where not visible), v: ``[N, D]`` values,
+    visible: bool ``[M, N]``. A masked probability is 0, but 0 * NaN = NaN would put
+    NaN (or inf) in every row of the product: non-finite values become 0 and the
+    probabilities of rows that *see* such a key become NaN, so exactly those rows of
+    the product are NaN (in every column). Pure elementwise jnp and row reductions, so
+    Pallas kernels run it in-kernel, on the tiles whose mask hides keys from some rows.
+    """
+    v_finite = jnp.isfinite(v)
+    bad_key = jnp.max(jnp.where(v_finite, 0.0, 1.0), axis=1) > 0.0  # [N]; f32 max lowers everywhere
+    v = jnp.where(v_finite, v, jnp.zeros_like(v))
+    p = jnp.where(visible & bad_key[None, :], jnp.nan, p)
+    return p, v
+
+
 def alibi_distance(q_pos: Array, k_pos: Array, q_len: Array, k_len: Array) -> Array:
     """f32 ``|diag - k_pos|``: ALiBi subtracts ``slope * alibi_distance`` from the score."""
     return jnp.abs(q_pos + (k_len - q_len) - k_pos).astype(jnp.float32)
@@ -68,6 +87,12 @@ def _attend_padded(
     k_in_seq = (jnp.arange(max_k)[None, :] < k_lens[:, None])[:, :, None, None]
     k = jnp.where(k_in_seq, k, 0.0)
     v = jnp.where(k_in_seq, v, 0.0)
+    # A non-finite value inside the sequence must reach exactly the rows that see its
+    # key: P·V over the raw values would give 0 * NaN = NaN in every row. So P·V runs
+    # over finite values and the rows that see a non-finite one are poisoned after.
+    v_finite = jnp.isfinite(v)
+    v_bad_key = ~jnp.all(v_finite, axis=-1)  # [B, K, Hk]
+    v = jnp.where(v_finite, v, 0.0)
     qg = q.astype(jnp.float32).reshape(batch, max_q, num_kv_heads, group, head_size)
     # scores: [B, Hk, G, Q, K]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=jax.lax.Precision.HIGHEST)
@@ -92,6 +117,8 @@ def _attend_padded(
     # A row that sees no key has denom 0: its output is 0, not NaN.
     p = p / jnp.where(denom > 0, denom, 1.0)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    sees_bad = jnp.any(visible & jnp.swapaxes(v_bad_key, 1, 2)[:, :, None, None, :], axis=-1)  # [B, Hk, 1, Q]
+    o = jnp.where(jnp.moveaxis(sees_bad, 3, 1)[..., None], jnp.nan, o)
     return o.reshape(batch, max_q, num_q_heads, head_size)
 
 
@@ -130,10 +157,16 @@ def varlen_attention(
 ) -> Array:  # [Tq, Hq, D], q.dtype
     """Variable-length attention over packed or paged keys (flash_attn_varlen_func).
 
-    Query rows past ``cu_seqlens_q[-1]`` (padding) come out as 0. ``max_seqlen_q`` and
+    Query rows past ``cu_seqlens_q[-1]`` (padding) come out as 0, and so does every
+    row when there is no key (no packed row, no cache block, no block-table column).
+    ``max_seqlen_q`` and
     ``max_seqlen_k`` are static bounds: lengths above them are not attended (exactly
-    like flash-attention, which trusts the caller).
+    like flash-attention, which trusts the caller; the public API rejects such lengths
+    when they are concrete).
     """
+    no_keys = k.shape[0] == 0 or (block_table is not None and block_table.shape[1] == 0)
+    if q.size == 0 or no_keys:  # zero-size gathers would fail: every row sees nothing
+        return jnp.zeros(q.shape, q.dtype)
     batch = cu_seqlens_q.shape[0] - 1
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).astype(jnp.int32)
     if seqused_k is not None:
@@ -177,10 +210,13 @@ def paged_decode_attention(
 ) -> Array:  # [B, Sq, Hq, D], q.dtype
     """Attention of Sq new queries per sequence over its paged cache (flash_attn_with_kvcache).
 
-    A sequence with ``cache_seqlens == 0`` (padding of a batch) outputs 0.
+    A sequence with ``cache_seqlens == 0`` (padding of a batch) outputs 0; without any
+    key (no cache block or no block-table column) every row does. Empty q, empty output.
     """
     batch, num_queries = q.shape[0], q.shape[1]
     max_k = block_table.shape[1] * k_cache.shape[1]
+    if q.size == 0 or max_k == 0 or k_cache.shape[0] == 0:  # no row, or no key anywhere
+        return jnp.zeros(q.shape, q.dtype)
     kp = dequantize(_gather_paged(k_cache, block_table, max_k), k_scale)
     vp = dequantize(_gather_paged(v_cache, block_table, max_k), v_scale)
     q_lens = jnp.full((batch,), num_queries, jnp.int32)

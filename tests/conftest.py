@@ -119,6 +119,24 @@ def assert_close_to_oracle(out: jax.Array, exact: np.ndarray, low: np.ndarray, q
         )
 
 
+def assert_nonfinite_rows_match_oracle(out: jax.Array, exact: np.ndarray, low: np.ndarray,
+                                       q_dtype: Any) -> None:
+    """`out` is non-finite in exactly the (token, head) rows where the oracle is, and
+    close to the oracle elsewhere (a non-finite K / V reaches only the rows that see it).
+
+    Which columns of such a row are non-finite, and NaN versus inf, is left open.
+    """
+    got = np.asarray(out.astype(jnp.float32)).astype(np.float64)
+    bad_out = ~np.isfinite(got).all(axis=-1)
+    bad_exact = ~np.isfinite(exact).all(axis=-1)
+    leaked = np.argwhere(bad_out & ~bad_exact)
+    assert leaked.size == 0, f"non-finite output in rows (row, head) {leaked[:8].tolist()} that see no non-finite key"
+    lost = np.argwhere(bad_exact & ~bad_out)
+    assert lost.size == 0, f"finite output in rows (row, head) {lost[:8].tolist()} that see a non-finite key"
+    clean = lambda x: np.where(bad_exact[..., None], 0.0, x)
+    assert_close_to_oracle(jnp.asarray(clean(got), jnp.float32), clean(exact), clean(low), q_dtype)
+
+
 # --------------------------------------------------------------------------- calling the API
 
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -378,3 +396,23 @@ def check_against_oracle(problem: VarlenProblem | KVCacheProblem, impl: Implemen
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert_close_to_oracle(out, exact, low, problem.q.dtype)
     return np.asarray(out.astype(jnp.float32)).astype(np.float64)
+
+
+def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]) -> VarlenProblem | KVCacheProblem:
+    """A copy of `problem` with ``value`` written at key ``pos`` of sequence ``b`` for
+    each ``(pos, "k" | "v", value)`` of ``poison[b]`` (packed rows or cache slots)."""
+    kvcache = isinstance(problem, KVCacheProblem)
+    k_name, v_name = ("k_cache", "v_cache") if kvcache else ("k", "v")
+    arrays = {"k": np.array(getattr(problem, k_name).astype(jnp.float32)),
+              "v": np.array(getattr(problem, v_name).astype(jnp.float32))}
+    table = None if getattr(problem, "block_table", None) is None else np.asarray(problem.block_table)
+    for b, entries in poison.items():
+        for pos, which, value in entries:
+            if table is None:
+                arrays[which][int(problem.cu_seqlens_k[b]) + pos] = value
+            else:
+                block_size = arrays[which].shape[1]
+                arrays[which][table[b, pos // block_size], pos % block_size] = value
+    dtype = getattr(problem, k_name).dtype
+    return dataclasses.replace(problem, **{k_name: jnp.asarray(arrays["k"], dtype),
+                                           v_name: jnp.asarray(arrays["v"], dtype)})

@@ -147,6 +147,17 @@ CASES = [
          cu_seqlens_q=ints([0, 4, 12])),
     case("packed", ValueError, r"cu_seqlens_k\[-1\] = 11 exceeds the 10 rows", "cu_seqlens_k_past_k",
          cu_seqlens_k=ints([0, 4, 11])),
+    # --- lengths against the static bounds (concrete arrays): nothing is silently dropped
+    case("packed", ValueError, r"max_seqlen_q=5 is below the 6 queries of sequence 1 \(cu_seqlens_q\)",
+         "max_seqlen_q_too_small", max_seqlen_q=5),
+    case("packed", ValueError, r"max_seqlen_k=4 is below the 6 keys of sequence 1 \(cu_seqlens_k\)",
+         "max_seqlen_k_too_small", max_seqlen_k=4),
+    case("paged", ValueError, r"max_seqlen_k=20 is below the 21 keys of sequence 1 \(seqused_k\)",
+         "max_seqlen_k_below_seqused_k", seqused_k=ints([5, 21])),
+    case("paged", ValueError, r"max_seqlen_q=3 is below the 4 queries of sequence 0", "paged_max_seqlen_q_too_small",
+         max_seqlen_q=3),
+    case("packed", ValueError, r"seqused_k\[0\] = 5 exceeds the 4 keys of sequence 0 in cu_seqlens_k",
+         "packed_seqused_k_past_segment", seqused_k=ints([5, 6])),
     # --- block ids (concrete arrays)
     case("paged", ValueError, r"block_table\[0\] uses block ids outside \[0, 4\): \[7\]", "block_id_too_large",
          block_table=ints([[0, 7], [2, 3]])),
@@ -160,6 +171,10 @@ CASES = [
          seqused_k=ints([40, 10])),
     case("kvcache", ValueError, r"sequence 1 has 33 tokens, needing 3 blocks, but block_table",
          "cache_seqlens_too_long", cache_seqlens=ints([20, 33])),
+    case("kvcache", ValueError, r"sequence 0 has 20 tokens, needing 2 blocks, but block_table has only 0 columns",
+         "table_without_columns", block_table=lambda: jnp.zeros((2, 0), jnp.int32)),
+    case("paged", ValueError, r"block_table\[0\] uses block ids outside \[0, 0\)", "cache_without_blocks",
+         k=zeros((0, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)), v=zeros((0, BLOCK_SIZE, KV_HEADS, HEAD_SIZE))),
     case("kvcache", ValueError, r"cache_seqlens must be >= 0", "negative_cache_seqlens", cache_seqlens=ints([20, -1])),
     case("paged", ValueError, r"seqused_k must be >= 0", "negative_seqused_k", seqused_k=ints([20, -3])),
     # --- static Python arguments
@@ -182,6 +197,12 @@ CASES = [
     case("kvcache", ValueError, r"v_scale must be a scalar", "v_scale_matrix",
          v_scale=lambda: jnp.ones((1, 1))),
     case("kvcache", ValueError, r"k_scale must be > 0", "k_scale_zero", k_scale=0.0),
+    case("paged", ValueError, r"k_scale must be > 0 and finite, got inf", "k_scale_inf", k_scale=float("inf")),
+    case("paged", ValueError, r"v_scale must be > 0 and finite, got inf", "v_scale_inf_array",
+         v_scale=lambda: jnp.float32(np.inf)),
+    case("kvcache", ValueError, r"v_scale must be > 0 and finite, got nan", "v_scale_nan", v_scale=float("nan")),
+    case("kvcache", ValueError, r"k_scale must be > 0 and finite, got -inf", "k_scale_minus_inf",
+         k_scale=lambda: jnp.asarray([-np.inf], jnp.float32)),
 ]
 
 
@@ -227,6 +248,17 @@ def test_static_checks_raise_under_jit(base, changes, error, match):
 
     with pytest.raises(error, match=match):
         jax.eval_shape(call, arrays)
+
+
+def test_bounds_may_exclude_sequences_that_attend_nothing():
+    # Padding sequences (no keys, or no queries) may exceed max_seqlen_*: dropping their
+    # rows or keys changes nothing, so the call succeeds and their rows are 0.
+    fn, args = build_call("packed", dict(cu_seqlens_k=ints([0, 4, 4]), max_seqlen_q=4, max_seqlen_k=4))
+    out = np.asarray(fn(**args, implementation="xla").astype(jnp.float32))
+    assert out.shape == (10, HEADS, HEAD_SIZE) and not out[4:].any()
+    fn, args = build_call("packed", dict(cu_seqlens_q=ints([0, 4, 4]), cu_seqlens_k=ints([0, 4, 10]),
+                                         max_seqlen_q=4, max_seqlen_k=4, causal=False))
+    assert fn(**args, implementation="xla").shape == (10, HEADS, HEAD_SIZE)
 
 
 def test_value_checks_need_concrete_arrays():

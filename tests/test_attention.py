@@ -7,6 +7,7 @@ The reference module is also checked directly, at float32, with a tight toleranc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,13 +26,17 @@ from conftest import (
     VarlenProblem,
     alibi_slopes,
     assert_close_to_oracle,
+    assert_nonfinite_rows_match_oracle,
     assert_valid_output,
+    call_api,
     check_against_oracle,
     compile_and_call,
     cumulative,
     make_kvcache_problem,
     make_varlen_problem,
     parametrize_impl,
+    poison_keys,
+    random_array,
 )
 from jax_paged_attn import reference
 from jax_paged_attn.spec import AttentionSpec
@@ -255,6 +260,20 @@ def test_packed_padded_batch(rng, impl):
 
 @parametrize_impl
 @pytest.mark.parametrize("paged", [False, True])
+def test_rows_outside_every_sequence_are_zero_under_jit(rng, impl, paged):
+    # Under jit cu_seqlens_q is not validated: one starting past 0 leaves rows before
+    # its first sequence, as the padding after its last. Every implementation writes 0 there.
+    problem = make_varlen_problem(rng, [3, 4], [5, 20] if paged else [4, 6], dtype=jnp.float16,
+                                  paged=paged, q_padding_rows=5)
+    problem = dataclasses.replace(problem, cu_seqlens_q=problem.cu_seqlens_q + 2,  # rows 2..8 of 12
+                                  q=random_array(rng, problem.q.shape, problem.q.dtype))
+    out = check_against_oracle(problem, impl, causal=True)
+    assert not out[:2].any() and not out[9:].any()
+    assert out[2:9].all(axis=-1).all()
+
+
+@parametrize_impl
+@pytest.mark.parametrize("paged", [False, True])
 def test_length_one_sequences(rng, impl, paged):
     # A single key gets weight 1: the output is that key's value (GQA head mapping included).
     problem = make_varlen_problem(rng, [1, 1, 1], num_q_heads=4, num_kv_heads=2, dtype=jnp.float32,
@@ -304,6 +323,118 @@ def test_kvcache_empty_rows(rng, impl):
     problem = make_kvcache_problem(rng, [0, 2, 23], 4, dtype=jnp.bfloat16)
     out = check_against_oracle(problem, impl, causal=True)
     assert not out[0].any() and not out[1, :2].any() and out[1, 2:].all(axis=-1).all()
+
+
+# --------------------------------------------------------------------------- non-finite K / V behind the mask
+# A NaN or inf in K or V at a key a query may not see (its causal future, outside its
+# window, a stale cache slot) must not change that query's output; a query that sees
+# it gets a non-finite row. (key position, "k" / "v", value) per sequence; the
+# positions are chosen so that each value is hidden from some rows and seen by others,
+# in the same tile as the rows it is hidden from.
+
+NAN, INF = float("nan"), float("inf")
+
+
+NONFINITE_CASES = {
+    # The issue's example: key 7 of 8 is seen by row 7 only (causal).
+    "packed-causal": (dict(q_lens=[8, 13]), dict(causal=True),
+                      {0: [(7, "v", NAN)], 1: [(6, "k", NAN), (9, "v", INF), (12, "v", NAN)]}),
+    # Non-causal window (2, 1): key 3 is seen by rows 2..5.
+    "packed-window": (dict(q_lens=[12]), dict(window_size=(2, 1)), {0: [(3, "v", NAN), (9, "k", NAN)]}),
+    # Long enough for unmasked interior KV blocks next to the masked diagonal ones.
+    "packed-causal-long": (dict(q_lens=[150], dtype=jnp.float32), dict(causal=True),
+                           {0: [(20, "v", NAN), (70, "k", NAN), (149, "v", INF)]}),
+    # Cached prefix: key 17 of 20 is seen by rows >= 1 of 4, key 35 of 40 by rows >= 4 of 9.
+    "paged-prefix-causal": (dict(q_lens=[4, 9], k_lens=[20, 40], paged=True), dict(causal=True),
+                            {0: [(17, "v", NAN)], 1: [(35, "v", INF), (38, "k", NAN)]}),
+    # A page that held NaN for a previous owner, outside every query's window, and a
+    # key at the window's left edge (seen by rows 0 and 1 only).
+    "paged-window-stale-page": (
+        dict(q_lens=[6], k_lens=[40], paged=True), dict(causal=True, window_size=(5, 0)),
+        {0: [(j, "v", NAN) for j in range(16)] + [(j, "k", NAN) for j in range(16)] + [(30, "v", NAN)]}),
+    # Decode of 4 tokens: the last key is seen by the last query only.
+    "kvcache-causal": (dict(cache_seqlens=[20, 37], num_queries=4), dict(causal=True),
+                       {0: [(19, "v", NAN)], 1: [(34, "v", INF), (36, "k", NAN)]}),
+    "kvcache-window": (dict(cache_seqlens=[40], num_queries=3), dict(causal=True, window_size=(4, 0)),
+                       {0: [(j, "v", NAN) for j in range(33)] + [(33, "k", NAN), (39, "v", NAN)]}),
+    # One query token: keys left of its window hold a stale page.
+    "kvcache-one-token-window": (dict(cache_seqlens=[40, 9], num_queries=1), dict(window_size=(3, 0)),
+                                 {0: [(j, "v", NAN) for j in range(36)], 1: [(8, "v", NAN)]}),
+}
+
+
+@parametrize_impl
+@pytest.mark.parametrize("name", list(NONFINITE_CASES))
+def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
+    build, attention, poison = NONFINITE_CASES[name]
+    if "cache_seqlens" in build:
+        build = dict(build)
+        problem = make_kvcache_problem(rng, build.pop("cache_seqlens"), build.pop("num_queries"), **build)
+    else:
+        problem = make_varlen_problem(rng, **build)
+    problem = poison_keys(problem, poison)
+    out = problem.run(impl, **attention)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert (~np.isfinite(exact)).any(), "the case must have rows that see a non-finite key"
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
+# --------------------------------------------------------------------------- zero-size inputs
+# One behaviour on every implementation: no query gives an empty output, no key
+# anywhere (no packed row, no cache block, no block-table column) gives zeros.
+
+
+def _zero_size_call(name: str):
+    """(function, array arguments, static arguments) of one zero-size call."""
+    heads, kv_heads, head_size, block_size = 4, 2, 32, 16
+    ints = lambda values, shape=None: jnp.asarray(values, jnp.int32).reshape(shape or np.shape(values))
+    tokens = lambda n, h: jnp.ones((n, h, head_size), jnp.bfloat16)
+    cache = lambda blocks: jnp.full((blocks, block_size, kv_heads, head_size), jnp.nan, jnp.bfloat16)
+    kvcache = jax_paged_attn.flash_attn_with_kvcache
+    varlen = jax_paged_attn.flash_attn_varlen_func
+    decode_args = lambda q, blocks, lens, table: dict(q=q, k_cache=cache(blocks), v_cache=cache(blocks),
+                                                      cache_seqlens=ints(lens), block_table=table)
+    varlen_args = lambda q, k, cu_q, cu_k, table=None: dict(q=q, k=k, v=k, cu_seqlens_q=ints(cu_q),
+                                                            cu_seqlens_k=ints(cu_k), block_table=table)
+    bounds = dict(max_seqlen_q=4, max_seqlen_k=4)
+    calls = {
+        "decode-empty-batch": (kvcache, decode_args(jnp.ones((0, 1, heads, head_size), jnp.bfloat16), 4,
+                                                    [], ints([], (0, 2))), {}),
+        "decode-no-query-token": (kvcache, decode_args(jnp.ones((2, 0, heads, head_size), jnp.bfloat16), 4,
+                                                       [3, 5], ints([[0, 1], [2, 3]])), {}),
+        "decode-no-query-head": (kvcache, decode_args(jnp.ones((2, 1, 0, head_size), jnp.bfloat16), 4,
+                                                      [3, 5], ints([[0, 1], [2, 3]])), {}),
+        "decode-table-without-columns": (kvcache, decode_args(jnp.ones((2, 1, heads, head_size), jnp.bfloat16),
+                                                              4, [0, 0], ints([], (2, 0))), {}),
+        "decode-cache-without-blocks": (kvcache, decode_args(jnp.ones((2, 1, heads, head_size), jnp.bfloat16),
+                                                             0, [0, 0], ints([[0], [0]])), {}),
+        "varlen-no-token": (varlen, varlen_args(tokens(0, heads), tokens(0, kv_heads), [0, 0], [0, 0]), bounds),
+        "varlen-no-key": (varlen, varlen_args(tokens(3, heads), tokens(0, kv_heads), [0, 3], [0, 0]), bounds),
+        "varlen-no-query-head": (varlen, varlen_args(tokens(3, 0), tokens(3, kv_heads), [0, 3], [0, 3]), bounds),
+        "paged-no-token": (varlen, varlen_args(tokens(0, heads), cache(4), [0, 0], [0, 0], ints([[0]])), bounds),
+        "paged-table-without-columns": (varlen, varlen_args(tokens(3, heads), cache(4), [0, 3], [0, 0],
+                                                            ints([], (1, 0))), bounds),
+        "paged-cache-without-blocks": (varlen, varlen_args(tokens(3, heads), cache(0), [0, 3], [0, 0],
+                                                           ints([[0]])), bounds),
+    }
+    return calls[name]
+
+
+ZERO_SIZE_CALLS = ["decode-empty-batch", "decode-no-query-token", "decode-no-query-head",
+                   "decode-table-without-columns", "decode-cache-without-blocks", "varlen-no-token",
+                   "varlen-no-key", "varlen-no-query-head", "paged-no-token", "paged-table-without-columns",
+                   "paged-cache-without-blocks"]
+
+
+@parametrize_impl
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", ZERO_SIZE_CALLS)
+def test_zero_size_inputs(impl, name, eager):
+    fn, arrays, static = _zero_size_call(name)
+    out = call_api(fn, arrays, dict(static, **impl.api_kwargs()), eager=eager, causal=True)
+    assert out.shape == arrays["q"].shape and out.dtype == arrays["q"].dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
 
 
 # --------------------------------------------------------------------------- varlen, paged K/V

@@ -759,6 +759,15 @@ def test_reshape_and_cache_kv_cache_dtype_errors():
         cache.reshape_and_cache_flash(**fp8, kv_cache_dtype="fp8", k_scale=0.0)
     with pytest.raises(ValueError, match="v_scale must be a scalar"):
         cache.reshape_and_cache_flash(**fp8, kv_cache_dtype="fp8", v_scale=jnp.ones(2))
+    # An infinite scale would store zeros that read back as NaN.
+    with pytest.raises(ValueError, match="k_scale must be > 0 and finite, got inf"):
+        cache.reshape_and_cache_flash(**fp8, kv_cache_dtype="fp8", k_scale=float("inf"))
+    with pytest.raises(ValueError, match="v_scale must be > 0 and finite, got inf"):
+        cache.reshape_and_cache_flash(**fp8, kv_cache_dtype="fp8", v_scale=jnp.float32(np.inf))
+    fp8_kv = jnp.stack([fp8["key_cache"], fp8["value_cache"]])
+    with pytest.raises(ValueError, match="v_scale must be > 0 and finite, got nan"):
+        cache.reshape_and_cache_flash_kv(fp8["key"], fp8["value"], fp8_kv, fp8["slot_mapping"],
+                                         kv_cache_dtype="fp8", v_scale=float("nan"))
     args = _args()
     kv = jnp.stack([args["key_cache"], args["value_cache"]])
     with pytest.raises(ValueError, match="kv_cache must have 2 on its first axis"):

@@ -241,6 +241,35 @@ def test_query_rows_split_over_programs() -> None:
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("config", [DecodeConfig(pages_per_step=1, num_splits=3),
+                                    DecodeConfig(pages_per_step=1, num_splits=2, prefetch_page_ids=True)],
+                         ids=["3-splits", "2-splits-prefetched-ids"])
+def test_nonfinite_values_reach_only_the_rows_that_see_them(config: DecodeConfig, interpret: bool) -> None:
+    """3 query tokens, causal window of 20: NaN / inf in K and V at keys that some query
+    rows of the tile see and others do not, and a stale NaN page left of every window.
+    Only the rows that see them are non-finite, also after the split merge."""
+    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
+
+    nan, inf = float("nan"), float("inf")
+    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
+                                   head_size=64, dtype=jnp.bfloat16)
+    # Sequence 0: query i sees keys [i + 47, i + 67]; sequence 1: [i + 10, i + 30].
+    # Keys 0..46 of sequence 0 lie left of every window (a stale page and the masked tile
+    # start); row 1 of both sequences sees none of the values.
+    problem = poison_keys(problem, {
+        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
+        1: [(10, "k", nan), (32, "v", nan)]})
+    spec = AttentionSpec.create(64, causal=True, window_size=(20, 0))
+    fn = functools.partial(decode.paged_decode_attention, spec=spec, interpret=interpret, config=config)
+    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
+                      None, problem.k_scale, problem.v_scale)
+    attention = dict(causal=True, window_size=(20, 0))
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
 def test_all_sequences_empty_output_zero() -> None:
     case = Case("empty", seqlens=(0, 0), config=DecodeConfig(num_splits=3))
     inputs = make_inputs(case)

@@ -365,3 +365,35 @@ def test_bad_inputs_raise_clear_errors():
         PagedAttention(num_heads=NUM_HEADS, head_size=HEAD_SIZE, alibi_slopes=[1.0])
     with pytest.raises(ValueError, match="head_size"):
         PagedAttention(num_heads=NUM_HEADS, head_size=40)
+
+
+def test_concrete_metadata_is_validated():
+    """Eager calls check the metadata's values (against the cache too): bad bounds or
+    offsets raise instead of silently giving rows of zeros. Under jit they cannot be seen."""
+    step = make_step(np.random.default_rng(14), MIXED)
+    kw = dict(num_heads=NUM_HEADS, head_size=HEAD_SIZE, num_kv_heads=NUM_KV_HEADS, scale=SCALE,
+              implementation="xla")
+    md = step.metadata
+    out, _ = paged_attention(step.query, step.key, step.value, step.kv_cache, md, **kw)
+    assert_matches(np.asarray(out).reshape(step.expected.shape), step)
+
+    def call(**changes):
+        return paged_attention(step.query, step.key, step.value, step.kv_cache,
+                               dataclasses.replace(md, **changes), **kw)
+
+    with pytest.raises(ValueError, match=r"metadata\.max_query_len=8 is below the true maximum 13"):
+        call(max_query_len=8)
+    with pytest.raises(ValueError, match=r"metadata\.max_prefill_seq_len=16 is below the true maximum 33"):
+        call(max_prefill_seq_len=16)
+    short = np.asarray(md.query_start_loc).copy()
+    short[-1] -= 1
+    with pytest.raises(ValueError, match=r"metadata\.query_start_loc\[-1\] = \d+ must equal the \d+ token rows"):
+        call(query_start_loc=jnp.asarray(short))
+    tables = np.asarray(md.block_tables).copy()
+    tables[0, 0] = NUM_BLOCKS
+    with pytest.raises(ValueError, match=rf"metadata\.block_tables\[0\] uses block ids outside \[0, {NUM_BLOCKS}\)"):
+        call(block_tables=jnp.asarray(tables))
+    # The same bad bound under jit traces and runs (values are not visible there).
+    out, _ = run_layer(dataclasses.replace(step, metadata=dataclasses.replace(md, max_query_len=8)),
+                       dict(implementation="xla"))
+    assert out.shape == step.expected.shape

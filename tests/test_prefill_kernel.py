@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import jax_paged_attn
-from conftest import VarlenProblem, alibi_slopes, make_varlen_problem
+from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, make_varlen_problem,
+                      poison_keys)
 from jax_paged_attn import prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 
@@ -169,12 +170,12 @@ def test_query_without_keys_is_zero_not_nan():
 
 
 def _kernel_with_config(problem: VarlenProblem, config: tuning.PrefillConfig,
-                        attention: dict[str, Any]) -> jax.Array:
+                        attention: dict[str, Any], interpret: bool = True) -> jax.Array:
     kwargs = _attention_kwargs(problem, attention)
     slopes = kwargs.pop("alibi_slopes", None)
     spec = AttentionSpec.create(problem.q.shape[-1], has_alibi=slopes is not None, **kwargs)
     fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=problem.max_seqlen_q,
-                           max_seqlen_k=problem.max_seqlen_k, interpret=True, config=config)
+                           max_seqlen_k=problem.max_seqlen_k, interpret=interpret, config=config)
     a = problem.arrays()
     return jax.jit(fn)(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
                        a["block_table"], a["seqused_k"], slopes, a["k_scale"], a["v_scale"])
@@ -239,6 +240,36 @@ def test_tilings_match_reference(config, build, attention):
     problem = make_varlen_problem(np.random.default_rng(2), **build)
     out = _kernel_with_config(problem, config, attention)
     _assert_matches_reference(out, problem, attention)
+
+
+NONFINITE_TILINGS = [
+    ("three-loops-bq16-bk16", tuning.PrefillConfig(block_q=16, block_k=16, pack_gqa=False)),
+    ("gqa-packed-bq32-bk16-prefetched-ids", tuning.PrefillConfig(block_q=32, block_k=16, pack_gqa=True,
+                                                                prefetch_page_ids=True)),
+    ("single-kv-loop", tuning.PrefillConfig(block_q=32, block_k=16, single_kv_loop=True)),
+]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("config", [pytest.param(c, id=i) for i, c in NONFINITE_TILINGS])
+def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, interpret):
+    """NaN / inf in K and V at keys on the causal diagonal and the window's left edge,
+    in blocks shared with rows that may not see them: only the rows that do see them
+    are non-finite (masked, unmasked and single-loop blocks, GQA-packed tiles)."""
+    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
+                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
+                                  q_padding_rows=3)
+    nan, inf = float("nan"), float("inf")
+    # Sequence 0 (window 12): key 5 seen by rows 5..17, key 20 by rows 20..32, key 39 by
+    # row 39; sequence 1 (diagonal i + 21): key 25 seen by rows 4..8.
+    problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
+                                    1: [(25, "v", inf), (29, "k", nan)]})
+    attention = dict(causal=True, window_size=(12, 0))
+    out = _kernel_with_config(problem, config, attention, interpret=interpret)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -310,6 +341,23 @@ def test_plan_clamps_invalid_lengths():
     assert np.all(plan[:, F.Q_ROW0] + plan[:, F.Q_ROWS] <= 20)
     assert np.all(plan[:, F.K_LEN] >= 0) and np.all(plan[:, F.K_LEN] <= 32)
     assert np.all(plan[:, F.KB_HI] * 16 <= 32)
+
+
+@pytest.mark.parametrize("cu_q", [[3, 5, 9], [0, 9, 5], [4, 4, 4]], ids=str)
+def test_plan_stores_every_row_once_for_unvalidated_cu_seqlens(cu_q):
+    """Under jit cu_seqlens_q may start past 0 or decrease: the rows before the first
+    sequence and after the largest offset are padding tiles (written as 0), and no row
+    is stored twice (tiles writing the same row in parallel would race)."""
+    spec = AttentionSpec.create(64, causal=True)
+    fn = jax.jit(functools.partial(
+        prefill.plan_tiles, num_q_tokens=12, num_packed_keys=20, key_capacity=None, spec=spec,
+        max_seqlen_q=16, max_seqlen_k=16, positions_per_tile=2, block_k=16))
+    plan = np.asarray(fn(jnp.asarray(cu_q, jnp.int32), jnp.asarray([0, 4, 10], jnp.int32), None))
+    F = prefill.TileField
+    stored = np.zeros(12, np.int32)
+    for tile in plan:
+        stored[tile[F.Q_ROW0]:tile[F.Q_ROW0] + tile[F.Q_ROWS]] += 1
+    assert np.all(stored == 1), stored
 
 
 def test_plan_orders_longest_first():

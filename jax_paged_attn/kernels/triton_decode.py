@@ -20,7 +20,9 @@ One program handles one (row block of one KV head, sequence, KV split):
   start, an unmasked one for the interior (no key or causal masks at all), and a
   masked one for the tiles at the end of the sequence. Keys outside the visible
   range are never loaded; masked tiles load only in-range keys (others read as 0),
-  so NaN garbage in unused pages cannot reach the output;
+  so NaN garbage in unused pages cannot reach the output; with several query tokens
+  and a causal / window mask, masked tiles also keep non-finite values out of the
+  P·V of rows that cannot see them (`reference.hide_masked_nonfinite_values`);
 * the head dim is padded to a power of 2 inside the kernel with masked loads and
   stores; the caller's cache is never copied.
 
@@ -195,6 +197,10 @@ def _decode_kernel(
     unmasked_until = jnp.clip(end_free, masked_until, tile_end)
 
     key_offsets = lax.iota(jnp.int32, tile_keys)  # [T]
+    # A masked tile loads only keys in [kv_lo, seq_len). With one query token that is
+    # exactly what it sees; with several, a causal or window mask hides some loaded keys
+    # from some rows, and their non-finite values must stay out of those rows' P·V.
+    mask_hides_loaded_keys = num_q_tokens > 1 and (spec.causal or spec.is_local)
 
     def load_tile(cache_ref, cache_row, key_ok):
         """[T, Dp] rows of one KV head; masked-out keys and padded dims read as 0."""
@@ -260,6 +266,8 @@ def _decode_kernel(
         p = jnp.exp2(s - new_max[:, None])  # masked keys: exp2(-inf) = 0
         row_sum = row_sum * correction + jnp.sum(p, axis=1)
         v = load_tile(v_ref, cache_row, key_ok)
+        if masked and mask_hides_loaded_keys:
+            p, v = reference.hide_masked_nonfinite_values(p, v, visible)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
         if tiling.prefetch_page_ids:
             return acc, new_max, row_sum, next_page

@@ -23,6 +23,11 @@ with one rounding fewer. A masked score is ``-inf`` and the running max starts a
 most negative finite f32, so ``exp2`` of a masked score is exactly 0 and a row that
 sees no key ends with sum 0 and outputs 0, never NaN. K/V rows past the sequence's
 keys are not read (masked loads yield 0), so NaN in unused cache pages cannot leak.
+A masked score is removed with ``where`` (a NaN key never reaches the softmax of a row
+that cannot see it); in blocks where a causal / window mask hides loaded keys from some
+rows, P·V runs over finite values and the rows that see a non-finite value get NaN
+probabilities (`reference.hide_masked_nonfinite_values`): a NaN or inf in K or V
+reaches exactly the rows that see its key. Unmasked blocks need neither.
 """
 from __future__ import annotations
 
@@ -141,6 +146,11 @@ def _prefill_kernel(
         if alibi_ref is not None:
             slope = plgpu.load(alibi_ref.at[head_in_group])[:, None]  # [block_q, 1]
 
+        # Masked blocks load only keys < k_len, and rows past q_len are zeroed at the end;
+        # a causal or window mask also hides loaded keys from some rows, whose non-finite
+        # values must then stay out of those rows' P·V (unmasked blocks need nothing).
+        mask_hides_loaded_keys = spec.causal or spec.is_local
+
         def key_rows(k_pos: Array) -> Array:  # [block_k] positions -> rows of k_ref / v_ref
             if page_size is None:
                 return k_row0 + k_pos
@@ -174,6 +184,8 @@ def _prefill_kernel(
             v = _load(v_ref.at[index], kv_mask)  # [block_k, Dp]
             if v_fp8:
                 v = v.astype(compute_dtype)
+            if masked and mask_hides_loaded_keys:
+                p, v = reference.hide_masked_nonfinite_values(p, v, visible)
             pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             return acc * correction[:, None] + pv, m_next, l_next
