@@ -4,6 +4,8 @@
 * `Scheduler`: continuous batching, chunked prefill, swap / recompute preemption (FCFS).
 * `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request.
 * `LLMEngine`: runs the jitted model step (KV caches donated) and the loop around it.
+* `LLM`: text in, text out: a checkpoint's model and ``tokenizer.json`` (Hugging Face
+  ``tokenizers``) around an `LLMEngine`.
 """
 from jax_paged_attn.engine.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from jax_paged_attn.engine.engine import (
@@ -13,6 +15,7 @@ from jax_paged_attn.engine.engine import (
     RequestOutput,
     dense_greedy_generate,
 )
+from jax_paged_attn.engine.llm import LLM, LLMOutput, load_tokenizer
 from jax_paged_attn.engine.sampling import SamplingParams, sample_tokens
 from jax_paged_attn.engine.scheduler import (
     FinishReason,
@@ -29,7 +32,9 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "FinishReason",
+    "LLM",
     "LLMEngine",
+    "LLMOutput",
     "NoFreeBlocksError",
     "Request",
     "RequestOutput",
@@ -41,5 +46,6 @@ __all__ = [
     "SchedulerOutput",
     "dense_greedy_generate",
     "hash_block_tokens",
+    "load_tokenizer",
     "sample_tokens",
 ]
