@@ -186,13 +186,14 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
         parser.error(str(e))
     has_tokenizer = True
     config = RANDOM_MODEL
+    dtype = jnp.dtype(jnp.float32 if args.dtype == "auto" else args.dtype)
     if args.checkpoint:
         if not os.path.isdir(args.checkpoint):
             parser.error(f"--checkpoint {args.checkpoint!r} is not a directory")
         try:
             config = read_config(args.checkpoint)
             if args.dtype == "auto":
-                checkpoint_dtype(args.checkpoint)
+                dtype = checkpoint_dtype(args.checkpoint)  # logs once if the checkpoint names none
         except (OSError, ValueError) as e:
             parser.error(f"--checkpoint: {e}")
         has_tokenizer = os.path.isfile(os.path.join(args.checkpoint, TOKENIZER_FILE))
@@ -206,10 +207,9 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
     prompts = [prompts[i % len(prompts)] for i in range(num_requests)]
 
     if args.checkpoint:
-        llm = LLM(args.checkpoint, dtype=args.dtype, implementation=implementation, interpret=args.interpret,
+        llm = LLM(args.checkpoint, dtype=dtype, implementation=implementation, interpret=args.interpret,
                   tokenizer="auto" if has_tokenizer else None, **engine_options)
     else:
-        dtype = jnp.float32 if args.dtype == "auto" else jnp.dtype(args.dtype)
         model = LlamaForCausalLM(RANDOM_MODEL, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype,
                                  implementation=implementation, interpret=args.interpret)
         llm = LLM.from_model(model, tokenizer=byte_tokenizer(), **engine_options)

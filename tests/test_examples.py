@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import re
 import shutil
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -116,10 +118,20 @@ def test_text_in_text_out_from_a_checkpoint(generate, checkpoint, capsys):  # no
     assert "verify: greedy decoding through the paged cache equals dense no-cache attention for 2/2" in out
 
 
-def test_one_prompt_is_one_request_unless_told(generate, checkpoint):  # noqa: F811
-    directory = str(checkpoint[0])
-    _, outputs = generate.main(["--checkpoint", directory, "--prompt-ids", "1,5,6", "--max-tokens", "3", *FAST])
+def test_one_prompt_is_one_request_unless_told(generate, checkpoint, tmp_path, caplog):  # noqa: F811
+    for name in ("model.safetensors", "tokenizer.json"):
+        shutil.copy(checkpoint[0] / name, tmp_path / name)
+    hf_config = json.loads((checkpoint[0] / "config.json").read_text())
+    del hf_config["dtype"], hf_config["torch_dtype"]  # names no dtype: the fallback is said once
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    caplog.set_level("WARNING", logger="jax_paged_attn")
+    llm, outputs = generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "1,5,6", "--max-tokens", "3",
+                                  *FAST])
     assert [o.prompt_token_ids for o in outputs] == [[1, 5, 6]]
+    assert [r.getMessage().split(" names no dtype")[0] for r in caplog.records] == [str(tmp_path / "config.json")]
+    assert llm.model.dtype == jnp.float32  # the tensors' dtype
+
+    directory = str(checkpoint[0])
     _, outputs = generate.main(["--checkpoint", directory, "--prompt-ids", "1,5,6;2,7", "--num-requests", "3",
                                 "--max-tokens", "3", *FAST])
     assert [o.prompt_token_ids for o in outputs] == [[1, 5, 6], [2, 7], [1, 5, 6]]
