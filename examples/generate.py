@@ -13,6 +13,7 @@ import argparse
 import os
 import pathlib
 import sys
+from typing import TYPE_CHECKING, Callable
 
 # Run as a script from anywhere: make the working tree's jax_paged_attn importable.
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -27,6 +28,9 @@ from jax_paged_attn.engine import LLM, EngineConfig, LLMOutput, SamplingParams, 
 from jax_paged_attn.engine.llm import TOKENIZER_FILE  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, checkpoint_dtype  # noqa: E402
 from jax_paged_attn.models.checkpoint import read_config  # noqa: E402
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_PROMPTS = [
     "The paged KV cache stores keys and values in blocks of",
@@ -51,7 +55,7 @@ EPILOG = """examples:
 """
 
 
-def byte_tokenizer():
+def byte_tokenizer() -> "Tokenizer":
     """A `tokenizers.Tokenizer` with one token per byte (256 tokens): any text round-trips."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -62,7 +66,7 @@ def byte_tokenizer():
     return tokenizer
 
 
-def _int_at_least(minimum: int):
+def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -82,7 +86,7 @@ def _block_size(text: str) -> int:
     return value
 
 
-def _float_in(low: float, high: float, *, low_open: bool = False):
+def _float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -120,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests to run, cycling through the prompts; without it: one per prompt")
     parser.add_argument("--max-tokens", type=_int_at_least(1), default=32, help="tokens to generate per request")
     parser.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.8, help="0 = greedy")
-    parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=0.95, help="nucleus sampling: keep the most likely tokens up to this mass")
+    parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=0.95,
+                        help="nucleus sampling: keep the most likely tokens up to this mass")
     parser.add_argument("--top-k", type=_int_at_least(-1), default=-1, help="-1 = off")
-    parser.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed (and the random model's weights)")
+    parser.add_argument("--seed", type=_int_at_least(0), default=0,
+                        help="sampling seed (and the random model's weights)")
     parser.add_argument("--num-blocks", type=_int_at_least(1), default=64,
                         help="KV-cache blocks (small values force preemption)")
     parser.add_argument("--num-host-blocks", type=_int_at_least(0), default=None,
