@@ -7,6 +7,7 @@ Hugging Face format, and every kind of mismatch is reported with the tensor and 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -230,6 +231,66 @@ def test_config_rejects_unsupported_features(change, message):
         LlamaConfig.from_hf_config({**LLAMA3_CONFIG, **change})
 
 
+# transformers 5's spelling: one rope_parameters dict, no top-level rope_theta / rope_scaling.
+LLAMA3_ROPE_PARAMETERS = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+LLAMA3_CONFIG_V5 = {**{k: v for k, v in LLAMA3_CONFIG.items() if k not in ("rope_theta", "rope_scaling")},
+                    "rope_parameters": LLAMA3_ROPE_PARAMETERS}
+
+
+def test_config_reads_transformers_5_rope_parameters():
+    legacy = LlamaConfig.from_hf_config(LLAMA3_CONFIG)
+    v5 = LlamaConfig.from_hf_config(LLAMA3_CONFIG_V5)
+    assert v5 == legacy and v5.rope_theta == 500000.0 and v5.rope_scaling_dict()["rope_type"] == "llama3"
+    np.testing.assert_array_equal(rope_inverse_frequencies(v5), rope_inverse_frequencies(legacy))
+    plain = LlamaConfig.from_hf_config(
+        {**LLAMA3_CONFIG_V5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+    assert plain.rope_theta == 500000.0 and plain.rope_scaling is None
+    # Both spellings present and agreeing (a file written for both transformers 4 and 5).
+    both = LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "rope_parameters": LLAMA3_ROPE_PARAMETERS})
+    assert both == legacy
+    # rope_parameters without a rope_theta keeps the top-level one, then Hugging Face's default.
+    no_theta = {k: v for k, v in LLAMA3_ROPE_PARAMETERS.items() if k != "rope_theta"}
+    assert LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "rope_scaling": None, "rope_parameters": no_theta}) == legacy
+    assert LlamaConfig.from_hf_config({**LLAMA3_CONFIG_V5, "rope_parameters": no_theta}).rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+     r"rope_parameters\['rope_type'\] = 'yarn' is not supported"),
+    ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, r"rope_parameters\['rope_type'\] = 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, r"rope_scaling\['rope_type'\] = 'longrope'"),
+    ({"rope_parameters": {**LLAMA3_ROPE_PARAMETERS, "low_freq_factor": None}},
+     r"rope_parameters\['low_freq_factor'\] must be a positive number"),
+    ({"rope_parameters": LLAMA3_ROPE_PARAMETERS, "rope_theta": 10000.0},
+     r"rope_theta = 10000.0 and rope_parameters\['rope_theta'\] = 500000.0"),
+    ({"rope_parameters": LLAMA3_ROPE_PARAMETERS, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+     "rope_scaling = .* and rope_parameters = .*same rope"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "one dict per layer type"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+])
+def test_config_rejects_bad_rope_settings_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf_config({**LLAMA3_CONFIG_V5, **change})
+
+
+def test_config_carries_eos_token_id():
+    assert LlamaConfig.from_hf_config(LLAMA3_CONFIG).eos_token_id is None
+    single = LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "eos_token_id": 128001})
+    assert single.eos_token_id == 128001
+    several = LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "eos_token_id": [128001, 128008, 128009]})
+    assert several.eos_token_id == (128001, 128008, 128009)
+    hash(several)  # a list would make the config unhashable
+    assert LlamaConfig.from_hf_config(several.to_hf_config()) == several
+    assert several.to_hf_config()["eos_token_id"] == [128001, 128008, 128009]
+    assert LlamaConfig.tiny(eos_token_id=[3, 4]).eos_token_id == (3, 4)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        LlamaConfig.from_hf_config({**LLAMA3_CONFIG, "eos_token_id": "</s>"})
+    with pytest.raises(ValueError, match="LlamaConfig.eos_token_id"):
+        LlamaConfig.tiny(eos_token_id=-1)
+
+
 def test_rope_frequencies():
     base = LlamaConfig.tiny(head_dim=64, rope_theta=10000.0)
     inv = rope_inverse_frequencies(base)
@@ -349,3 +410,66 @@ def test_checkpoint_errors_name_tensor_and_file(tmp_path, model):
         load_checkpoint(other, tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_llama(tmp_path / "nowhere")
+
+
+def _edit_config(directory, **changes) -> None:
+    """Sets (or, with value None, removes) keys of directory/config.json."""
+    path = directory / "config.json"
+    hf_config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            hf_config.pop(key, None)
+        else:
+            hf_config[key] = value
+    path.write_text(json.dumps(hf_config))
+
+
+def test_load_llama_computes_in_the_dtype_the_checkpoint_names(tmp_path, model, caplog):
+    def loaded_dtypes():
+        loaded = load_llama(tmp_path, implementation="xla")
+        return loaded.dtype, loaded.model.layers[0].mlp.up_proj.kernel.get_value().dtype
+
+    caplog.set_level("WARNING", logger="jax_paged_attn")
+    save_checkpoint(model, model.config, tmp_path)  # float32 parameters: a float32 checkpoint
+    assert loaded_dtypes() == (jnp.float32, jnp.float32)
+    save_checkpoint(model, model.config, tmp_path, dtype=jnp.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"  # transformers 5's key
+    assert loaded_dtypes() == (jnp.bfloat16, jnp.bfloat16)
+    _edit_config(tmp_path, torch_dtype=None, dtype="float16")  # transformers 5 writes only "dtype"
+    assert loaded_dtypes() == (jnp.float16, jnp.float16)
+    _edit_config(tmp_path, dtype=None, torch_dtype="float32")  # transformers 4 writes only "torch_dtype"
+    assert loaded_dtypes() == (jnp.float32, jnp.float32)
+    assert caplog.records == []  # the checkpoint chose: nothing to say
+    assert load_llama(tmp_path, dtype=jnp.bfloat16).dtype == jnp.bfloat16  # an explicit dtype wins
+
+    _edit_config(tmp_path, torch_dtype=None)  # names none: the tensors' dtype, said once
+    assert loaded_dtypes() == (jnp.bfloat16, jnp.bfloat16)
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "names no dtype" in message and "bfloat16" in message and "dtype of its tensors" in message
+
+    _edit_config(tmp_path, torch_dtype="bfloat16", dtype="float32")
+    with pytest.raises(CheckpointError, match="dtype = 'float32' and torch_dtype = 'bfloat16'"):
+        load_llama(tmp_path)
+    _edit_config(tmp_path, torch_dtype=None, dtype="int8")
+    with pytest.raises(CheckpointError, match="dtype = 'int8' is not a compute dtype"):
+        load_llama(tmp_path)
+    with pytest.raises(TypeError, match="dtype must be 'auto' or one of"):
+        load_llama(tmp_path, dtype="float")
+
+
+def test_load_llama_reads_eos_token_id_generation_config_first(tmp_path, model):
+    save_checkpoint(model, model.config, tmp_path)
+    assert load_llama(tmp_path).config.eos_token_id is None
+    _edit_config(tmp_path, eos_token_id=[5, 6])
+    assert load_llama(tmp_path).config.eos_token_id == (5, 6)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "do_sample": True}))
+    assert load_llama(tmp_path).config.eos_token_id == (5, 6)  # sets no eos: config.json's stays
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 7}))
+    loaded = load_llama(tmp_path)
+    assert loaded.config.eos_token_id == 7
+    assert dataclasses.replace(loaded.config, eos_token_id=None) == model.config
+    load_checkpoint(model, tmp_path)  # the eos id is not architecture: a model without one loads it
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(CheckpointError, match="generation_config.json.*eos_token_id"):
+        load_llama(tmp_path)

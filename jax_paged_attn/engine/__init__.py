@@ -5,6 +5,8 @@
 * `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request.
 * `ModelRunner`: the device side (parameters, caches, persistent decode batch, jitted programs).
 * `LLMEngine`: the host loop: scheduled steps and overlapped decode windows.
+* `LLM`: text in, text out: a checkpoint's model and ``tokenizer.json`` (Hugging Face
+  ``tokenizers``) around an `LLMEngine`.
 """
 from jax_paged_attn.engine.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from jax_paged_attn.engine.engine import (
@@ -13,6 +15,7 @@ from jax_paged_attn.engine.engine import (
     LLMEngine,
     RequestOutput,
 )
+from jax_paged_attn.engine.llm import LLM, LLMOutput, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
 from jax_paged_attn.engine.sampling import SamplingParams, greedy_tokens, sample_tokens
 from jax_paged_attn.engine.scheduler import (
@@ -31,7 +34,9 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "FinishReason",
+    "LLM",
     "LLMEngine",
+    "LLMOutput",
     "ModelConfig",
     "ModelRunner",
     "NoFreeBlocksError",
@@ -45,5 +50,6 @@ __all__ = [
     "SchedulerOutput",
     "greedy_tokens",
     "hash_block_tokens",
+    "load_tokenizer",
     "sample_tokens",
 ]

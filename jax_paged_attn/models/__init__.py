@@ -5,9 +5,16 @@
   `last_token_indices` selects one logits row per sequence; `dense_greedy_generate` is
   cache-free greedy generation, the engine's oracle.
 * `load_llama` / `load_checkpoint` / `save_checkpoint`: Hugging Face checkpoints
-  (config.json + safetensors) from and to a local directory.
+  (config.json + safetensors) from and to a local directory; `checkpoint_dtype` is
+  the dtype a checkpoint names (what ``load_llama(dtype="auto")`` computes in).
 """
-from jax_paged_attn.models.checkpoint import CheckpointError, load_checkpoint, load_llama, save_checkpoint
+from jax_paged_attn.models.checkpoint import (
+    CheckpointError,
+    checkpoint_dtype,
+    load_checkpoint,
+    load_llama,
+    save_checkpoint,
+)
 from jax_paged_attn.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -21,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "checkpoint_dtype",
     "dense_greedy_generate",
     "jit_forward",
     "jit_forward_dense",

@@ -16,13 +16,20 @@ Hugging Face tensor                                            NNX parameter    
 ``lm_head.weight`` (absent when embeddings are tied)           ``lm_head.kernel``      [vocab, hidden], transposed
 =============================================================  ======================  =========
 
+Besides config.json, an optional ``generation_config.json`` is read for its
+``eos_token_id`` (which wins over config.json's, as in Hugging Face's ``generate``).
+`load_llama` computes in the dtype config.json names (``dtype``, transformers 5's key,
+or ``torch_dtype``) unless told otherwise.
+
 Only the local filesystem is read (no download). Tensors are read one at a time with
 `safetensors.safe_open` (numpy), so host memory holds one tensor at a time, and placed
 directly with their tensor-parallel sharding when the model has a mesh.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any, Iterator
@@ -35,8 +42,14 @@ from flax import nnx
 from jax_paged_attn.models.llama import LlamaConfig, LlamaForCausalLM
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+"""Dtypes ``dtype="auto"`` may pick (the model computes in them)."""
+
+logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes: skipped when loading.
 _IGNORED_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -67,20 +80,99 @@ def hf_parameter_map(config: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bo
     return mapping
 
 
-def read_config(directory: str | os.PathLike) -> LlamaConfig:
-    """`LlamaConfig` from ``directory/config.json``."""
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``directory/config.json`` (FileNotFoundError without one)."""
     path = os.path.join(os.fspath(directory), CONFIG_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(directory)!r}.")
-    with open(path) as f:
-        try:
-            hf_config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    hf_config = _read_json(path)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(hf_config).__name__}.")
+    return hf_config
+
+
+def read_config(directory: str | os.PathLike) -> LlamaConfig:
+    """`LlamaConfig` from ``directory/config.json`` (and ``generation_config.json``).
+
+    ``eos_token_id`` comes from ``generation_config.json`` when that file exists and sets
+    it (Hugging Face's ``generate`` reads it there), else from config.json.
+    """
+    directory = os.fspath(directory)
+    hf_config = read_hf_config(directory)
+    path = os.path.join(directory, CONFIG_FILE)
+    generation_path = os.path.join(directory, GENERATION_CONFIG_FILE)
+    if os.path.isfile(generation_path):
+        generation = _read_json(generation_path)
+        if not isinstance(generation, dict):
+            raise CheckpointError(f"{generation_path} must hold a JSON object, got {type(generation).__name__}.")
+        if generation.get("eos_token_id") is not None:
+            hf_config = {**hf_config, "eos_token_id": generation["eos_token_id"]}
+            path = f"{path} (with {GENERATION_CONFIG_FILE}'s eos_token_id)"
     try:
         return LlamaConfig.from_hf_config(hf_config)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from e
+
+
+def checkpoint_dtype(directory: str | os.PathLike) -> jnp.dtype:
+    """The dtype a checkpoint says it holds: what ``load_llama(dtype="auto")`` computes in.
+
+    config.json's ``dtype`` (transformers 5's key) or ``torch_dtype`` (older files); both
+    may be present and must then agree. A config naming neither falls back to the dtype
+    of the checkpoint's floating-point tensors (Hugging Face's rule for
+    ``torch_dtype="auto"``) when they all share one of `COMPUTE_DTYPES`, else to
+    float32, and logs one warning saying which and why.
+
+    Raises:
+      CheckpointError (a ValueError): the config names a dtype that is not one of
+        `COMPUTE_DTYPES`, or its two keys disagree.
+    """
+    directory = os.fspath(directory)
+    hf_config = read_hf_config(directory)
+    path = os.path.join(directory, CONFIG_FILE)
+    named = {}
+    for key in ("dtype", "torch_dtype"):
+        value = hf_config.get(key)
+        if value is not None:
+            # Some files write the torch repr ("torch.bfloat16").
+            named[key] = str(value).removeprefix("torch.")
+    if len(set(named.values())) > 1:
+        raise CheckpointError(
+            f"{path} sets dtype = {named['dtype']!r} and torch_dtype = {named['torch_dtype']!r}; they must agree "
+            f"(or pass dtype= explicitly).")
+    if named:
+        key, name = next(iter(named.items()))
+        if name not in COMPUTE_DTYPES:
+            raise CheckpointError(
+                f"{path} {key} = {name!r} is not a compute dtype of this model {COMPUTE_DTYPES}; pass dtype= "
+                f"explicitly.")
+        return jnp.dtype(name)
+    files = _tensor_files(directory)
+    found = set()
+    from safetensors import safe_open
+
+    for file, names in _by_file(files):
+        with safe_open(file, framework="np") as f:
+            for name in names:
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                    found.add(dtype.name)
+    if len(found) == 1 and found <= set(COMPUTE_DTYPES):
+        dtype, why = jnp.dtype(found.pop()), "the dtype of its tensors"
+    else:
+        dtype = jnp.dtype(jnp.float32)
+        why = f"the default, as its floating-point tensors are {sorted(found) or 'absent'}"
+    logger.warning("%s names no dtype (neither 'dtype' nor 'torch_dtype'); computing in %s, %s. "
+                   "Pass dtype= to choose.", path, dtype.name, why)
+    return dtype
 
 
 def _tensor_files(directory: str) -> dict[str, str]:
@@ -127,7 +219,8 @@ def load_checkpoint(
 ) -> LlamaForCausalLM:
     """Loads a Hugging Face checkpoint directory into ``model`` (in place; returns it).
 
-    ``directory/config.json`` must describe the same architecture as ``model.config``.
+    ``directory/config.json`` must describe the same architecture as ``model.config``
+    (``eos_token_id`` may differ: the model keeps its own).
     Floating-point tensors are cast to each parameter's dtype (bf16 checkpoint into a
     float32 model, ...) unless ``strict_dtype``, where any dtype difference is an error.
 
@@ -142,9 +235,10 @@ def load_checkpoint(
 
     directory = os.fspath(directory)
     config = read_config(directory)
-    if config != model.config:
+    # eos_token_id says when to stop generating, not how to compute: it may differ.
+    if dataclasses.replace(config, eos_token_id=None) != dataclasses.replace(model.config, eos_token_id=None):
         diff = {k: (getattr(config, k), getattr(model.config, k)) for k in config.__dataclass_fields__
-                if getattr(config, k) != getattr(model.config, k)}
+                if getattr(config, k) != getattr(model.config, k) and k != "eos_token_id"}
         raise CheckpointError(
             f"{os.path.join(directory, CONFIG_FILE)} does not match the model's config; "
             f"(checkpoint, model) differ on: {diff}."
@@ -235,7 +329,7 @@ def _placement(model: LlamaForCausalLM, param_path: tuple[Any, ...], target: Any
 def load_llama(
     directory: str | os.PathLike,
     *,
-    dtype: Any = jnp.bfloat16,
+    dtype: Any = "auto",
     param_dtype: Any | None = None,
     strict_dtype: bool = False,
     **model_kwargs: Any,
@@ -244,16 +338,30 @@ def load_llama(
 
     Parameters are never randomly initialized: the model is built abstractly
     (`nnx.eval_shape`) and every parameter comes from the checkpoint, placed on the
-    model's mesh with its tensor-parallel sharding when ``mesh=`` is given.
+    model's mesh with its tensor-parallel sharding when ``mesh=`` is given. The
+    config's ``eos_token_id`` (generation_config.json's when it sets one) is on
+    ``model.config``.
 
     Args:
       directory: a local checkpoint directory.
-      dtype: compute dtype; param_dtype: storage dtype of parameters (default: dtype).
+      dtype: compute dtype (float32, bfloat16, float16), or "auto": the dtype the
+        checkpoint names (`checkpoint_dtype`; a warning is logged when it names none).
+      param_dtype: storage dtype of parameters (default: dtype).
       strict_dtype: see `load_checkpoint`.
       model_kwargs: passed to `LlamaForCausalLM` (``kv_cache_dtype``, ``implementation``,
         ``interpret``, ``mesh``, ``tensor_parallel_axis``).
     """
     config = read_config(directory)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = checkpoint_dtype(directory)
+    else:
+        requested = dtype
+        try:
+            dtype = None if dtype is None else jnp.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in COMPUTE_DTYPES:
+            raise TypeError(f"dtype must be 'auto' or one of {COMPUTE_DTYPES}, got {requested!r}.")
     param_dtype = dtype if param_dtype is None else param_dtype
 
     def build() -> LlamaForCausalLM:
@@ -306,7 +414,8 @@ def save_checkpoint(
 
     hf_config = config.to_hf_config()
     dtypes = {t.dtype for t in tensors.values()}
-    hf_config["torch_dtype"] = dtypes.pop().name if len(dtypes) == 1 else "float32"
+    # Both keys: transformers 5 writes "dtype", earlier versions "torch_dtype".
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtypes.pop().name if len(dtypes) == 1 else "float32"
     written = [os.path.join(directory, CONFIG_FILE)]
     with open(written[0], "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
@@ -340,10 +449,13 @@ def save_checkpoint(
 
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "CheckpointError",
+    "checkpoint_dtype",
     "hf_parameter_map",
     "load_checkpoint",
     "load_llama",
     "read_config",
+    "read_hf_config",
     "save_checkpoint",
 ]

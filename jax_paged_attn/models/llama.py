@@ -52,14 +52,20 @@ class LlamaConfig:
       head_dim: ``D``; a supported head size (multiples of 16 from 32 to 256).
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: rotary base.
-      rope_scaling: None, or the Hugging Face ``rope_scaling`` dict frozen as sorted
-        ``(key, value)`` pairs; rope types "default", "linear" and "llama3" are supported.
-        Use `rope_scaling_dict` to read it.
+      rope_scaling: None (plain rotary embeddings, Hugging Face's rope type "default"),
+        or the scaling entries of Hugging Face's ``rope_scaling`` / ``rope_parameters``
+        dict frozen as sorted ``(key, value)`` pairs, with ``rope_type`` "linear"
+        (needs ``factor``) or "llama3" (needs ``factor``, ``low_freq_factor``,
+        ``high_freq_factor``, ``original_max_position_embeddings``). Use
+        `rope_scaling_dict` to read it.
       max_position_embeddings: informational (positions are not bounded by the model).
       tie_word_embeddings: the output projection is the transposed input embedding.
       sliding_window: None, or the number of most recent tokens (the current one
         included) a token attends to (Mistral's convention).
       model_type: "llama" or "mistral" (only written back to config.json).
+      eos_token_id: the token id(s) that end a generation: None, an int, or a tuple of
+        ints (Llama 3 instruct models have several). Not part of the architecture:
+        `jax_paged_attn.models.load_checkpoint` ignores it when it compares configs.
     """
 
     vocab_size: int
@@ -76,6 +82,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
+    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -96,11 +103,9 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1, got {self.sliding_window!r}.")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}.")
-        rope_type = self.rope_scaling_dict().get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}."
-            )
+        _check_rope_scaling(self.rope_scaling_dict(), "LlamaConfig.rope_scaling")
+        object.__setattr__(self, "eos_token_id",
+                           _normalize_eos_token_id(self.eos_token_id, "LlamaConfig.eos_token_id"))
 
     def rope_scaling_dict(self) -> dict[str, Any]:
         """The ``rope_scaling`` entries as a dict (empty when there is none)."""
@@ -110,8 +115,13 @@ class LlamaConfig:
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "LlamaConfig":
         """Builds a config from the dict of a Hugging Face ``config.json``.
 
-        Raises ValueError for features this model does not implement (biases in the
-        projections, an activation other than SiLU, unknown rope scaling).
+        Reads the rope settings in both spellings (``rope_theta`` / ``rope_scaling``, and
+        transformers 5's ``rope_parameters``) and ``eos_token_id`` (an int or a list).
+
+        Raises ValueError naming the field for features this model does not implement
+        (biases in the projections, an activation other than SiLU, a rope type other
+        than "default", "linear" and "llama3", per-layer-type rope parameters) and for
+        rope spellings that disagree.
         """
         if not isinstance(hf_config, Mapping):
             raise TypeError(f"hf_config must be a dict (a parsed config.json), got {type(hf_config).__name__}.")
@@ -131,13 +141,7 @@ class LlamaConfig:
             raise ValueError(f"config.json hidden_act={act!r}; only 'silu' (SwiGLU) is supported.")
         num_heads = int(hf_config["num_attention_heads"])
         head_dim = hf_config.get("head_dim") or int(hf_config["hidden_size"]) // num_heads
-        rope_scaling = hf_config.get("rope_scaling")
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            # Older configs name the type "type"; newer ones "rope_type".
-            if "type" in rope_scaling and "rope_type" not in rope_scaling:
-                rope_scaling["rope_type"] = rope_scaling.pop("type")
-            rope_scaling = tuple(sorted((str(k), _freeze(v)) for k, v in rope_scaling.items()))
+        rope_theta, rope_scaling = _rope_from_hf_config(hf_config)
         sliding_window = hf_config.get("sliding_window")
         if hf_config.get("use_sliding_window") is False:
             sliding_window = None
@@ -150,12 +154,13 @@ class LlamaConfig:
             num_key_value_heads=int(hf_config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(hf_config.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             sliding_window=None if sliding_window is None else int(sliding_window),
             model_type=model_type,
+            eos_token_id=_normalize_eos_token_id(hf_config.get("eos_token_id"), "config.json eos_token_id"),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -181,6 +186,8 @@ class LlamaConfig:
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         return out
 
     @classmethod
@@ -201,6 +208,117 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
     return value
+
+
+DEFAULT_ROPE_THETA = 10000.0
+"""Hugging Face's rotary base when a config names none."""
+
+ROPE_REQUIRED_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The entries each supported rope type reads (besides ``rope_type`` and ``rope_theta``)."""
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any], field: str) -> None:
+    """Raises ValueError naming ``field`` for an unsupported rope type or a missing / bad entry."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{field}['rope_type'] = {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES} "
+            f"(other rope types would silently give wrong positions)."
+        )
+    for key in ROPE_REQUIRED_KEYS[rope_type]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{field}[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}.")
+
+
+def _rope_entries(value: Any, field: str) -> dict[str, Any] | None:
+    """A config.json rope dict as a plain dict with ``rope_type`` (older files spell it ``type``)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config.json {field} must be a dict or null, got {value!r}.")
+    entries = {str(k): v for k, v in value.items()}
+    if "type" in entries and "rope_type" not in entries:
+        entries["rope_type"] = entries.pop("type")
+    return entries
+
+
+def _frozen_scaling(entries: dict[str, Any], field: str) -> tuple[tuple[str, Any], ...] | None:
+    """`LlamaConfig.rope_scaling` of a rope dict: None for plain rotary embeddings."""
+    scaling = {k: v for k, v in entries.items() if k != "rope_theta"}
+    _check_rope_scaling(scaling, f"config.json {field}")
+    if scaling.get("rope_type", "default") == "default":
+        return None
+    return tuple(sorted((k, _freeze(v)) for k, v in scaling.items()))
+
+
+def _rope_from_hf_config(hf_config: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """``(rope_theta, rope_scaling)`` of a config.json in either spelling.
+
+    transformers < 5 writes ``rope_theta`` and ``rope_scaling`` (null, or a dict with
+    ``rope_type``); transformers 5 writes one ``rope_parameters`` dict holding
+    ``rope_type``, ``rope_theta`` and the scaling entries. Both are read. When a file
+    has both spellings they must agree: whichever one we picked, the other could be the
+    one the checkpoint was trained with.
+    """
+    legacy_theta = hf_config.get("rope_theta")
+    legacy = _rope_entries(hf_config.get("rope_scaling"), "rope_scaling")
+    legacy_scaling = None if legacy is None else _frozen_scaling(legacy, "rope_scaling")
+    params = _rope_entries(hf_config.get("rope_parameters"), "rope_parameters")
+    if params is None:
+        theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
+        return _rope_theta(theta, "rope_theta"), legacy_scaling
+    nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
+    if nested:
+        raise ValueError(
+            f"config.json rope_parameters holds one dict per layer type ({nested}); this model uses one "
+            f"rotary embedding in every layer."
+        )
+    partial = params.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(
+            f"config.json rope_parameters['partial_rotary_factor'] = {partial!r} is not supported (only 1.0: "
+            f"every channel rotates).")
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
+    elif legacy_theta is not None and _rope_theta(legacy_theta, "rope_theta") != _rope_theta(
+            theta, "rope_parameters['rope_theta']"):
+        raise ValueError(
+            f"config.json sets rope_theta = {legacy_theta!r} and rope_parameters['rope_theta'] = {theta!r}; "
+            f"they must agree.")
+    scaling = _frozen_scaling(params, "rope_parameters")
+    if legacy is not None and legacy_scaling != scaling:
+        raise ValueError(
+            f"config.json sets rope_scaling = {hf_config.get('rope_scaling')!r} and rope_parameters = "
+            f"{hf_config.get('rope_parameters')!r}; they must describe the same rope.")
+    return _rope_theta(theta, "rope_parameters['rope_theta']"), scaling
+
+
+def _rope_theta(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"config.json {field} must be a positive number, got {value!r}.")
+    return float(value)
+
+
+def _normalize_eos_token_id(value: Any, field: str) -> int | tuple[int, ...] | None:
+    """None, an int id, or a tuple of ids (a list becomes a tuple: the config is hashable)."""
+
+    def token_id(x: Any) -> int:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+            raise ValueError(f"{field} must be None, a token id (int >= 0) or a list of them, got {value!r}.")
+        return int(x)
+
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        ids = tuple(token_id(x) for x in value)
+        return ids or None  # an empty list names no end token, like null
+    return token_id(value)
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
