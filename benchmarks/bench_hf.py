@@ -99,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for mode in args.modes.split(","):
             start = time.perf_counter()
             try:
-                with torch.inference_mode():
+                # generate_batch refuses tensors made under inference_mode: no_grad instead.
+                with torch.no_grad():
                     if mode == "static_compile":
                         row = bench_generate(model, batch, args.prompt_len, args.new_tokens,
                                              cache_implementation="static")
