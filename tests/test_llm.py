@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from jax_paged_attn.engine import LLM, LLMOutput, SamplingParams, dense_greedy_generate
+from jax_paged_attn.engine import LLM, LLMOutput, SamplingParams
+from jax_paged_attn.models import dense_greedy_generate
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
 
 CORPUS = ["the cat sat on the mat", "a dog ran to the red house", "my name is jax and i like paged caches"]
