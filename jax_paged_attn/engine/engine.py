@@ -60,7 +60,7 @@ from jax_paged_attn.builder import (
     pack_per_token,
     sequence_rows,
 )
-from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, HostDecodeRows, ModelRunner, check_model
+from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
 from jax_paged_attn.engine.sampling import SamplingParams
 from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.tuning import next_power_of_2
@@ -534,7 +534,7 @@ class LLMEngine:
         longest = max(self.scheduler.final_length(r) for r in running)
         width = next_power_of_2(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]))
         stop_lists = [self.scheduler.stop_token_ids(r) for r in running]
-        rows = HostDecodeRows.empty(num_rows, width, next_power_of_2(max(1, max(len(s) for s in stop_lists))))
+        rows = DecodeState.empty(num_rows, width, next_power_of_2(max(1, max(len(s) for s in stop_lists))))
         for i, (request, stops) in enumerate(zip(running, stop_lists)):
             params = request.sampling_params
             rows.tokens[i] = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]

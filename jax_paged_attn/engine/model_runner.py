@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import threading
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -44,8 +43,6 @@ from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.cache import PAD_SLOT_ID
 
 Array = jax.Array
-
-logger = logging.getLogger(__name__)
 
 NO_TOKEN = -1
 """Token id of a decode-window step in which a row sampled nothing (it had stopped)."""
@@ -131,6 +128,17 @@ class DecodeState:
     num_generated: Array
     max_tokens: Array
     stop_ids: Array
+
+    @staticmethod
+    def empty(num_rows: int, width: int, num_stop_ids: int) -> "DecodeState":
+        """Inactive rows with NumPy leaves, for the host to fill and `ModelRunner.start_decode` to upload."""
+        return DecodeState(
+            tokens=np.zeros(num_rows, np.int32), positions=np.zeros(num_rows, np.int32),
+            active=np.zeros(num_rows, bool), block_tables=np.zeros((num_rows, width), np.int32),
+            temperature=np.zeros(num_rows, np.float32), top_p=np.ones(num_rows, np.float32),
+            top_k=np.full(num_rows, -1, np.int32), seed=np.zeros(num_rows, np.uint32),
+            num_generated=np.zeros(num_rows, np.int32), max_tokens=np.ones(num_rows, np.int32),
+            stop_ids=np.full((num_rows, num_stop_ids), NO_STOP_ID, np.int32))
 
 
 def decode_metadata(positions: Array, active: Array, block_tables: Array, block_size: int) -> FlashAttentionMetadata:
@@ -242,34 +250,6 @@ def _programs(graphdef: Any, treedef: Any, compiler_options: tuple[tuple[str, An
     return _Programs(graphdef, treedef, compiler_options)
 
 
-@dataclasses.dataclass
-class HostDecodeRows:
-    """Host values of the persistent batch's rows (NumPy, padded to the row bucket);
-    `ModelRunner.start_decode` uploads them. Fields as in `DecodeState`."""
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    active: np.ndarray
-    block_tables: np.ndarray
-    temperature: np.ndarray
-    top_p: np.ndarray
-    top_k: np.ndarray
-    seed: np.ndarray
-    num_generated: np.ndarray
-    max_tokens: np.ndarray
-    stop_ids: np.ndarray
-
-    @staticmethod
-    def empty(num_rows: int, width: int, num_stop_ids: int) -> "HostDecodeRows":
-        return HostDecodeRows(
-            tokens=np.zeros(num_rows, np.int32), positions=np.zeros(num_rows, np.int32),
-            active=np.zeros(num_rows, bool), block_tables=np.zeros((num_rows, width), np.int32),
-            temperature=np.zeros(num_rows, np.float32), top_p=np.ones(num_rows, np.float32),
-            top_k=np.full(num_rows, -1, np.int32), seed=np.zeros(num_rows, np.uint32),
-            num_generated=np.zeros(num_rows, np.int32), max_tokens=np.ones(num_rows, np.int32),
-            stop_ids=np.full((num_rows, num_stop_ids), NO_STOP_ID, np.int32))
-
-
 class ModelRunner:
     """Owns the model's parameters, the KV caches, the persistent decode batch and the
     jitted programs; every call dispatches device work and returns device arrays.
@@ -312,14 +292,9 @@ class ModelRunner:
                                                      sampling, greedy=greedy)
         return tokens
 
-    def start_decode(self, rows: HostDecodeRows) -> None:
-        """Uploads a new persistent batch (after admissions, finishes or preemptions)."""
-        self._decode_state = DecodeState(**{f.name: jnp.asarray(getattr(rows, f.name))
-                                            for f in dataclasses.fields(DecodeState)})
-
-    @property
-    def has_decode_state(self) -> bool:
-        return self._decode_state is not None
+    def start_decode(self, rows: DecodeState) -> None:
+        """Uploads a new persistent batch (host rows from `DecodeState.empty`, filled in)."""
+        self._decode_state = jax.tree_util.tree_map(jnp.asarray, rows)
 
     def drop_decode_state(self) -> None:
         self._decode_state = None
