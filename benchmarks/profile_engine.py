@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: the engine's decode window and the dense loop's
+step, kernel by kernel, from a JAX profiler trace.
+
+    python benchmarks/profile_engine.py [--batches 1,32,256] [--context 192]
+                                        [--num-steps 16] [--out DIR]
+                                        [--variant NAME:OPTION=VALUE[,OPTION=VALUE...]]
+
+For each batch size it builds the 1.1B Llama of `bench_engine.py` (random weights,
+bfloat16), a persistent decode batch of that many rows at position ``--context``, and
+compiles `ModelRunner`'s decode window (``--num-steps`` steps per call). It prints:
+
+* ms per step (wall, 20 windows back to back) and the GPU's busy time per step (the
+  union of kernel intervals), so launch gaps show as the difference;
+* kernels per step and the largest kernels: count and microseconds per step;
+* the same for the dense XLA loop's step (`bench_engine.make_dense_decode_step`).
+
+``--variant`` compiles the window again with XLA options (``jax.jit``'s
+``compiler_options``) and reports its ms per step beside the default, e.g.
+``--variant nocb:xla_gpu_enable_command_buffer=``. ``--out`` keeps the traces
+(``perfetto_trace.json.gz``) and the optimized HLO of each program.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+for path in (_REPO, _REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench_engine import LLAMA_1B, make_dense_decode_step  # noqa: E402
+from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner  # noqa: E402
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def device_kernel_events(trace_path: pathlib.Path) -> list[dict[str, Any]]:
+    """Complete events ("X") of the trace's GPU streams (kernels and copies)."""
+    with gzip.open(trace_path, "rt") as fp:
+        trace = json.load(fp)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process_names, thread_names = {}, {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            process_names[event["pid"]] = event.get("args", {}).get("name", "")
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            thread_names[(event["pid"], event["tid"])] = event.get("args", {}).get("name", "")
+    device_pids = {pid for pid, name in process_names.items() if re.search(r"GPU|gpu", name)}
+    out = []
+    for event in events:
+        if event.get("ph") != "X" or event.get("pid") not in device_pids:
+            continue
+        thread = thread_names.get((event["pid"], event.get("tid")), "")
+        if thread.startswith("Stream") or "stream" in thread.lower():
+            out.append(event)
+    if not out:
+        print(f"no GPU stream events in {trace_path}; processes {sorted(set(process_names.values()))[:20]}, "
+              f"threads {sorted(set(thread_names.values()))[:40]}")
+    return out
+
+
+def busy_us(events: Sequence[dict[str, Any]]) -> float:
+    """Microseconds in which at least one event runs (the union of their intervals)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events)
+    total, end = 0.0, -1.0
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def kernel_family(name: str) -> str:
+    """A coarse class of a kernel's name, for the per-step summary."""
+    lowered = name.lower()
+    if any(s in lowered for s in ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "matmul (cuBLAS)"
+    if "triton" in lowered and "fusion" in lowered or lowered.startswith(("gemm_fusion", "triton_gemm")):
+        return "matmul (XLA Triton)"
+    if any(s in lowered for s in ("paged", "decode", "attention", "flash", "prefill", "cache")):
+        return "attention / cache (Pallas)"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "copy / memset"
+    if "fusion" in lowered or "reduce" in lowered or "scatter" in lowered or "gather" in lowered:
+        return "XLA fusion"
+    return "other"
+
+
+def summarize(events: Sequence[dict[str, Any]], num_steps: int, top: int = 14) -> str:
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        per_name[e["name"]].append(float(e.get("dur", 0)))
+    families: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for name, durs in per_name.items():
+        fam = families[kernel_family(name)]
+        fam[0] += len(durs)
+        fam[1] += sum(durs)
+    lines = ["| kernel family | kernels / step | us / step |", "| --- | --- | --- |"]
+    for fam, (count, total) in sorted(families.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {fam} | {count / num_steps:.1f} | {total / num_steps:.1f} |")
+    lines += ["", "| kernel | per step | us / step | us each |", "| --- | --- | --- | --- |"]
+    for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| `{name[:90]}` | {len(durs) / num_steps:.1f} | {sum(durs) / num_steps:.1f} | "
+                     f"{np.mean(durs):.1f} |")
+    return "\n".join(lines)
+
+
+def profile(run: Callable[[], Any], num_steps_per_call: int, calls: int, trace_dir: pathlib.Path) -> tuple[float, float, str]:
+    """(wall ms/step, GPU-busy ms/step, kernel summary) of ``run`` (one call = that many steps)."""
+    jax.block_until_ready(run())
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = run()
+    jax.block_until_ready(result)
+    wall_ms = 1e3 * (time.perf_counter() - start) / (calls * num_steps_per_call)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    traced_calls = 2
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(traced_calls):
+            result = run()
+        jax.block_until_ready(result)
+    traces = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return wall_ms, float("nan"), "(no trace written)"
+    events = device_kernel_events(traces[-1])
+    steps = traced_calls * num_steps_per_call
+    return wall_ms, busy_us(events) / 1e3 / steps, summarize(events, steps)
+
+
+def window_runner(model: LlamaForCausalLM, batch: int, context: int, num_steps: int, block_size: int,
+                  compiler_options: dict[str, Any] | None) -> tuple[ModelRunner, Callable[[], Any]]:
+    width = -(-(context + 4 * num_steps * 30) // block_size)
+    runner = ModelRunner(model, num_blocks=batch * width + 1, block_size=block_size,
+                         compiler_options=compiler_options)
+    rows = DecodeState.empty(batch, width, 1)
+    rows.tokens[:] = 1
+    rows.positions[:] = context
+    rows.active[:] = True
+    rows.block_tables[:] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) + 1
+    rows.max_tokens[:] = 1 << 30
+    runner.start_decode(rows)
+    keep = np.ones(batch, bool)
+    block_rows = np.full(batch, batch, np.int32)
+    block_values = np.zeros((batch, width), np.int32)
+    max_len = width * block_size + 1
+
+    def run() -> Any:
+        # Rewind the rows so every call decodes at the same context length.
+        runner._decode_state = jax.tree_util.tree_map(jnp.asarray, rows)
+        return runner.run_decode_window(keep, block_rows, block_values, num_steps=num_steps, greedy=True,
+                                        max_model_len=max_len)
+
+    return runner, run
+
+
+def dense_runner(model: LlamaForCausalLM, batch: int, context: int) -> Callable[[], Any]:
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    step = make_dense_decode_step(graphdef, None)
+    shape = (batch, context + 64, cfg.num_key_value_heads, cfg.head_dim)
+    caches = {"k": [jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)],
+              "v": [jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]}
+    tokens = jnp.ones((batch,), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+
+    def run() -> Any:
+        out, _, caches["k"], caches["v"] = step(state, caches["k"], caches["v"], tokens, lengths)
+        return out
+
+    return run
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    name, _, options = text.partition(":")
+    parsed: dict[str, Any] = {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        parsed[key] = {"true": True, "false": False}.get(value.lower(), value)
+        if isinstance(parsed[key], str) and re.fullmatch(r"-?\d+", value):
+            parsed[key] = int(value)
+    return name, parsed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--context", type=int, default=192, help="position of every row's token")
+    parser.add_argument("--num-steps", type=int, default=16, help="decode steps per window")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=20, help="timed windows (dense: timed steps / num_steps)")
+    parser.add_argument("--variant", action="append", default=[], help="NAME:XLA_OPTION=VALUE,...")
+    parser.add_argument("--no-dense", action="store_true")
+    parser.add_argument("--out", default=None, help="keep traces and optimized HLO here")
+    parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
+    args = parser.parse_args(argv)
+
+    config, dtype = (LlamaConfig.tiny(), jnp.float32) if args.quick else (LLAMA_1B, jnp.bfloat16)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="profile_engine_"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    variants = [("default", {})] + [parse_variant(v) for v in args.variant]
+    print(f"# decode step profile: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{jnp.dtype(dtype).name}, context {args.context}, {args.num_steps}-step windows, "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}\n")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for name, options in variants:
+            runner, run = window_runner(model, batch, args.context, args.num_steps, args.block_size, options or None)
+            label = f"b{batch}_{name}"
+            try:
+                wall, busy, table = profile(run, args.num_steps, args.calls, out / f"trace_{label}")
+            except Exception as error:  # an option this XLA does not know: report it, go on
+                print(f"## batch {batch}, engine window, {name} {options}: failed: {error!r}\n")
+                continue
+            print(f"## batch {batch}, engine window, {name} {options or ''}: {wall:.3f} ms/step wall, "
+                  f"{busy:.3f} ms/step GPU busy\n")
+            if name == "default":
+                print(table + "\n")
+                compiled = runner.window_program.lower(
+                    runner.params, runner.kv_caches, runner._decode_state, np.ones(batch, bool),
+                    np.full(batch, batch, np.int32), np.zeros((batch, runner._decode_state.block_tables.shape[1]),
+                                                              np.int32),
+                    num_steps=args.num_steps, greedy=True, block_size=args.block_size,
+                    max_model_len=runner._decode_state.block_tables.shape[1] * args.block_size + 1).compile()
+                (out / f"window_{label}.hlo.txt").write_text(compiled.as_text())
+            del runner, run
+        if not args.no_dense:
+            run = dense_runner(model, batch, args.context)
+            wall, busy, table = profile(run, 1, args.calls * args.num_steps, out / f"trace_b{batch}_dense")
+            print(f"## batch {batch}, dense XLA step: {wall:.3f} ms/step wall, {busy:.3f} ms/step GPU busy\n")
+            print(table + "\n", flush=True)
+    print(f"traces and HLO under {out}")
+
+
+if __name__ == "__main__":
+    main()
