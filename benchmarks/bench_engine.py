@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
 
     if args.quick:
-        config, dtype = LlamaConfig.tiny(), jnp.float32
+        config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32  # the serving run's lengths
         batches = [1, 4]
         prompt_len, new_tokens = args.prompt_len or 8, args.new_tokens or 8
         compiler_options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None

@@ -230,6 +230,9 @@ def test_decode_window_program_has_no_conditional():
     runner = engine.runner
     state = runner._decode_state
     rows, width = state.block_tables.shape
+    # One request gets two rows: with one, XLA's GPU simplifier turns every projection
+    # into a multiply writing a weight-sized product (3x the weight traffic).
+    assert rows == 2 and state.active.tolist() == [True, False]
     for greedy_batch in (True, False):
         text = runner.window_program.trace(
             runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),

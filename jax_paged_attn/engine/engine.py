@@ -60,7 +60,8 @@ from jax_paged_attn.builder import (
     pack_per_token,
     sequence_rows,
 )
-from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
+from jax_paged_attn.engine.model_runner import (NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model,
+                                               decode_batch_rows)
 from jax_paged_attn.engine.sampling import SamplingParams
 from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.tuning import next_power_of_2
@@ -528,7 +529,7 @@ class LLMEngine:
         """Uploads the running requests as the rows of a new persistent batch."""
         running = list(self.scheduler.running)
         cfg = self.config
-        num_rows = next_power_of_2(len(running))
+        num_rows = decode_batch_rows(len(running))
         # Wide enough for every row's last position, so the batch never needs rebuilding
         # (and recompiling) to grow a row; the kernels read only each row's own blocks.
         longest = max(self.scheduler.final_length(r) for r in running)
@@ -768,7 +769,7 @@ class _DecodeBatch:
         if self.wants_wider_table:
             return True
         live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and next_power_of_2(live) < self.num_rows
+        return live > 0 and decode_batch_rows(live) < self.num_rows
 
 
 _copy_blocks_donated = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=(0,))
