@@ -61,7 +61,7 @@ from jax_paged_attn.builder import (
     sequence_rows,
 )
 from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
-from jax_paged_attn.engine.sampling import SamplingParams
+from jax_paged_attn.engine.sampling import Logprob, SamplingParams, logprob_dicts, logprobs_bucket
 from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.tuning import next_power_of_2
 
@@ -179,6 +179,11 @@ class RequestOutput:
       num_cached_tokens: prompt tokens served from the prefix cache.
       num_preemptions: times it was swapped out (or dropped for recomputation).
       time_to_first_token_s, latency_s: from ``add_request``.
+      logprobs: with ``SamplingParams.logprobs`` set, one ``{token_id: Logprob}`` per
+        output token (the top ``logprobs`` tokens in decreasing order, then the sampled
+        token if it is not among them); else None.
+      cumulative_logprob: the sum of the output tokens' logprobs; None without
+        ``SamplingParams.logprobs``.
     """
 
     request_id: str
@@ -189,6 +194,8 @@ class RequestOutput:
     num_preemptions: int
     time_to_first_token_s: float | None
     latency_s: float
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @staticmethod
     def of(request: Request) -> "RequestOutput":
@@ -202,6 +209,8 @@ class RequestOutput:
             time_to_first_token_s=(None if request.first_token_time is None
                                    else request.first_token_time - request.arrival_time),
             latency_s=(request.finish_time or time.perf_counter()) - request.arrival_time,
+            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
+            cumulative_logprob=request.cumulative_logprob,
         )
 
 
@@ -484,8 +493,14 @@ class LLMEngine:
         self._run_block_ops(out)
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
         greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
-        tokens = np.asarray(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy))  # waits
+        num_logprobs = self._num_logprobs([item.request for item in out.scheduled if item.samples])
+        tokens, logprobs = _to_host(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy,
+                                                         num_logprobs=num_logprobs))  # waits
         sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
+        if logprobs is not None:
+            for item, row in zip(out.scheduled, rows):
+                if item.samples:
+                    _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
         finished += self.scheduler.update(out, sampled)
         compiled = self.runner.num_traces - traces_before
         self._record(out, len(sampled) + num_drained, time.perf_counter() - start_time, compiled)
@@ -550,7 +565,7 @@ class LLMEngine:
             requests=running, num_rows=num_rows, width=width,
             next_position=rows.positions.copy(), table_len=np.array(
                 [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
-            greedy=all(r.sampling_params.greedy for r in running))
+            greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
 
     def _dispatch_window(self) -> bool:
         """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
@@ -587,7 +602,8 @@ class LLMEngine:
         keep = np.zeros(batch.num_rows, bool)
         keep[live] = True
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
-                                            max_model_len=self.config.max_model_len)
+                                            max_model_len=self.config.max_model_len,
+                                            num_logprobs=batch.num_logprobs)
         batch.inflight.append(out)
         batch.next_position[live] += k
         return True
@@ -596,13 +612,15 @@ class LLMEngine:
         """Waits for the oldest window in flight and records its tokens."""
         batch = self._batch
         assert batch is not None and batch.inflight
-        tokens = np.asarray(batch.inflight.popleft())  # [K, R]; waits for that window only
+        tokens, logprobs = _to_host(batch.inflight.popleft())  # [K, R]; waits for that window only
         now = time.perf_counter()
         counts = (tokens != NO_TOKEN).sum(axis=0)
         finished, num_tokens = [], 0
         for i in np.nonzero(counts[:len(batch.requests)])[0]:
             request = batch.requests[i]
             n = int(counts[i])
+            if logprobs is not None:
+                _append_logprobs(request, tokens[:n, i], logprobs, np.s_[:n, i])
             if self.scheduler.record_decoded(request, tokens[:n, i].tolist(), now) is not None:
                 finished.append(request)
             num_tokens += n
@@ -655,6 +673,12 @@ class LLMEngine:
             temperature[row], top_p[row], top_k[row] = params.temperature, params.top_p, params.top_k
             seed[row], counter[row] = request.seed, len(request.output_token_ids)
         return temperature, top_p, top_k, seed, counter
+
+    def _num_logprobs(self, requests: Sequence[Request]) -> int | None:
+        """Static ``num_logprobs`` of a program sampling for ``requests``: None when none
+        asks for logprobs (the programs without them), else a bucket of the largest ask."""
+        asks = [r.sampling_params.logprobs for r in requests if r.sampling_params.logprobs is not None]
+        return logprobs_bucket(max(asks), self.vocab_size) if asks else None
 
     # ---------------------------------------------------------------- stats
     def _scheduler_counts(self) -> dict[str, int]:
@@ -759,6 +783,7 @@ class _DecodeBatch:
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
     greedy: bool
+    num_logprobs: int | None = None  # the window programs' static num_logprobs
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
 
@@ -843,6 +868,27 @@ def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) ->
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
     forward(state, ids, positions, metadata).block_until_ready()
     return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
+
+
+def _to_host(result: Any) -> tuple[np.ndarray, Any]:
+    """``(tokens, TokenLogprobs | None)`` in NumPy from `ModelRunner.run_step` /
+    `ModelRunner.run_decode_window`'s result (waits for it)."""
+    if isinstance(result, tuple):
+        tokens, logprobs = result
+        return np.asarray(tokens), jax.tree_util.tree_map(np.asarray, logprobs)
+    return np.asarray(result), None
+
+
+def _append_logprobs(request: Request, tokens: np.ndarray, logprobs: Any, index: Any) -> None:
+    """Appends the logprobs of ``tokens`` (about to be recorded for ``request``) when it
+    asked for them; ``index`` selects those tokens' entries in ``logprobs`` (NumPy
+    `TokenLogprobs`). A request that finished (aborted) records nothing, as its tokens."""
+    k = request.sampling_params.logprobs
+    if k is None or request.is_finished:
+        return
+    mine = jax.tree_util.tree_map(lambda x: x[index], logprobs)
+    request.output_logprobs.extend(logprob_dicts(tokens, mine, k))
+    request.cumulative_logprob += float(mine.sampled_logprob.astype(np.float64).sum())
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
