@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import logging
 import sys
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -74,6 +75,23 @@ DEFAULT_SWAP_SPACE_GIB = 4.0
 
 DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS = 256
 """KV cache blocks when ``num_blocks`` is None and the device reports no memory statistics (CPU)."""
+
+_COMPILE_EVENT_PREFIX = "/jax/core/compile/"  # JAX's tracing, lowering and XLA compilation events
+_compile_events = 0
+_compile_events_lock = threading.Lock()
+
+
+def _on_jax_event(event: str, duration_s: float, **kwargs: Any) -> None:
+    global _compile_events
+    if event.startswith(_COMPILE_EVENT_PREFIX):
+        with _compile_events_lock:
+            _compile_events += 1
+
+
+# Counts every compilation in the process, not only the runner's programs: a step that
+# first swaps or copies blocks (or allocates the host swap space) compiles those
+# programs too, and its time must not count as serving time.
+jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +238,12 @@ class EngineStats:
 
     Throughput attribution: a step that contains any prefill chunk counts as a prefill
     step (its time and prefill tokens); a step with only decodes counts as a decode
-    step (its time and one token per request). Steps that compiled a new program are
-    kept apart (``compile_time_s``) so compilation does not distort the rates.
+    step (its time and one token per request). Steps in which anything compiled (a
+    model program, or a swap / copy-on-write program, the host swap space's allocation:
+    any JAX compilation in the process, seen through `jax.monitoring`) are kept apart
+    (``compile_steps``, ``compile_time_s``, their tokens in ``num_generated_tokens``
+    only) so compilation does not distort the rates. ``num_compiled_programs`` counts
+    the model programs (step and decode window) only.
     """
 
     num_steps: int = 0
@@ -261,24 +283,35 @@ class EngineStats:
 
 
 class _Progress:
-    """A tqdm bar over requests, updated every step with tokens/s since the start."""
+    """A tqdm bar over requests, updated every step with the tokens so far and tokens/s
+    over the steps that compiled nothing (a compilation stall is shown as such, not
+    averaged into the rate)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.tokens = 0
-        self.start = time.perf_counter()
+        self.serving_tokens = 0  # generated in steps that compiled nothing ...
+        self.serving_time_s = 0.0  # ... and those steps' time
+        self.compile_time_s = 0.0
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
 
-    def update(self, finished: int, tokens: int, *, compiled: bool) -> None:
+    def update(self, finished: int, tokens: int, elapsed_s: float, *, compiled: bool) -> None:
         self.tokens += tokens
+        if compiled:
+            self.compile_time_s += elapsed_s
+        else:
+            self.serving_tokens += tokens
+            self.serving_time_s += elapsed_s
         if self.bar is None:
             return
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:,.0f} tok/s" + (" (compiled a program)" if compiled
-                                                                                else ""), refresh=False)
+        rate = self.serving_tokens / self.serving_time_s if self.serving_time_s else 0.0
+        text = f"{self.tokens} tokens, {rate:,.0f} tok/s"
+        if self.compile_time_s:
+            text += f", compiling {self.compile_time_s:.1f} s" + (" (now)" if compiled else "")
+        self.bar.set_postfix_str(text, refresh=False)
         self.bar.update(finished)
         if not finished:
             self.bar.refresh()
@@ -353,6 +386,7 @@ class LLMEngine:
         self._host_caches: list[Array] | None = None
         self._batch: _DecodeBatch | None = None
         self._num_traces = 0
+        self._compile_events_before = _compile_events
         self.stats = EngineStats()
         self._stats_base = self._scheduler_counts()
         self._request_counter = 0
@@ -475,6 +509,7 @@ class LLMEngine:
         """
         start_time = time.perf_counter()
         traces_before = self.runner.num_traces
+        self._compile_events_before = _compile_events  # see `_record`
         if self._decode_window_ready():
             window = self._decode_window_step()
             if window is not None:
@@ -696,7 +731,8 @@ class LLMEngine:
         s.num_compiled_programs = self._num_traces
         for name, value in self._scheduler_counts().items():
             setattr(s, name, value - self._stats_base[name])
-        if compiled:
+        # Not only the runner's programs: the step's block moves may have compiled.
+        if compiled or _compile_events != self._compile_events_before:
             s.compile_steps += 1
             s.compile_time_s += elapsed
         elif out is not None and out.num_prefills:
@@ -724,8 +760,8 @@ class LLMEngine:
         Args:
           prompts: token-id sequences.
           sampling_params: one `SamplingParams` for all, or one per prompt.
-          use_tqdm: show a progress bar (requests done, tokens/s since the start; steps
-            that compile a program are shown as such).
+          use_tqdm: show a progress bar (requests done, tokens so far, tokens/s over the
+            steps that compiled nothing, and the time spent in steps that compiled).
 
         Every prompt is validated before any runs: a bad one raises ValueError naming
         its index (``prompts[i]: ...``), and requests already in the engine are untouched.
@@ -761,12 +797,14 @@ class LLMEngine:
             while pending:
                 tokens_before = self.stats.num_generated_tokens
                 compiles_before = self.stats.compile_steps
+                start_time = time.perf_counter()
                 finished = self.step()
+                elapsed_s = time.perf_counter() - start_time
                 mine = [f for f in finished if f.request_id in pending]
                 for f in mine:
                     pending.discard(f.request_id)
                     outputs[f.request_id] = self.pop_output(f.request_id)
-                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before,
+                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before, elapsed_s,
                                 compiled=self.stats.compile_steps > compiles_before)
         finally:
             progress.close()
