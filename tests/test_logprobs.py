@@ -217,3 +217,34 @@ def test_llm_fills_decoded_tokens(checkpoint):  # noqa: F811
             assert lp.decoded_token == tokenizer.decode([tid], skip_special_tokens=False) and lp.decoded_token
             assert (lp.logprob, lp.rank) == (raw[tid].logprob, raw[tid].rank) and raw[tid].decoded_token is None
     assert out.cumulative_logprob == out.request_output.cumulative_logprob
+
+
+# --------------------------------------------------------------------------- examples/generate.py
+
+
+def load_generate_example():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("example_generate_logprobs", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_example_prints_logprobs(checkpoint, capsys):  # noqa: F811
+    generate = load_generate_example()
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--logprobs", "21"])
+    assert exit_.value.code == 2 and "logprobs must be None or an int in [0, 20]" in capsys.readouterr().err
+    _, outputs = generate.main(["--checkpoint", str(checkpoint[0]), "--prompts", "the cat sat", "--temperature", "0",
+                                "--max-tokens", "3", "--logprobs", "2", "--num-blocks", "24", "--max-num-seqs", "4",
+                                "--max-num-batched-tokens", "32"])
+    out = capsys.readouterr().out
+    (o,) = outputs
+    assert len(o.logprobs) == 3 and f"cumulative logprob {o.cumulative_logprob:.3f}; per token: " in out
+    first = o.logprobs[0][o.output_token_ids[0]]
+    assert f"{first.decoded_token!r} {first.logprob:.2f} (rank 1) [top: " in out
