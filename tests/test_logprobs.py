@@ -166,11 +166,13 @@ def test_no_logprobs_runs_the_programs_without_them(model):
 
 @pytest.mark.parametrize("num_host_blocks", [32, 0], ids=["swap", "recompute"])
 def test_logprobs_survive_preemption(model, num_host_blocks):
-    prompts = random_prompts(2, [40, 9, 50, 21])
-    engine = LLMEngine(model, dataclasses.replace(BASE, num_host_blocks=num_host_blocks, num_scheduler_steps=4))
-    params = SamplingParams(temperature=0.0, max_tokens=70, logprobs=2)
+    prompts = random_prompts(2, [40, 9, 50, 21])  # 280 tokens at the end, in a cache of 192
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_blocks=12, num_host_blocks=num_host_blocks,
+                                                  num_scheduler_steps=4))
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert engine.stats.num_preemptions > 0 and any(o.num_preemptions for o in outs)
+    assert (engine.stats.num_recomputed_requests > 0) == (num_host_blocks == 0)
     for out in outs:
         check_against_dense(model, out, 2)
 
