@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_paged_attn.engine import LLM, EngineConfig, LLMOutput, SamplingParams  # noqa: E402
+from jax_paged_attn.engine import LLM, EngineConfig, LLMOutput, Logprob, SamplingParams  # noqa: E402
 from jax_paged_attn.engine.llm import TOKENIZER_FILE  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, checkpoint_dtype, dense_greedy_generate  # noqa: E402
 from jax_paged_attn.models.checkpoint import read_config  # noqa: E402
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=0.95,
                         help="nucleus sampling: keep the most likely tokens up to this mass")
     parser.add_argument("--top-k", type=_int_at_least(-1), default=-1, help="-1 = off")
+    parser.add_argument("--logprobs", type=_int_at_least(0), metavar="K",
+                        help="also print each generated token's logprob and rank and the top K alternatives "
+                             "(K <= 20); without it: none")
     parser.add_argument("--seed", type=_int_at_least(0), default=0,
                         help="sampling seed (and the random model's weights)")
     parser.add_argument("--num-blocks", type=_int_at_least(1), default=64,
@@ -166,6 +169,17 @@ def _parse_prompt_ids(parser: argparse.ArgumentParser, text: str, vocab_size: in
     return prompts
 
 
+def _format_logprobs(token: int, entry: dict[int, Logprob], k: int) -> str:
+    """``'tok' -1.23 (rank 2) [top: 'a' -0.90, ...]`` for one generated token (its
+    ``LLMOutput.logprobs`` entry: the top ``k`` first, then the token if not among them)."""
+    def name(token_id: int) -> str:
+        text = entry[token_id].decoded_token
+        return repr(text) if text is not None else str(token_id)
+
+    top = ", ".join(f"{name(t)} {lp.logprob:.2f}" for t, lp in list(entry.items())[:k])
+    return f"{name(token)} {entry[token].logprob:.2f} (rank {entry[token].rank})" + (f" [top: {top}]" if k else "")
+
+
 def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
     """Runs the example; returns the `LLM` and its outputs.
 
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
         implementation = "triton"
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens)
+                                max_tokens=args.max_tokens, logprobs=args.logprobs)
         engine_options = dict(
             num_blocks=args.num_blocks, block_size=args.block_size, num_host_blocks=args.num_host_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
@@ -234,6 +248,10 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
         generated = out.text if out.text is not None else out.output_token_ids
         print(f"[{out.request_id}] {prompt!r} -> {generated!r}  "
               f"({out.finish_reason}, preempted {out.request_output.num_preemptions}x)")
+        if out.logprobs is not None:
+            print(f"    cumulative logprob {out.cumulative_logprob:.3f}; per token: "
+                  + "; ".join(_format_logprobs(token, entry, args.logprobs)
+                              for token, entry in zip(out.output_token_ids, out.logprobs)))
     print(llm.engine.stats.summary())
 
     if args.verify:

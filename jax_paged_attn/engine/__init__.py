@@ -2,7 +2,8 @@
 
 * `BlockAllocator`: host-side free list, reference counts, prefix cache, copy-on-write.
 * `Scheduler`: continuous batching, chunked prefill, swap / recompute preemption (FCFS).
-* `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request.
+* `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request;
+  per-token logprobs (`Logprob`) on request.
 * `ModelRunner`: the device side (parameters, caches, persistent decode batch, jitted programs).
 * `LLMEngine`: the host loop: scheduled steps and overlapped decode windows.
 * `LLM`: text in, text out: a checkpoint's model and ``tokenizer.json`` (Hugging Face
@@ -17,7 +18,7 @@ from jax_paged_attn.engine.engine import (
 )
 from jax_paged_attn.engine.llm import LLM, LLMOutput, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
-from jax_paged_attn.engine.sampling import SamplingParams, greedy_tokens, sample_tokens
+from jax_paged_attn.engine.sampling import Logprob, SamplingParams, greedy_tokens, sample_tokens
 from jax_paged_attn.engine.scheduler import (
     FinishReason,
     Request,
@@ -37,6 +38,7 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "LLMOutput",
+    "Logprob",
     "ModelConfig",
     "ModelRunner",
     "NoFreeBlocksError",

@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import logging
 import sys
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -62,7 +63,7 @@ from jax_paged_attn.builder import (
 )
 from jax_paged_attn.engine.model_runner import (NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model,
                                                decode_batch_rows)
-from jax_paged_attn.engine.sampling import SamplingParams
+from jax_paged_attn.engine.sampling import Logprob, SamplingParams, logprob_dicts, logprobs_bucket
 from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.tuning import next_power_of_2
 
@@ -75,6 +76,23 @@ DEFAULT_SWAP_SPACE_GIB = 4.0
 
 DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS = 256
 """KV cache blocks when ``num_blocks`` is None and the device reports no memory statistics (CPU)."""
+
+_COMPILE_EVENT_PREFIX = "/jax/core/compile/"  # JAX's tracing, lowering and XLA compilation events
+_compile_events = 0
+_compile_events_lock = threading.Lock()
+
+
+def _on_jax_event(event: str, duration_s: float, **kwargs: Any) -> None:
+    global _compile_events
+    if event.startswith(_COMPILE_EVENT_PREFIX):
+        with _compile_events_lock:
+            _compile_events += 1
+
+
+# Counts every compilation in the process, not only the runner's programs: a step that
+# first swaps or copies blocks (or allocates the host swap space) compiles those
+# programs too, and its time must not count as serving time.
+jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +198,11 @@ class RequestOutput:
       num_cached_tokens: prompt tokens served from the prefix cache.
       num_preemptions: times it was swapped out (or dropped for recomputation).
       time_to_first_token_s, latency_s: from ``add_request``.
+      logprobs: with ``SamplingParams.logprobs`` set, one ``{token_id: Logprob}`` per
+        output token (the top ``logprobs`` tokens in decreasing order, then the sampled
+        token if it is not among them); else None.
+      cumulative_logprob: the sum of the output tokens' logprobs; None without
+        ``SamplingParams.logprobs``.
     """
 
     request_id: str
@@ -190,6 +213,8 @@ class RequestOutput:
     num_preemptions: int
     time_to_first_token_s: float | None
     latency_s: float
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @staticmethod
     def of(request: Request) -> "RequestOutput":
@@ -203,6 +228,8 @@ class RequestOutput:
             time_to_first_token_s=(None if request.first_token_time is None
                                    else request.first_token_time - request.arrival_time),
             latency_s=(request.finish_time or time.perf_counter()) - request.arrival_time,
+            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
+            cumulative_logprob=request.cumulative_logprob,
         )
 
 
@@ -212,8 +239,12 @@ class EngineStats:
 
     Throughput attribution: a step that contains any prefill chunk counts as a prefill
     step (its time and prefill tokens); a step with only decodes counts as a decode
-    step (its time and one token per request). Steps that compiled a new program are
-    kept apart (``compile_time_s``) so compilation does not distort the rates.
+    step (its time and one token per request). Steps in which anything compiled (a
+    model program, or a swap / copy-on-write program, the host swap space's allocation:
+    any JAX compilation in the process, seen through `jax.monitoring`) are kept apart
+    (``compile_steps``, ``compile_time_s``, their tokens in ``num_generated_tokens``
+    only) so compilation does not distort the rates. ``num_compiled_programs`` counts
+    the model programs (step and decode window) only.
     """
 
     num_steps: int = 0
@@ -253,24 +284,35 @@ class EngineStats:
 
 
 class _Progress:
-    """A tqdm bar over requests, updated every step with tokens/s since the start."""
+    """A tqdm bar over requests, updated every step with the tokens so far and tokens/s
+    over the steps that compiled nothing (a compilation stall is shown as such, not
+    averaged into the rate)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.tokens = 0
-        self.start = time.perf_counter()
+        self.serving_tokens = 0  # generated in steps that compiled nothing ...
+        self.serving_time_s = 0.0  # ... and those steps' time
+        self.compile_time_s = 0.0
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
 
-    def update(self, finished: int, tokens: int, *, compiled: bool) -> None:
+    def update(self, finished: int, tokens: int, elapsed_s: float, *, compiled: bool) -> None:
         self.tokens += tokens
+        if compiled:
+            self.compile_time_s += elapsed_s
+        else:
+            self.serving_tokens += tokens
+            self.serving_time_s += elapsed_s
         if self.bar is None:
             return
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:,.0f} tok/s" + (" (compiled a program)" if compiled
-                                                                                else ""), refresh=False)
+        rate = self.serving_tokens / self.serving_time_s if self.serving_time_s else 0.0
+        text = f"{self.tokens} tokens, {rate:,.0f} tok/s"
+        if self.compile_time_s:
+            text += f", compiling {self.compile_time_s:.1f} s" + (" (now)" if compiled else "")
+        self.bar.set_postfix_str(text, refresh=False)
         self.bar.update(finished)
         if not finished:
             self.bar.refresh()
@@ -345,6 +387,7 @@ class LLMEngine:
         self._host_caches: list[Array] | None = None
         self._batch: _DecodeBatch | None = None
         self._num_traces = 0
+        self._compile_events_before = _compile_events
         self.stats = EngineStats()
         self._stats_base = self._scheduler_counts()
         self._request_counter = 0
@@ -467,6 +510,7 @@ class LLMEngine:
         """
         start_time = time.perf_counter()
         traces_before = self.runner.num_traces
+        self._compile_events_before = _compile_events  # see `_record`
         if self._decode_window_ready():
             window = self._decode_window_step()
             if window is not None:
@@ -485,8 +529,14 @@ class LLMEngine:
         self._run_block_ops(out)
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
         greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
-        tokens = np.asarray(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy))  # waits
+        num_logprobs = self._num_logprobs([item.request for item in out.scheduled if item.samples])
+        tokens, logprobs = _to_host(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy,
+                                                         num_logprobs=num_logprobs))  # waits
         sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
+        if logprobs is not None:
+            for item, row in zip(out.scheduled, rows):
+                if item.samples:
+                    _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
         finished += self.scheduler.update(out, sampled)
         compiled = self.runner.num_traces - traces_before
         self._record(out, len(sampled) + num_drained, time.perf_counter() - start_time, compiled)
@@ -551,7 +601,7 @@ class LLMEngine:
             requests=running, num_rows=num_rows, width=width,
             next_position=rows.positions.copy(), table_len=np.array(
                 [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
-            greedy=all(r.sampling_params.greedy for r in running))
+            greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
 
     def _dispatch_window(self) -> bool:
         """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
@@ -588,7 +638,8 @@ class LLMEngine:
         keep = np.zeros(batch.num_rows, bool)
         keep[live] = True
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
-                                            max_model_len=self.config.max_model_len)
+                                            max_model_len=self.config.max_model_len,
+                                            num_logprobs=batch.num_logprobs)
         batch.inflight.append(out)
         batch.next_position[live] += k
         return True
@@ -597,13 +648,15 @@ class LLMEngine:
         """Waits for the oldest window in flight and records its tokens."""
         batch = self._batch
         assert batch is not None and batch.inflight
-        tokens = np.asarray(batch.inflight.popleft())  # [K, R]; waits for that window only
+        tokens, logprobs = _to_host(batch.inflight.popleft())  # [K, R]; waits for that window only
         now = time.perf_counter()
         counts = (tokens != NO_TOKEN).sum(axis=0)
         finished, num_tokens = [], 0
         for i in np.nonzero(counts[:len(batch.requests)])[0]:
             request = batch.requests[i]
             n = int(counts[i])
+            if logprobs is not None:
+                _append_logprobs(request, tokens[:n, i], logprobs, np.s_[:n, i])
             if self.scheduler.record_decoded(request, tokens[:n, i].tolist(), now) is not None:
                 finished.append(request)
             num_tokens += n
@@ -657,6 +710,12 @@ class LLMEngine:
             seed[row], counter[row] = request.seed, len(request.output_token_ids)
         return temperature, top_p, top_k, seed, counter
 
+    def _num_logprobs(self, requests: Sequence[Request]) -> int | None:
+        """Static ``num_logprobs`` of a program sampling for ``requests``: None when none
+        asks for logprobs (the programs without them), else a bucket of the largest ask."""
+        asks = [r.sampling_params.logprobs for r in requests if r.sampling_params.logprobs is not None]
+        return logprobs_bucket(max(asks), self.vocab_size) if asks else None
+
     # ---------------------------------------------------------------- stats
     def _scheduler_counts(self) -> dict[str, int]:
         s = self.scheduler
@@ -673,7 +732,8 @@ class LLMEngine:
         s.num_compiled_programs = self._num_traces
         for name, value in self._scheduler_counts().items():
             setattr(s, name, value - self._stats_base[name])
-        if compiled:
+        # Not only the runner's programs: the step's block moves may have compiled.
+        if compiled or _compile_events != self._compile_events_before:
             s.compile_steps += 1
             s.compile_time_s += elapsed
         elif out is not None and out.num_prefills:
@@ -701,8 +761,8 @@ class LLMEngine:
         Args:
           prompts: token-id sequences.
           sampling_params: one `SamplingParams` for all, or one per prompt.
-          use_tqdm: show a progress bar (requests done, tokens/s since the start; steps
-            that compile a program are shown as such).
+          use_tqdm: show a progress bar (requests done, tokens so far, tokens/s over the
+            steps that compiled nothing, and the time spent in steps that compiled).
 
         Every prompt is validated before any runs: a bad one raises ValueError naming
         its index (``prompts[i]: ...``), and requests already in the engine are untouched.
@@ -738,12 +798,14 @@ class LLMEngine:
             while pending:
                 tokens_before = self.stats.num_generated_tokens
                 compiles_before = self.stats.compile_steps
+                start_time = time.perf_counter()
                 finished = self.step()
+                elapsed_s = time.perf_counter() - start_time
                 mine = [f for f in finished if f.request_id in pending]
                 for f in mine:
                     pending.discard(f.request_id)
                     outputs[f.request_id] = self.pop_output(f.request_id)
-                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before,
+                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before, elapsed_s,
                                 compiled=self.stats.compile_steps > compiles_before)
         finally:
             progress.close()
@@ -760,6 +822,7 @@ class _DecodeBatch:
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
     greedy: bool
+    num_logprobs: int | None = None  # the window programs' static num_logprobs
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
 
@@ -844,6 +907,27 @@ def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) ->
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
     forward(state, ids, positions, metadata).block_until_ready()
     return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
+
+
+def _to_host(result: Any) -> tuple[np.ndarray, Any]:
+    """``(tokens, TokenLogprobs | None)`` in NumPy from `ModelRunner.run_step` /
+    `ModelRunner.run_decode_window`'s result (waits for it)."""
+    if isinstance(result, tuple):
+        tokens, logprobs = result
+        return np.asarray(tokens), jax.tree_util.tree_map(np.asarray, logprobs)
+    return np.asarray(result), None
+
+
+def _append_logprobs(request: Request, tokens: np.ndarray, logprobs: Any, index: Any) -> None:
+    """Appends the logprobs of ``tokens`` (about to be recorded for ``request``) when it
+    asked for them; ``index`` selects those tokens' entries in ``logprobs`` (NumPy
+    `TokenLogprobs`). A request that finished (aborted) records nothing, as its tokens."""
+    k = request.sampling_params.logprobs
+    if k is None or request.is_finished:
+        return
+    mine = jax.tree_util.tree_map(lambda x: x[index], logprobs)
+    request.output_logprobs.extend(logprob_dicts(tokens, mine, k))
+    request.cumulative_logprob += float(mine.sampled_logprob.astype(np.float64).sum())
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jax_paged_attn.engine.sampling import SamplingParams
+from jax_paged_attn.engine.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -53,6 +53,10 @@ class LLMOutput:
       output_token_ids: the generated token ids (an end-of-sequence id included).
       finish_reason: "length", "stop", "max_model_len" or "aborted" (`RequestOutput`).
       request_output: the engine's `RequestOutput` (timings, preemptions, cached tokens).
+      logprobs: with ``SamplingParams.logprobs``: one ``{token_id: Logprob}`` per output
+        token (`RequestOutput.logprobs`), each ``decoded_token`` the token's text when
+        there is a tokenizer; else None.
+      cumulative_logprob: the sum of the output tokens' logprobs, or None.
     """
 
     request_id: str
@@ -62,6 +66,8 @@ class LLMOutput:
     output_token_ids: list[int]
     finish_reason: str
     request_output: RequestOutput
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 def load_tokenizer(path: str | os.PathLike) -> "Tokenizer":
@@ -181,6 +187,20 @@ class LLM:
             raise ValueError(f"cannot {what} text: this LLM has no tokenizer (pass tokenizer= or use token ids).")
         return self.tokenizer
 
+    def _decoded_logprobs(self, logprobs: list[dict[int, Logprob]] | None, token_text: dict[int, str]
+                          ) -> list[dict[int, Logprob]] | None:
+        """``logprobs`` with each ``decoded_token`` set to its token's text (special tokens
+        included, as vLLM shows them), or as they are without a tokenizer."""
+        if logprobs is None or self.tokenizer is None:
+            return logprobs
+
+        def text(token: int) -> str:
+            if token not in token_text:
+                token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            return token_text[token]
+
+        return [{t: dataclasses.replace(lp, decoded_token=text(t)) for t, lp in entry.items()} for entry in logprobs]
+
     # ------------------------------------------------------------ generate
     def generate(
         self,
@@ -220,6 +240,7 @@ class LLM:
             else:
                 raise TypeError(f"prompts[{i}] must be a text or a list of token ids, got {type(prompt).__name__}.")
         results = self.engine.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        token_text: dict[int, str] = {}  # each distinct id decoded once per call
         return [
             LLMOutput(
                 request_id=out.request_id,
@@ -229,6 +250,8 @@ class LLM:
                 output_token_ids=list(out.output_token_ids),
                 finish_reason=out.finish_reason,
                 request_output=out,
+                logprobs=self._decoded_logprobs(out.logprobs, token_text),
+                cumulative_logprob=out.cumulative_logprob,
             )
             for text, out in zip(texts, results)
         ]

@@ -20,7 +20,9 @@ value back by itself. Two programs:
 
 Neither program holds a data-dependent branch (XLA would copy the predicate to the host
 and make the call wait for the whole step): the sampler is chosen statically (greedy or
-not), and stopped rows are masked. The parameters are passed as one flat tuple of arrays
+not), and stopped rows are masked. Log probabilities likewise: a static ``num_logprobs``
+(None: none, the programs are unchanged) compiles a variant that also returns the
+sampled tokens' logprobs and the top ``num_logprobs`` of every row (`TokenLogprobs`). The parameters are passed as one flat tuple of arrays
 (flattening an NNX state costs far more host time per call), and the caches are donated,
 so every cache write is in place.
 
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_paged_attn.engine.sampling import greedy_tokens, sample_tokens
+from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.cache import PAD_SLOT_ID
 from jax_paged_attn.tuning import next_power_of_2
@@ -206,8 +208,8 @@ class _Programs:
             return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
 
         def step(params: tuple[Array, ...], kv_caches: list[Array], input_ids: Array, positions: Array,
-                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool
-                 ) -> tuple[Array, list[Array]]:
+                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool,
+                 num_logprobs: int | None = None) -> tuple[Array, list[Array], TokenLogprobs | None]:
             self._count_trace()
             # Last token row of every sequence (padding sequences own >= 1 row or point
             # at a real row; their tokens are ignored).
@@ -215,11 +217,13 @@ class _Programs:
             logits, new_caches = model_of(params)(input_ids, positions, kv_caches, metadata,
                                                   logits_indices=last_rows)
             tokens = greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling)
-            return tokens, list(new_caches)
+            logprobs = None if num_logprobs is None else token_logprobs(logits, tokens, num_logprobs)
+            return tokens, list(new_caches), logprobs
 
         def window(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
                    block_rows: Array, block_values: Array, *, num_steps: int, greedy: bool, block_size: int,
-                   max_model_len: int) -> tuple[Array, DecodeState, list[Array]]:
+                   max_model_len: int, num_logprobs: int | None = None
+                   ) -> tuple[Array, TokenLogprobs | None, DecodeState, list[Array]]:
             self._count_trace()
             model = model_of(params)
             num_rows = state.tokens.shape[0]
@@ -228,8 +232,8 @@ class _Programs:
                 block_tables=state.block_tables.at[block_rows].set(block_values, mode="drop"))
             rows = jnp.arange(num_rows, dtype=jnp.int32)
 
-            def body(k: Array, carry: tuple[DecodeState, list[Array], Array]):
-                s, caches, out = carry
+            def body(k: Array, carry: tuple[DecodeState, list[Array], Array, TokenLogprobs | None]):
+                s, caches, out, lp_out = carry
                 metadata = decode_metadata(s.positions, s.active, s.block_tables, block_size)
                 logits, caches = model(s.tokens, s.positions, caches, metadata, logits_indices=rows)
                 if greedy:
@@ -239,19 +243,29 @@ class _Programs:
                 num_generated = s.num_generated + s.active.astype(jnp.int32)
                 done = stopped(sampled, num_generated, s.positions, s.stop_ids, s.max_tokens, max_model_len)
                 out = out.at[k].set(jnp.where(s.active, sampled, NO_TOKEN))
+                if lp_out is not None:  # rows that sampled nothing hold junk; the host skips them
+                    step_lp = token_logprobs(logits, sampled, num_logprobs)
+                    lp_out = jax.tree_util.tree_map(lambda acc, x: acc.at[k].set(x), lp_out, step_lp)
                 s = dataclasses.replace(
                     s, tokens=jnp.where(s.active, sampled, s.tokens),
                     positions=jnp.where(s.active, s.positions + 1, s.positions),
                     num_generated=num_generated, active=s.active & ~done)
-                return s, list(caches), out
+                return s, list(caches), out, lp_out
 
             out = jnp.full((num_steps, num_rows), NO_TOKEN, jnp.int32)
-            state, kv_caches, out = jax.lax.fori_loop(0, num_steps, body, (state, list(kv_caches), out))
-            return out, state, kv_caches
+            lp_out = None
+            if num_logprobs is not None:
+                shape = (num_steps, num_rows)
+                lp_out = TokenLogprobs(
+                    jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32),
+                    jnp.zeros(shape + (num_logprobs,), jnp.float32), jnp.zeros(shape + (num_logprobs,), jnp.int32))
+            state, kv_caches, out, lp_out = jax.lax.fori_loop(0, num_steps, body,
+                                                              (state, list(kv_caches), out, lp_out))
+            return out, lp_out, state, kv_caches
 
-        self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy",), compiler_options=options)
+        self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy", "num_logprobs"), compiler_options=options)
         self.window = jax.jit(window, donate_argnums=(1, 2),
-                              static_argnames=("num_steps", "greedy", "block_size", "max_model_len"),
+                              static_argnames=("num_steps", "greedy", "block_size", "max_model_len", "num_logprobs"),
                               compiler_options=options)
 
     def _count_trace(self) -> None:  # runs only while tracing: one per compiled program
@@ -299,12 +313,18 @@ class ModelRunner:
         return self._programs.window
 
     def run_step(self, token_ids: np.ndarray, positions: np.ndarray, metadata: FlashAttentionMetadata,
-                 sampling: tuple[np.ndarray, ...], *, greedy: bool) -> Array:
+                 sampling: tuple[np.ndarray, ...], *, greedy: bool, num_logprobs: int | None = None
+                 ) -> Array | tuple[Array, TokenLogprobs]:
         """One forward + sampling over a builder-made batch; returns the tokens i32[B]
-        (one per metadata sequence, on the device). The caches are updated in place."""
-        tokens, self.kv_caches = self._programs.step(self.params, self.kv_caches, token_ids, positions, metadata,
-                                                     sampling, greedy=greedy)
-        return tokens
+        (one per metadata sequence, on the device). The caches are updated in place.
+
+        With ``num_logprobs`` (static: each value is its own program) it returns
+        ``(tokens, TokenLogprobs)``, leading dim ``[B]``.
+        """
+        tokens, self.kv_caches, logprobs = self._programs.step(
+            self.params, self.kv_caches, token_ids, positions, metadata, sampling, greedy=greedy,
+            num_logprobs=num_logprobs)
+        return tokens if logprobs is None else (tokens, logprobs)
 
     def start_decode(self, rows: DecodeState) -> None:
         """Uploads a new persistent batch (host rows from `DecodeState.empty`, filled in)."""
@@ -314,7 +334,8 @@ class ModelRunner:
         self._decode_state = None
 
     def run_decode_window(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, *,
-                          num_steps: int, greedy: bool, max_model_len: int) -> Array:
+                          num_steps: int, greedy: bool, max_model_len: int, num_logprobs: int | None = None
+                          ) -> Array | tuple[Array, TokenLogprobs]:
         """Runs ``num_steps`` decode steps of the persistent batch.
 
         Args:
@@ -323,11 +344,18 @@ class ModelRunner:
           block_values: i32[U, W]: their new block-table rows.
 
         Returns the sampled tokens i32[num_steps, R] (`NO_TOKEN` where a row sampled
-        nothing), on the device; its copy to the host has been started.
+        nothing), on the device; its copy to the host has been started. With
+        ``num_logprobs``: ``(tokens, TokenLogprobs)``, leading dims ``[num_steps, R]``,
+        copied to the host with the tokens.
         """
         assert self._decode_state is not None, "start_decode first"
-        out, self._decode_state, self.kv_caches = self._programs.window(
+        out, logprobs, self._decode_state, self.kv_caches = self._programs.window(
             self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values,
-            num_steps=num_steps, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len)
+            num_steps=num_steps, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
+            num_logprobs=num_logprobs)
         out.copy_to_host_async()
-        return out
+        if logprobs is None:
+            return out
+        for leaf in jax.tree_util.tree_leaves(logprobs):
+            leaf.copy_to_host_async()
+        return out, logprobs

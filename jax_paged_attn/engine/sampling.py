@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,27 @@ Array = jax.Array
 
 TOP_K_DISABLED = -1
 """``top_k`` value that keeps the whole vocabulary (vLLM's -1; 0 is accepted too)."""
+
+MAX_LOGPROBS = 20
+"""Largest ``SamplingParams.logprobs`` (vLLM's default ``max_logprobs``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """The log probability of one token at one output position (vLLM's ``Logprob``).
+
+    Attributes:
+      logprob: ``log_softmax`` of the model's raw logits at that position (float32,
+        before temperature / top-p / top-k; see `SamplingParams.logprobs`).
+      rank: 1-based rank of the token in the vocabulary by probability: 1 + the number
+        of tokens with a strictly greater logprob (tied tokens share a rank).
+      decoded_token: the token's text; filled by `jax_paged_attn.engine.LLM` when it has
+        a tokenizer, else None.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +61,14 @@ class SamplingParams:
       stop_token_ids: generation stops after producing any of these (it is kept in
         the output).
       ignore_eos: keep generating after the engine's ``eos_token_id``.
+      logprobs: None (default) returns no log probabilities. An int ``k`` in
+        ``[0, MAX_LOGPROBS]`` makes the output carry, for every generated token, a dict
+        ``{token_id: Logprob}`` holding the ``k`` most likely tokens and the sampled one
+        (``k`` or ``k + 1`` entries; ``k = 0``: the sampled token only), and the sum of
+        the sampled tokens' logprobs (``cumulative_logprob``). The logprobs are those of
+        the model's own distribution, ``log_softmax`` of the raw float32 logits, before
+        temperature, top-p and top-k (what vLLM V1 returns by default, its
+        "raw_logprobs"; vLLM 0.6 returned the processed distribution's).
     """
 
     temperature: float = 1.0
@@ -48,6 +78,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         temperature = _as_float(self.temperature, "temperature")
@@ -69,6 +100,9 @@ class SamplingParams:
             stop = tuple(_as_int(t, "stop_token_ids") for t in self.stop_token_ids)
         except TypeError as e:
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}.") from e
+        logprobs = None if self.logprobs is None else _as_int(self.logprobs, "logprobs")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", TOP_K_DISABLED if top_k == 0 else top_k)
@@ -76,6 +110,7 @@ class SamplingParams:
         object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "stop_token_ids", stop)
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "logprobs", logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -138,3 +173,72 @@ def sample_tokens(
     choice = jax.vmap(draw)(masked, seed, counter)
     tokens = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(is_greedy, greedy_tokens(logits), tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probabilities of sampled tokens, as the jitted programs return them.
+
+    Leading dims ``[...]`` are ``[B]`` after one step and ``[K, R]`` after a decode
+    window of K steps over R rows; ``n`` is the program's static ``num_logprobs``.
+
+    Attributes:
+      sampled_logprob: f32[...]: ``log_softmax(logits)`` at the sampled token.
+      sampled_rank: i32[...]: 1 + the number of tokens with a strictly greater logprob.
+      top_logprobs: f32[..., n]: the ``n`` largest logprobs, in decreasing order.
+      top_ids: i32[..., n]: their token ids.
+    """
+
+    sampled_logprob: Array
+    sampled_rank: Array
+    top_logprobs: Array
+    top_ids: Array
+
+
+def token_logprobs(logits: Array, tokens: Array, num_logprobs: int) -> TokenLogprobs:
+    """Logprobs of ``tokens`` i32[B] under ``logits`` [B, V] and the top ``num_logprobs``
+    (static, <= V) of each row. Jit-able, branchless; float32 whatever the logits' dtype.
+
+    The distribution is the raw one (``log_softmax`` of the logits, no temperature,
+    top-p or top-k): see `SamplingParams.logprobs`.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    # A sum, not a sort: the rank costs one pass over the vocabulary.
+    rank = 1 + jnp.sum(logprobs > sampled[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return TokenLogprobs(sampled, rank, top_logprobs, top_ids.astype(jnp.int32))
+
+
+def logprobs_bucket(requested: int, vocab_size: int) -> int:
+    """The static ``num_logprobs`` of a program serving requests that ask up to
+    ``requested`` top logprobs: rounded up to a power of two (at most `MAX_LOGPROBS`
+    and the vocabulary), so a run compiles few logprobs variants."""
+    if requested <= 0:
+        return 0
+    return min(1 << (requested - 1).bit_length(), MAX_LOGPROBS, vocab_size)
+
+
+def logprob_dicts(token_ids: np.ndarray, result: Any, k: int) -> list[dict[int, Logprob]]:
+    """Host side: one ``{token_id: Logprob}`` per sampled token, for a request asking ``k``.
+
+    Args:
+      token_ids: i64[N]: the sampled tokens.
+      result: a `TokenLogprobs` with NumPy leaves, leading dim ``[N]`` (the tokens').
+      k: the request's ``SamplingParams.logprobs`` (<= the program's ``num_logprobs``).
+
+    Each dict holds the top ``k`` tokens in decreasing logprob, then the sampled token
+    if it is not among them. A top token's rank is 1 + the number of top logprobs
+    strictly greater than its own: exactly the vocabulary rank, since every token with
+    a greater logprob is among the top ones.
+    """
+    dicts = []
+    for j, token in enumerate(token_ids.tolist()):
+        top = result.top_logprobs[j, :k]
+        ranks = 1 + (top[None, :] > top[:, None]).sum(axis=1)
+        entry = {int(t): Logprob(float(lp), int(r)) for t, lp, r in zip(result.top_ids[j, :k].tolist(), top, ranks)}
+        if token not in entry:
+            entry[token] = Logprob(float(result.sampled_logprob[j]), int(result.sampled_rank[j]))
+        dicts.append(entry)
+    return dicts

@@ -80,6 +80,14 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # With ``sampling_params.logprobs`` set: one {token_id: Logprob} per output token and
+    # the sum of the sampled tokens' logprobs (the engine appends them with the tokens).
+    output_logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs, self.cumulative_logprob = [], 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
