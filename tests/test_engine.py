@@ -26,6 +26,7 @@ from jax_paged_attn.engine import (
     SamplingParams,
     sample_tokens,
 )
+from jax_paged_attn.engine.model_runner import decode_batch_rows
 from jax_paged_attn.builder import ScheduledSequence, input_positions, pack_per_token, sequence_rows
 from jax_paged_attn.metadata import ARRAY_FIELDS, STATIC_FIELDS
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
@@ -76,10 +77,11 @@ def assert_all_blocks_free(engine):
 # --------------------------------------------------------------------------- greedy vs dense
 
 
-def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapping(model):
+@pytest.mark.parametrize("decode_during_prefill", [False, True])
+def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapping(model, decode_during_prefill):
     prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
     max_tokens = 80
-    engine = LLMEngine(model, BASE)
+    engine = LLMEngine(model, dataclasses.replace(BASE, decode_during_prefill=decode_during_prefill))
     outs = run_with_arrivals(engine, prompts, greedy(max_tokens), arrivals=[0, 0, 1, 2, 2, 5, 8])
     expected = dense_greedy_generate(model, prompts, max_tokens)
     for i, (out, ref) in enumerate(zip(outs, expected)):
@@ -219,6 +221,39 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
     assert engine.runner.num_traces - traces <= 2  # the prefill step and one window program
 
 
+def test_persistent_batch_rows():
+    # Never one row: XLA's GPU simplifier would turn every projection into a multiply
+    # writing a weight-sized product (3x the weight traffic).
+    assert [decode_batch_rows(n) for n in (1, 2, 3, 5, 256)] == [2, 2, 4, 8, 256]
+    assert [decode_batch_rows(n, (4, 16)) for n in (1, 4, 5, 17)] == [4, 4, 16, 32]
+
+
+def test_decode_windows_run_while_requests_wait_for_blocks(model):
+    """A request that waits for cache blocks (not for a sequence slot) does not stop the
+    running ones from decoding in windows; admissions are prefill-only steps."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, num_host_blocks=0))
+    windows, steps = [], []
+    dispatch, run_step = engine.runner.run_decode_window, engine.runner.run_step
+
+    def counting_dispatch(*args, **kwargs):
+        windows.append(kwargs["num_steps"])
+        return dispatch(*args, **kwargs)
+
+    def counting_step(token_ids, positions, metadata, *args, **kwargs):
+        steps.append((metadata.num_prefills, metadata.num_decode_tokens))
+        return run_step(token_ids, positions, metadata, *args, **kwargs)
+
+    engine.runner.run_decode_window, engine.runner.run_step = counting_dispatch, counting_step
+    # 24 blocks of 16 tokens; each prompt takes 7 and grows to 8: three run, the others
+    # wait for blocks with a sequence slot free.
+    prompts = random_prompts(12, [100, 97, 104, 99, 101])
+    outs = engine.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+    steps_decoding = sum(1 for _, num_decodes in steps if num_decodes)
+    assert len(windows) >= 10 and steps_decoding <= 2, (steps, windows)
+    assert_all_blocks_free(engine)
+
+
 def test_decode_window_program_has_no_conditional():
     """No data-dependent branch in the decode window lowered for CUDA (XLA would copy its
     predicate to the host, and the call would wait for the whole step), greedy or sampled."""
@@ -230,9 +265,7 @@ def test_decode_window_program_has_no_conditional():
     runner = engine.runner
     state = runner._decode_state
     rows, width = state.block_tables.shape
-    # One request gets two rows: with one, XLA's GPU simplifier turns every projection
-    # into a multiply writing a weight-sized product (3x the weight traffic).
-    assert rows == 2 and state.active.tolist() == [True, False]
+    assert rows == 4 and state.active.tolist() == [True, False, False, False]  # BASE's batch bucket
     for greedy_batch in (True, False):
         text = runner.window_program.trace(
             runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),

@@ -134,6 +134,30 @@ def test_mixed_batch_puts_prefills_first_and_respects_budget():
     assert out.num_prefills == 1 and out.num_batched_tokens == 20
 
 
+def test_prefill_only_steps_when_decodes_wait_for_prefills():
+    s = make_scheduler(max_num_batched_tokens=20, decode_during_prefill=False)
+    cache = SimulatedCache(s, 64)
+    s.add_request("old", list(range(5)), greedy(10), seed=0)
+    run_step(s, cache)  # "old" prefilled, now decoding
+    s.add_request("new", list(range(30)), greedy(10), seed=0)
+    assert s.can_admit()
+    chunks = [[(i.request.request_id, i.num_new_tokens) for i in run_step(s, cache)[0].scheduled] for _ in range(3)]
+    assert chunks == [[("new", 20)], [("new", 10)], [("old", 1), ("new", 1)]]
+    assert s.requests["old"].output_token_ids == expected_output(list(range(5)), 2)
+
+
+def test_can_admit_needs_a_slot_and_blocks():
+    s = make_scheduler(num_blocks=4, block_size=16, max_num_seqs=2, max_num_batched_tokens=64)
+    assert not s.can_admit()  # nobody waits
+    s.add_request("a", [1] * 40, greedy(20), seed=0)  # 3 blocks
+    assert s.can_admit()
+    run_step(s, SimulatedCache(s, 64))
+    s.add_request("b", [2] * 40, greedy(5), seed=0)
+    assert not s.can_admit()  # a slot is free, but only 1 of 4 blocks
+    s.add_request("c", [3] * 4, greedy(5), seed=0)
+    assert not s.can_admit()  # FCFS: "b" is first
+
+
 def test_continuous_batching_requests_join_and_leave():
     s = make_scheduler()
     cache = SimulatedCache(s, 64)
@@ -324,7 +348,7 @@ def test_random_workloads_never_lose_a_token():
         num_blocks, num_host = rnd.randint(6, 16), rnd.choice([0, 4, 16, 64])
         s = make_scheduler(num_blocks=num_blocks, num_host_blocks=num_host, block_size=4,
                            max_num_batched_tokens=rnd.randint(1, 12), max_num_seqs=rnd.randint(1, 5),
-                           enable_prefix_caching=rnd.random() < 0.7)
+                           enable_prefix_caching=rnd.random() < 0.7, decode_during_prefill=rnd.random() < 0.5)
         cache = SimulatedCache(s, num_host)
         shared = [rnd.randint(0, 99) for _ in range(12)]
         arrivals = sorted(rnd.randint(0, 30) for _ in range(rnd.randint(1, 8)))

@@ -59,6 +59,7 @@ from jax_paged_attn.builder import (
     ScheduledSequence,
     input_positions,
     pack_per_token,
+    pad_to_bucket,
     sequence_rows,
 )
 from jax_paged_attn.engine.model_runner import (NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model,
@@ -136,6 +137,13 @@ class EngineConfig:
         window's tokens while the next window runs. Outputs do not depend on it; a
         request that finishes mid-window frees its blocks when the host reads the
         window, and new requests wait up to a window for admission.
+      decode_during_prefill: steps that prefill prompt chunks also decode the running
+        requests (vLLM's chunked-prefill scheduling: running requests keep producing
+        tokens while others are admitted, one scheduled step at a time, and every mix
+        of prefill and decode counts is its own compiled program). False (default):
+        admissions run prefill-only steps, and the running requests wait and then
+        decode in windows (fewer programs and host round trips, more throughput; the
+        time per output token rises while prompts are admitted).
       compiler_options: XLA compiler options of the jitted programs (``jax.jit``'s
         ``compiler_options``), e.g. ``{"xla_backend_optimization_level": 0}`` to compile
         faster on a CPU; None for the defaults.
@@ -157,6 +165,7 @@ class EngineConfig:
     block_table_width_buckets: tuple[int, ...] | None = None
     coarse_length_bounds: bool = False
     num_scheduler_steps: int = 8
+    decode_during_prefill: bool = False
     compiler_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -374,7 +383,8 @@ class LLMEngine:
         self.model_config = model_config
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=max_model_len, enable_prefix_caching=prefix_caching),
+                            max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+                            decode_during_prefill=config.decode_during_prefill),
             num_device_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=config.block_size,
             eos_token_id=eos_ids, vocab_size=self.vocab_size,
         )
@@ -549,7 +559,7 @@ class LLMEngine:
         sched = self.scheduler
         if sched.swapped or not sched.running:
             return False
-        if sched.waiting and len(sched.running) < self.config.max_num_seqs:
+        if sched.can_admit():
             return False
         if any(r.in_prefill for r in sched.running):
             return False
@@ -579,11 +589,12 @@ class LLMEngine:
         """Uploads the running requests as the rows of a new persistent batch."""
         running = list(self.scheduler.running)
         cfg = self.config
-        num_rows = decode_batch_rows(len(running))
+        num_rows = decode_batch_rows(len(running), cfg.batch_buckets)
         # Wide enough for every row's last position, so the batch never needs rebuilding
         # (and recompiling) to grow a row; the kernels read only each row's own blocks.
         longest = max(self.scheduler.final_length(r) for r in running)
-        width = next_power_of_2(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]))
+        width = pad_to_bucket(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]),
+                              cfg.block_table_width_buckets)
         stop_lists = [self.scheduler.stop_token_ids(r) for r in running]
         rows = DecodeState.empty(num_rows, width, next_power_of_2(max(1, max(len(s) for s in stop_lists))))
         for i, (request, stops) in enumerate(zip(running, stop_lists)):
@@ -598,7 +609,7 @@ class LLMEngine:
             rows.stop_ids[i, :len(stops)] = stops
         self.runner.start_decode(rows)
         self._batch = _DecodeBatch(
-            requests=running, num_rows=num_rows, width=width,
+            requests=running, num_rows=num_rows, row_buckets=cfg.batch_buckets, width=width,
             next_position=rows.positions.copy(), table_len=np.array(
                 [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
             greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
@@ -818,6 +829,7 @@ class _DecodeBatch:
 
     requests: list[Request]  # row i's request (rows past the list are padding)
     num_rows: int
+    row_buckets: tuple[int, ...] | None  # EngineConfig.batch_buckets
     width: int  # block-table columns of a row
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
@@ -832,7 +844,7 @@ class _DecodeBatch:
         if self.wants_wider_table:
             return True
         live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and decode_batch_rows(live) < self.num_rows
+        return live > 0 and decode_batch_rows(live, self.row_buckets) < self.num_rows
 
 
 _copy_blocks_donated = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=(0,))

@@ -43,7 +43,7 @@ from flax import nnx
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.cache import PAD_SLOT_ID
-from jax_paged_attn.tuning import next_power_of_2
+from jax_paged_attn.builder import pad_to_bucket
 
 Array = jax.Array
 
@@ -61,10 +61,11 @@ traffic: 1.37 ms per step instead of about 0.9 for a 1.1B model on an H200); a s
 inactive row keeps them matrix products at the cost of one masked row."""
 
 
-def decode_batch_rows(num_requests: int) -> int:
-    """Rows of a persistent batch holding ``num_requests``: the next power of two (few
-    compiled programs), at least `MIN_DECODE_ROWS`."""
-    return max(MIN_DECODE_ROWS, next_power_of_2(num_requests))
+def decode_batch_rows(num_requests: int, buckets: Sequence[int] | None = None) -> int:
+    """Rows of a persistent batch holding ``num_requests``: the smallest of ``buckets``
+    that holds them (None: the next power of two; few sizes, few compiled programs), at
+    least `MIN_DECODE_ROWS`."""
+    return pad_to_bucket(max(MIN_DECODE_ROWS, num_requests), buckets)
 
 
 @runtime_checkable

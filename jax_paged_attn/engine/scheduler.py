@@ -182,12 +182,18 @@ class SchedulerConfig:
       max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
       max_model_len: longest context (prompt + output) a request may reach.
       enable_prefix_caching: share full prompt blocks between requests.
+      decode_during_prefill: a step that prefills prompt chunks also decodes the running
+        requests (vLLM's chunked-prefill scheduling). False: while some prompt can be
+        prefilled, steps hold prefill chunks only, and running requests decode in the
+        steps after (vLLM's default scheduling; an engine then decodes them in
+        multi-step windows between admissions).
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    decode_during_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -296,13 +302,42 @@ class Scheduler:
         return self.requests.pop(request_id)
 
     # ------------------------------------------------------------- schedule
+    def can_admit(self) -> bool:
+        """Whether the next `schedule` could start the oldest waiting request: nobody
+        waits in swap, a sequence slot is free and the device pool holds the blocks of
+        its first chunk, or with ``decode_during_prefill`` False of its whole prompt
+        (prefix-cache hits not counted)."""
+        if self.swapped or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._blocks_to_admit(self.waiting[0], self.config.max_num_batched_tokens)
+
+    def _blocks_to_admit(self, request: Request, num_new: int) -> bool:
+        """Whether the pool can give a waiting request the blocks it needs to start with
+        ``num_new`` tokens. Without ``decode_during_prefill`` the whole prompt must fit
+        (as in vLLM's block manager): a prompt admitted chunk by chunk into a nearly
+        full cache would preempt the requests decoding in windows."""
+        pending = request.num_tokens - request.num_computed_tokens
+        num_new = pending if not self.config.decode_during_prefill else min(num_new, pending)
+        return self.device_blocks.can_allocate(self._num_blocks_needed(request, num_new, len(request.block_table)))
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        """The next step: which requests run, with how many new tokens, and the block
+        operations (swap-out, copy-on-write, swap-in) that must run before it."""
         out = SchedulerOutput([], [], [], [], [], 0, 0)
+        if not self.config.decode_during_prefill:
+            out = self._schedule(out, prefill_only=True)
+            if out.scheduled:
+                return out
+            # Nothing to prefill. A preemption it made (a prompt chunk that found no
+            # blocks) stays in `out`: its swap-outs must run before anything else.
+        return self._schedule(out, prefill_only=False)
+
+    def _schedule(self, out: SchedulerOutput, *, prefill_only: bool) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; preempt the youngest when blocks run out.
-        queue = list(self.running)
+        queue = [r for r in self.running if r.in_prefill] if prefill_only else list(self.running)
         while queue:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -318,7 +353,7 @@ class Scheduler:
                 budget -= num_new
 
         # 2. Swapped requests come back, oldest first, unless this step had to preempt.
-        while not out.preempted and self.swapped and budget > 0:
+        while not prefill_only and not out.preempted and self.swapped and budget > 0:
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             extra = self._num_blocks_needed(request, num_new, len(request.host_block_table))
@@ -343,6 +378,8 @@ class Scheduler:
                 # Always feed at least one token, to get logits for the next one.
                 start = min(len(hits) * self.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - start, budget)
+            if not hits and not self._blocks_to_admit(request, num_new):
+                break
             table_before = request.block_table
             request.block_table = table_before + hits
             computed_before = request.num_computed_tokens
