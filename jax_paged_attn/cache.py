@@ -61,14 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged_attn import checks, dispatch
+from jax_paged_attn.spec import PAD_BLOCK_ID, PAD_SLOT_ID  # noqa: F401  (re-exported: they lived here)
 
 Array = jax.Array
-
-PAD_SLOT_ID = -1
-"""Slot-mapping entry of a token whose key / value is not written (padding)."""
-
-PAD_BLOCK_ID = -1
-"""Block-mapping entry (in either column) of a (src, dst) pair that is skipped."""
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """Accepted ``kv_cache_dtype`` strings (vLLM's ``--kv-cache-dtype`` choices)."""

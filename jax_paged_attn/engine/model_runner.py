@@ -40,7 +40,7 @@ from flax import nnx
 
 from jax_paged_attn.engine.sampling import greedy_tokens, sample_tokens
 from jax_paged_attn.metadata import FlashAttentionMetadata
-from jax_paged_attn.cache import PAD_SLOT_ID
+from jax_paged_attn.spec import PAD_SLOT_ID
 
 Array = jax.Array
 
