@@ -41,17 +41,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_paged_attn import reference
 from jax_paged_attn.kernels import common
-from jax_paged_attn.kernels.common import LN_2, LOG2E
+from jax_paged_attn.kernels.common import LN_2, LOG2E, RUNNING_MAX_INIT
 from jax_paged_attn.kv_view import CachePlane
 from jax_paged_attn.plans import DecodeTiling
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
-
-# Running max of a row that has seen no key yet. Finite (not -inf) so that
-# exp2(m_old - m_new) never computes -inf - -inf = NaN for a fully masked row.
-_NO_KEY_MAX = -1e30
-
 
 def _decode_kernel(
     *refs,
@@ -228,7 +223,7 @@ def _decode_kernel(
 
     carry = (
         jnp.zeros((num_rows, padded_head), jnp.float32),
-        jnp.full((num_rows,), _NO_KEY_MAX, jnp.float32),
+        jnp.full((num_rows,), RUNNING_MAX_INIT, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
     if tiling.prefetch_page_ids:
