@@ -37,7 +37,8 @@ import numpy as np
 
 from jax_paged_attn import checks
 from jax_paged_attn.tuning import next_power_of_2
-from jax_paged_attn.metadata import PAD_SLOT_ID, FlashAttentionMetadata
+from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.spec import PAD_SLOT_ID
 
 _INT32_MAX = np.iinfo(np.int32).max
 

@@ -60,15 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged_attn import checks, dispatch
+from jax_paged_attn import checks, dispatch, plans
+from jax_paged_attn.spec import PAD_BLOCK_ID, PAD_SLOT_ID  # noqa: F401  (re-exported: they lived here)
 
 Array = jax.Array
-
-PAD_SLOT_ID = -1
-"""Slot-mapping entry of a token whose key / value is not written (padding)."""
-
-PAD_BLOCK_ID = -1
-"""Block-mapping entry (in either column) of a (src, dst) pair that is skipped."""
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """Accepted ``kv_cache_dtype`` strings (vLLM's ``--kv-cache-dtype`` choices)."""
@@ -432,8 +427,10 @@ def _kernel_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array,
                   *caches: Array, interpret: bool) -> tuple[Array, ...]:
     from jax_paged_attn.kernels import triton_cache
 
-    scales = jnp.stack([k_scale, v_scale]) if jnp.dtype(caches[0].dtype).itemsize == 1 else None
-    return triton_cache.cache_write_call(key, value, slot_mapping, scales, caches, interpret=interpret)
+    scales = plans.kv_scales(caches[0].dtype, caches[0].dtype, k_scale, v_scale)
+    tiling = plans.plan_cache_write(*key.shape)
+    return triton_cache.cache_write_call(key, value, slot_mapping, scales, caches, tiling=tiling,
+                                         interpret=interpret)
 
 
 def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_mapping: Array,

@@ -1,9 +1,10 @@
 """Paged decode attention (`flash_attn_with_kvcache`) through a Pallas kernel.
 
 The lowering-independent half of the decode kernel: the static support check, the
-tiling plan (query-row padding, head-dim padding, keys per step, KV split count),
-the config lookup in `jax_paged_attn.tuning`, and the merge of the KV splits
-(flash-decoding). The kernel itself is `jax_paged_attn.kernels.triton_decode`.
+config lookup in `jax_paged_attn.tuning`, and the merge of the KV splits
+(flash-decoding); the tiling plan (query-row padding, head-dim padding, keys per step,
+KV split count) is `jax_paged_attn.plans.plan_decode_tiling`, shared by every
+lowering. The kernel itself is `jax_paged_attn.kernels.triton_decode`.
 
 Semantics are exactly `jax_paged_attn.reference.paged_decode_attention`.
 """
@@ -12,19 +13,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_paged_attn import checks, tuning
+from jax_paged_attn import checks, plans, tuning
 from jax_paged_attn.kv_view import CachePlane, as_plane
+from jax_paged_attn.plans import (  # noqa: F401  (re-exported: the plan's names lived here)
+    MIN_DOT_ROWS,
+    DecodeTiling,
+    choose_num_splits,
+    estimate_shared_memory,
+)
+from jax_paged_attn.plans import plan_decode_tiling as plan_tiling
 from jax_paged_attn.spec import AttentionSpec
-from jax_paged_attn.tuning import DecodeConfig, next_power_of_2
+from jax_paged_attn.tuning import DecodeConfig
 
 Array = jax.Array
 
 LOWERINGS = ("triton",)
-MIN_DOT_ROWS = 16  # smallest M / N / K of a Triton tensor-core dot
-
-
-def _prev_power_of_2(x: int) -> int:
-    return 1 << (max(int(x), 1).bit_length() - 1)
 
 
 def unsupported_reason(
@@ -65,81 +68,6 @@ def unsupported_reason(
     if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
         return "the query heads are not a multiple of the KV heads"
     return None
-
-
-def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize: int,
-                           compute_itemsize: int, num_stages: int, prefetch_page_ids: bool = False) -> int:
-    """Bytes of shared memory the compiled kernel takes (an upper estimate).
-
-    Calibrated on Triton's sm_90 output: K and V tiles in ``(num_stages - 1) // 2``
-    buffers when the block-table load is in the step that uses it (the pipeliner gives
-    it its own stages), ``num_stages - 1`` when the ids are prefetched a step ahead,
-    plus layout conversion scratch, larger when fp8 tiles are upcast.
-    """
-    kv_buffers = max(1, num_stages - 1 if prefetch_page_ids else (num_stages - 1) // 2)
-    tile_elements = tile_keys * padded_head_size
-    staged = kv_buffers * 2 * tile_elements * cache_itemsize
-    scratch = tile_elements * compute_itemsize * (3 if cache_itemsize != compute_itemsize else 2) // 2
-    return staged + scratch + 4096
-
-
-def _tile_keys(block_size: int, head_size: int, cache_itemsize: int, compute_itemsize: int,
-               config: DecodeConfig) -> int:
-    """Keys per inner step: pages_per_step pages, a power of 2, fitting shared memory."""
-    tile = max(MIN_DOT_ROWS, _prev_power_of_2(config.pages_per_step * block_size))
-    padded_head = next_power_of_2(head_size)
-    while tile > MIN_DOT_ROWS and estimate_shared_memory(
-        tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages, config.prefetch_page_ids
-    ) > tuning.DECODE_SHARED_MEMORY_BUDGET:
-        tile //= 2
-    return tile
-
-
-def choose_num_splits(
-    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int, config: DecodeConfig
-) -> int:
-    """KV splits per (sequence, KV head) so that a few long sequences still fill the GPU.
-
-    ``config.num_splits > 0`` is used as is. Otherwise: enough splits for about
-    ``config.target_programs`` programs, but no more than leave each split
-    ``config.min_tiles_per_split`` steps of the longest context the block table allows
-    (``max_keys``; the kernel divides each sequence's actual keys evenly).
-    """
-    if config.num_splits > 0:
-        return config.num_splits
-    programs = batch * num_kv_heads * row_blocks
-    wanted = -(-config.target_programs // programs)
-    max_tiles = -(-max_keys // tile_keys)
-    most = max(1, max_tiles // max(config.min_tiles_per_split, 1))
-    return max(1, min(wanted, most))
-
-
-def plan_tiling(
-    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype, cache_dtype,
-    config: DecodeConfig,
-):
-    """The kernel's static launch plan (`DecodeTiling`) for these shapes and `config`."""
-    from jax_paged_attn.kernels.triton_decode import DecodeTiling
-
-    batch, num_q_tokens, num_q_heads, head_size = q_shape
-    _, block_size, num_kv_heads, _ = cache_shape
-    rows = num_q_tokens * (num_q_heads // num_kv_heads)
-    max_rows = max(MIN_DOT_ROWS, _prev_power_of_2(config.max_q_rows))
-    rows_per_program = min(max(MIN_DOT_ROWS, next_power_of_2(rows)), max_rows)
-    row_blocks = -(-rows // rows_per_program)
-    tile_keys = _tile_keys(block_size, head_size, jnp.dtype(cache_dtype).itemsize,
-                           jnp.dtype(q_dtype).itemsize, config)
-    num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
-    return DecodeTiling(
-        rows_per_program=rows_per_program,
-        row_blocks=row_blocks,
-        padded_head_size=next_power_of_2(head_size),
-        tile_keys=tile_keys,
-        num_splits=num_splits,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        prefetch_page_ids=config.prefetch_page_ids,
-    )
 
 
 def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
@@ -199,15 +127,11 @@ def paged_decode_attention(
     group_size = q.shape[2] // k_cache.shape[2]
     if config is None:
         config = tuning.decode_config(head_size, block_size, group_size)
-    tiling = plan_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype, config)
-    fp8 = any(jnp.dtype(c.dtype).itemsize == 1 for c in (k_cache, v_cache))
-    scales = None
-    if fp8:
-        scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
-                            jnp.asarray(v_scale, jnp.float32).reshape(())])
+    tiling = plans.plan_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype,
+                                      config)
     result = triton_decode.paged_decode_call(
         q, as_plane(k_cache), as_plane(v_cache), cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
-        None if alibi_slopes is None else alibi_slopes.astype(jnp.float32), scales,
+        plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
         spec=spec, tiling=tiling, interpret=interpret,
     )
     if tiling.num_splits == 1:

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged_attn import checks
-from jax_paged_attn.cache import PAD_SLOT_ID
+from jax_paged_attn.spec import PAD_SLOT_ID
 
 Array = Any  # jax.Array, or np.ndarray for host-side metadata from the builder
 

@@ -19,6 +19,9 @@ queries and Sk keys, query i is aligned with key ``i + Sk - Sq`` (bottom-right):
 Key j is visible to query i iff, with ``d = i + Sk - Sq``:
 ``j <= d`` when causal, ``j >= d - left`` when ``left >= 0``, ``j <= d + right``
 when ``right >= 0``. ALiBi adds ``-slope[h] * |d - j|`` after the soft-cap.
+
+The padding ids of the cache's mappings (`PAD_SLOT_ID`, `PAD_BLOCK_ID`) live here too:
+every layer (cache ops, metadata, kernels, engine) agrees on them.
 """
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ import math
 
 UNBOUNDED = -1
 """Value of a window side that does not limit attention (flash-attention's -1)."""
+
+PAD_SLOT_ID = -1
+"""Slot-mapping entry of a token whose key / value is not written (padding)."""
+
+PAD_BLOCK_ID = -1
+"""Block-mapping entry (in either column) of a (src, dst) pair that is skipped."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Kernel configurations and the tables that choose them, shared by every lowering.
 
-Kernel files never pick their own block sizes: the wrappers in `jax_paged_attn.prefill`
-and `jax_paged_attn.decode` ask this module, and an explicit ``config=`` argument
-overrides the table (benchmarks sweep configs that way).
+Kernel files never pick their own block sizes: the wrappers in `jax_paged_attn.prefill`,
+`jax_paged_attn.decode` and `jax_paged_attn.cache` ask this module (an explicit
+``config=`` argument overrides the table; benchmarks sweep configs that way) and
+`jax_paged_attn.plans` turns the config into the kernel's tiling for the call's shapes.
 
 Table keys are rounded to powers of two before lookup (so nearby shapes share an
 entry); a missing key falls back to the default config. Entries were chosen by
@@ -88,7 +89,7 @@ class DecodeConfig:
 
 
 # Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
-# estimate (`jax_paged_attn.decode.estimate_shared_memory`) exceeds it is halved.
+# estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
 DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
 
 

@@ -438,3 +438,21 @@ def test_combine_splits_weights_and_empty_rows() -> None:
     expected = np.exp(scores - scores.max()) @ values / np.exp(scores - scores.max()).sum()
     np.testing.assert_allclose(out[0, 0, 0], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[0, 0, 1], 0.0)
+
+
+def test_scores_below_minus_1e30_still_attend() -> None:
+    """Both kernels start the running max at the most negative finite f32
+    (`kernels.common.RUNNING_MAX_INIT`): a row whose every visible score is below
+    -1e30 (in log2 units) still gets its softmax, as in the reference (a -1e30 start
+    would have left it with weight 0, hence output 0)."""
+    d, hq, hk = 64, 2, 1
+    spec = AttentionSpec.create(d, causal=True)
+    q = jnp.full((1, 1, hq, d), 1e16, jnp.float32)  # q.k = -6.4e33 for every key
+    k_cache = jnp.full((4, 16, hk, d), -1e16, jnp.float32)
+    v_cache = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, hk, d)), jnp.float32)
+    lens, table = jnp.array([20], jnp.int32), jnp.array([[2, 0]], jnp.int32)
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, lens, table, None, 1.0, 1.0, spec=spec)
+    assert np.abs(np.asarray(expected)).max() > 0.01
+    got = decode.paged_decode_attention(q, k_cache, v_cache, lens, table, None, 1.0, 1.0, spec=spec,
+                                        interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

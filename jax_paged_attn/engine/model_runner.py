@@ -42,8 +42,8 @@ from flax import nnx
 
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata
-from jax_paged_attn.cache import PAD_SLOT_ID
 from jax_paged_attn.builder import pad_to_bucket
+from jax_paged_attn.spec import PAD_SLOT_ID
 
 Array = jax.Array
 

@@ -30,7 +30,7 @@ Pallas' Triton lowering turns that into a flat element offset, in 64 bits for a 
 more than 4 GiB. So caches of ``2**31`` elements and more are written here when their
 elements take 2 or 4 bytes; an fp8 cache of ``2**31`` to ``2**32`` elements would get
 32-bit offsets past ``2**31`` and stays on the scatter (`jax_paged_attn.cache`, which
-says so). The tiling comes from `jax_paged_attn.tuning.cache_write_config`.
+says so). The tiling comes from `jax_paged_attn.plans.plan_cache_write`.
 """
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_paged_attn.tuning import CacheWriteConfig, cache_write_config
+from jax_paged_attn.kernels import common
+from jax_paged_attn.plans import CacheWriteConfig
 
 Array = jax.Array
+
 
 def _divide_rn(x: Array, scale: Array, *, interpret: bool) -> Array:
     """f32 ``x / scale`` rounded to nearest even (IEEE), like XLA's division.
@@ -94,9 +96,9 @@ def _cache_write_kernel(
         key_ref,  # [T, Hk * D] f16 / bf16 / f32
         value_ref,  # [T, Hk * D] key's dtype
         slots_ref,  # i32[T], PAD_SLOT_ID (-1) or out-of-range: not written
-        *rest,  # f32[2] scales when fp8, the aliased caches, then the outputs
+        *rest,  # optional inputs (`common.pop_optional`), the aliased caches, then the outputs
     ) = refs
-    scales_ref = rest.pop(0) if fp8 else None  # f32[2]: k_scale, v_scale
+    scales_ref = common.pop_optional(rest, fp8)  # f32[2]: k_scale, v_scale
     num_caches = 1 if stacked else 2
     # The aliased cache inputs (rest[:num_caches]) are the outputs' buffers; only the
     # output refs are written.
@@ -142,11 +144,11 @@ def cache_write_call(
     key: Array,  # [T, Hk, D] f16 / bf16 / f32
     value: Array,  # [T, Hk, D] key's dtype
     slots: Array,  # i32[T]: PAD_SLOT_ID or out-of-range entries are dropped
-    scales: Array | None,  # f32[2] (k_scale, v_scale) for an fp8 cache, else None
+    scales: Array | None,  # f32[2] (k_scale, v_scale) for an fp8 cache (plans.kv_scales), else None
     caches: tuple[Array, ...],  # ([2, num_blocks, bs, Hk, D],) or (k [num_blocks, bs, Hk, D], v same)
     *,
+    tiling: CacheWriteConfig,
     interpret: bool = False,
-    tiling: CacheWriteConfig | None = None,
 ) -> tuple[Array, ...]:
     """Writes every token's key and value row into its slot; returns the caches.
 
@@ -155,7 +157,7 @@ def cache_write_call(
     fp8 (then ``scales`` is required and the cache stores ``x / scale``). The outputs
     alias the caches (``input_output_aliases``): donated under jit, they are updated
     in place. The returned tuple matches ``caches``. No argument checks here (see
-    `jax_paged_attn.cache`); ``tiling`` defaults to `tuning.cache_write_config`.
+    `jax_paged_attn.cache`); ``tiling`` comes from `plans.plan_cache_write`.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     stacked = len(caches) == 1
@@ -168,14 +170,12 @@ def cache_write_call(
         raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
     if num_tokens == 0:
         return tuple(caches)
-    tiling = cache_write_config(num_tokens, row_size) if tiling is None else tiling
 
     # Free reshapes (bitcasts, aliasing survives them): one row per token / slot.
     flat_caches = [c.reshape(*c.shape[:-4], num_slots, row_size) for c in caches]
     inputs = [key.reshape(num_tokens, row_size), value.reshape(num_tokens, row_size),
               slots.astype(jnp.int32)]
-    if fp8:
-        inputs.append(scales.astype(jnp.float32).reshape(2))
+    common.append_optional(inputs, scales.astype(jnp.float32).reshape(2) if fp8 else None)
     first_cache = len(inputs)
     inputs.extend(flat_caches)
     kernel = functools.partial(

@@ -1,7 +1,7 @@
 """Paged decode attention: the Pallas kernel body and its `pallas_call` (Triton lowering).
 
-Only the kernel lives here; `jax_paged_attn.decode` decides the tiling (`DecodeTiling`),
-checks support, and merges the KV splits. Semantics are those of
+Only the kernel lives here; `jax_paged_attn.plans` decides the tiling (`DecodeTiling`),
+`jax_paged_attn.decode` checks support and merges the KV splits. Semantics are those of
 `jax_paged_attn.reference.paged_decode_attention`.
 
 One program handles one (row block of one KV head, sequence, KV split):
@@ -31,9 +31,7 @@ it writes its normalized partial output and log-sum-exp, merged by the caller.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,56 +40,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_paged_attn import reference
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LN_2, LOG2E, RUNNING_MAX_INIT
 from jax_paged_attn.kv_view import CachePlane
+from jax_paged_attn.plans import DecodeTiling
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-# Running max of a row that has seen no key yet. Finite (not -inf) so that
-# exp2(m_old - m_new) never computes -inf - -inf = NaN for a fully masked row.
-_NO_KEY_MAX = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeTiling:
-    """Static launch plan of the decode kernel (chosen by `jax_paged_attn.decode`).
-
-    Attributes:
-      rows_per_program: query rows (``Sq * G`` padded) per program; power of 2, >= 16.
-      row_blocks: programs per KV head along the query rows (> 1 only when
-        ``Sq * G`` exceeds the row cap).
-      padded_head_size: head size rounded up to a power of 2 (masked in-kernel).
-      tile_keys: keys per inner-loop step; power of 2, >= 16.
-      num_splits: KV splits per (sequence, KV head); 1 writes the final output.
-      num_warps, num_stages: Triton launch parameters.
-      prefetch_page_ids: read each tile's block-table entries one step ahead (a
-        loop-carried id vector) instead of in the step that uses them.
-    """
-
-    rows_per_program: int
-    row_blocks: int
-    padded_head_size: int
-    tile_keys: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-    prefetch_page_ids: bool = False
-
-
-def _div(x: Array, divisor: int) -> Array:
-    """x // divisor for non-negative int32 x (lax.div: no floor-division fixups)."""
-    return lax.div(x, jnp.int32(divisor))
-
-
-def _rem(x: Array, divisor: int) -> Array:
-    return lax.rem(x, jnp.int32(divisor))
-
-
-def _cdiv(x: Array, divisor: int) -> Array:
-    return _div(x + (divisor - 1), divisor)
-
 
 def _decode_kernel(
     *refs,
@@ -112,10 +67,10 @@ def _decode_kernel(
         v_ref,  # [num_blocks * block_size, Hk, D] like k_ref
         seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
         block_table_ref,  # i32[B, max_blocks]
-        *rest,  # optional inputs, then the outputs
+        *rest,  # optional inputs (`common.pop_optional`), then the outputs
     ) = refs
-    alibi_ref = rest.pop(0) if has_alibi else None  # f32[Hq]
-    scales_ref = rest.pop(0) if (k_dequant or v_dequant) else None  # f32[2]: k_scale, v_scale
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
+    scales_ref = common.pop_optional(rest, k_dequant or v_dequant)  # f32[2]: k_scale, v_scale
     # outputs
     if tiling.num_splits == 1:
         (o_ref,) = rest  # [B, Sq, Hq, D] q dtype
@@ -135,24 +90,18 @@ def _decode_kernel(
     if tiling.row_blocks == 1:
         kv_head, row_block = head_block, 0
     else:
-        kv_head, row_block = _div(head_block, tiling.row_blocks), _rem(head_block, tiling.row_blocks)
+        kv_head, row_block = common.div(head_block, tiling.row_blocks), common.rem(head_block, tiling.row_blocks)
 
     # q tile rows: (query token, query head of this KV head).
     row = row_block * num_rows + lax.iota(jnp.int32, num_rows)  # [M]
-    q_tok = _div(row, group_size)  # [M] position among the Sq new tokens
-    q_head = kv_head * group_size + _rem(row, group_size)  # [M]
+    q_tok = common.div(row, group_size)  # [M] position among the Sq new tokens
+    q_head = kv_head * group_size + common.rem(row, group_size)  # [M]
     row_ok = row < num_q_tokens * group_size  # [M] False on padding rows
-    dim = lax.iota(jnp.int32, padded_head)  # [Dp]
-    dim_ok = None if padded_head == head_size else dim < head_size  # [Dp]
+    dim, dim_ok = common.col_mask(padded_head, head_size)  # [Dp], [Dp] or None
 
     def with_dims(row_mask: Array | None, rows: int) -> Array | None:
         """[rows, Dp] load/store mask from a row mask and the head-dim padding mask."""
-        if row_mask is None and dim_ok is None:
-            return None
-        if row_mask is None:
-            return jnp.broadcast_to(dim_ok[None, :], (rows, padded_head))
-        mask = jnp.broadcast_to(row_mask[:, None], (rows, padded_head))
-        return mask if dim_ok is None else mask & dim_ok[None, :]
+        return common.rows_and_cols(row_mask, dim_ok, rows, padded_head)
 
     q_rows_mask = with_dims(row_ok, num_rows)
     q = plgpu.load(q_ref.at[seq, q_tok[:, None], q_head[:, None], dim[None, :]], mask=q_rows_mask, other=0)
@@ -166,8 +115,7 @@ def _decode_kernel(
             v_scale = scales_ref[1]
     slopes_log2 = None
     if alibi_ref is not None:
-        slopes = plgpu.load(alibi_ref.at[q_head], mask=row_ok, other=0.0)
-        slopes_log2 = slopes * LOG2_E  # [M]
+        slopes_log2 = plgpu.load(alibi_ref.at[q_head], mask=row_ok, other=0.0)  # [M]
 
     seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
     # Visible keys of the whole tile: [kv_lo, seq_len). Query token i sees keys up to
@@ -176,9 +124,9 @@ def _decode_kernel(
     if spec.window_left >= 0:
         kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
     # Tiles start at the page holding kv_lo: pages before the window are skipped.
-    base = _div(kv_lo, block_size) * block_size
-    num_tiles = _cdiv(jnp.maximum(seq_len - base, 0), tile_keys)
-    tiles_per_split = _cdiv(num_tiles, tiling.num_splits)
+    base = common.div(kv_lo, block_size) * block_size
+    num_tiles = common.cdiv(jnp.maximum(seq_len - base, 0), tile_keys)
+    tiles_per_split = common.cdiv(num_tiles, tiling.num_splits)
     tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
     tile_end = jnp.minimum(tile_begin + tiles_per_split, num_tiles)
 
@@ -191,8 +139,8 @@ def _decode_kernel(
     first_free = jnp.int32(0)
     if spec.window_left >= 0:
         free_lo = seq_len - 1 - spec.window_left
-        first_free = _cdiv(jnp.maximum(free_lo - base, 0), tile_keys)
-    end_free = _div(jnp.maximum(free_hi - base, 0), tile_keys)
+        first_free = common.cdiv(jnp.maximum(free_lo - base, 0), tile_keys)
+    end_free = common.div(jnp.maximum(free_hi - base, 0), tile_keys)
     masked_until = jnp.clip(first_free, tile_begin, tile_end)
     unmasked_until = jnp.clip(end_free, masked_until, tile_end)
 
@@ -224,7 +172,7 @@ def _decode_kernel(
         sequence are garbage that `step` masks out, exactly as in the masked load.
         """
         key = base + tile * tile_keys + key_offsets
-        return plgpu.load(block_table_ref.at[seq, jnp.minimum(_div(key, block_size), max_blocks - 1)])
+        return plgpu.load(block_table_ref.at[seq, jnp.minimum(common.div(key, block_size), max_blocks - 1)])
 
     def step(tile, carry, *, masked: bool):
         if tiling.prefetch_page_ids:
@@ -240,21 +188,21 @@ def _decode_kernel(
         elif masked:
             # Keys past the sequence may have page ids out of the block table, and
             # garbage pages: neither their ids nor their rows are read.
-            page = plgpu.load(block_table_ref.at[seq, _div(key, block_size)], mask=key_ok, other=0)
+            page = plgpu.load(block_table_ref.at[seq, common.div(key, block_size)], mask=key_ok, other=0)
         else:
-            page = plgpu.load(block_table_ref.at[seq, _div(key, block_size)])
+            page = plgpu.load(block_table_ref.at[seq, common.div(key, block_size)])
         # Ids outside the cache (only from unvalidated tables under jit) are clamped,
         # never followed: the numbers are then meaningless but memory stays in bounds.
         page = jnp.clip(page, 0, num_pages - 1)
-        cache_row = page * block_size + _rem(key, block_size)  # [T]
+        cache_row = page * block_size + common.rem(key, block_size)  # [T]
         k = load_tile(k_ref, cache_row, key_ok)
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # f32[M, T]
         # Scores in log2 units (exp2 is the fast path): s * log2(e).
         scale = scores_scale if k_scale is None else scores_scale * k_scale
         if spec.softcap > 0:
-            s = jnp.tanh(qk * (scale / spec.softcap)) * (spec.softcap * LOG2_E)
+            s = jnp.tanh(qk * (scale / spec.softcap)) * (spec.softcap * LOG2E)
         else:
-            s = qk * (scale * LOG2_E)
+            s = qk * (scale * LOG2E)
         if slopes_log2 is not None:
             dist = reference.alibi_distance(q_tok[:, None], key[None, :], num_q_tokens, seq_len)
             s = s - slopes_log2[:, None] * dist
@@ -275,7 +223,7 @@ def _decode_kernel(
 
     carry = (
         jnp.zeros((num_rows, padded_head), jnp.float32),
-        jnp.full((num_rows,), _NO_KEY_MAX, jnp.float32),
+        jnp.full((num_rows,), RUNNING_MAX_INIT, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
     if tiling.prefetch_page_ids:
@@ -309,8 +257,8 @@ def paged_decode_call(
     v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]
     block_table: Array,  # i32[B, max_blocks]
-    alibi_slopes: Array | None,  # f32[Hq] or None
-    scales: Array | None,  # f32[2] (k_scale, v_scale) when either cache is fp8, else None
+    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e) (plans.alibi_slopes_log2), or None
+    scales: Array | None,  # f32[2] (k_scale, v_scale) when either cache is fp8 (plans.kv_scales), else None
     *,
     spec: AttentionSpec,
     tiling: DecodeTiling,
@@ -346,12 +294,8 @@ def paged_decode_call(
     whole = pl.BlockSpec()  # the whole array: the kernel addresses it itself
     inputs = [q, k_rows, v_rows, cache_seqlens, block_table]
     in_specs = [whole, k_spec, v_spec, whole, whole]
-    if alibi_slopes is not None:
-        inputs.append(alibi_slopes)
-        in_specs.append(whole)
-    if k_dequant or v_dequant:
-        inputs.append(scales)
-        in_specs.append(whole)
+    common.append_optional(inputs, alibi_slopes_log2, in_specs, whole)
+    common.append_optional(inputs, scales if (k_dequant or v_dequant) else None, in_specs, whole)
     if tiling.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -367,7 +311,7 @@ def paged_decode_call(
         group_size=num_q_heads // num_kv_heads,
         head_size=head_size,
         block_size=block_size,
-        has_alibi=alibi_slopes is not None,
+        has_alibi=alibi_slopes_log2 is not None,
         k_dequant=k_dequant,
         v_dequant=v_dequant,
     )

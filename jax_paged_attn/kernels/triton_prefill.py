@@ -4,8 +4,9 @@ One kernel body serves packed and paged K/V: keys are rows of a ``[R, Hk, D]`` v
 (the packed tokens, or the paged cache with its first two dims merged) and a
 row-index function maps a key position of the tile's sequence to its row (packed:
 ``k_row0 + j``; paged: ``block_table[b, j // bs] * bs + j % bs``), read by gather
-loads. The plan (`jax_paged_attn.prefill.plan_tiles`) says which rows a tile owns
-and which KV blocks it visits; this file only runs it.
+loads. The plan (`jax_paged_attn.plans.plan_tiles`) says which rows a tile owns
+and which KV blocks it visits, and `jax_paged_attn.plans.PrefillTiling` how it is
+tiled; this file only runs them.
 
 Grid: ``(num_tiles, Hq // heads_per_program)``; the tile axis varies fastest, so the
 programs running at the same time are neighbouring tiles of one head (and of one
@@ -32,7 +33,6 @@ reaches exactly the rows that see its key. Unmasked blocks need neither.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,13 +41,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_paged_attn import reference
-from jax_paged_attn.prefill import TILE_INFO_WIDTH, TileField
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
+from jax_paged_attn.plans import TILE_INFO_WIDTH, PrefillTiling, TileField
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
-
-LOG2E = math.log2(math.e)
-RUNNING_MAX_INIT = float(jnp.finfo(jnp.float32).min)  # finite: exp2(-inf - init) == 0
 
 
 def _load(ref, mask: Array | None) -> Array:
@@ -58,30 +57,34 @@ def _load(ref, mask: Array | None) -> Array:
 
 
 def _prefill_kernel(
-    # inputs
-    tile_ref,  # i32[TILE_INFO_WIDTH]: this tile's row of the plan (TileField columns)
-    q_ref,  # [Tq, heads_per_program, Dp] q dtype; columns >= head_size lie outside q
-    k_ref,  # [R, Dp] q dtype or fp8: K rows of this program's KV head
-    v_ref,  # [R, Dp] same layout as k_ref
-    block_table_ref,  # i32[B, max_blocks] (paged) or None
-    alibi_ref,  # f32[heads_per_program] slopes * log2(e), or None
-    kv_scale_ref,  # f32[2] (k_scale, v_scale) when K or V is fp8, or None
-    # outputs
-    o_ref,  # [Tq, heads_per_program, Dp] q dtype
-    *,
+    *refs,
     spec: AttentionSpec,
+    tiling: PrefillTiling,
     head_size: int,
-    block_q: int,
-    block_k: int,
-    heads_per_program: int,
     page_size: int | None,
     num_pages: int,
     max_pages_per_seq: int,
+    has_alibi: bool,
     k_fp8: bool,
     v_fp8: bool,
-    single_kv_loop: bool,
-    prefetch_page_ids: bool,
 ):
+    (
+        # inputs
+        tile_ref,  # i32[TILE_INFO_WIDTH]: this tile's row of the plan (TileField columns)
+        q_ref,  # [Tq, heads_per_program, Dp] q dtype; columns >= head_size lie outside q
+        k_ref,  # [R, Dp] q dtype or fp8: K rows of this program's KV head
+        v_ref,  # [R, Dp] same layout as k_ref
+        *rest,  # optional inputs (`common.pop_optional`), then the output
+    ) = refs
+    block_table_ref = common.pop_optional(rest, page_size is not None)  # i32[B, max_blocks]
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[heads_per_program] slopes * log2(e)
+    kv_scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
+    # outputs
+    (o_ref,) = rest  # [Tq, heads_per_program, Dp] q dtype
+    block_q, block_k = tiling.block_q, tiling.block_k
+    heads_per_program = tiling.heads_per_program
+    single_kv_loop = tiling.single_kv_loop
+    prefetch_page_ids = tiling.prefetch_page_ids and page_size is not None  # paged only
     head_size_padded = q_ref.shape[-1]
     compute_dtype = q_ref.dtype
     positions_per_tile = block_q // heads_per_program
@@ -106,8 +109,8 @@ def _prefill_kernel(
         if heads_per_program == 1:
             pos_in_tile, head_in_group = r, jnp.zeros_like(r)
         else:
-            pos_in_tile = lax.div(r, heads_per_program)
-            head_in_group = lax.rem(r, heads_per_program)
+            pos_in_tile = common.div(r, heads_per_program)
+            head_in_group = common.rem(r, heads_per_program)
         stored = pos_in_tile < q_rows
         if positions_per_tile * heads_per_program < block_q:  # group does not divide block_q
             stored &= pos_in_tile < positions_per_tile
@@ -115,17 +118,11 @@ def _prefill_kernel(
         attends = stored & (q_pos < q_len)
         q_token = q_row0 + pos_in_tile  # [block_q] packed row
 
-        col = lax.iota(jnp.int32, head_size_padded)
-        col_ok = (col < head_size)[None, :] if head_size_padded != head_size else None
+        col, col_ok = common.col_mask(head_size_padded, head_size)
+        col_ok = None if col_ok is None else col_ok[None, :]  # [1, Dp], expanded once
 
         def and_cols(row_mask: Array | None, rows: int) -> Array | None:
-            if row_mask is None and col_ok is None:
-                return None
-            shape = (rows, head_size_padded)
-            if row_mask is None:
-                return jnp.broadcast_to(col_ok, shape)
-            m = jnp.broadcast_to(row_mask[:, None], shape)
-            return m if col_ok is None else m & col_ok
+            return common.rows_and_cols(row_mask, col_ok, rows, head_size_padded)
 
         q = _load(q_ref.at[q_token[:, None], head_in_group[:, None], col[None, :]],
                   and_cols(stored, block_q))  # [block_q, Dp]
@@ -154,10 +151,10 @@ def _prefill_kernel(
         def key_rows(k_pos: Array) -> Array:  # [block_k] positions -> rows of k_ref / v_ref
             if page_size is None:
                 return k_row0 + k_pos
-            logical = jnp.minimum(lax.div(k_pos, page_size), max_pages_per_seq - 1)
+            logical = jnp.minimum(common.div(k_pos, page_size), max_pages_per_seq - 1)
             page = plgpu.load(block_table_ref.at[seq, logical])
             page = jnp.clip(page, 0, num_pages - 1)  # bad ids read a real page, never outside
-            return page * page_size + lax.rem(k_pos, page_size)
+            return page * page_size + common.rem(k_pos, page_size)
 
         def visit(kb, state, rows, *, masked: bool):
             acc, m_prev, l_prev = state
@@ -240,70 +237,64 @@ def varlen_attention_call(
     k_rows: tuple[Array, int],  # ([P * R, Hk, D], plane): packed keys (P = 1), or a stacked
     #   paged cache viewed as rows [planes * num_blocks * bs, Hk, D]; plane p is rows p*R..p*R+R-1
     v_rows: tuple[Array, int],  # same layout as k_rows (may be another plane of the same array)
-    plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from prefill.plan_tiles
+    plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from plans.plan_tiles
     block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed)
-    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e), or None
-    kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
+    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e) (plans.alibi_slopes_log2), or None
+    kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8 (plans.kv_scales), else None
     *,
     spec: AttentionSpec,
-    block_q: int,
-    block_k: int,
-    heads_per_program: int,
+    tiling: PrefillTiling,
     num_kv_rows: int,
     page_size: int | None,
-    num_warps: int,
-    num_stages: int,
-    single_kv_loop: bool = False,
-    prefetch_page_ids: bool = False,
     interpret: bool = False,
 ) -> Array:  # [Tq, Hq, D] q.dtype
     """Builds and runs the pallas_call of `_prefill_kernel` over the plan's tiles.
 
-    ``heads_per_program`` query heads (1, or the whole GQA group) share a tile's
-    ``block_q`` rows; ``num_kv_rows`` is the rows of one K/V plane; ``page_size`` is the
-    cache block size for a paged cache, None for packed keys. ``single_kv_loop``: one KV
-    loop per tile masking every block (one software-pipeline fill per tile) instead of
-    the masked / unmasked / masked loops; ``prefetch_page_ids`` (paged only): load the
-    block-table entries one KV step ahead (see `jax_paged_attn.tuning.PrefillConfig`).
+    ``tiling`` (`jax_paged_attn.plans.plan_prefill_tiling`) gives the tile sizes, the
+    query heads sharing a tile's rows (1, or the whole GQA group), the KV loop
+    structure and the launch parameters; ``num_kv_rows`` is the rows of one K/V plane;
+    ``page_size`` is the cache block size for a paged cache, None for packed keys.
     Every row of the output is written (padding rows with 0).
     """
     num_q_tokens, num_q_heads, head_size = q.shape
     (k_rows, k_plane), (v_rows, v_plane) = k_rows, v_rows
     num_kv_heads = k_rows.shape[1]
     group = num_q_heads // num_kv_heads
-    hpp = heads_per_program
+    hpp = tiling.heads_per_program
     assert num_q_heads % hpp == 0 and (hpp == 1 or hpp == group), (hpp, group)
-    head_size_padded = pl.next_power_of_2(head_size)
+    head_size_padded = tiling.padded_head_size
     num_tiles = plan.shape[0]
     assert plan.shape[1] == TILE_INFO_WIDTH
+    k_fp8, v_fp8 = jnp.dtype(k_rows.dtype).itemsize == 1, jnp.dtype(v_rows.dtype).itemsize == 1
+    if (k_fp8 or v_fp8) and kv_scales is None:
+        raise ValueError("kv_scales (k_scale, v_scale) are required with fp8 keys or values.")
 
     def kv_head(plane: int):  # program's KV head: heads g*hpp .. g*hpp+hpp-1 share it
         return lambda t, g: (plane, (g * hpp) // group, 0)
 
     paged = block_table is not None
+    inputs = [plan, q, k_rows, v_rows]
     in_specs = [
         pl.BlockSpec((None, TILE_INFO_WIDTH), lambda t, g: (t, 0)),
         pl.BlockSpec((num_q_tokens, hpp, head_size_padded), lambda t, g: (0, g, 0)),
         pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head(k_plane)),
         pl.BlockSpec((num_kv_rows, None, head_size_padded), kv_head(v_plane)),
-        pl.BlockSpec(block_table.shape, lambda t, g: (0, 0)) if paged else None,
-        pl.BlockSpec((hpp,), lambda t, g: (g,)) if alibi_slopes_log2 is not None else None,
-        pl.BlockSpec((2,), lambda t, g: (0,)) if kv_scales is not None else None,
     ]
+    common.append_optional(inputs, block_table, in_specs,
+                           pl.BlockSpec(block_table.shape, lambda t, g: (0, 0)) if paged else None)
+    common.append_optional(inputs, alibi_slopes_log2, in_specs, pl.BlockSpec((hpp,), lambda t, g: (g,)))
+    common.append_optional(inputs, kv_scales, in_specs, pl.BlockSpec((2,), lambda t, g: (0,)))
     kernel = functools.partial(
         _prefill_kernel,
         spec=spec,
+        tiling=tiling,
         head_size=head_size,
-        block_q=block_q,
-        block_k=block_k,
-        heads_per_program=hpp,
         page_size=page_size,
         num_pages=num_kv_rows // page_size if paged else 0,
         max_pages_per_seq=block_table.shape[1] if paged else 0,
-        k_fp8=jnp.dtype(k_rows.dtype).itemsize == 1,
-        v_fp8=jnp.dtype(v_rows.dtype).itemsize == 1,
-        single_kv_loop=single_kv_loop,
-        prefetch_page_ids=prefetch_page_ids and paged,
+        has_alibi=alibi_slopes_log2 is not None,
+        k_fp8=k_fp8,
+        v_fp8=v_fp8,
     )
     return pl.pallas_call(
         kernel,
@@ -311,7 +302,7 @@ def varlen_attention_call(
         in_specs=in_specs,
         out_specs=pl.BlockSpec((num_q_tokens, hpp, head_size_padded), lambda t, g: (0, g, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="varlen_attention",
-    )(plan, q, k_rows, v_rows, block_table, alibi_slopes_log2, kv_scales)
+    )(*inputs)

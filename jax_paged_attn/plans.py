@@ -1,0 +1,473 @@
+"""Launch plans of the kernels, below both the wrappers and the kernels.
+
+Everything a kernel launch needs that is not the kernel itself, and does not depend on
+the lowering: the prefill tile plan and its field layout (`TileField`), the static
+tilings the kernels receive (`PrefillTiling`, `DecodeTiling`; the cache write's is its
+`tuning.CacheWriteConfig` as is), the decode split choice and shared-memory estimate,
+and the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
+K/V scales) done the same way for every kernel. A second lowering of the same kernels
+(Mosaic GPU) reuses all of it.
+
+Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
+(`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and
+`kernels.common`; the wrappers (`prefill`, `decode`, `cache`) import the kernels and
+this module. Nothing here imports a kernel or a wrapper (`tests/test_layering.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_paged_attn import tuning
+from jax_paged_attn.spec import AttentionSpec
+from jax_paged_attn.tuning import CacheWriteConfig, DecodeConfig, PrefillConfig, next_power_of_2
+
+Array = jax.Array
+
+__all__ = [
+    "LOG2E", "MIN_DOT_ROWS", "TILE_INFO_WIDTH", "TileField", "PrefillTiling", "DecodeTiling",
+    "CacheWriteConfig", "visible_key_interval", "num_query_tiles", "plan_tiles", "heads_per_program",
+    "check_prefill_config", "plan_prefill_tiling", "estimate_shared_memory", "decode_tile_keys",
+    "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
+    "alibi_slopes_log2",
+]
+
+LOG2E = math.log2(math.e)
+"""The kernels' online softmax works in base 2 (``exp2``): scores and ALiBi slopes are
+multiplied by ``log2(e)``."""
+
+MIN_DOT_ROWS = 16
+"""Smallest M / N / K of a tensor-core dot: the least rows or keys of a kernel tile."""
+
+
+def _is_power_of_2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _prev_power_of_2(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+# =========================================================================== prefill (varlen)
+
+
+class TileField(enum.IntEnum):
+    """Columns of the tile plan (`plan_tiles`), one int32 row per query tile.
+
+    Rows are positions of the tile's sequence; "stored" rows are written by the tile
+    (valid rows and the padding after them), "valid" rows also attend.
+    """
+
+    SEQ = 0  # sequence index (row of block_table); 0 for padding and surplus tiles
+    Q_ROW0 = 1  # packed row of the tile's first position
+    Q_ROWS = 2  # positions the tile stores, 0..P (0: surplus tile, exits at once)
+    Q_POS0 = 3  # position of the tile's first row within its sequence
+    Q_LEN = 4  # query count of the sequence (clamped to max_seqlen_q; 0 for padding)
+    K_LEN = 5  # key count of the sequence (clamped; 0 for padding)
+    K_ROW0 = 6  # packed row of the sequence's key 0 (0 for a paged cache)
+    KB_LO = 7  # first KV block (of block_k keys) the tile can see
+    KB_FULL_LO = 8  # first KV block every valid row sees entirely (no mask)
+    KB_FULL_HI = 9  # end of the unmasked KV blocks
+    KB_HI = 10  # end of the KV blocks the tile can see
+
+
+TILE_INFO_WIDTH = 16  # columns per plan row: TileField padded to 64 bytes
+
+
+def _cdiv(a: Array, b: int) -> Array:
+    return -((-a) // b)
+
+
+def visible_key_interval(q_pos: Array, q_len: Array, k_len: Array, spec: AttentionSpec
+                         ) -> tuple[Array, Array]:
+    """``[lo, hi)``: the keys query ``q_pos`` sees under `spec` (always an interval).
+
+    Both ends are non-decreasing in ``q_pos``; ``hi <= lo`` means no visible key.
+    Matches `reference.key_visible` for ``0 <= q_pos < q_len``.
+    """
+    diag = q_pos + (k_len - q_len)
+    if spec.window_left >= 0:
+        lo = jnp.maximum(diag - spec.window_left, 0)
+    else:
+        lo = jnp.zeros_like(diag)
+    right = 0 if spec.causal else spec.window_right
+    if right >= 0:
+        hi = jnp.minimum(diag + right + 1, k_len)
+    else:
+        hi = jnp.broadcast_to(k_len, diag.shape)
+    return lo, hi
+
+
+def num_query_tiles(num_q_tokens: int, batch: int, positions_per_tile: int) -> int:
+    """Static grid size bounding the tiles of any packing of the query rows.
+
+    B sequences and the padding segments before and after them split ``num_q_tokens``
+    rows into at most ``B + 2`` segments; ``sum(ceil(len_i / P)) <= ceil(sum(len_i) / P)
+    + B + 1``.
+    """
+    return -(-num_q_tokens // positions_per_tile) + batch + 1
+
+
+def plan_tiles(
+    cu_seqlens_q: Array,  # i32[B + 1]
+    cu_seqlens_k: Array,  # i32[B + 1]
+    seqused_k: Array | None,  # i32[B] or None
+    *,
+    num_q_tokens: int,
+    num_packed_keys: int | None,
+    key_capacity: int | None,
+    spec: AttentionSpec,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    positions_per_tile: int,
+    block_k: int,
+    longest_first: bool = True,
+) -> Array:  # i32[num_query_tiles(...), TILE_INFO_WIDTH]
+    """The kernel's work list: one row of `TileField` columns per query tile.
+
+    Args:
+      num_q_tokens: Tq, rows of q (rows before ``cu_seqlens_q[0]`` and past
+        ``max(cu_seqlens_q)`` form two padding segments whose tiles write zeros).
+      num_packed_keys: rows of packed k / v (key counts are clamped so no read goes
+        past them), or None for a paged cache.
+      key_capacity: keys a block-table row can address (``max_blocks * block_size``)
+        for a paged cache, or None.
+      positions_per_tile: P, query positions per tile.
+      block_k: keys per KV block of the kernel's inner loop.
+      longest_first: order tiles by decreasing work (see `jax_paged_attn.prefill`);
+        otherwise sequences and tiles in order.
+
+    Pure jax.numpy, jit-able: everything static is a Python value. Invalid lengths
+    (cu_seqlens past the arrays, negative lengths) are clamped so that the kernel
+    never touches memory outside its arrays.
+    """
+    P = positions_per_tile
+    batch = cu_seqlens_q.shape[0] - 1
+    cu_q = cu_seqlens_q.astype(jnp.int32)
+    cu_k = cu_seqlens_k.astype(jnp.int32)
+    q_raw = jnp.maximum(cu_q[1:] - cu_q[:-1], 0)
+    q_len = jnp.minimum(q_raw, max_seqlen_q)
+    k_len = (cu_k[1:] - cu_k[:-1]) if seqused_k is None else seqused_k.astype(jnp.int32)
+    k_len = jnp.clip(k_len, 0, max_seqlen_k)
+    if key_capacity is not None:
+        k_len = jnp.minimum(k_len, key_capacity)
+        k_row0 = jnp.zeros((batch,), jnp.int32)
+    else:
+        k_row0 = jnp.clip(cu_k[:-1], 0, num_packed_keys)
+        k_len = jnp.minimum(k_len, num_packed_keys - k_row0)
+
+    # Segments: the B sequences, then the padding rows after them and those before
+    # cu_seqlens_q[0] (valid cu_seqlens start at 0, but under jit nobody checks), so
+    # that every row outside the sequences is written with 0, as the reference does.
+    # The trailing one starts at the largest offset: no row of a sequence is also a
+    # padding row, even for decreasing (invalid) cu_seqlens.
+    zeros = jnp.zeros((2,), jnp.int32)
+    last_row = jnp.clip(jnp.max(cu_q, keepdims=True), 0, num_q_tokens)
+    first_row = jnp.clip(cu_q[:1], 0, num_q_tokens)
+    seg_rows = jnp.concatenate([q_raw, num_q_tokens - last_row, first_row])
+    seg_row0 = jnp.concatenate([jnp.clip(cu_q[:-1], 0, num_q_tokens), last_row, zeros[:1]])
+    seg_q_len = jnp.concatenate([q_len, zeros])
+    seg_k_len = jnp.concatenate([k_len, zeros])
+    seg_k_row0 = jnp.concatenate([k_row0, zeros])
+    seg_seq = jnp.concatenate([jnp.arange(batch, dtype=jnp.int32), zeros])
+    seg_tiles = _cdiv(seg_rows, P)
+
+    if longest_first:
+        # Visible (query, key) pairs ~ q_len * span of the middle query (exact for
+        # the linear spans of causal / window masks away from the clipping).
+        mid_lo, mid_hi = visible_key_interval((seg_q_len - 1) // 2, seg_q_len, seg_k_len, spec)
+        work = seg_q_len.astype(jnp.float32) * jnp.maximum(mid_hi - mid_lo, 0).astype(jnp.float32)
+        work = work.at[batch:].set(-1.0)  # the padding segments go last
+        order = jnp.argsort(-work, stable=True).astype(jnp.int32)
+    else:
+        order = jnp.arange(batch + 2, dtype=jnp.int32)
+    ordered_tiles = seg_tiles[order]
+    ends = jnp.cumsum(ordered_tiles)
+    num_tiles = num_query_tiles(num_q_tokens, batch, P)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    slot = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    real = slot <= batch + 1
+    slot = jnp.minimum(slot, batch + 1)
+    seg = order[slot]
+    local = t - (ends[slot] - ordered_tiles[slot])
+    if longest_first:
+        local = ordered_tiles[slot] - 1 - local  # a sequence's last tiles first
+    pos0 = local * P
+
+    q_row0 = seg_row0[seg] + pos0
+    q_rows = jnp.clip(seg_rows[seg] - pos0, 0, P)
+    q_rows = jnp.where(real, jnp.clip(jnp.minimum(q_rows, num_q_tokens - q_row0), 0, P), 0)
+    q_row0 = jnp.where(real, jnp.clip(q_row0, 0, num_q_tokens), 0)
+    t_q_len = jnp.where(real, seg_q_len[seg], 0)
+    t_k_len = jnp.where(real, seg_k_len[seg], 0)
+
+    # KV block range: rows pos0..last are the tile's valid (attending) queries.
+    valid = jnp.clip(jnp.minimum(t_q_len, pos0 + P) - pos0, 0, P)
+    last = pos0 + jnp.maximum(valid, 1) - 1
+    lo_first, hi_first = visible_key_interval(pos0, t_q_len, t_k_len, spec)
+    lo_last, hi_last = visible_key_interval(last, t_q_len, t_k_len, spec)
+    empty = (valid == 0) | (hi_last <= lo_first)
+    kb_lo = jnp.where(empty, 0, lo_first // block_k)
+    kb_hi = jnp.where(empty, 0, _cdiv(hi_last, block_k))
+    kb_full_lo = jnp.clip(_cdiv(lo_last, block_k), kb_lo, kb_hi)
+    kb_full_hi = jnp.clip(hi_first // block_k, kb_full_lo, kb_hi)
+
+    columns = {
+        TileField.SEQ: jnp.where(real, seg_seq[seg], 0),
+        TileField.Q_ROW0: q_row0,
+        TileField.Q_ROWS: q_rows,
+        TileField.Q_POS0: jnp.where(real, pos0, 0),
+        TileField.Q_LEN: t_q_len,
+        TileField.K_LEN: t_k_len,
+        TileField.K_ROW0: jnp.where(real, seg_k_row0[seg], 0),
+        TileField.KB_LO: kb_lo,
+        TileField.KB_FULL_LO: kb_full_lo,
+        TileField.KB_FULL_HI: kb_full_hi,
+        TileField.KB_HI: kb_hi,
+    }
+    plan = jnp.zeros((num_tiles, TILE_INFO_WIDTH), jnp.int32)
+    for field, column in columns.items():
+        plan = plan.at[:, int(field)].set(column.astype(jnp.int32))
+    return plan
+
+
+def heads_per_program(num_q_heads: int, num_kv_heads: int, config: PrefillConfig) -> int:
+    """Query heads sharing one tile's rows: the KV group when packing GQA, else 1."""
+    group = num_q_heads // num_kv_heads
+    if config.pack_gqa and 1 < group <= config.block_q:
+        return group
+    return 1
+
+
+def check_prefill_config(config: PrefillConfig) -> None:
+    """Raises ValueError for a config the kernel cannot compile."""
+    if not isinstance(config, PrefillConfig):
+        raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}.")
+    for name in ("block_q", "block_k"):
+        value = getattr(config, name)
+        if not (isinstance(value, int) and _is_power_of_2(value) and value >= 16):
+            raise ValueError(f"config.{name} must be a power of 2 >= 16 (a tl.dot tile side), got {value!r}.")
+    if not (isinstance(config.num_warps, int) and _is_power_of_2(config.num_warps)):
+        raise ValueError(f"config.num_warps must be a power of 2, got {config.num_warps!r}.")
+    for name in ("pack_gqa", "longest_first", "single_kv_loop", "prefetch_page_ids"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
+    for name in ("num_stages", "num_stages_paged"):
+        value = getattr(config, name)
+        if name == "num_stages_paged" and value is None:
+            continue
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiling:
+    """Static launch plan of the varlen (prefill) kernel, from `plan_prefill_tiling`.
+
+    Attributes:
+      block_q: rows per tile (query positions x packed heads); power of 2, >= 16.
+      block_k: keys per KV step; power of 2, >= 16.
+      heads_per_program: query heads sharing a tile's rows (1, or the GQA group).
+      padded_head_size: head size rounded up to a power of 2 (masked in-kernel).
+      num_warps, num_stages: Triton launch parameters (num_stages already the paged
+        one over a paged cache).
+      single_kv_loop: one KV loop per tile masking every block, instead of the
+        masked / unmasked / masked loops.
+      prefetch_page_ids: load the block-table entries one KV step ahead (paged only:
+        always False for packed keys).
+      longest_first: order of the tiles in the plan (`plan_tiles`).
+    """
+
+    block_q: int
+    block_k: int
+    heads_per_program: int
+    padded_head_size: int
+    num_warps: int
+    num_stages: int
+    single_kv_loop: bool = False
+    prefetch_page_ids: bool = False
+    longest_first: bool = True
+
+    @property
+    def positions_per_tile(self) -> int:
+        """Query positions per tile (P): ``block_q // heads_per_program``."""
+        return self.block_q // self.heads_per_program
+
+
+def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, max_seqlen_q: int,
+                        max_seqlen_k: int, paged: bool, config: PrefillConfig) -> PrefillTiling:
+    """The varlen kernel's tiling for these shapes and `config` (checked beforehand).
+
+    ``block_q`` and ``block_k`` are upper bounds: a tile taller than any sequence's rows
+    only adds idle rows (decode tokens, small chunks), so ``block_q`` shrinks to the rows
+    the longest sequence fills (a power of 2 >= 16; the shrunk tile gets at most 4
+    warps), and ``block_k`` to ``max_seqlen_k``.
+    """
+    group = heads_per_program(num_q_heads, num_kv_heads, config)
+    block_q = min(config.block_q, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_q * group)))
+    num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)
+    block_k = min(config.block_k, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_k)))
+    num_stages = config.num_stages
+    if paged and config.num_stages_paged is not None:
+        num_stages = config.num_stages_paged
+    return PrefillTiling(
+        block_q=block_q,
+        block_k=block_k,
+        heads_per_program=group,
+        padded_head_size=next_power_of_2(head_size),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        single_kv_loop=config.single_kv_loop,
+        prefetch_page_ids=config.prefetch_page_ids and paged,
+        longest_first=config.longest_first,
+    )
+
+
+# =========================================================================== paged decode
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """Static launch plan of the decode kernel, from `plan_decode_tiling`.
+
+    Attributes:
+      rows_per_program: query rows (``Sq * G`` padded) per program; power of 2, >= 16.
+      row_blocks: programs per KV head along the query rows (> 1 only when
+        ``Sq * G`` exceeds the row cap).
+      padded_head_size: head size rounded up to a power of 2 (masked in-kernel).
+      tile_keys: keys per inner-loop step; power of 2, >= 16.
+      num_splits: KV splits per (sequence, KV head); 1 writes the final output.
+      num_warps, num_stages: Triton launch parameters.
+      prefetch_page_ids: read each tile's block-table entries one step ahead (a
+        loop-carried id vector) instead of in the step that uses them.
+    """
+
+    rows_per_program: int
+    row_blocks: int
+    padded_head_size: int
+    tile_keys: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    prefetch_page_ids: bool = False
+
+
+def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize: int,
+                           compute_itemsize: int, num_stages: int, prefetch_page_ids: bool = False) -> int:
+    """Bytes of shared memory the compiled decode kernel takes (an upper estimate).
+
+    Calibrated on Triton's sm_90 output: K and V tiles in ``(num_stages - 1) // 2``
+    buffers when the block-table load is in the step that uses it (the pipeliner gives
+    it its own stages), ``num_stages - 1`` when the ids are prefetched a step ahead,
+    plus layout conversion scratch, larger when fp8 tiles are upcast.
+    """
+    kv_buffers = max(1, num_stages - 1 if prefetch_page_ids else (num_stages - 1) // 2)
+    tile_elements = tile_keys * padded_head_size
+    staged = kv_buffers * 2 * tile_elements * cache_itemsize
+    scratch = tile_elements * compute_itemsize * (3 if cache_itemsize != compute_itemsize else 2) // 2
+    return staged + scratch + 4096
+
+
+def decode_tile_keys(block_size: int, head_size: int, cache_itemsize: int, compute_itemsize: int,
+                     config: DecodeConfig) -> int:
+    """Keys per inner step: pages_per_step pages, a power of 2, fitting shared memory
+    (`tuning.DECODE_SHARED_MEMORY_BUDGET`)."""
+    tile = max(MIN_DOT_ROWS, _prev_power_of_2(config.pages_per_step * block_size))
+    padded_head = next_power_of_2(head_size)
+    while tile > MIN_DOT_ROWS and estimate_shared_memory(
+        tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages, config.prefetch_page_ids
+    ) > tuning.DECODE_SHARED_MEMORY_BUDGET:
+        tile //= 2
+    return tile
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int, config: DecodeConfig
+) -> int:
+    """KV splits per (sequence, KV head) so that a few long sequences still fill the GPU.
+
+    ``config.num_splits > 0`` is used as is. Otherwise: enough splits for about
+    ``config.target_programs`` programs, but no more than leave each split
+    ``config.min_tiles_per_split`` steps of the longest context the block table allows
+    (``max_keys``; the kernel divides each sequence's actual keys evenly).
+    """
+    if config.num_splits > 0:
+        return config.num_splits
+    programs = batch * num_kv_heads * row_blocks
+    wanted = -(-config.target_programs // programs)
+    max_tiles = -(-max_keys // tile_keys)
+    most = max(1, max_tiles // max(config.min_tiles_per_split, 1))
+    return max(1, min(wanted, most))
+
+
+def plan_decode_tiling(
+    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype, cache_dtype,
+    config: DecodeConfig,
+) -> DecodeTiling:
+    """The decode kernel's static launch plan for these shapes and `config`.
+
+    ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
+    ``max_blocks`` the block table's columns. Query rows (``Sq * G``) are padded to a
+    power of 2 >= 16 and capped by ``config.max_q_rows`` (more rows take more programs).
+    """
+    batch, num_q_tokens, num_q_heads, head_size = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    rows = num_q_tokens * (num_q_heads // num_kv_heads)
+    max_rows = max(MIN_DOT_ROWS, _prev_power_of_2(config.max_q_rows))
+    rows_per_program = min(max(MIN_DOT_ROWS, next_power_of_2(rows)), max_rows)
+    row_blocks = -(-rows // rows_per_program)
+    tile_keys = decode_tile_keys(block_size, head_size, jnp.dtype(cache_dtype).itemsize,
+                                 jnp.dtype(q_dtype).itemsize, config)
+    num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
+    return DecodeTiling(
+        rows_per_program=rows_per_program,
+        row_blocks=row_blocks,
+        padded_head_size=next_power_of_2(head_size),
+        tile_keys=tile_keys,
+        num_splits=num_splits,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        prefetch_page_ids=config.prefetch_page_ids,
+    )
+
+
+# =========================================================================== cache write
+
+
+def plan_cache_write(num_tokens: int, num_kv_heads: int, head_size: int,
+                     config: CacheWriteConfig | None = None) -> CacheWriteConfig:
+    """The cache-write kernel's tiling: ``config``, or `tuning.cache_write_config` for
+    rows of ``num_kv_heads * head_size`` elements."""
+    if config is not None:
+        return config
+    return tuning.cache_write_config(num_tokens, num_kv_heads * head_size)
+
+
+# =========================================================================== optional kernel inputs
+
+
+def is_fp8(dtype) -> bool:
+    """True for a one-byte (fp8) K/V or cache dtype: the kernels dequantize it."""
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def kv_scales(k_dtype, v_dtype, k_scale: Array | float, v_scale: Array | float) -> Array | None:
+    """The kernels' fp8 scale input: f32[2] ``(k_scale, v_scale)`` when K or V is fp8,
+    else None (the kernel then takes no scale input). A kernel reads a scale only for
+    the fp8 operand, so the other one's value does not matter."""
+    if not (is_fp8(k_dtype) or is_fp8(v_dtype)):
+        return None
+    return jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                      jnp.asarray(v_scale, jnp.float32).reshape(())])
+
+
+def alibi_slopes_log2(alibi_slopes: Array | None) -> Array | None:
+    """The kernels' ALiBi input: f32[Hq] slopes times ``log2(e)`` (scores are in base-2
+    units), or None without ALiBi."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.astype(jnp.float32) * LOG2E

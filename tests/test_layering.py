@@ -1,0 +1,114 @@
+"""The package's layering: launch plans below both the wrappers and the kernels.
+
+``spec``, ``kv_view`` and ``tuning`` import nothing of the package, ``reference`` only
+the spec, ``plans`` only those; the kernels (``jax_paged_attn/kernels/*``) import only
+the spec, the plans, ``kv_view``, ``reference``'s helpers and ``kernels.common``, never a
+wrapper (``prefill``, ``decode``, ``cache``), the public API, the layers or the
+dispatch, nor another kernel. Imports are read with ``ast`` (function-level imports
+included), so nothing is imported to check them.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = "jax_paged_attn"
+_ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+
+WRAPPERS = tuple(f"{PACKAGE}.{name}" for name in ("prefill", "decode", "cache", "api", "layer", "dispatch"))
+
+BOTTOM = {  # module -> the package modules it may import
+    f"{PACKAGE}.spec": set(),
+    f"{PACKAGE}.kv_view": set(),
+    f"{PACKAGE}.tuning": set(),
+    f"{PACKAGE}.reference": {f"{PACKAGE}.spec"},
+    f"{PACKAGE}.plans": {f"{PACKAGE}.spec", f"{PACKAGE}.tuning"},
+    f"{PACKAGE}.kernels.common": {f"{PACKAGE}.plans"},
+}
+KERNEL_IMPORTS = {f"{PACKAGE}.{name}" for name in ("spec", "plans", "kv_view", "reference", "kernels.common")}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = pathlib.Path(*name.split("."))
+    base = _ROOT.parent / rel
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def package_imports(source: str, importer: str, is_package: bool = False) -> set[str]:
+    """The modules of the package that ``source`` (the text of module ``importer``)
+    imports: ``from a import b`` counts as ``a.b`` when that is a module, else ``a``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importer's package
+                anchor = importer.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else base)
+    return {name for name in found if name == PACKAGE or name.startswith(PACKAGE + ".")}
+
+
+def imports_of(module: str) -> set[str]:
+    rel = pathlib.Path(*module.split(".")[1:])
+    path = _ROOT / rel.with_suffix(".py")
+    is_package = not path.is_file()
+    if is_package:
+        path = _ROOT / rel / "__init__.py"
+    return package_imports(path.read_text(), module, is_package) - {module}
+
+
+KERNEL_MODULES = sorted(module_name(p) for p in (_ROOT / "kernels").glob("*.py")
+                        if p.stem not in ("__init__", "common"))
+
+
+def test_the_kernels_are_found():
+    assert {f"{PACKAGE}.kernels.triton_prefill", f"{PACKAGE}.kernels.triton_decode",
+            f"{PACKAGE}.kernels.triton_cache"} <= set(KERNEL_MODULES)
+
+
+@pytest.mark.parametrize("module", KERNEL_MODULES)
+def test_no_kernel_imports_a_wrapper_or_another_kernel(module):
+    imported = imports_of(module)
+    assert not imported & set(WRAPPERS), f"{module} imports {sorted(imported & set(WRAPPERS))}"
+    assert imported <= KERNEL_IMPORTS, f"{module} imports {sorted(imported - KERNEL_IMPORTS)}"
+
+
+@pytest.mark.parametrize("module", sorted(BOTTOM))
+def test_the_bottom_layers_import_no_kernel_or_wrapper(module):
+    imported = imports_of(module)
+    assert imported <= BOTTOM[module], f"{module} imports {sorted(imported - BOTTOM[module])}"
+
+
+def test_the_wrappers_take_their_plans_from_plans():
+    for wrapper in ("prefill", "decode", "cache"):
+        assert f"{PACKAGE}.plans" in imports_of(f"{PACKAGE}.{wrapper}"), wrapper
+
+
+def test_the_import_reader_sees_every_form():
+    source = "\n".join([
+        "from jax_paged_attn import prefill",
+        "import jax_paged_attn.decode as d",
+        "from jax_paged_attn.plans import TileField",
+        "from .. import cache",
+        "from ..spec import AttentionSpec",
+        "from . import common",
+        "def f():\n    from jax_paged_attn import dispatch",
+        "import numpy as np",
+    ])
+    assert package_imports(source, f"{PACKAGE}.kernels.some_kernel") == {
+        f"{PACKAGE}.prefill", f"{PACKAGE}.decode", f"{PACKAGE}.plans", f"{PACKAGE}.cache",
+        f"{PACKAGE}.spec", f"{PACKAGE}.kernels.common", f"{PACKAGE}.dispatch",
+    }
