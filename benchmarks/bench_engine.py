@@ -167,10 +167,16 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in prompt_lens]
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
+    max_model_len = 4096
+    # Few shapes, so few programs: batches of 16 / 64 / max_num_seqs rows, prefill steps
+    # of 256 or max_num_batched_tokens tokens, one block-table width.
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed,
-                          enable_prefix_caching=False, coarse_length_bounds=True)
+                          enable_prefix_caching=False, coarse_length_bounds=True,
+                          batch_buckets=tuple(sorted({min(16, max_num_seqs), min(64, max_num_seqs), max_num_seqs})),
+                          token_buckets=tuple(sorted({min(256, max_num_batched_tokens), max_num_batched_tokens})),
+                          block_table_width_buckets=(-(-max_model_len // block_size),))
     engine = LLMEngine(model, config)
     warm = min(num_requests, 64)
     engine.generate(prompts[:warm], params[:warm], use_tqdm=False)
