@@ -298,3 +298,14 @@ def test_outputs_go_to_a_results_folder_and_never_to_the_committed_results_by_de
     for bad in (["--budget-s", "0"], ["--budget-s", "nan"], ["--stem", "../RESULTS"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_profile_engine_quick_smoke(capsys, tmp_path):
+    """profile_engine.py runs end to end on the CPU (tiny model): timings for the window,
+    a variant and the dense step, and the optimized HLO of the window kept under --out."""
+    profile = _load("profile_engine")
+    profile.main(["--quick", "--batches", "2", "--num-steps", "2", "--calls", "1", "--out", str(tmp_path),
+                  "--variant", "noopt:xla_backend_optimization_level=0"])
+    text = capsys.readouterr().out
+    assert "batch 2, engine window, default" in text and "noopt" in text and "dense XLA step" in text
+    assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
