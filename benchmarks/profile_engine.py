@@ -8,7 +8,7 @@ step, kernel by kernel, from a JAX profiler trace.
 
 For each batch size it builds the 1.1B Llama of `bench_engine.py` (random weights,
 bfloat16), a persistent decode batch of that many rows at position ``--context``, and
-compiles `ModelRunner`'s decode window (``--num-steps`` steps per call). It prints:
+compiles `ModelRunner`'s decode window (rows padded as the engine pads them) (``--num-steps`` steps per call). It prints:
 
 * ms per step (wall, 20 windows back to back) and the GPU's busy time per step (the
   union of kernel intervals), so launch gaps show as the difference;
@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import LLAMA_1B, make_dense_decode_step  # noqa: E402
-from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner  # noqa: E402
+from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
@@ -147,16 +147,17 @@ def window_runner(model: LlamaForCausalLM, batch: int, context: int, num_steps: 
     width = -(-(context + 4 * num_steps * 30) // block_size)
     runner = ModelRunner(model, num_blocks=batch * width + 1, block_size=block_size,
                          compiler_options=compiler_options)
-    rows = DecodeState.empty(batch, width, 1)
+    num_rows = decode_batch_rows(batch)  # as the engine pads its persistent batch
+    rows = DecodeState.empty(num_rows, width, 1)
     rows.tokens[:] = 1
     rows.positions[:] = context
-    rows.active[:] = True
-    rows.block_tables[:] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) + 1
+    rows.active[:batch] = True
+    rows.block_tables[:batch] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) + 1
     rows.max_tokens[:] = 1 << 30
     runner.start_decode(rows)
-    keep = np.ones(batch, bool)
-    block_rows = np.full(batch, batch, np.int32)
-    block_values = np.zeros((batch, width), np.int32)
+    keep = np.ones(num_rows, bool)
+    block_rows = np.full(num_rows, num_rows, np.int32)
+    block_values = np.zeros((num_rows, width), np.int32)
     max_len = width * block_size + 1
 
     def run() -> Any:
@@ -231,12 +232,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{busy:.3f} ms/step GPU busy\n")
             if name == "default":
                 print(table + "\n")
+                num_rows, width = runner._decode_state.block_tables.shape
                 compiled = runner.window_program.lower(
-                    runner.params, runner.kv_caches, runner._decode_state, np.ones(batch, bool),
-                    np.full(batch, batch, np.int32), np.zeros((batch, runner._decode_state.block_tables.shape[1]),
-                                                              np.int32),
+                    runner.params, runner.kv_caches, runner._decode_state, np.ones(num_rows, bool),
+                    np.full(num_rows, num_rows, np.int32), np.zeros((num_rows, width), np.int32),
                     num_steps=args.num_steps, greedy=True, block_size=args.block_size,
-                    max_model_len=runner._decode_state.block_tables.shape[1] * args.block_size + 1).compile()
+                    max_model_len=width * args.block_size + 1).compile()
                 (out / f"window_{label}.hlo.txt").write_text(compiled.as_text())
             del runner, run
         if not args.no_dense:
