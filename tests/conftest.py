@@ -416,3 +416,43 @@ def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]
     dtype = getattr(problem, k_name).dtype
     return dataclasses.replace(problem, **{k_name: jnp.asarray(arrays["k"], dtype),
                                            v_name: jnp.asarray(arrays["v"], dtype)})
+
+
+# --------------------------------------------------------------------------- engine tests
+
+def engine_base():
+    """The `EngineConfig` the engine tests start from: tiny caches, fast CPU compiles, one
+    bucket per count and static bounds at bucket capacity, so every engine built from it
+    runs few programs (prefill only, mixed, decode only), shared between tests."""
+    from jax_paged_attn.engine import EngineConfig
+
+    return EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                        num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),
+                        block_table_width_buckets=(16,), coarse_length_bounds=True,
+                        compiler_options={"xla_backend_optimization_level": 0})
+
+
+def random_prompts(seed: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Prompts of these lengths with ids in the tiny Llama's vocabulary."""
+    from jax_paged_attn.models import LlamaConfig
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, LlamaConfig.tiny().vocab_size, size=n).tolist() for n in lengths]
+
+
+def assert_no_data_dependent_branch(stablehlo_text: str) -> None:
+    """No ``stablehlo.if``, and every ``stablehlo.case`` branches on a constant index (or on
+    a case over one): `lax.platform_dependent`'s kernel-or-reference choice, which XLA
+    folds. Any other case would branch on data (XLA copies its predicate to the host)."""
+    import re
+
+    assert "stablehlo.if" not in stablehlo_text
+
+    def constant(name: str) -> bool:
+        if re.search(rf"{re.escape(name)} = stablehlo.constant", stablehlo_text):
+            return True
+        inner = re.search(rf'{re.escape(name)} = "stablehlo.case"\((%[\w#]+)\)', stablehlo_text)
+        return bool(inner) and constant(inner.group(1))
+
+    for index in re.findall(r'"stablehlo.case"\((%[\w#]+)\)', stablehlo_text):
+        assert constant(index), index

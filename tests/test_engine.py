@@ -12,7 +12,6 @@ compiled programs (`LLMEngine` keeps one jitted step per model structure).
 import dataclasses
 import importlib.util
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import assert_no_data_dependent_branch, engine_base, random_prompts
 from jax_paged_attn.engine import (
     EngineConfig,
     LLMEngine,
@@ -27,28 +27,15 @@ from jax_paged_attn.engine import (
     sample_tokens,
 )
 from jax_paged_attn.engine.model_runner import decode_batch_rows
-from jax_paged_attn.builder import ScheduledSequence, input_positions, pack_per_token, sequence_rows
-from jax_paged_attn.metadata import ARRAY_FIELDS, STATIC_FIELDS
+from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0}
-# One bucket per count and static bounds at bucket capacity: every engine built from BASE
-# runs at most three programs (prefill only, mixed, decode only), shared between tests.
-BASE = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-                    num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),
-                    block_table_width_buckets=(16,), coarse_length_bounds=True,
-                    compiler_options=FAST_CPU_COMPILE)
-VOCAB = LlamaConfig.tiny().vocab_size
+BASE = engine_base()
 
 
 @pytest.fixture(scope="module")
 def model():
     return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-
-
-def random_prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
 
 
 def greedy(max_tokens):
@@ -272,18 +259,7 @@ def test_decode_window_program_has_no_conditional():
             np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
             max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text  # the kernels, as on a GPU
-        assert "stablehlo.if" not in text
-        # `lax.platform_dependent` (the kernel-or-reference choice) lowers to cases whose
-        # index is a constant, or a case on a constant (the platform's index): XLA folds
-        # them. Any other case would branch on data.
-        def constant(name: str) -> bool:
-            if re.search(rf"{re.escape(name)} = stablehlo.constant", text):
-                return True
-            inner = re.search(rf'{re.escape(name)} = "stablehlo.case"\((%[\w#]+)\)', text)
-            return bool(inner) and constant(inner.group(1))
-
-        for index in re.findall(r'"stablehlo.case"\((%[\w#]+)\)', text):
-            assert constant(index), index
+        assert_no_data_dependent_branch(text)
 
 
 # --------------------------------------------------------------------------- bad requests

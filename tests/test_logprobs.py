@@ -8,7 +8,6 @@ compute them only when a request in the batch asks (a static ``num_logprobs``).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,29 +15,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_paged_attn.engine import LLM, EngineConfig, LLMEngine, Logprob, SamplingParams
+from conftest import assert_no_data_dependent_branch, engine_base, random_prompts
+from jax_paged_attn.engine import LLM, LLMEngine, Logprob, SamplingParams
 from jax_paged_attn.engine.sampling import MAX_LOGPROBS, logprob_dicts, logprobs_bucket, token_logprobs
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 
 from test_llm import ENGINE, checkpoint  # noqa: F401  (fixture: tiny checkpoint + tokenizer.json)
 
-# tests/test_engine.py's BASE: one bucket per count, so few programs per variant.
-BASE = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-                    num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),
-                    block_table_width_buckets=(16,), coarse_length_bounds=True,
-                    compiler_options={"xla_backend_optimization_level": 0})
-VOCAB = LlamaConfig.tiny().vocab_size
+BASE = engine_base()
 ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
 def model():
     return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-
-
-def random_prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
 
 
 def dense_logprobs(model, prompt, output):
@@ -190,17 +180,7 @@ def test_window_program_with_logprobs_has_no_conditional():
         runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
         np.zeros((rows, width), np.int32), num_steps=2, greedy=False, block_size=16, max_model_len=512,
         num_logprobs=2).lower(lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.if" not in text
-    # The only cases are `lax.platform_dependent`'s, on a constant index (see
-    # tests/test_engine.py::test_decode_window_program_has_no_conditional).
-    def constant(name: str) -> bool:
-        if re.search(rf"{re.escape(name)} = stablehlo.constant", text):
-            return True
-        inner = re.search(rf'{re.escape(name)} = "stablehlo.case"\((%[\w#]+)\)', text)
-        return bool(inner) and constant(inner.group(1))
-
-    for index in re.findall(r'"stablehlo.case"\((%[\w#]+)\)', text):
-        assert constant(index), index
+    assert_no_data_dependent_branch(text)
 
 
 # --------------------------------------------------------------------------- LLM
