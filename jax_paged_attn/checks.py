@@ -165,22 +165,19 @@ def check_varlen_length_values(cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: 
             raise ValueError(
                 f"seqused_k[{b}] = {k_lens[b]} exceeds the {segments[b]} keys of sequence {b} in "
                 f"cu_seqlens_k (with packed k / v it would read the next sequence's keys).")
-    if q_lens is not None:
-        attends = np.ones_like(q_lens, bool) if k_lens is None else k_lens > 0
-        over = np.nonzero((q_lens > max_seqlen_q) & attends)[0]
+    # A bound only matters for sequences that have work on the other side too.
+    for lens, other, bound, name, what, source, effect in (
+            (q_lens, k_lens, max_seqlen_q, "max_seqlen_q", "queries", "cu_seqlens_q", "get no output"),
+            (k_lens, q_lens, max_seqlen_k, "max_seqlen_k", "keys", k_name, "be ignored")):
+        if lens is None:
+            continue
+        counted = np.ones_like(lens, bool) if other is None else other > 0
+        over = np.nonzero((lens > bound) & counted)[0]
         if over.size:
             b = int(over[0])
             raise ValueError(
-                f"max_seqlen_q={max_seqlen_q} is below the {q_lens[b]} queries of sequence {b} "
-                f"(cu_seqlens_q); queries past it would silently get no output.")
-    if k_lens is not None:
-        queried = np.ones_like(k_lens, bool) if q_lens is None else q_lens > 0
-        over = np.nonzero((k_lens > max_seqlen_k) & queried)[0]
-        if over.size:
-            b = int(over[0])
-            raise ValueError(
-                f"max_seqlen_k={max_seqlen_k} is below the {k_lens[b]} keys of sequence {b} "
-                f"({k_name}); keys past it would silently be ignored.")
+                f"{name}={bound} is below the {lens[b]} {what} of sequence {b} "
+                f"({source}); {what} past it would silently {effect}.")
 
 
 def check_block_table_values(block_table: Any, num_blocks: int, lengths: Any, block_size: int,
