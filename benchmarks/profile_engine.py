@@ -154,15 +154,13 @@ def window_runner(model: LlamaForCausalLM, batch: int, context: int, num_steps: 
     rows.active[:batch] = True
     rows.block_tables[:batch] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) + 1
     rows.max_tokens[:] = 1 << 30
-    runner.start_decode(rows)
     keep = np.ones(num_rows, bool)
     block_rows = np.full(num_rows, num_rows, np.int32)
     block_values = np.zeros((num_rows, width), np.int32)
     max_len = width * block_size + 1
 
     def run() -> Any:
-        # Rewind the rows so every call decodes at the same context length.
-        runner._decode_state = jax.tree_util.tree_map(jnp.asarray, rows)
+        runner.start_decode(rows)  # rewound: every call decodes at the same context length
         return runner.run_decode_window(keep, block_rows, block_values, num_steps=num_steps, greedy=True,
                                         max_model_len=max_len)
 

@@ -569,7 +569,7 @@ class LLMEngine:
         """Dispatches the next window(s) and reads the oldest in flight; None (after
         draining) when no window can run: a request needs blocks the free list lacks."""
         finished, num_tokens = [], 0
-        if self._batch is None or self._batch.needs_rebuild():
+        if self._batch is None or self._batch.needs_rebuild(self.config.batch_buckets):
             finished, num_tokens = self._drain()
             if not self._decode_window_ready():
                 return finished, num_tokens
@@ -609,7 +609,7 @@ class LLMEngine:
             rows.stop_ids[i, :len(stops)] = stops
         self.runner.start_decode(rows)
         self._batch = _DecodeBatch(
-            requests=running, num_rows=num_rows, row_buckets=cfg.batch_buckets, width=width,
+            requests=running, num_rows=num_rows, width=width,
             next_position=rows.positions.copy(), table_len=np.array(
                 [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
             greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
@@ -829,7 +829,6 @@ class _DecodeBatch:
 
     requests: list[Request]  # row i's request (rows past the list are padding)
     num_rows: int
-    row_buckets: tuple[int, ...] | None  # EngineConfig.batch_buckets
     width: int  # block-table columns of a row
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
@@ -838,13 +837,13 @@ class _DecodeBatch:
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
 
-    def needs_rebuild(self) -> bool:
+    def needs_rebuild(self, row_buckets: tuple[int, ...] | None) -> bool:
         """A request outgrew its block-table row, or most rows stopped (a smaller batch
         bucket runs faster)."""
         if self.wants_wider_table:
             return True
         live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and decode_batch_rows(live, self.row_buckets) < self.num_rows
+        return live > 0 and decode_batch_rows(live, row_buckets) < self.num_rows
 
 
 _copy_blocks_donated = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=(0,))

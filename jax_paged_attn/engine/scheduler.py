@@ -378,7 +378,8 @@ class Scheduler:
                 # Always feed at least one token, to get logits for the next one.
                 start = min(len(hits) * self.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - start, budget)
-            if not hits and not self._blocks_to_admit(request, num_new):
+            # (With decode_during_prefill the chunk's own allocation below is the check.)
+            if not self.config.decode_during_prefill and not hits and not self._blocks_to_admit(request, num_new):
                 break
             table_before = request.block_table
             request.block_table = table_before + hits
