@@ -2,9 +2,14 @@
 
 Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``tp``:
 
-* q / k / v projections and the MLP's gate / up projections are column-parallel: their
-  kernels ``[in, out]`` are sharded on ``out`` (``P(None, "tp")``), so each device
-  computes the heads (and the MLP columns) it owns;
+* the fused q/k/v projection and the MLP's fused gate / up projection are column-
+  parallel: their kernels are sharded on an output axis, so each device computes the
+  heads (and the MLP columns) it owns. ``qkv_proj.kernel`` ``[hidden, Hk, Hq/Hk + 2, D]``
+  is sharded on its KV-head axis (``P(None, "tp", None, None)``): device ``i`` computes
+  KV heads ``[i*Hk/tp, (i+1)*Hk/tp)`` with their GQA groups of query heads, exactly the
+  heads its attention shard reads. ``gate_up_proj.kernel`` ``[hidden, 2, intermediate]``
+  is sharded on the intermediate axis (``P(None, None, "tp")``): each device's gate and
+  up columns pair up;
 * o_proj and down_proj are row-parallel (``P("tp", None)``): each device multiplies its
   slice of the contraction axis and XLA inserts the all-reduce (the ``psum``);
 * the LM head is column-parallel over the vocabulary when it divides by ``tp``;
@@ -46,7 +51,8 @@ by running it on host 0 and broadcasting each step's inputs
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +66,10 @@ Array = jax.Array
 TENSOR_PARALLEL_AXIS = "tp"
 """Default name of the tensor-parallel mesh axis."""
 
-COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})
-"""Linear layers whose output features are sharded."""
+COLUMN_PARALLEL: Mapping[str, int] = MappingProxyType({"qkv_proj": 1, "gate_up_proj": 2, "lm_head": 1})
+"""Linear layers whose output features are sharded -> the kernel axis sharded: the KV heads
+of ``qkv_proj`` ``[hidden, Hk, Hq/Hk + 2, D]``, the intermediate axis of ``gate_up_proj``
+``[hidden, 2, intermediate]``, the vocabulary of ``lm_head`` ``[hidden, vocab]``."""
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 """Linear layers whose input features are sharded (their outputs are all-reduced)."""
 
@@ -86,14 +94,20 @@ def _axis_size(mesh: Mesh, axis_name: str) -> int:
 
 
 def param_partition_spec(path: tuple[Any, ...], shape: tuple[int, ...], *, axis_name: str, tp_size: int) -> P:
-    """The `PartitionSpec` of one parameter, from its NNX path (e.g. ``(..., "q_proj", "kernel")``)."""
+    """The `PartitionSpec` of one parameter, from its NNX path (e.g. ``(..., "qkv_proj", "kernel")``).
+
+    A kernel whose sharded axis does not divide by ``tp_size`` is replicated.
+    """
     names = [str(p) for p in path]
     owner = names[-2] if len(names) >= 2 else ""
-    if names[-1] == "kernel" and len(shape) == 2:
-        if owner in COLUMN_PARALLEL and shape[1] % tp_size == 0:
-            return P(None, axis_name)
-        if owner in ROW_PARALLEL and shape[0] % tp_size == 0:
-            return P(axis_name, None)
+    if names[-1] != "kernel":
+        return P()
+    if owner in COLUMN_PARALLEL:
+        axis = COLUMN_PARALLEL[owner]
+        if axis < len(shape) and shape[axis] % tp_size == 0:
+            return P(*(axis_name if i == axis else None for i in range(len(shape))))
+    if owner in ROW_PARALLEL and len(shape) == 2 and shape[0] % tp_size == 0:
+        return P(axis_name, None)
     return P()
 
 

@@ -164,7 +164,7 @@ def test_logits_indices_select_rows_and_profiling_run_needs_no_cache(model, forw
 def test_bfloat16_model_from_a_float32_checkpoint(tmp_path, model, forwards):
     save_checkpoint(model, model.config, tmp_path)
     model16 = load_llama(tmp_path, dtype=jnp.bfloat16, implementation="xla")
-    assert model16.model.layers[0].mlp.up_proj.kernel.get_value().dtype == jnp.bfloat16
+    assert model16.model.layers[0].mlp.gate_up_proj.kernel.get_value().dtype == jnp.bfloat16
     prompt = list(range(40, 57))
     scheduled = [ScheduledSequence.prompt(len(prompt), list(range(2)))]
     md = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, chunked_prefill=True).build(scheduled)
@@ -347,9 +347,13 @@ def test_checkpoint_uses_hugging_face_names_and_layouts(tmp_path):
     ])  # tied: no lm_head.weight
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (4 * 32, 64) and q.dtype == jnp.bfloat16  # [out, in]
-    np.testing.assert_array_equal(
-        q.astype(np.float32),
-        np.asarray(model.model.layers[0].self_attn.q_proj.kernel.get_value()).T.astype(jnp.bfloat16).astype(np.float32))
+    # Row h * D + c of q_proj is query head h, channel c: qkv_proj.kernel[:, h // group, h % group, c].
+    qkv = np.asarray(model.model.layers[0].self_attn.qkv_proj.kernel.get_value())  # [hidden, Hk, group + 2, D]
+    group = 4 // 2
+    for h in range(4):
+        np.testing.assert_array_equal(
+            q[h * 32:(h + 1) * 32].astype(np.float32),
+            qkv[:, h // group, h % group, :].T.astype(jnp.bfloat16).astype(np.float32), err_msg=f"query head {h}")
     hf_config = json.loads((tmp_path / "config.json").read_text())
     assert hf_config["torch_dtype"] == "bfloat16" and hf_config["tie_word_embeddings"] is True
     # A bf16 checkpoint loads into a float32 model (cast), but not with strict_dtype.
@@ -427,7 +431,7 @@ def _edit_config(directory, **changes) -> None:
 def test_load_llama_computes_in_the_dtype_the_checkpoint_names(tmp_path, model, caplog):
     def loaded_dtypes():
         loaded = load_llama(tmp_path, implementation="xla")
-        return loaded.dtype, loaded.model.layers[0].mlp.up_proj.kernel.get_value().dtype
+        return loaded.dtype, loaded.model.layers[0].mlp.gate_up_proj.kernel.get_value().dtype
 
     caplog.set_level("WARNING", logger="jax_paged_attn")
     save_checkpoint(model, model.config, tmp_path)  # float32 parameters: a float32 checkpoint

@@ -31,10 +31,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_param_partition_specs_follow_megatron_layout():
     spec = lambda *path, shape=(64, 128): parallel.param_partition_spec(  # noqa: E731
         path, shape, axis_name="tp", tp_size=4)
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        assert spec("model", "layers", 0, "self_attn", proj, "kernel") == P(None, "tp")
-    assert spec("model", "layers", 0, "mlp", "gate_proj", "kernel") == P(None, "tp")
-    assert spec("model", "layers", 0, "mlp", "up_proj", "kernel") == P(None, "tp")
+    # Fused q/k/v [hidden, Hk, Hq/Hk + 2, D]: sharded by KV head, each device's GQA groups whole.
+    qkv = ("model", "layers", 0, "self_attn", "qkv_proj", "kernel")
+    assert spec(*qkv, shape=(64, 8, 4, 32)) == P(None, "tp", None, None)
+    assert spec(*qkv, shape=(64, 2, 10, 32)) == P()  # 2 KV heads over 4 devices: replicated
+    # Fused gate / up [hidden, 2, intermediate]: sharded on the intermediate axis.
+    gate_up = ("model", "layers", 0, "mlp", "gate_up_proj", "kernel")
+    assert spec(*gate_up, shape=(64, 2, 128)) == P(None, None, "tp")
+    assert spec(*gate_up, shape=(64, 2, 130)) == P()  # intermediate not divisible: replicated
     assert spec("model", "layers", 3, "self_attn", "o_proj", "kernel") == P("tp", None)
     assert spec("model", "layers", 3, "mlp", "down_proj", "kernel") == P("tp", None)
     assert spec("lm_head", "kernel") == P(None, "tp")
@@ -138,11 +142,14 @@ def _equivalence_main() -> None:
             def laid_out(array, spec):
                 return array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
 
-            assert laid_out(layer0.self_attn.q_proj.kernel.get_value(), P(None, "tp"))
+            qkv_kernel = layer0.self_attn.qkv_proj.kernel.get_value()  # [hidden, Hk, group + 2, D]
+            assert laid_out(qkv_kernel, P(None, "tp", None, None))
+            assert len(qkv_kernel.addressable_shards) == tp
+            assert qkv_kernel.addressable_shards[0].data.shape[1] == config.num_key_value_heads // tp
+            assert laid_out(layer0.mlp.gate_up_proj.kernel.get_value(), P(None, None, "tp"))
             assert laid_out(layer0.self_attn.o_proj.kernel.get_value(), P("tp", None))
             assert laid_out(layer0.mlp.down_proj.kernel.get_value(), P("tp", None))
             assert laid_out(model.model.embed_tokens.embedding.get_value(), P())
-            assert len(layer0.self_attn.k_proj.kernel.get_value().addressable_shards) == tp
             got_logits, got_caches, got_tokens = generate(model)
             assert laid_out(got_caches[0], P(None, None, None, "tp", None))
             assert got_caches[0].addressable_shards[0].data.shape[3] == config.num_key_value_heads // tp

@@ -4,32 +4,55 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
 shards listed by ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``).
 Tensor names and layouts are Hugging Face's:
 
-=============================================================  ======================  =========
-Hugging Face tensor                                            NNX parameter           layout
-=============================================================  ======================  =========
-``model.embed_tokens.weight``                                  ``model.embed_tokens    [vocab, hidden]
-                                                               .embedding``
-``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``           ``... .kernel``         [out, in], transposed
-``model.layers.{i}.mlp.{gate,up,down}_proj.weight``            ``... .kernel``         [out, in], transposed
-``model.layers.{i}.{input,post_attention}_layernorm.weight``   ``... .weight``         [hidden]
-``model.norm.weight``                                          ``model.norm.weight``   [hidden]
-``lm_head.weight`` (absent when embeddings are tied)           ``lm_head.kernel``      [vocab, hidden], transposed
-=============================================================  ======================  =========
+============================================================  ==============================  =========================
+Hugging Face tensor                                           NNX parameter                   its part of the parameter
+============================================================  ==============================  =========================
+``model.embed_tokens.weight`` ``[vocab, hidden]``             ``model.embed_tokens            all
+                                                              .embedding``
+``model.layers.{i}.self_attn.q_proj.weight``                  ``model.layers[i].self_attn     ``[:, :, :group]``
+``[Hq * D, hidden]``                                          .qkv_proj.kernel``
+                                                              ``[hidden, Hk, group + 2, D]``
+``model.layers.{i}.self_attn.k_proj.weight`` ``[Hk * D,       (the same)                      ``[:, :, group]``
+hidden]``
+``model.layers.{i}.self_attn.v_proj.weight`` ``[Hk * D,       (the same)                      ``[:, :, group + 1]``
+hidden]``
+``model.layers.{i}.self_attn.o_proj.weight``                  ``... .o_proj.kernel``          all
+``model.layers.{i}.mlp.gate_proj.weight``                     ``model.layers[i].mlp           ``[:, 0]``
+``[intermediate, hidden]``                                    .gate_up_proj.kernel``
+                                                              ``[hidden, 2, intermediate]``
+``model.layers.{i}.mlp.up_proj.weight``                       (the same)                      ``[:, 1]``
+``model.layers.{i}.mlp.down_proj.weight``                     ``... .down_proj.kernel``       all
+``model.layers.{i}.{input,post_attention}_layernorm.weight``  ``... .weight``                 all
+``model.norm.weight`` ``[hidden]``                            ``model.norm.weight``           all
+``lm_head.weight`` ``[vocab, hidden]`` (absent when           ``lm_head.kernel``              all
+embeddings are tied)
+============================================================  ==============================  =========================
+
+``group = Hq // Hk``. Projection weights (``*_proj`` and ``lm_head``) are stored
+``[out, in]`` by Hugging Face and ``[in, *out]`` here: transposed, then the ``out`` axis
+reshaped to the part's trailing axes (q_proj's row ``h * D + c`` is query head ``h``,
+channel ``c``, which sits at ``qkv_proj.kernel[:, h // group, h % group, c]``). The
+fused parameters are `LlamaAttention`'s and `LlamaMLP`'s (see
+`jax_paged_attn.models.llama`); `hf_parameter_map` lists every placement, and saving
+writes the separate Hugging Face tensors back, so transformers loads the files.
 
 Besides config.json, an optional ``generation_config.json`` is read for its
 ``eos_token_id`` (which wins over config.json's, as in Hugging Face's ``generate``).
 `load_llama` computes in the dtype config.json names (``dtype``, transformers 5's key,
 or ``torch_dtype``) unless told otherwise.
 
-Only the local filesystem is read (no download). Tensors are read one at a time with
-`safetensors.safe_open` (numpy), so host memory holds one tensor at a time, and placed
-directly with their tensor-parallel sharding when the model has a mesh.
+Only the local filesystem is read (no download). Parameters are assembled one at a time
+from their tensors, read with `safetensors.safe_open` (numpy), so host memory holds one
+parameter (a fused one: one layer's q, k and v) at a time, and placed directly with their
+tensor-parallel sharding when the model has a mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from typing import Any, Iterator
@@ -60,23 +83,71 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: missing, unexpected or mismatched tensors."""
 
 
-def hf_parameter_map(config: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
-    """Hugging Face tensor name -> (NNX parameter path, transpose) for ``config``."""
-    mapping: dict[str, tuple[tuple[Any, ...], bool]] = {
-        "model.embed_tokens.weight": (("model", "embed_tokens", "embedding"), False),
-        "model.norm.weight": (("model", "norm", "weight"), False),
+@dataclasses.dataclass(frozen=True)
+class HFTensorPlacement:
+    """Where one Hugging Face tensor lives in the model.
+
+    Attributes:
+      param_path: the NNX path of the parameter holding it (``nnx.to_flat_state`` keys).
+      index: the part of that parameter it fills, a NumPy index (``()``: all of it).
+      transpose: the tensor is a Hugging Face projection weight ``[out, in]`` and its part
+        is ``[in, *out_axes]``: transposed, then ``out`` reshaped to the trailing axes.
+    """
+
+    param_path: tuple[Any, ...]
+    index: tuple[Any, ...] = ()
+    transpose: bool = False
+
+    def part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of ``param[index]`` for a parameter of ``param_shape``."""
+        # A broadcast view of one byte: indexing it allocates nothing.
+        return np.broadcast_to(np.empty((), np.int8), tuple(param_shape))[self.index].shape
+
+    def hf_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face tensor's shape, for a parameter of ``param_shape``."""
+        part = self.part_shape(param_shape)
+        return (math.prod(part[1:]), part[0]) if self.transpose else part
+
+    def to_part(self, tensor: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
+        """The Hugging Face ``tensor`` in the layout of ``param[index]`` (a view when possible)."""
+        return (tensor.T if self.transpose else tensor).reshape(self.part_shape(param_shape))
+
+    def from_param(self, param: np.ndarray) -> np.ndarray:
+        """The Hugging Face tensor held by ``param`` (the parameter's whole value)."""
+        part = param[self.index]
+        return part.reshape(part.shape[0], -1).T if self.transpose else part
+
+
+def hf_parameter_map(config: LlamaConfig) -> dict[str, HFTensorPlacement]:
+    """Hugging Face tensor name -> its `HFTensorPlacement` in a model of ``config``.
+
+    The placements of one parameter cover each of its elements exactly once: q, k and v
+    fill ``qkv_proj.kernel``, gate and up fill ``gate_up_proj.kernel``.
+    """
+    group = config.num_attention_heads // config.num_key_value_heads
+    every = slice(None)
+    mapping: dict[str, HFTensorPlacement] = {
+        "model.embed_tokens.weight": HFTensorPlacement(("model", "embed_tokens", "embedding")),
+        "model.norm.weight": HFTensorPlacement(("model", "norm", "weight")),
     }
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}"
         layer = ("model", "layers", i)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            mapping[f"{prefix}.self_attn.{proj}.weight"] = (layer + ("self_attn", proj, "kernel"), True)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            mapping[f"{prefix}.mlp.{proj}.weight"] = (layer + ("mlp", proj, "kernel"), True)
+        qkv = layer + ("self_attn", "qkv_proj", "kernel")
+        mapping[f"{prefix}.self_attn.q_proj.weight"] = HFTensorPlacement(qkv, (every, every, slice(0, group)), True)
+        mapping[f"{prefix}.self_attn.k_proj.weight"] = HFTensorPlacement(qkv, (every, every, group), True)
+        mapping[f"{prefix}.self_attn.v_proj.weight"] = HFTensorPlacement(qkv, (every, every, group + 1), True)
+        mapping[f"{prefix}.self_attn.o_proj.weight"] = HFTensorPlacement(
+            layer + ("self_attn", "o_proj", "kernel"), transpose=True)
+        gate_up = layer + ("mlp", "gate_up_proj", "kernel")
+        mapping[f"{prefix}.mlp.gate_proj.weight"] = HFTensorPlacement(gate_up, (every, 0), True)
+        mapping[f"{prefix}.mlp.up_proj.weight"] = HFTensorPlacement(gate_up, (every, 1), True)
+        mapping[f"{prefix}.mlp.down_proj.weight"] = HFTensorPlacement(
+            layer + ("mlp", "down_proj", "kernel"), transpose=True)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            mapping[f"{prefix}.{norm}.weight"] = (layer + (norm, "weight"), False)
+            mapping[f"{prefix}.{norm}.weight"] = HFTensorPlacement(layer + (norm, "weight"))
     if not config.tie_word_embeddings:
-        mapping["lm_head.weight"] = (("lm_head", "kernel"), True)
+        mapping["lm_head.weight"] = HFTensorPlacement(("lm_head", "kernel"), transpose=True)
     return mapping
 
 
@@ -267,19 +338,14 @@ def load_checkpoint(
                 if name not in present:
                     problems.append(f"missing tensor {name!r}: {INDEX_FILE} lists it in {path}, which lacks it")
                     continue
-                param_path, transpose = expected[name]
-                var = variables[param_path]
-                want_shape = tuple(var.get_value().shape)
-                want_dtype = jnp.dtype(var.get_value().dtype)
+                placement = expected[name]
+                target = variables[placement.param_path].get_value()
+                want_shape = placement.hf_shape(target.shape)
+                want_dtype = jnp.dtype(target.dtype)
                 tensor = f.get_slice(name)
                 shape = tuple(tensor.get_shape())
-                if transpose:
-                    shape = shape[::-1]
                 if shape != want_shape:
-                    hf_want = want_shape[::-1] if transpose else want_shape
-                    problems.append(
-                        f"tensor {name!r} in {path} has shape {list(tensor.get_shape())}, expected {list(hf_want)}"
-                    )
+                    problems.append(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(want_shape)}")
                 dtype_name = tensor.get_dtype()
                 dtype = _SAFETENSORS_DTYPES.get(dtype_name)
                 if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -291,17 +357,27 @@ def load_checkpoint(
     if problems:
         raise CheckpointError(f"checkpoint {directory!r} does not match the model:\n  " + "\n  ".join(problems))
 
-    for path, names in _by_file({n: files[n] for n in expected}):
-        with safe_open(path, framework="np") as f:
+    # Second pass, one parameter at a time: a fused one gathers its tensors (q, k, v may sit
+    # in different shard files, hence every file stays open) into one host array.
+    parts: dict[tuple[Any, ...], list[str]] = {}
+    for name, placement in expected.items():
+        parts.setdefault(placement.param_path, []).append(name)
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}
+
+        def read(name: str) -> np.ndarray:
+            if files[name] not in opened:
+                opened[files[name]] = stack.enter_context(safe_open(files[name], framework="np"))
+            return opened[files[name]].get_tensor(name)
+
+        for param_path, names in parts.items():
+            var = variables[param_path]
+            target = var.get_value()
+            array = np.empty(target.shape, target.dtype)
             for name in names:
-                param_path, transpose = expected[name]
-                var = variables[param_path]
-                array = f.get_tensor(name)
-                if transpose:
-                    array = array.T
-                target = var.get_value()
-                array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
-                var.set_value(jax.device_put(array, _placement(model, param_path, target)))
+                placement = expected[name]
+                array[placement.index] = placement.to_part(read(name), target.shape)  # casts to target.dtype
+            var.set_value(jax.device_put(array, _placement(model, param_path, target)))
     return model
 
 
@@ -406,11 +482,15 @@ def save_checkpoint(
             os.remove(os.path.join(directory, name))
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
-    for name, (param_path, transpose) in hf_parameter_map(config).items():
-        array = np.asarray(jax.device_get(variables[param_path].get_value()))
+    param_path, param = None, None
+    for name, placement in hf_parameter_map(config).items():
+        if placement.param_path != param_path:  # a fused parameter's tensors come in a row: fetch it once
+            param_path = placement.param_path
+            param = np.asarray(jax.device_get(variables[param_path].get_value()))
+        array = placement.from_param(param)
         if dtype is not None:
             array = array.astype(jnp.dtype(dtype))
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+        tensors[name] = np.ascontiguousarray(array)
 
     hf_config = config.to_hf_config()
     dtypes = {t.dtype for t in tensors.values()}
@@ -451,6 +531,7 @@ def save_checkpoint(
 __all__ = [
     "COMPUTE_DTYPES",
     "CheckpointError",
+    "HFTensorPlacement",
     "checkpoint_dtype",
     "hf_parameter_map",
     "load_checkpoint",

@@ -3,9 +3,18 @@
 The model follows Hugging Face's ``LlamaForCausalLM`` numerics: RMSNorm in float32
 then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout, grouped-query
 attention, a SwiGLU MLP, tied or separate input / output embeddings. Parameter
-paths mirror the Hugging Face names (``model.layers[i].self_attn.q_proj.kernel`` is
-``model.layers.{i}.self_attn.q_proj.weight`` transposed), which is what
-`jax_paged_attn.models.checkpoint` relies on.
+paths mirror the Hugging Face names (``model.layers[i].self_attn.o_proj.kernel`` is
+``model.layers.{i}.self_attn.o_proj.weight`` transposed), except two fused projections
+(vLLM's QKVParallelLinear and MergedColumnParallelLinear), which turn seven skinny
+matmuls per layer into four:
+
+* ``self_attn.qkv_proj.kernel`` ``[hidden, Hk, group + 2, D]`` (``group = Hq // Hk``):
+  per KV head ``j``, its query heads ``j * group ... j * group + group - 1``, then its
+  key head, then its value head. Query head ``h`` is Hugging Face's query head ``h``.
+* ``mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]``: gate, then up.
+
+`jax_paged_attn.models.checkpoint` maps Hugging Face's separate q / k / v and gate / up
+tensors into and out of them.
 
 Two forwards share the parameters:
 
@@ -382,7 +391,15 @@ def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any
 
 
 class LlamaAttention(nnx.Module):
-    """Self-attention: q/k/v projections, rotary embeddings, paged attention, o_proj."""
+    """Self-attention: the fused q/k/v projection, rotary embeddings, paged attention, o_proj.
+
+    ``qkv_proj.kernel`` is ``[hidden, Hk, group + 2, D]`` with ``group = Hq // Hk``: along
+    axis 2, KV head ``j``'s ``group`` query heads (query heads ``j * group + i``, Hugging
+    Face's order), then its key head, then its value head. One matmul computes all three;
+    tensor parallelism shards axis 1 (`jax_paged_attn.parallel`), so each device computes
+    whole GQA groups with their keys and values for any degree dividing ``Hk``, and no
+    output needs re-sharding before attention.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
@@ -390,9 +407,10 @@ class LlamaAttention(nnx.Module):
         self.config = config
         hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = _linear(config.hidden_size, hq * d, **kw)
-        self.k_proj = _linear(config.hidden_size, hk * d, **kw)
-        self.v_proj = _linear(config.hidden_size, hk * d, **kw)
+        # LinearGeneral contracts x's last axis with the 4-D kernel in one dot_general (no
+        # reshape of the kernel) and initializes it like a [hidden, (group + 2) * Hk * D] Linear.
+        self.qkv_proj = nnx.LinearGeneral(config.hidden_size, (hk, self.queries_per_kv_head + 2, d),
+                                          use_bias=False, **kw)
         self.o_proj = _linear(hq * d, config.hidden_size, **kw)
         self.attn = PagedAttention(
             num_heads=hq, head_size=d, num_kv_heads=hk, scale=d ** -0.5,
@@ -401,13 +419,21 @@ class LlamaAttention(nnx.Module):
             tensor_parallel_axis=tensor_parallel_axis,
         )
 
+    @property
+    def queries_per_kv_head(self) -> int:
+        """``group = Hq // Hk``: the query heads that share one KV head."""
+        return self.config.num_attention_heads // self.config.num_key_value_heads
+
     def project_qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
         """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``."""
         cfg = self.config
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        group = self.queries_per_kv_head
+        qkv = self.qkv_proj(x)  # [..., Hk, group + 2, D]
+        # Merging (Hk, group) gives query head j * group + i; the merged axis keeps the Hk
+        # axis's sharding (it is the major one), so this reshape moves no data across devices.
+        q = qkv[..., :group, :].reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
+        k = qkv[..., group, :]
+        v = qkv[..., group + 1, :]
         inv_freq = rope_inverse_frequencies(cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
@@ -443,16 +469,22 @@ class LlamaAttention(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """SwiGLU: ``down_proj(silu(gate) * up)`` with gate and up from one fused projection.
+
+    ``gate_up_proj.kernel`` is ``[hidden, 2, intermediate]`` (index 0 gate, 1 up): one
+    matmul instead of two. Tensor parallelism shards the intermediate (last) axis, so each
+    device's gate and up columns pair up locally.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, **kw)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, **kw)
+        self.gate_up_proj = nnx.LinearGeneral(config.hidden_size, (2, config.intermediate_size),
+                                              use_bias=False, **kw)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, **kw)
 
     def __call__(self, x: Array) -> Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [..., 2, intermediate]
+        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -505,8 +537,10 @@ class LlamaForCausalLM(nnx.Module):
         (`parallel.shard_model`) and attention runs under `jax.shard_map`.
 
     Parameter paths: ``model.embed_tokens.embedding`` ``[vocab, hidden]``,
-    ``model.layers[i].self_attn.{q,k,v,o}_proj.kernel`` ``[in, out]``,
-    ``model.layers[i].mlp.{gate,up,down}_proj.kernel``,
+    ``model.layers[i].self_attn.qkv_proj.kernel`` ``[hidden, Hk, Hq // Hk + 2, D]``
+    (`LlamaAttention`), ``model.layers[i].self_attn.o_proj.kernel`` ``[Hq * D, hidden]``,
+    ``model.layers[i].mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]`` (`LlamaMLP`),
+    ``model.layers[i].mlp.down_proj.kernel`` ``[intermediate, hidden]``,
     ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
     ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied).
     """
