@@ -35,7 +35,8 @@ from jax_paged_attn.models import (
     load_llama,
     save_checkpoint,
 )
-from jax_paged_attn.models.llama import jit_forward, jit_forward_dense, rope_inverse_frequencies
+from jax_paged_attn.models.checkpoint import hf_parameter_map
+from jax_paged_attn.models.llama import apply_rope, jit_forward, jit_forward_dense, rope_inverse_frequencies
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
@@ -477,3 +478,173 @@ def test_load_llama_reads_eos_token_id_generation_config_first(tmp_path, model):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
     with pytest.raises(CheckpointError, match="generation_config.json.*eos_token_id"):
         load_llama(tmp_path)
+
+
+# --------------------------------------------------------------------------- fused projections
+
+# Query heads per KV head 2, 3, 4 (MQA) and 1 (MHA); the MQA one ties its embeddings.
+FUSED_CONFIGS = {
+    "group2": LlamaConfig.tiny(num_hidden_layers=1),
+    "group3": LlamaConfig.tiny(num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2),
+    "mqa_tied": LlamaConfig.tiny(num_hidden_layers=2, num_key_value_heads=1, tie_word_embeddings=True),
+    "mha": LlamaConfig.tiny(num_hidden_layers=1, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS.values(), ids=FUSED_CONFIGS.keys())
+def test_fused_projections_equal_separate_matmuls(config):
+    """project_qkv and the MLP compute what the unfused layers would, with the weights each
+    part of the fused kernels holds by the documented layout."""
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(5), implementation="xla")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    hidden, hq, hk, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    group = hq // hk
+    qkv = np.asarray(attn.qkv_proj.kernel.get_value(), np.float64)
+    assert qkv.shape == (hidden, hk, group + 2, d)
+    w_q = qkv[:, :, :group].reshape(hidden, hq * d)  # column h * D + c: query head h = j * group + i
+    w_k = qkv[:, :, group].reshape(hidden, hk * d)
+    w_v = qkv[:, :, group + 1].reshape(hidden, hk * d)
+    x = np.random.default_rng(6).standard_normal((5, hidden)).astype(np.float32)
+    positions = np.arange(3, 8, dtype=np.int32)
+    q, k, v = attn.project_qkv(jnp.asarray(x), jnp.asarray(positions))
+    assert q.shape == (5, hq, d) and k.shape == v.shape == (5, hk, d)
+    inv_freq = rope_inverse_frequencies(config)
+    separate = {
+        "q": apply_rope(jnp.asarray((x @ w_q).reshape(5, hq, d), jnp.float32), positions, inv_freq),
+        "k": apply_rope(jnp.asarray((x @ w_k).reshape(5, hk, d), jnp.float32), positions, inv_freq),
+        "v": (x @ w_v).reshape(5, hk, d),
+    }
+    for name, got in zip("qkv", (q, k, v)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(separate[name]), rtol=1e-5, atol=1e-5, err_msg=name)
+
+    gate_up = np.asarray(mlp.gate_up_proj.kernel.get_value(), np.float64)
+    assert gate_up.shape == (hidden, 2, config.intermediate_size)
+    gate, up = x @ gate_up[:, 0], x @ gate_up[:, 1]
+    want = (gate / (1 + np.exp(-gate)) * up) @ np.asarray(mlp.down_proj.kernel.get_value(), np.float64)
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS.values(), ids=FUSED_CONFIGS.keys())
+def test_hf_parameter_map_fills_every_parameter_element_once(config):
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    counts = {path: np.zeros(var.get_value().shape, np.int32)
+              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for placement in hf_parameter_map(config).values():
+        counts[placement.param_path][placement.index] += 1
+    for path, count in counts.items():
+        assert (count == 1).all(), path
+
+
+def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face LlamaForCausalLM's tensors and shapes, written out from its modeling code."""
+    hidden, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (config.num_attention_heads * d, hidden),
+            p + "self_attn.k_proj.weight": (config.num_key_value_heads * d, hidden),
+            p + "self_attn.v_proj.weight": (config.num_key_value_heads * d, hidden),
+            p + "self_attn.o_proj.weight": (hidden, config.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def hf_reference_logits(tensors: dict[str, np.ndarray], config: LlamaConfig, ids: np.ndarray) -> np.ndarray:
+    """Float64 NumPy forward of Hugging Face's LlamaForCausalLM (eager attention, default
+    rope) on its own separate q / k / v / gate / up tensors: shares no code with the model."""
+    w = {name: t.astype(np.float64) for name, t in tensors.items()}
+    hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    batch, seq = ids.shape
+
+    def rms_norm(x, weight):
+        return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
+
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2) / d)
+    angles = np.arange(seq)[:, None] * inv_freq
+    cos = np.cos(np.concatenate([angles, angles], -1))[:, None, :]  # [S, 1, D]
+    sin = np.sin(np.concatenate([angles, angles], -1))[:, None, :]
+
+    def rope(x):  # [B, S, H, D], rotate-half
+        return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    def heads(x, name, n):
+        return (x @ w[name].T).reshape(batch, seq, n, d)
+
+    x = w["model.embed_tokens.weight"][ids]
+    causal = np.tril(np.ones((seq, seq), bool))
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"])
+        q = rope(heads(h, p + "self_attn.q_proj.weight", hq))
+        # repeat_kv: KV head j serves query heads j * group ... (j + 1) * group - 1.
+        k = np.repeat(rope(heads(h, p + "self_attn.k_proj.weight", hk)), hq // hk, axis=2)
+        v = np.repeat(heads(h, p + "self_attn.v_proj.weight", hk), hq // hk, axis=2)
+        scores = np.where(causal, np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d), -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, hq * d)
+        x = x + out @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"])
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return rms_norm(x, w["model.norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS.values(), ids=FUSED_CONFIGS.keys())
+def test_hugging_face_checkpoint_loads_into_fused_model_and_exports_identically(tmp_path, config):
+    """Separate Hugging Face tensors -> the fused model: logits match a NumPy forward of
+    Hugging Face's math on those tensors, and saving gives back the identical tensors."""
+    rng = np.random.default_rng(12)
+    tensors = {}
+    for name, shape in hf_tensor_shapes(config).items():
+        noise = rng.standard_normal(shape)
+        tensors[name] = (1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise).astype(np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+
+    model = load_llama(tmp_path, dtype=jnp.float32, implementation="xla")
+    ids = rng.integers(0, config.vocab_size, (2, 11))
+    got = np.asarray(jit_forward_dense(model)(jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(got, hf_reference_logits(tensors, config, ids), rtol=0, atol=ATOL)
+
+    save_checkpoint(model, model.config, tmp_path / "exported")
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert sorted(exported) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert exported[name].dtype == tensor.dtype, name
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+
+
+def test_decode_step_lowers_to_four_matmuls_per_layer():
+    """The fused projections make a layer's decode step 4 dot_generals (qkv, o, gate_up,
+    down) instead of 7. Lowered for CUDA, where attention is a Triton call (no dot in the
+    StableHLO), so the count is the projections' alone, plus one for the LM head."""
+    def dot_count(num_layers: int) -> int:
+        config = LlamaConfig.tiny(num_hidden_layers=num_layers, head_dim=64)
+        model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                        param_dtype=jnp.bfloat16))
+        graphdef, state = nnx.split(model)
+        scheduled = [ScheduledSequence(is_prompt=False, seq_len=9, context_len=8, query_len=1, block_table=[i])
+                     for i in range(2)]
+        md = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=4).build(scheduled)
+        caches = [jax.ShapeDtypeStruct(model.kv_cache_shape(4, BLOCK_SIZE), jnp.bfloat16)] * num_layers
+        ids = jax.ShapeDtypeStruct((md.num_tokens,), jnp.int32)
+
+        def step(state, ids, positions, caches, md):
+            return nnx.merge(graphdef, state)(ids, positions, caches, md, logits_indices=last_token_indices(md))
+
+        text = jax.jit(step).trace(state, ids, ids, caches, md).lower(lowering_platforms=("cuda",)).as_text()
+        return text.count("stablehlo.dot_general")
+
+    one_layer, two_layers = dot_count(1), dot_count(2)
+    assert two_layers - one_layer == 4
+    assert one_layer == 4 + 1
