@@ -2,39 +2,36 @@
 
 A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or
 shards listed by ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``).
-Tensor names and layouts are Hugging Face's:
+Tensor names and layouts are Hugging Face's. ``L`` is ``model.layers.{i}`` (Hugging Face),
+``l`` is ``model.layers[i]`` (NNX):
 
-============================================================  ==============================  =========================
-Hugging Face tensor                                           NNX parameter                   its part of the parameter
-============================================================  ==============================  =========================
-``model.embed_tokens.weight`` ``[vocab, hidden]``             ``model.embed_tokens            all
-                                                              .embedding``
-``model.layers.{i}.self_attn.q_proj.weight``                  ``model.layers[i].self_attn     ``[:, :, :group]``
-``[Hq * D, hidden]``                                          .qkv_proj.kernel``
-                                                              ``[hidden, Hk, group + 2, D]``
-``model.layers.{i}.self_attn.k_proj.weight`` ``[Hk * D,       (the same)                      ``[:, :, group]``
-hidden]``
-``model.layers.{i}.self_attn.v_proj.weight`` ``[Hk * D,       (the same)                      ``[:, :, group + 1]``
-hidden]``
-``model.layers.{i}.self_attn.o_proj.weight``                  ``... .o_proj.kernel``          all
-``model.layers.{i}.mlp.gate_proj.weight``                     ``model.layers[i].mlp           ``[:, 0]``
-``[intermediate, hidden]``                                    .gate_up_proj.kernel``
-                                                              ``[hidden, 2, intermediate]``
-``model.layers.{i}.mlp.up_proj.weight``                       (the same)                      ``[:, 1]``
-``model.layers.{i}.mlp.down_proj.weight``                     ``... .down_proj.kernel``       all
-``model.layers.{i}.{input,post_attention}_layernorm.weight``  ``... .weight``                 all
-``model.norm.weight`` ``[hidden]``                            ``model.norm.weight``           all
-``lm_head.weight`` ``[vocab, hidden]`` (absent when           ``lm_head.kernel``              all
-embeddings are tied)
-============================================================  ==============================  =========================
+===============================================  ==================================  ======================
+Hugging Face tensor                              NNX parameter                       the part it fills
+===============================================  ==================================  ======================
+``model.embed_tokens.weight``                    ``model.embed_tokens.embedding``    all
+``L.self_attn.q_proj.weight``                    ``l.self_attn.qkv_proj.kernel``     ``[:, :, :group]``
+``L.self_attn.k_proj.weight``                    ``l.self_attn.qkv_proj.kernel``     ``[:, :, group]``
+``L.self_attn.v_proj.weight``                    ``l.self_attn.qkv_proj.kernel``     ``[:, :, group + 1]``
+``L.self_attn.o_proj.weight``                    ``l.self_attn.o_proj.kernel``       all
+``L.mlp.gate_proj.weight``                       ``l.mlp.gate_up_proj.kernel``       ``[:, 0]``
+``L.mlp.up_proj.weight``                         ``l.mlp.gate_up_proj.kernel``       ``[:, 1]``
+``L.mlp.down_proj.weight``                       ``l.mlp.down_proj.kernel``          all
+``L.{input,post_attention}_layernorm.weight``    ``l.{input,post_attention}_``       all
+                                                 ``layernorm.weight``
+``model.norm.weight``                            ``model.norm.weight``               all
+``lm_head.weight`` (absent when tied)            ``lm_head.kernel``                  all
+===============================================  ==================================  ======================
 
-``group = Hq // Hk``. Projection weights (``*_proj`` and ``lm_head``) are stored
-``[out, in]`` by Hugging Face and ``[in, *out]`` here: transposed, then the ``out`` axis
-reshaped to the part's trailing axes (q_proj's row ``h * D + c`` is query head ``h``,
-channel ``c``, which sits at ``qkv_proj.kernel[:, h // group, h % group, c]``). The
-fused parameters are `LlamaAttention`'s and `LlamaMLP`'s (see
-`jax_paged_attn.models.llama`); `hf_parameter_map` lists every placement, and saving
-writes the separate Hugging Face tensors back, so transformers loads the files.
+Shapes, with ``group = Hq // Hk``: Hugging Face's q_proj ``[Hq * D, hidden]``, k_proj and
+v_proj ``[Hk * D, hidden]``, gate_proj and up_proj ``[intermediate, hidden]``; the fused
+``qkv_proj.kernel`` ``[hidden, Hk, group + 2, D]`` and ``gate_up_proj.kernel``
+``[hidden, 2, intermediate]`` (`LlamaAttention` and `LlamaMLP` in
+`jax_paged_attn.models.llama`). Projection weights (``*_proj``, ``lm_head``) are stored
+``[out, in]`` by Hugging Face and ``[in, *out]`` here: transposed, then ``out`` reshaped
+to the part's trailing axes, so q_proj's row ``h * D + c`` (query head ``h``, channel
+``c``) is ``qkv_proj.kernel[:, h // group, h % group, c]``. `hf_parameter_map` lists
+every placement. Saving writes the separate Hugging Face tensors back, so transformers
+loads the files.
 
 Besides config.json, an optional ``generation_config.json`` is read for its
 ``eos_token_id`` (which wins over config.json's, as in Hugging Face's ``generate``).
@@ -373,10 +370,15 @@ def load_checkpoint(
         for param_path, names in parts.items():
             var = variables[param_path]
             target = var.get_value()
-            array = np.empty(target.shape, target.dtype)
-            for name in names:
-                placement = expected[name]
-                array[placement.index] = placement.to_part(read(name), target.shape)  # casts to target.dtype
+            if len(names) == 1 and expected[names[0]].index == ():
+                # A whole parameter: no second host buffer (the embedding alone can be a GB).
+                array = expected[names[0]].to_part(read(names[0]), target.shape)
+                array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
+            else:
+                array = np.empty(target.shape, target.dtype)
+                for name in names:
+                    placement = expected[name]
+                    array[placement.index] = placement.to_part(read(name), target.shape)  # casts to target.dtype
             var.set_value(jax.device_put(array, _placement(model, param_path, target)))
     return model
 
