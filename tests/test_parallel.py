@@ -11,6 +11,7 @@ are laid out as documented.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,21 @@ def _equivalence_main() -> None:
                     tokens[seq].append(int(np.argmax(all_logits[-1][row])))
         return all_logits, caches, tokens
 
+    def collectives(model):
+        """Collective ops in the compiled decode step of ``model``: name -> count."""
+        graphdef, state = nnx.split(model)
+        seqs = [ScheduledSequence(is_prompt=False, seq_len=9, context_len=8, query_len=1, block_table=[b])
+                for b in range(2)]
+        md = builder.build(seqs)
+        ids = jnp.zeros((md.num_tokens,), jnp.int32)
+
+        def step(state, ids, caches, md):
+            return nnx.merge(graphdef, state)(ids, ids, caches, md, logits_indices=last_token_indices(md))
+
+        hlo = jax.jit(step).lower(state, ids, model.allocate_kv_caches(num_blocks, block_size), md).compile().as_text()
+        found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+        return {name: found.count(name) for name in set(found)}
+
     want_logits, want_caches, want_tokens = generate(reference)
     checked = []
     with tempfile.TemporaryDirectory() as directory:
@@ -150,6 +166,9 @@ def _equivalence_main() -> None:
             assert laid_out(layer0.self_attn.o_proj.kernel.get_value(), P("tp", None))
             assert laid_out(layer0.mlp.down_proj.kernel.get_value(), P("tp", None))
             assert laid_out(model.model.embed_tokens.embedding.get_value(), P())
+            # The fused q/k/v output is split by KV head like the attention shards read it, so
+            # the only collectives are the all-reduces of o_proj and down_proj in each layer.
+            assert collectives(model) == {"all-reduce": 2 * config.num_hidden_layers}, (tp, collectives(model))
             got_logits, got_caches, got_tokens = generate(model)
             assert laid_out(got_caches[0], P(None, None, None, "tp", None))
             assert got_caches[0].addressable_shards[0].data.shape[3] == config.num_key_value_heads // tp
