@@ -247,7 +247,7 @@ def check_prefill_config(config: PrefillConfig) -> None:
     """Raises ValueError for a config the kernel cannot compile."""
     if not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}.")
-    for name in ("block_q", "block_k"):
+    for name in ("block_q", "block_k", "masked_block_k"):
         value = getattr(config, name)
         if not (isinstance(value, int) and _is_power_of_2(value) and value >= 16):
             raise ValueError(f"config.{name} must be a power of 2 >= 16 (a tl.dot tile side), got {value!r}.")
@@ -280,6 +280,10 @@ class PrefillTiling:
       prefetch_page_ids: load the block-table entries one KV step ahead (paged only:
         always False for packed keys).
       longest_first: order of the tiles in the plan (`plan_tiles`).
+      masked_block_k: keys per step of the masked loops (a divisor of ``block_k``, power
+        of 2, >= 16). Masked blocks carry the extra work that keeps a non-finite value
+        from rows that cannot see it; narrower steps keep its registers below the
+        unmasked loop's (`jax_paged_attn.tuning.PrefillConfig.masked_block_k`).
     """
 
     block_q: int
@@ -291,6 +295,12 @@ class PrefillTiling:
     single_kv_loop: bool = False
     prefetch_page_ids: bool = False
     longest_first: bool = True
+    masked_block_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.masked_block_k is None:
+            object.__setattr__(self, "masked_block_k", self.block_k)
+        assert self.block_k % self.masked_block_k == 0, (self.block_k, self.masked_block_k)
 
     @property
     def positions_per_tile(self) -> int:
@@ -324,6 +334,8 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
         single_kv_loop=config.single_kv_loop,
         prefetch_page_ids=config.prefetch_page_ids and paged,
         longest_first=config.longest_first,
+        # One loop masks every block: narrowing it would narrow the whole kernel.
+        masked_block_k=block_k if config.single_kv_loop else min(block_k, config.masked_block_k),
     )
 
 

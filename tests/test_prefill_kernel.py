@@ -221,6 +221,18 @@ TILINGS = [
      dict(q_lens=[3, 31, 18], k_lens=[47, 33, 60], num_q_heads=4, num_kv_heads=2, head_size=32,
           paged=True, block_size=16, extra_blocks=5),
      dict(causal=True, window_size=(20, 0))),
+    # Masked loops in steps narrower than block_k (2 and 4 per block): the causal
+    # diagonal, the left window edge and the key ends, packed and paged.
+    ("packed-masked-steps-half-block-window",
+     tuning.PrefillConfig(block_q=32, block_k=32, masked_block_k=16),
+     dict(q_lens=[7, 40, 17, 70], k_lens=[30, 40, 50, 70], num_q_heads=8, num_kv_heads=2, head_size=32,
+          q_padding_rows=2),
+     dict(causal=True, window_size=(21, 0), alibi=True)),
+    ("paged-masked-steps-quarter-block-prefetched-ids",
+     tuning.PrefillConfig(block_q=16, block_k=64, masked_block_k=16, pack_gqa=False),
+     dict(q_lens=[5, 33, 70], k_lens=[70, 33, 90], num_q_heads=4, num_kv_heads=2, head_size=32,
+          paged=True, block_size=16, extra_blocks=4),
+     dict(causal=True)),
     # One KV loop masking every block: causal diagonal, left window edge, key ends.
     ("packed-single-kv-loop-window-alibi",
      tuning.PrefillConfig(block_q=32, block_k=16, single_kv_loop=True),
@@ -247,6 +259,7 @@ NONFINITE_TILINGS = [
     ("gqa-packed-bq32-bk16-prefetched-ids", tuning.PrefillConfig(block_q=32, block_k=16, pack_gqa=True,
                                                                 prefetch_page_ids=True)),
     ("single-kv-loop", tuning.PrefillConfig(block_q=32, block_k=16, single_kv_loop=True)),
+    ("masked-steps-half-block", tuning.PrefillConfig(block_q=32, block_k=32, masked_block_k=16)),
 ]
 
 
@@ -400,7 +413,8 @@ def test_unsupported_reason():
                                                  lowering="triton", **static)
 
 
-@pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(num_warps=3), dict(num_stages=0),
+@pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(masked_block_k=24), dict(num_warps=3),
+                                 dict(num_stages=0),
                                  dict(num_stages_paged=0), dict(single_kv_loop=1)])
 def test_bad_config_is_rejected(bad):
     problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2,

@@ -26,8 +26,8 @@ sees no key ends with sum 0 and outputs 0, never NaN. K/V rows past the sequence
 keys are not read (masked loads yield 0), so NaN in unused cache pages cannot leak.
 A masked score is removed with ``where`` (a NaN key never reaches the softmax of a row
 that cannot see it); in blocks where a causal / window mask hides loaded keys from some
-rows, P·V runs over finite values and the rows that see a non-finite value get NaN
-probabilities (`reference.hide_masked_nonfinite_values`): a NaN or inf in K or V
+rows, P·V runs over finite values and the rows that see a non-finite value get a NaN
+running output (`common.quarantine_nonfinite_values`): a NaN or inf in K or V
 reaches exactly the rows that see its key. Unmasked blocks need neither.
 """
 from __future__ import annotations
@@ -156,16 +156,16 @@ def _prefill_kernel(
             page = jnp.clip(page, 0, num_pages - 1)  # bad ids read a real page, never outside
             return page * page_size + common.rem(k_pos, page_size)
 
-        def visit(kb, state, rows, *, masked: bool):
+        def visit(kb, state, rows, *, width: int, masked: bool):
             acc, m_prev, l_prev = state
-            k_pos = kb * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
-            kv_mask = and_cols(k_pos < k_len if masked else None, block_k)
+            k_pos = kb * width + lax.iota(jnp.int32, width)  # [width]
+            kv_mask = and_cols(k_pos < k_len if masked else None, width)
             index = (rows[:, None], col[None, :])
-            k = _load(k_ref.at[index], kv_mask)  # [block_k, Dp]
+            k = _load(k_ref.at[index], kv_mask)  # [width, Dp]
             if k_fp8:
                 k = k.astype(compute_dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32)  # [block_q, block_k]
+                                preferred_element_type=jnp.float32)  # [block_q, width]
             s = s * pre_tanh
             if post_tanh is not None:
                 s = jnp.tanh(s) * post_tanh
@@ -178,28 +178,34 @@ def _prefill_kernel(
             correction = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - m_next[:, None])
             l_next = l_prev * correction + jnp.sum(p, axis=1)
-            v = _load(v_ref.at[index], kv_mask)  # [block_k, Dp]
+            v = _load(v_ref.at[index], kv_mask)  # [width, Dp]
             if v_fp8:
                 v = v.astype(compute_dtype)
             if masked and mask_hides_loaded_keys:
-                p, v = reference.hide_masked_nonfinite_values(p, v, visible)
+                v, correction = common.quarantine_nonfinite_values(s, v, correction)
             pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             return acc * correction[:, None] + pv, m_next, l_next
 
-        def block_rows(kb: Array) -> Array:  # [block_k] rows of KV block kb
-            return key_rows(kb * block_k + lax.iota(jnp.int32, block_k))
+        def block_rows(kb: Array, width: int) -> Array:  # [width] rows of KV step kb
+            return key_rows(kb * width + lax.iota(jnp.int32, width))
 
-        if prefetch_page_ids:
+        def kv_loop(kb_begin: Array, kb_end: Array, state, *, masked: bool):
+            """Visits KV blocks [kb_begin, kb_end) (units of block_k) in steps of ``width`` keys."""
+            width = tiling.masked_block_k if masked else block_k
+            steps_per_block = block_k // width
+            begin, end = kb_begin * steps_per_block, kb_end * steps_per_block
+            step = functools.partial(visit, width=width, masked=masked)
+            if not prefetch_page_ids:
+                return lax.fori_loop(begin, end, lambda j, st: step(j, st, block_rows(j, width)), state)
+
             # The carry holds this step's K/V rows; the step loads the block-table
             # entries of the next one, so no K/V address waits on a load of its own step.
-            def step(kb, carry, *, masked: bool):
-                *state, rows = carry
-                next_rows = block_rows(kb + 1)
-                return (*visit(kb, state, rows, masked=masked), next_rows)
-        else:
-            def step(kb, carry, *, masked: bool):
-                return visit(kb, carry, block_rows(kb), masked=masked)
+            def prefetching_step(j, carry):
+                *st, rows = carry
+                return (*step(j, st, rows), block_rows(j + 1, width))
+
+            return lax.fori_loop(begin, end, prefetching_step, (*state, block_rows(begin, width)))[:3]
 
         carry = (
             jnp.zeros((block_q, head_size_padded), jnp.float32),
@@ -208,17 +214,13 @@ def _prefill_kernel(
         )
         kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
         kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
-        if prefetch_page_ids:  # rows of the first loop's first block; the loops run in order
-            first = kb_lo if single_kv_loop or spec.window_left >= 0 else kb_full_lo
-            carry = (*carry, block_rows(first))
-        masked_step = functools.partial(step, masked=True)
         if single_kv_loop:  # one software pipeline per tile, every block masked
-            carry = lax.fori_loop(kb_lo, kb_hi, masked_step, carry)
+            carry = kv_loop(kb_lo, kb_hi, carry, masked=True)
         else:
             if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
-                carry = lax.fori_loop(kb_lo, kb_full_lo, masked_step, carry)
-            carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(kb_full_hi, kb_hi, masked_step, carry)
+                carry = kv_loop(kb_lo, kb_full_lo, carry, masked=True)
+            carry = kv_loop(kb_full_lo, kb_full_hi, carry, masked=False)
+            carry = kv_loop(kb_full_hi, kb_hi, carry, masked=True)
         acc, _, l_sum = carry[:3]
 
         # One reciprocal per row instead of a division per element; sees no key -> 0.
