@@ -5,8 +5,10 @@ table the package loads: jax_paged_attn/tuned_tables.json.
     python benchmarks/apply_tuning.py OUT/tuning.json [--into jax_paged_attn/tuned_tables.json]
 
 For each table key the config with the best geometric mean over the swept shapes that
-share the key is kept (`report.best_per_table_key`); entries of keys the sweep did not
-cover are kept from the existing file. The file records where the numbers come from.
+share the key is kept (`report.best_per_table_key`) as the entry of the GPU model the sweep
+ran on (its ``device_kind``: tables are per GPU model, `jax_paged_attn.tuning`); entries
+of other GPU models and of keys the sweep did not cover are kept from the existing file.
+The file records where the numbers come from.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ sys.path.insert(0, str(_BENCH_DIR))
 sys.path.insert(0, str(_BENCH_DIR.parent))
 
 import report  # noqa: E402
+from jax_paged_attn import tuning  # noqa: E402
 
 DEFAULT_TABLE_FILE = _BENCH_DIR.parent / "jax_paged_attn" / "tuned_tables.json"
 TABLES = ("PREFILL_TABLE", "DECODE_TABLE")
@@ -37,16 +40,21 @@ def parse_config(text: str) -> tuple[str, dict]:
 def merge(existing: dict, sweep: dict) -> dict:
     rows = sweep["rows"] if isinstance(sweep, dict) else sweep
     meta = sweep.get("meta", {}) if isinstance(sweep, dict) else {}
-    tables = {name: {json.dumps(e["key"]): e for e in existing.get(name, [])} for name in TABLES}
+    measured = {k: meta.get(k) for k in ("date", "gpu", "jax", "command") if k in meta}
+    device = tuning.entry_device_kind({"measured": measured})
+
+    def ident(entry: dict) -> str:
+        return json.dumps([tuning.entry_device_kind(entry), entry["key"]])
+
+    tables = {name: {ident(e): {"device": tuning.entry_device_kind(e), **e} for e in existing.get(name, [])}
+              for name in TABLES}
     for (table, key_text), (config_text, score, shapes) in report.best_per_table_key(rows).items():
         _, fields = parse_config(config_text)
-        key = list(ast.literal_eval(key_text))
-        tables[table][json.dumps(key)] = {
-            "key": key, "config": fields, "score": round(score, 4),
-            "shapes": [case for _, case in shapes],
-            "measured": {k: meta.get(k) for k in ("date", "gpu", "jax", "command") if k in meta},
-        }
-    return {name: sorted(entries.values(), key=lambda e: e["key"]) for name, entries in tables.items()}
+        entry = {"device": device, "key": list(ast.literal_eval(key_text)), "config": fields,
+                 "score": round(score, 4), "shapes": [case for _, case in shapes], "measured": measured}
+        tables[table][ident(entry)] = entry
+    return {name: sorted(entries.values(), key=lambda e: (e["device"], e["key"]))
+            for name, entries in tables.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

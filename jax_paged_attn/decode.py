@@ -125,10 +125,11 @@ def paged_decode_attention(
         return jnp.zeros(q.shape, q.dtype)
     head_size, block_size = q.shape[-1], k_cache.shape[1]
     group_size = q.shape[2] // k_cache.shape[2]
+    device = tuning.target_device()
     if config is None:
-        config = tuning.decode_config(head_size, block_size, group_size)
+        config = tuning.decode_config(head_size, block_size, group_size, device=device)
     tiling = plans.plan_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype,
-                                      config)
+                                      config, shared_memory_budget=device.shared_memory_budget)
     result = triton_decode.paged_decode_call(
         q, as_plane(k_cache), as_plane(v_cache), cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),

@@ -31,7 +31,8 @@ Array = jax.Array
 __all__ = [
     "LOG2E", "MIN_DOT_ROWS", "TILE_INFO_WIDTH", "TileField", "PrefillTiling", "DecodeTiling",
     "CacheWriteConfig", "visible_key_interval", "num_query_tiles", "plan_tiles", "heads_per_program",
-    "check_prefill_config", "plan_prefill_tiling", "estimate_shared_memory", "decode_tile_keys",
+    "check_prefill_config", "plan_prefill_tiling", "estimate_prefill_shared_memory",
+    "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2",
 ]
@@ -308,27 +309,53 @@ class PrefillTiling:
         return self.block_q // self.heads_per_program
 
 
+def estimate_prefill_shared_memory(block_q: int, block_k: int, padded_head_size: int, q_itemsize: int,
+                                   kv_itemsize: int, num_stages: int) -> int:
+    """Bytes of shared memory the varlen kernel takes, as a sizing rule: the query tile
+    plus ``num_stages`` buffers of K and V tiles."""
+    return (block_q * padded_head_size * q_itemsize
+            + num_stages * 2 * block_k * padded_head_size * kv_itemsize)
+
+
 def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, max_seqlen_q: int,
-                        max_seqlen_k: int, paged: bool, config: PrefillConfig) -> PrefillTiling:
+                        max_seqlen_k: int, paged: bool, config: PrefillConfig, q_itemsize: int = 2,
+                        kv_itemsize: int = 2,
+                        shared_memory_budget: int = tuning.REFERENCE_DEVICE.shared_memory_budget,
+                        ) -> PrefillTiling:
     """The varlen kernel's tiling for these shapes and `config` (checked beforehand).
 
     ``block_q`` and ``block_k`` are upper bounds: a tile taller than any sequence's rows
     only adds idle rows (decode tokens, small chunks), so ``block_q`` shrinks to the rows
     the longest sequence fills (a power of 2 >= 16; the shrunk tile gets at most 4
-    warps), and ``block_k`` to ``max_seqlen_k``.
+    warps), and ``block_k`` to ``max_seqlen_k``. A tiling whose
+    `estimate_prefill_shared_memory` passes ``shared_memory_budget`` (a GPU with less
+    shared memory than the one the config was chosen on,
+    `jax_paged_attn.tuning.TuningDevice`) loses pipeline stages down to 2, then halves
+    ``block_k``, then ``block_q``, until it fits (or both reach 16).
     """
     group = heads_per_program(num_q_heads, num_kv_heads, config)
     block_q = min(config.block_q, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_q * group)))
-    num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)
     block_k = min(config.block_k, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_k)))
     num_stages = config.num_stages
     if paged and config.num_stages_paged is not None:
         num_stages = config.num_stages_paged
+    padded_head_size = next_power_of_2(head_size)
+    while estimate_prefill_shared_memory(block_q, block_k, padded_head_size, q_itemsize, kv_itemsize,
+                                         num_stages) > shared_memory_budget:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_k > MIN_DOT_ROWS:
+            block_k //= 2
+        elif block_q > MIN_DOT_ROWS and block_q // 2 >= group:
+            block_q //= 2
+        else:
+            break
+    num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)
     return PrefillTiling(
         block_q=block_q,
         block_k=block_k,
         heads_per_program=group,
-        padded_head_size=next_power_of_2(head_size),
+        padded_head_size=padded_head_size,
         num_warps=num_warps,
         num_stages=num_stages,
         single_kv_loop=config.single_kv_loop,
@@ -385,14 +412,15 @@ def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize
 
 
 def decode_tile_keys(block_size: int, head_size: int, cache_itemsize: int, compute_itemsize: int,
-                     config: DecodeConfig) -> int:
-    """Keys per inner step: pages_per_step pages, a power of 2, fitting shared memory
-    (`tuning.DECODE_SHARED_MEMORY_BUDGET`)."""
+                     config: DecodeConfig,
+                     shared_memory_budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET) -> int:
+    """Keys per inner step: pages_per_step pages, a power of 2, fitting
+    ``shared_memory_budget`` (default: the H200's, `tuning.DECODE_SHARED_MEMORY_BUDGET`)."""
     tile = max(MIN_DOT_ROWS, _prev_power_of_2(config.pages_per_step * block_size))
     padded_head = next_power_of_2(head_size)
     while tile > MIN_DOT_ROWS and estimate_shared_memory(
         tile, padded_head, cache_itemsize, compute_itemsize, config.num_stages, config.prefetch_page_ids
-    ) > tuning.DECODE_SHARED_MEMORY_BUDGET:
+    ) > shared_memory_budget:
         tile //= 2
     return tile
 
@@ -418,13 +446,15 @@ def choose_num_splits(
 
 def plan_decode_tiling(
     q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype, cache_dtype,
-    config: DecodeConfig,
+    config: DecodeConfig, shared_memory_budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET,
 ) -> DecodeTiling:
     """The decode kernel's static launch plan for these shapes and `config`.
 
     ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
     ``max_blocks`` the block table's columns. Query rows (``Sq * G``) are padded to a
     power of 2 >= 16 and capped by ``config.max_q_rows`` (more rows take more programs).
+    ``shared_memory_budget``: bytes of shared memory a program may take on the target
+    GPU (`jax_paged_attn.tuning.TuningDevice.shared_memory_budget`).
     """
     batch, num_q_tokens, num_q_heads, head_size = q_shape
     _, block_size, num_kv_heads, _ = cache_shape
@@ -433,7 +463,7 @@ def plan_decode_tiling(
     rows_per_program = min(max(MIN_DOT_ROWS, next_power_of_2(rows)), max_rows)
     row_blocks = -(-rows // rows_per_program)
     tile_keys = decode_tile_keys(block_size, head_size, jnp.dtype(cache_dtype).itemsize,
-                                 jnp.dtype(q_dtype).itemsize, config)
+                                 jnp.dtype(q_dtype).itemsize, config, shared_memory_budget)
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     return DecodeTiling(
         rows_per_program=rows_per_program,

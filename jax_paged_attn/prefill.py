@@ -169,8 +169,10 @@ def varlen_attention(
         raise NotImplementedError(f"the {lowering} varlen kernel cannot run this call: {reason}")
     num_q_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[-2]
+    device = tuning.target_device()
     if config is None:
-        config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None)
+        config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None,
+                                       device=device)
     check_config(config)
     paged = block_table is not None
     if q.size == 0:  # no token or no head: nothing to compute (a zero-size grid)
@@ -179,7 +181,10 @@ def varlen_attention(
         return jnp.zeros(q.shape, q.dtype)  # no key anywhere: every row sees nothing
 
     tiling = plans.plan_prefill_tiling(num_q_heads, num_kv_heads, head_size, max_seqlen_q=max_seqlen_q,
-                                       max_seqlen_k=max_seqlen_k, paged=paged, config=config)
+                                       max_seqlen_k=max_seqlen_k, paged=paged, config=config,
+                                       q_itemsize=jnp.dtype(q.dtype).itemsize,
+                                       kv_itemsize=jnp.dtype(k.dtype).itemsize,
+                                       shared_memory_budget=device.shared_memory_budget)
     if paged:
         num_blocks, block_size = k.shape[0], k.shape[1]
         # Free reshape (leading dims merge) of the whole stacked cache: key j of sequence

@@ -6,13 +6,23 @@ Kernel files never pick their own block sizes: the wrappers in `jax_paged_attn.p
 `jax_paged_attn.plans` turns the config into the kernel's tiling for the call's shapes.
 
 Table keys are rounded to powers of two before lookup (so nearby shapes share an
-entry); a missing key falls back to the default config. Entries were chosen by
-measurement on an H200 with `benchmarks/bench_attention.py --tune` (see
-benchmarks/RESULTS.md); the key layout is documented on each table.
+entry); a missing key falls back to the default config. The key layout is documented on
+each table.
+
+Tables are per GPU model. The measured entries (package data, `MEASURED_TABLES_FILE`)
+were chosen by measurement with `benchmarks/bench_attention.py --tune` (see
+benchmarks/RESULTS.md) and apply only on the GPU they were measured on (its
+``device_kind``, e.g. ``"NVIDIA H200"``). On a GPU without measured entries the kernels run
+the defaults below, starting points for the H200, which `TuningDevice`'s shared-memory
+limit then shrinks to fit (`jax_paged_attn.plans`); that is said once
+(`UntunedDeviceWarning`). On a CPU (interpret mode, or lowering for CUDA from a CPU host)
+the H200's tables apply: that is the GPU the kernels are developed and tested on.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 
 def next_power_of_2(x: int) -> int:
@@ -96,9 +106,88 @@ class DecodeConfig:
     prefetch_page_ids: bool = False
 
 
-# Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
-# estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
-DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
+REFERENCE_DEVICE_KIND = "NVIDIA H200"
+"""The GPU whose tables a call lowered on a CPU host takes (see the module docstring)."""
+
+# Shared memory one thread block may opt into, by compute capability (CUDA programming
+# guide, "Technical Specifications per Compute Capability"); the kernels need sm_80+.
+_SHARED_MEMORY_PER_BLOCK_KIB = {
+    (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+    (9, 0): 227, (10, 0): 227, (10, 3): 227, (11, 0): 227, (12, 0): 99, (12, 1): 99,
+}
+_SMALLEST_SHARED_MEMORY_KIB = 99  # an unlisted compute capability: the least of the above
+
+# Headroom below the limit for what the kernels' shared-memory estimates leave out
+# (Triton's layout-conversion scratch, barriers); calibrated on the H200, where the
+# decode kernel's budget of 200 of 227 KiB never failed to compile.
+_SHARED_MEMORY_HEADROOM = 27 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningDevice:
+    """The GPU a call's kernels are planned for.
+
+    kind: JAX's ``device_kind`` (``"NVIDIA H200"``), the key of the measured tables;
+    shared_memory_per_block: bytes of shared memory one program (thread block) may use.
+    """
+
+    kind: str
+    shared_memory_per_block: int
+
+    @property
+    def shared_memory_budget(self) -> int:
+        """Bytes a kernel's estimated shared memory may reach (the limit less headroom)."""
+        return self.shared_memory_per_block - _SHARED_MEMORY_HEADROOM
+
+
+REFERENCE_DEVICE = TuningDevice(REFERENCE_DEVICE_KIND, _SHARED_MEMORY_PER_BLOCK_KIB[(9, 0)] * 1024)
+
+# Shared memory the decode kernel may take on the H200; a key tile whose estimate
+# (`jax_paged_attn.plans.estimate_shared_memory`) exceeds a device's budget is halved.
+DECODE_SHARED_MEMORY_BUDGET = REFERENCE_DEVICE.shared_memory_budget
+
+
+def device_from_properties(kind: str, compute_capability: str | None) -> TuningDevice:
+    """The `TuningDevice` of a CUDA GPU from its ``device_kind`` and ``compute_capability``
+    (``"9.0"``; None or unparsable: the smallest limit of the GPUs the kernels run on)."""
+    try:
+        major, minor = (int(part) for part in str(compute_capability).split(".")[:2])
+        kib = _SHARED_MEMORY_PER_BLOCK_KIB.get((major, minor), _SMALLEST_SHARED_MEMORY_KIB)
+    except ValueError:
+        kib = _SMALLEST_SHARED_MEMORY_KIB
+    return TuningDevice(kind, kib * 1024)
+
+
+@functools.cache
+def target_device() -> TuningDevice:
+    """The GPU JAX's default device is, or `REFERENCE_DEVICE` when it is not a GPU (a CPU
+    host runs the kernels in interpret mode or lowers them for CUDA without running them)."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return REFERENCE_DEVICE
+    return device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
+
+
+class UntunedDeviceWarning(UserWarning):
+    """The kernels run on a GPU without measured tuning tables (default configs, fitted to
+    its shared memory); issued once per GPU model."""
+
+
+_warned_devices: set[str] = set()
+
+
+def _warn_untuned(device: TuningDevice) -> None:
+    if device.kind in _warned_devices:
+        return
+    _warned_devices.add(device.kind)
+    warnings.warn(
+        f"no tuning table was measured on {device.kind}: the Pallas kernels use default tile configs "
+        f"(starting points for the {REFERENCE_DEVICE_KIND}, shrunk to its "
+        f"{device.shared_memory_per_block // 1024} KiB of shared memory per block), which may be slower than "
+        f"tuned ones; `benchmarks/bench_attention.py --tune` and `benchmarks/apply_tuning.py` measure a table.",
+        UntunedDeviceWarning, stacklevel=4)
 
 
 # key: (head_size rounded up to a power of 2, query dtype name, paged: K/V read through a
@@ -130,16 +219,38 @@ PREFILL_TABLE: dict[tuple[int, str, bool], PrefillConfig] = {
 
 # key: (head_size rounded up to a power of 2, block_size, query heads per KV head rounded
 # up to a power of 2) -> DecodeConfig
-DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: tuned_tables.json
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: MEASURED_TABLES
 
 
-def prefill_config(head_size: int, dtype_name: str, paged: bool = False) -> PrefillConfig:
-    return PREFILL_TABLE.get((next_power_of_2(head_size), dtype_name, bool(paged)), PrefillConfig())
+# device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.
+MEASURED_TABLES: dict[str, dict[str, dict[tuple, object]]] = {}
 
 
-def decode_config(head_size: int, block_size: int, group_size: int) -> DecodeConfig:
+def _lookup(name: str, defaults: dict, key: tuple, fallback, device: TuningDevice | None):
+    device = target_device() if device is None else device
+    measured = MEASURED_TABLES.get(device.kind)
+    if measured is None:
+        if device.kind != REFERENCE_DEVICE_KIND:
+            _warn_untuned(device)
+        measured = {}
+    table = measured.get(name, {})
+    return table[key] if key in table else defaults.get(key, fallback)
+
+
+def prefill_config(head_size: int, dtype_name: str, paged: bool = False,
+                   device: TuningDevice | None = None) -> PrefillConfig:
+    """The varlen kernel's config for ``device`` (default: `target_device`): its measured
+    entry, else `PREFILL_TABLE`'s, else `PrefillConfig()`."""
+    key = (next_power_of_2(head_size), dtype_name, bool(paged))
+    return _lookup("PREFILL_TABLE", PREFILL_TABLE, key, PrefillConfig(), device)
+
+
+def decode_config(head_size: int, block_size: int, group_size: int,
+                  device: TuningDevice | None = None) -> DecodeConfig:
+    """The decode kernel's config for ``device`` (default: `target_device`): its measured
+    entry, else `DECODE_TABLE`'s, else `DecodeConfig()`."""
     key = (next_power_of_2(head_size), block_size, next_power_of_2(group_size))
-    return DECODE_TABLE.get(key, DecodeConfig())
+    return _lookup("DECODE_TABLE", DECODE_TABLE, key, DecodeConfig(), device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +284,19 @@ def cache_write_config(num_tokens: int, row_size: int) -> CacheWriteConfig:
 
 # --------------------------------------------------------------------------- measured tables
 MEASURED_TABLES_FILE = "tuned_tables.json"
-"""Package data written by `benchmarks/apply_tuning.py` from a sweep on the GPU
-(`bench_attention.py --tune`); its entries (each with the shapes, date, GPU and jax
-version it was measured with) override the defaults above for the same keys."""
+"""Package data written by `benchmarks/apply_tuning.py` from a sweep on a GPU
+(`bench_attention.py --tune`); each entry names the GPU model it was measured on
+(``"device"``) with the shapes, date and jax version, and overrides the defaults above for
+the same key on that GPU model only (`MEASURED_TABLES`)."""
+
+
+def entry_device_kind(entry: dict) -> str:
+    """The GPU model of a measured entry: its ``"device"``, else the ``device_kind`` part
+    of ``measured.gpu`` (``"NVIDIA H200 (gpu, 1 device(s))"``)."""
+    if entry.get("device"):
+        return entry["device"]
+    gpu = entry.get("measured", {}).get("gpu", "")
+    return gpu.split(" (")[0] or REFERENCE_DEVICE_KIND
 
 
 def _load_measured_tables() -> None:
@@ -186,11 +307,11 @@ def _load_measured_tables() -> None:
     if not path.exists():
         return
     data = json.loads(path.read_text())
-    for name, table, config_type in (("PREFILL_TABLE", PREFILL_TABLE, PrefillConfig),
-                                     ("DECODE_TABLE", DECODE_TABLE, DecodeConfig)):
+    for name, config_type in (("PREFILL_TABLE", PrefillConfig), ("DECODE_TABLE", DecodeConfig)):
         known = {f.name for f in dataclasses.fields(config_type)}
         for entry in data.get(name, []):
             fields = {k: v for k, v in entry["config"].items() if k in known}
+            table = MEASURED_TABLES.setdefault(entry_device_kind(entry), {}).setdefault(name, {})
             table[tuple(entry["key"])] = config_type(**fields)
 
 

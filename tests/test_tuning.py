@@ -5,10 +5,11 @@ import pathlib
 import sys
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 import jax_paged_attn as jpa
-from jax_paged_attn import prefill, tuning
+from jax_paged_attn import plans, prefill, tuning
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import apply_tuning  # noqa: E402
@@ -63,3 +64,102 @@ def test_paged_and_packed_calls_use_their_own_table_entry(monkeypatch):
     assert looked_up == [False, True]
     np.testing.assert_allclose(np.asarray(out_packed), 1.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(out_paged), 1.0, rtol=1e-6)
+
+
+L4 = tuning.TuningDevice("NVIDIA L4", 99 * 1024)
+
+
+def test_device_shared_memory_comes_from_the_compute_capability():
+    assert tuning.device_from_properties("NVIDIA H200", "9.0").shared_memory_per_block == 227 * 1024
+    assert tuning.device_from_properties("NVIDIA A100-SXM4-80GB", "8.0").shared_memory_per_block == 163 * 1024
+    assert tuning.device_from_properties("NVIDIA L4", "8.9").shared_memory_per_block == 99 * 1024
+    # Unknown or missing: the smallest limit among the GPUs the kernels run on.
+    assert tuning.device_from_properties("future", "13.7").shared_memory_per_block == 99 * 1024
+    assert tuning.device_from_properties("future", None).shared_memory_per_block == 99 * 1024
+    assert tuning.REFERENCE_DEVICE.shared_memory_budget == tuning.DECODE_SHARED_MEMORY_BUDGET == 200 * 1024
+    # A CPU host plans for the H200 (interpret mode, lowering for CUDA).
+    assert tuning.target_device() == tuning.REFERENCE_DEVICE
+
+
+def test_measured_entries_apply_only_on_their_gpu_and_an_untuned_gpu_is_said_once(monkeypatch):
+    monkeypatch.setattr(tuning, "_warned_devices", set())
+    measured = tuning.MEASURED_TABLES["NVIDIA H200"]["PREFILL_TABLE"]
+    key = next(iter(measured))
+    head_size, dtype_name, paged = key
+    default = tuning.PREFILL_TABLE.get(key, tuning.PrefillConfig())
+    assert measured[key] != default  # else the test shows nothing
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the H200 has its table: nothing to say
+        assert tuning.prefill_config(head_size, dtype_name, paged, device=tuning.REFERENCE_DEVICE) == measured[key]
+    with pytest.warns(tuning.UntunedDeviceWarning, match="NVIDIA L4.*99 KiB"):
+        assert tuning.prefill_config(head_size, dtype_name, paged, device=L4) == default
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per GPU model
+        tuning.decode_config(128, 16, 4, device=L4)
+
+
+def _every_prefill_config():
+    keys = set(tuning.PREFILL_TABLE) | {k for t in tuning.MEASURED_TABLES.values() for k in t.get("PREFILL_TABLE", {})}
+    for key in sorted(keys, key=repr):
+        for device in tuning.MEASURED_TABLES:
+            yield key, tuning.prefill_config(*key, device=tuning.TuningDevice(device, 227 * 1024))
+        yield key, tuning.PREFILL_TABLE.get(key, tuning.PrefillConfig())
+
+
+def test_the_h200_tilings_fit_its_shared_memory_unchanged():
+    """The shared-memory fit changes nothing on the GPU the tables were chosen on."""
+    for (head_size, dtype_name, paged), config in _every_prefill_config():
+        itemsize = jnp.dtype(dtype_name).itemsize
+        tiling = plans.plan_prefill_tiling(32, 8, head_size, max_seqlen_q=4096, max_seqlen_k=4096, paged=paged,
+                                           config=config, q_itemsize=itemsize, kv_itemsize=itemsize)
+        stages = config.num_stages_paged if paged and config.num_stages_paged else config.num_stages
+        assert (tiling.block_q, tiling.block_k, tiling.num_stages) == (config.block_q, config.block_k, stages)
+
+
+def test_a_gpu_with_less_shared_memory_gets_a_tiling_that_fits():
+    config = tuning.PrefillConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
+    budget = L4.shared_memory_budget
+    tiling = plans.plan_prefill_tiling(32, 8, 128, max_seqlen_q=4096, max_seqlen_k=4096, paged=False,
+                                       config=config, shared_memory_budget=budget)
+    assert plans.estimate_prefill_shared_memory(tiling.block_q, tiling.block_k, 128, 2, 2,
+                                                tiling.num_stages) <= budget
+    assert plans.estimate_prefill_shared_memory(128, 128, 128, 2, 2, 3) > budget  # it had to shrink
+    assert tiling.num_stages == 2 and tiling.block_q == 128 and tiling.block_k < 128
+    assert tiling.block_k % tiling.masked_block_k == 0
+    decode_config = tuning.DecodeConfig(pages_per_step=16, num_stages=4, prefetch_page_ids=True)
+    h200 = plans.plan_decode_tiling((8, 1, 32, 128), (100, 16, 8, 128), 64, jnp.bfloat16, jnp.bfloat16,
+                                    decode_config)
+    small = plans.plan_decode_tiling((8, 1, 32, 128), (100, 16, 8, 128), 64, jnp.bfloat16, jnp.bfloat16,
+                                     decode_config, shared_memory_budget=budget)
+    assert small.tile_keys < h200.tile_keys
+    assert plans.estimate_shared_memory(small.tile_keys, 128, 2, 2, 4, True) <= budget
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernels_planned_for_a_small_gpu_match_the_reference(monkeypatch, paged):
+    """The public functions on a GPU model without a table: default configs shrunk to its
+    shared memory still compute the reference's result (Pallas interpret mode)."""
+    monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("small", 40 * 1024))
+    monkeypatch.setattr(tuning, "_warned_devices", set())
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((40, 4, 64)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, 64, 16, 2, 64)), jnp.float32)
+    cu_q = jnp.array([0, 15, 40], jnp.int32)
+    cu_k = jnp.array([0, 30, 90], jnp.int32) if paged else cu_q
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4) if paged else None
+    k, v = (kv[0], kv[1]) if paged else (kv[0].reshape(-1, 2, 64)[:40], kv[1].reshape(-1, 2, 64)[:40])
+    args = (q, k, v, cu_q, cu_k, 25, 60 if paged else 25)  # max_seqlen_q, max_seqlen_k
+    with pytest.warns(tuning.UntunedDeviceWarning):
+        out = jpa.flash_attn_varlen_func(*args, block_table=table, causal=True, implementation="triton",
+                                         interpret=True)
+    ref = jpa.flash_attn_varlen_func(*args, block_table=table, causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    decode_q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), jnp.float32)
+    seqlens = jnp.array([37, 64], jnp.int32)
+    block_table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    got = jpa.flash_attn_with_kvcache(decode_q, kv[0], kv[1], seqlens, block_table, causal=True,
+                                      implementation="triton", interpret=True)
+    want = jpa.flash_attn_with_kvcache(decode_q, kv[0], kv[1], seqlens, block_table, causal=True,
+                                       implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
