@@ -11,6 +11,11 @@ Implementations (the ``implementation=`` argument of the public functions):
   and the reference on a CPU, and cross-lowering for CUDA on a CPU host shows the
   kernel in the compiled module.
 
+A lowering the installed JAX does not have (the Triton lowering is deprecated since JAX
+0.11 and will be removed) makes its kernels unavailable, not the package: importing
+`jax_paged_attn` never imports a lowering, and `lowering_unavailable_reason` is the
+first reason a kernel cannot run a call.
+
 An explicit kernel implementation that cannot run the call raises `NotImplementedError`
 with the reason; ``auto`` falls back to the reference instead, and says so once per
 reason (`ReferenceFallbackWarning`) when JAX's default device is a GPU or another
@@ -23,6 +28,7 @@ platform than the default device's (cross-lowering) is not warned about.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from typing import Any, Callable
 
@@ -82,6 +88,21 @@ def _auto_fallback_reason(kernel_reason: str | None) -> str | None:
     return kernel_reason
 
 
+_LOWERING_MODULES = {TRITON: "jax.experimental.pallas.triton"}
+
+
+@functools.cache
+def lowering_unavailable_reason(lowering: str) -> str | None:
+    """Why the installed JAX cannot lower kernels with ``lowering`` (its Pallas module does
+    not import), or None."""
+    module = _LOWERING_MODULES[lowering]
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return f"the installed jax {jax.__version__} has no Pallas {lowering} lowering ({module}: {error})"
+    return None
+
+
 def normalize_implementation(implementation: str | None) -> str:
     impl = AUTO if implementation is None else implementation
     if impl not in IMPLEMENTATIONS:
@@ -96,11 +117,14 @@ def run_implementation(
     reference_fn: Callable[..., Any],
     kernel_fn: Callable[..., Any],
     unsupported_reason: Callable[[], str | None],
+    lowering: str = TRITON,
 ) -> Any:
     """Runs ``reference_fn(*args)`` or ``kernel_fn(*args)`` as ``implementation`` says.
 
     ``unsupported_reason()`` (looked at only when a kernel may run) names why the kernel
-    cannot run these shapes, or None. Auto chooses per lowering platform with
+    cannot run these shapes, or None; ``lowering`` names the kernel's Pallas lowering,
+    whose absence from the installed JAX comes first (`lowering_unavailable_reason`).
+    Auto chooses per lowering platform with
     `jax.lax.platform_dependent` (the kernel on CUDA when supported, else the
     reference) and warns once per reason when the reference runs on an accelerator
     (`ReferenceFallbackWarning`); an explicit kernel that cannot run raises
@@ -109,7 +133,7 @@ def run_implementation(
     impl = normalize_implementation(implementation)
     if impl == XLA:
         return reference_fn(*args)
-    reason = unsupported_reason()
+    reason = lowering_unavailable_reason(lowering) or unsupported_reason()
     if impl == AUTO:
         fallback = _auto_fallback_reason(reason)
         if fallback:

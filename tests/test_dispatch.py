@@ -5,6 +5,7 @@ the calls are only traced, never run.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
@@ -79,3 +80,52 @@ def test_cuda_call_no_kernel_runs_warns_once_per_reason(fresh_warnings, monkeypa
     with pytest.raises(NotImplementedError, match="implementation='triton' cannot run this call: reason A"):
         dispatch.run_implementation("triton", (jnp.ones(2),), reference_fn=lambda x: x,
                                     kernel_fn=lambda x: x, unsupported_reason=lambda: "reason A")
+
+
+_WITHOUT_TRITON = r"""
+import sys, warnings
+import importlib.abc
+
+
+class HideTriton(importlib.abc.MetaPathFinder):
+    # A future JAX without the (deprecated) Pallas Triton lowering.
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax.experimental.pallas.triton" or name.startswith("jax._src.pallas.triton"):
+            raise ImportError(f"No module named {name!r}")
+        return None
+
+
+sys.meta_path.insert(0, HideTriton())
+import jax, jax.numpy as jnp, numpy as np
+import jax_paged_attn as jpa
+from jax_paged_attn import dispatch
+
+q = jax.random.normal(jax.random.key(0), (6, 2, 32))
+cu = jnp.array([0, 6], jnp.int32)
+want = jpa.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, causal=True, implementation="xla")
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # on a CPU the reference is the intended path: nothing to say
+    got = jax.jit(lambda q: jpa.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, causal=True))(q)
+np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+try:
+    jpa.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, causal=True, implementation="triton", interpret=True)
+except NotImplementedError as error:
+    print("explicit:", error)
+print("reason:", dispatch.lowering_unavailable_reason("triton"))
+print("triton imported:", "jax.experimental.pallas.triton" in sys.modules)
+"""
+
+
+def test_a_jax_without_the_triton_lowering_still_imports_and_runs_the_reference():
+    """The Triton lowering is deprecated upstream: without it the package imports, auto
+    runs the reference (under jit too: no branch traces a Triton kernel), and an explicit
+    ``implementation="triton"`` says why it cannot run."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "explicit: implementation='triton' cannot run this call: the installed jax" in result.stdout
+    assert "has no Pallas triton lowering" in result.stdout
+    assert "triton imported: False" in result.stdout
