@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 import warnings
 
 
@@ -299,20 +301,27 @@ def entry_device_kind(entry: dict) -> str:
     return gpu.split(" (")[0] or REFERENCE_DEVICE_KIND
 
 
-def _load_measured_tables() -> None:
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name(MEASURED_TABLES_FILE)
+def load_measured_tables(path) -> dict[str, dict[str, dict[tuple, object]]]:
+    """The measured tables in a `MEASURED_TABLES_FILE` (``{}`` when there is none), by GPU
+    model and table name. A config field this version does not know (a file written by
+    another version) is ignored with a warning naming it."""
+    path = pathlib.Path(path)
+    tables: dict[str, dict[str, dict[tuple, object]]] = {}
     if not path.exists():
-        return
+        return tables
     data = json.loads(path.read_text())
     for name, config_type in (("PREFILL_TABLE", PrefillConfig), ("DECODE_TABLE", DecodeConfig)):
         known = {f.name for f in dataclasses.fields(config_type)}
         for entry in data.get(name, []):
+            device = entry_device_kind(entry)
+            unknown = sorted(set(entry["config"]) - known)
+            if unknown:
+                warnings.warn(f"{path.name}: the {name} entry {entry['key']} measured on {device} has config "
+                              f"fields this version of jax_paged_attn does not know, ignored: {unknown}.",
+                              stacklevel=2)
             fields = {k: v for k, v in entry["config"].items() if k in known}
-            table = MEASURED_TABLES.setdefault(entry_device_kind(entry), {}).setdefault(name, {})
-            table[tuple(entry["key"])] = config_type(**fields)
+            tables.setdefault(device, {}).setdefault(name, {})[tuple(entry["key"])] = config_type(**fields)
+    return tables
 
 
-_load_measured_tables()
+MEASURED_TABLES.update(load_measured_tables(pathlib.Path(__file__).with_name(MEASURED_TABLES_FILE)))

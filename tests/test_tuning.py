@@ -163,3 +163,14 @@ def test_kernels_planned_for_a_small_gpu_match_the_reference(monkeypatch, paged)
     want = jpa.flash_attn_with_kvcache(decode_q, kv[0], kv[1], seqlens, block_table, causal=True,
                                        implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_a_table_field_this_version_does_not_know_is_said_not_dropped_silently(tmp_path):
+    path = tmp_path / tuning.MEASURED_TABLES_FILE
+    path.write_text(json.dumps({"DECODE_TABLE": [
+        {"device": "NVIDIA H100 80GB HBM3", "key": [128, 16, 4],
+         "config": {"pages_per_step": 8, "warp_specialize": True}}]}))
+    with pytest.warns(UserWarning, match=r"\[128, 16, 4\] measured on NVIDIA H100.*\['warp_specialize'\]"):
+        tables = tuning.load_measured_tables(path)
+    assert tables == {"NVIDIA H100 80GB HBM3": {"DECODE_TABLE": {(128, 16, 4): tuning.DecodeConfig(pages_per_step=8)}}}
+    assert tuning.load_measured_tables(tmp_path / "absent.json") == {}

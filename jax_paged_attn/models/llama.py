@@ -488,12 +488,16 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP. Arguments as `LlamaForCausalLM`'s."""
 
-    def __init__(self, config: LlamaConfig, **kwargs: Any):
-        rngs, dtype, param_dtype = kwargs["rngs"], kwargs["dtype"], kwargs["param_dtype"]
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
+                 implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
+                 tensor_parallel_axis: str, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = LlamaAttention(config, **kwargs)
+        self.self_attn = LlamaAttention(
+            config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
+            implementation=implementation, interpret=interpret, mesh=mesh,
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -508,15 +512,20 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    """Embedding, decoder layers and the final norm (Hugging Face's ``model.`` prefix)."""
+    """Embedding, decoder layers and the final norm (Hugging Face's ``model.`` prefix).
+    Arguments as `LlamaForCausalLM`'s."""
 
-    def __init__(self, config: LlamaConfig, **kwargs: Any):
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=kwargs["dtype"], param_dtype=kwargs["param_dtype"],
-            rngs=kwargs["rngs"],
-        )
-        self.layers = nnx.List([LlamaDecoderLayer(config, **kwargs) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=kwargs["param_dtype"])
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
+                 implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
+                 tensor_parallel_axis: str, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                      param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List([
+            LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
+                              implementation=implementation, interpret=interpret, mesh=mesh,
+                              tensor_parallel_axis=tensor_parallel_axis, rngs=rngs)
+            for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
 
 class LlamaForCausalLM(nnx.Module):
