@@ -22,7 +22,8 @@ One program handles one (row block of one KV head, sequence, KV split):
   range are never loaded; masked tiles load only in-range keys (others read as 0),
   so NaN garbage in unused pages cannot reach the output; with several query tokens
   and a causal / window mask, masked tiles also keep non-finite values out of the
-  P·V of rows that cannot see them (`reference.hide_masked_nonfinite_values`);
+  P·V of rows that cannot see them (`common.quarantine_nonfinite_values`, as in the
+  prefill kernel: two vectors of extra state instead of the ``[M, T]`` mask);
 * the head dim is padded to a power of 2 inside the kernel with masked loads and
   stores; the caller's cache is never copied.
 
@@ -215,7 +216,7 @@ def _decode_kernel(
         row_sum = row_sum * correction + jnp.sum(p, axis=1)
         v = load_tile(v_ref, cache_row, key_ok)
         if masked and mask_hides_loaded_keys:
-            p, v = reference.hide_masked_nonfinite_values(p, v, visible)
+            v, correction = common.quarantine_nonfinite_values(s, v, correction)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
         if tiling.prefetch_page_ids:
             return acc, new_max, row_sum, next_page
