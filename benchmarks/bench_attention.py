@@ -1252,11 +1252,16 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
             (128, 128, 8, 2, dict(pack_gqa=False)), (128, 128, 8, 2, dict(single_kv_loop=True)),
             (128, 64, 8, 3, dict(single_kv_loop=True)), (128, 128, 8, 2, dict(longest_first=False)),
             (128, 128, 4, 2, {}), (128, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 64, 4, 3, {}),
+            # Width of the masked (diagonal / window-edge) steps, which also keep non-finite
+            # values from the rows that cannot see them: narrower than block_k, or full.
+            (128, 32, 8, 3, dict(masked_block_k=16)), (128, 64, 8, 3, dict(masked_block_k=16)),
+            (128, 64, 8, 3, dict(masked_block_k=64)), (128, 128, 8, 2, dict(masked_block_k=128)),
         ]
         dense_d256 = [  # D 256 (and small tiles for the others)
             (64, 64, 8, 2, {}), (64, 32, 8, 2, {}), (64, 32, 8, 3, {}), (128, 64, 8, 2, {}),
             (128, 32, 8, 2, {}), (64, 64, 4, 2, {}), (64, 64, 8, 2, dict(pack_gqa=False)),
             (64, 64, 8, 2, dict(single_kv_loop=True)),
+            (128, 64, 8, 2, dict(masked_block_k=16)), (128, 64, 8, 2, dict(masked_block_k=64)),
         ]
         paged = [  # D 128 over a paged cache: page ids prefetched (default) or read in the step
             (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 4, {}),
@@ -1266,6 +1271,7 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
             (128, 128, 8, 2, dict(prefetch_page_ids=False, num_stages_paged=4)),
             (128, 128, 8, 2, dict(single_kv_loop=True)), (128, 64, 8, 3, dict(pack_gqa=False)),
             (64, 64, 4, 3, {}), (128, 128, 4, 2, {}),
+            (128, 32, 8, 2, dict(masked_block_k=16)), (128, 32, 8, 3, dict(masked_block_k=16)),
         ]
         if suite == "prefix":
             choices = paged[:4] if quick else paged

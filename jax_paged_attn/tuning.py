@@ -56,11 +56,13 @@ class PrefillConfig:
     the K/V loads of a step depend on no load of that step (no effect when packed);
     masked_block_k: keys per step of the masked loops (capped at block_k; a power of 2
     >= 16): those steps also keep non-finite K/V from the rows the mask hides them
-    from, which at full width raised the register demand of the whole kernel and
-    slowed every block by 20-40 % on the H200 (B8 S2048 Hq32 Hk8 D128 causal at
-    block_k 128: 277 -> 191 TFLOP/s); the masked loops cover only the diagonal and
-    window-edge blocks, so narrower steps there cost little. Ignored with
-    single_kv_loop (one loop masks every block).
+    from. That work, in full-width masked steps, slowed the whole kernel by 20-40 % on
+    the H200 (B8 S2048 Hq32 Hk8 D128 causal, block_k 32: 277 -> 191 TFLOP/s) although
+    only the diagonal and window-edge blocks take it; narrower steps lower the
+    registers it needs (compiled for sm_90: 228 per thread at 32 keys, 218 at 16, 210
+    without the check). The masked loops cover few blocks, so narrow steps there cost
+    little; which width wins is measured by the sweep (`bench_attention.py --tune`).
+    Ignored with single_kv_loop (one loop masks every block).
     """
 
     block_q: int = 64
