@@ -683,19 +683,51 @@ def test_kernel_writes_caches_of_2_31_elements_and_more_with_64_bit_offsets(layo
         assert _store_offset_types(triton_text) == {offset_type}
 
 
-def test_fp8_cache_the_kernel_cannot_address_is_refused_or_warned_about(monkeypatch):
-    """An fp8 cache of 2**31 to 2**32 elements gets 32-bit offsets from Pallas' Triton
-    lowering: the explicit kernel refuses it, auto writes it with the scatter and, on a
-    CUDA device, says so once. Past 2**32 elements (more than 4 GiB) the kernel takes it."""
+@pytest.mark.parametrize("layout", ["stacked_kv", "per_cache"])
+def test_kernel_writes_an_fp8_cache_of_2_31_to_2_32_elements_with_64_bit_offsets(layout, monkeypatch):
+    """An fp8 cache of 2**31 + 2**21 elements (2.1 GB, abstract): Pallas' Triton lowering
+    alone would address it with 32-bit offsets (it sizes its choice in bytes);
+    `kernels.triton_offsets` widens them, so auto writes it with the kernel, whose
+    stores use 64-bit offsets, and says nothing."""
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
+    key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((4,), jnp.int32)
+    if layout == "stacked_kv":
+        caches = (jax.ShapeDtypeStruct((2, 2**16 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn),)
+        fn = functools.partial(cache.reshape_and_cache_flash_kv, kv_cache_dtype="fp8")
+    else:
+        caches = (jax.ShapeDtypeStruct((2**17 + 32, BLOCK_SIZE, 8, 128), jnp.float8_e5m2),) * 2
+        fn = functools.partial(cache.reshape_and_cache_flash, kv_cache_dtype="fp8_e5m2")
+    assert 2**31 < math.prod(caches[0].shape) <= 2**32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)
+        text, triton_text = _triton_module_of_cuda_lowering(
+            lambda k, v, s, *c: fn(k, v, *c, s), key, key, slots, *caches, monkeypatch=monkeypatch)
+    assert TRITON_CALL in text
+    assert _store_offset_types(triton_text) == {"i64"}
+
+
+def test_fp8_cache_is_refused_or_warned_about_without_the_64_bit_offsets(monkeypatch):
+    """Where the widening could not be installed (a JAX whose lowering differs from the
+    one it was checked against; pretended here), the explicit kernel refuses an fp8
+    cache of 2**31 to 2**32 elements, naming it and the reason, and auto writes it with
+    the scatter and, on a CUDA device, says so once. Past 2**32 elements (more than
+    4 GiB) the lowering's own 64-bit offsets serve and the kernel takes it."""
+    from jax_paged_attn.kernels import triton_offsets
+
+    monkeypatch.setattr(triton_offsets, "INSTALLED", False)
+    monkeypatch.setattr(triton_offsets, "REASON", "pretended for the test")
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
     monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
     key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((4,), jnp.int32)
     band = jax.ShapeDtypeStruct((2, 2**16 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn)  # 2**31 + 2**21 elements
     fn = functools.partial(cache.reshape_and_cache_flash_kv, kv_cache_dtype="fp8")
-    with pytest.raises(NotImplementedError, match=r"an fp8 cache of 2148007936 elements .* signed 32-bit"):
+    why = r"kv_cache is 2148007936 float8_e4m3fn elements .* signed 32-bit .* not installed: pretended for the test"
+    with pytest.raises(NotImplementedError, match=why):
         jax.eval_shape(functools.partial(fn, implementation="triton"), key, key, band, slots)
-    with pytest.warns(dispatch.ReferenceFallbackWarning, match="an fp8 cache of 2148007936 elements"):
+    with pytest.warns(dispatch.ReferenceFallbackWarning, match=why):
         text = jax.jit(fn).trace(key, key, band, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert TRITON_CALL not in text and "scatter" in text
     with warnings.catch_warnings():
