@@ -475,8 +475,10 @@ def narrow_offsets_overflow(shape: tuple[int, ...], dtype) -> bool:
     elements or more that still fits in 4 GiB, which needs 1-byte elements (an fp8
     cache of 2 to 4 GiB), gets signed 32-bit offsets that wrap past ``2**31 - 1``. (At
     exactly ``2**31`` elements the last element is still reachable; the rule counts that
-    size in, which costs nothing but 64-bit offsets.) The one rule behind both `jax_paged_attn.kernels.triton_offsets`, which widens those offsets, and the
-    wrappers' support checks when that fix is not installed.
+    size in, which costs nothing but 64-bit offsets.) The one rule behind both
+    `jax_paged_attn.kernels.triton_offsets`, which widens those offsets, and the
+    wrappers' support checks when that fix is not installed
+    (`jax_paged_attn.checks.narrow_offsets_reason`).
     """
     elements = math.prod(shape)
     return elements >= 2**31 and elements * jnp.dtype(dtype).itemsize <= NARROW_OFFSETS_MAX_BYTES
