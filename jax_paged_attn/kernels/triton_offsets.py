@@ -26,12 +26,13 @@ Guard. The wrapper is installed once, on import of `jax_paged_attn.kernels` (imp
 a kernel module imports the package first), and only when JAX's code is the one it was
 written against: the function's source must size the decision as
 ``math.prod(full_shape) * array_dtype.itemsize`` compared with ``2**32``, must read the
-dtype of ``full_shape_dtype`` exactly once and ``block_info`` only through its fields,
-and every use of the name in the lowering module must be a call looked up in the
-module's globals from inside a function (so replacing the module attribute reaches
-every caller). Checked against jax 0.10.2 and 0.11.2, whose function is the same. When
-anything differs (a later JAX), nothing is installed: `INSTALLED` is False, `REASON`
-says why, and the wrappers keep such caches off the kernels
+dtype of ``full_shape_dtype`` exactly once and ``block_info`` only through its fields;
+every use of the name in the lowering module must be a call looked up in the module's
+globals from inside a function (so replacing the module attribute reaches every
+caller), and ``BlockInfo`` must be a dataclass (the wrapper replaces one field).
+Checked against jax 0.10.2 and 0.11.2, whose function is the same. When anything
+differs (a later JAX), nothing is installed: `INSTALLED` is False, `REASON` says why,
+and the wrappers keep such caches off the kernels
 (`jax_paged_attn.checks.narrow_offsets_reason`: auto runs the XLA path and says so
 once, an explicit ``implementation="triton"`` raises).
 """
@@ -65,7 +66,7 @@ def _source_mismatch(fn: Callable[..., Any]) -> str | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError) as e:
         return f"the source of {_NAME} cannot be read ({e})"
-    (func,) = tree.body
+    func = tree.body[0] if len(tree.body) == 1 else None
     if not isinstance(func, ast.FunctionDef) or [a.arg for a in func.args.args] != ["block_info", "nd_indexer"]:
         return f"{_NAME} no longer takes (block_info, nd_indexer)"
     text = " ".join(ast.unparse(func).split())
@@ -147,8 +148,12 @@ def install() -> bool:
     else:
         problem = _source_mismatch(current) or _callers_mismatch(lowering)
     shaped_array = getattr(getattr(lowering, "jax_core", None), "ShapedArray", None)
+    block_info = getattr(lowering, "BlockInfo", None)
     if problem is None and shaped_array is None:
         problem = f"{lowering.__name__} does not import jax's core as jax_core"
+    if problem is None and not (dataclasses.is_dataclass(block_info) and "full_shape_dtype" in
+                                {f.name for f in dataclasses.fields(block_info)}):
+        problem = "its BlockInfo is not a dataclass with a full_shape_dtype field"
     if problem is not None:
         INSTALLED, REASON = False, f"this JAX's Pallas Triton lowering differs from the one checked: {problem}"
         return INSTALLED
