@@ -4,9 +4,10 @@ Everything a kernel launch needs that is not the kernel itself, and does not dep
 the lowering: the prefill tile plan and its field layout (`TileField`), the static
 tilings the kernels receive (`PrefillTiling`, `DecodeTiling`; the cache write's is its
 `tuning.CacheWriteConfig` as is), the decode split choice and shared-memory estimate,
-and the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
-K/V scales) done the same way for every kernel. A second lowering of the same kernels
-(Mosaic GPU) reuses all of it.
+the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
+K/V scales) done the same way for every kernel, and the size rule for refs the Triton
+lowering would address with too narrow offsets (`narrow_offsets_overflow`). A second
+lowering of the same kernels (Mosaic GPU) reuses all of it.
 
 Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
 (`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and
@@ -468,7 +469,8 @@ element offsets, and a larger one with 64-bit offsets (jax 0.10.2 and 0.11.2).""
 
 def narrow_offsets_overflow(shape: tuple[int, ...], dtype) -> bool:
     """True when Pallas' Triton lowering, left as it is, would address a ref of this
-    shape and dtype with 32-bit element offsets that cannot reach all of it.
+    shape and dtype with 32-bit element offsets although it holds ``2**31`` elements or
+    more.
 
     The lowering sizes its choice in bytes (64-bit offsets above
     `NARROW_OFFSETS_MAX_BYTES`) while the offsets count elements, so a ref of ``2**31``
