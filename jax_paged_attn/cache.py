@@ -53,7 +53,6 @@ to the format's largest finite value first (vLLM's ``scaled_fp8_conversion`` wit
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -401,26 +400,18 @@ def _xla_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_
     return write(key_cache, key, k_scale), write(value_cache, value, v_scale)
 
 
-_TRITON_64BIT_OFFSETS_ABOVE_BYTES = 2**32
-"""Pallas' Triton lowering addresses a ref with 64-bit element offsets when it holds more
-than this many bytes, with signed 32-bit offsets otherwise (jax 0.10.2 and 0.11)."""
-
-
 def _kernel_unsupported_reason(caches: tuple[Array, ...]) -> str | None:
     """Why the cache-write kernel cannot write these caches (None when it can).
 
     Inside the kernel every index stays below 2**31 (slot ids are int32 and
-    ``num_slots + num_tokens < 2**31``); the flat element offset into a cache is
-    computed by Pallas' Triton lowering, in 64 bits for a cache of more than 4 GiB,
-    so caches of 2**31 and more 2- or 4-byte elements are written by the kernel. A
-    1-byte (fp8) cache of 2**31 to 2**32 elements would get 32-bit offsets past 2**31.
+    ``num_slots + num_tokens < 2**31``); Pallas' Triton lowering turns a store's
+    ``(slot, column)`` into a flat element offset, in 64 bits for a cache of 2**31
+    elements and more (`jax_paged_attn.kernels.triton_offsets` widens the offsets of
+    an fp8 cache of 2 to 4 GiB, which the lowering alone would address with 32 bits).
+    Only when that widening could not be installed is such an fp8 cache refused.
     """
-    elements = math.prod(caches[0].shape)  # each cache is one ref (the stacked one holds K and V)
-    nbytes = elements * jnp.dtype(caches[0].dtype).itemsize
-    if elements > 2**31 and nbytes <= _TRITON_64BIT_OFFSETS_ABOVE_BYTES:
-        return (f"an fp8 cache of {elements} elements ({nbytes} bytes): Pallas' Triton lowering addresses a "
-                f"ref of at most 4 GiB with signed 32-bit offsets, which reach 2**31 elements only")
-    return None
+    names = ("kv_cache",) if len(caches) == 1 else ("key_cache", "value_cache")
+    return checks.narrow_offsets_reason(dict(zip(names, caches)))
 
 
 def _kernel_write(key: Array, value: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
@@ -438,9 +429,9 @@ def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_ma
                     interpret: bool) -> tuple[Array, ...]:
     """Picks the cache-write implementation with `dispatch.run_implementation`:
     ``"xla"`` the scatter, ``"triton"`` the kernel, auto the kernel when lowered for
-    CUDA and the scatter elsewhere (warned once on a GPU when the kernel cannot write
-    these caches, `_kernel_unsupported_reason`). An empty token batch always takes the
-    scatter (nothing to write)."""
+    CUDA and the scatter elsewhere (warned once on a GPU, with the reason, when the
+    kernel cannot write these caches, `_kernel_unsupported_reason`). An empty token
+    batch always takes the scatter (nothing to write)."""
     args = (key, value, slot_mapping, k_scale, v_scale, *caches)
     if key.shape[0] == 0:
         dispatch.normalize_implementation(implementation)

@@ -13,11 +13,15 @@ Two kinds of checks, as in JAX's TPU ragged paged attention:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_paged_attn import plans
+from jax_paged_attn.kv_view import CachePlane
 
 MIN_HEAD_SIZE = 32
 MAX_HEAD_SIZE = 256
@@ -198,3 +202,35 @@ def check_block_table_values(block_table: Any, num_blocks: int, lengths: Any, bl
             raise ValueError(
                 f"{name}[{b}] uses block ids outside [0, {num_blocks}): {ids[(ids < 0) | (ids >= num_blocks)].tolist()}."
             )
+
+
+def narrow_offsets_reason(refs: Mapping[str, Any]) -> str | None:
+    """Why a Pallas Triton kernel cannot address these operands, or None (a support
+    check: shapes and dtypes only).
+
+    ``refs`` maps argument names to what a kernel receives as one ref each; a
+    `CachePlane` stands for its whole stacked cache, which is what the kernels address.
+    A ref that `plans.narrow_offsets_overflow` flags (``2**31`` to ``2**32`` one-byte
+    elements: an fp8 cache of 2 to 4 GiB) would get wrapping 32-bit element offsets
+    from Pallas' Triton lowering, unless `jax_paged_attn.kernels.triton_offsets` has
+    widened them; only when it could not (a JAX it was not checked against) is there a
+    reason.
+    """
+    for name, x in refs.items():
+        if x is None:
+            continue
+        stacked = isinstance(x, CachePlane)
+        array = x.array if stacked else x
+        if not plans.narrow_offsets_overflow(tuple(array.shape), array.dtype):
+            continue
+        from jax_paged_attn.kernels import triton_offsets  # installs the fix on first import
+
+        if triton_offsets.INSTALLED:
+            return None
+        elements, dtype = math.prod(array.shape), jnp.dtype(array.dtype)
+        what = f"a plane of a stacked cache of {elements}" if stacked else f"{elements}"
+        return (f"{name} is {what} {dtype.name} elements ({elements * dtype.itemsize} bytes, one ref in the "
+                f"kernel): Pallas' Triton lowering addresses a ref of at most 4 GiB with "
+                f"signed 32-bit element offsets, which reach 2**31 elements only, and their widening to 64 bits "
+                f"(jax_paged_attn.kernels.triton_offsets) is not installed: {triton_offsets.REASON}")
+    return None

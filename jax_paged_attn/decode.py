@@ -67,7 +67,8 @@ def unsupported_reason(
         return f"block size {block_size} is not a multiple of {checks.BLOCK_SIZE_MULTIPLE}"
     if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
         return "the query heads are not a multiple of the KV heads"
-    return None
+    # The kernel addresses each cache (a plane: its whole stacked array) as one ref.
+    return checks.narrow_offsets_reason({"k_cache": k_cache, "v_cache": v_cache})
 
 
 def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:

@@ -4,9 +4,10 @@ Everything a kernel launch needs that is not the kernel itself, and does not dep
 the lowering: the prefill tile plan and its field layout (`TileField`), the static
 tilings the kernels receive (`PrefillTiling`, `DecodeTiling`; the cache write's is its
 `tuning.CacheWriteConfig` as is), the decode split choice and shared-memory estimate,
-and the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
-K/V scales) done the same way for every kernel. A second lowering of the same kernels
-(Mosaic GPU) reuses all of it.
+the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
+K/V scales) done the same way for every kernel, and the size rule for refs the Triton
+lowering would address with too narrow offsets (`narrow_offsets_overflow`). A second
+lowering of the same kernels (Mosaic GPU) reuses all of it.
 
 Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
 (`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and
@@ -34,7 +35,7 @@ __all__ = [
     "check_prefill_config", "plan_prefill_tiling", "estimate_prefill_shared_memory",
     "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
-    "alibi_slopes_log2",
+    "alibi_slopes_log2", "NARROW_OFFSETS_MAX_BYTES", "narrow_offsets_overflow",
 ]
 
 LOG2E = math.log2(math.e)
@@ -487,6 +488,32 @@ def plan_cache_write(num_tokens: int, num_kv_heads: int, head_size: int,
     if config is not None:
         return config
     return tuning.cache_write_config(num_tokens, num_kv_heads * head_size)
+
+
+# =========================================================================== element offsets
+
+NARROW_OFFSETS_MAX_BYTES = 2**32
+"""Pallas' Triton lowering addresses a ref of at most this many bytes with signed 32-bit
+element offsets, and a larger one with 64-bit offsets (jax 0.10.2 and 0.11.2)."""
+
+
+def narrow_offsets_overflow(shape: tuple[int, ...], dtype) -> bool:
+    """True when Pallas' Triton lowering, left as it is, would address a ref of this
+    shape and dtype with 32-bit element offsets although it holds ``2**31`` elements or
+    more.
+
+    The lowering sizes its choice in bytes (64-bit offsets above
+    `NARROW_OFFSETS_MAX_BYTES`) while the offsets count elements, so a ref of ``2**31``
+    elements or more that still fits in 4 GiB, which needs 1-byte elements (an fp8
+    cache of 2 to 4 GiB), gets signed 32-bit offsets that wrap past ``2**31 - 1``. (At
+    exactly ``2**31`` elements the last element is still reachable; the rule counts that
+    size in, which costs nothing but 64-bit offsets.) The one rule behind both
+    `jax_paged_attn.kernels.triton_offsets`, which widens those offsets, and the
+    wrappers' support checks when that fix is not installed
+    (`jax_paged_attn.checks.narrow_offsets_reason`).
+    """
+    elements = math.prod(shape)
+    return elements >= 2**31 and elements * jnp.dtype(dtype).itemsize <= NARROW_OFFSETS_MAX_BYTES
 
 
 # =========================================================================== optional kernel inputs

@@ -126,7 +126,8 @@ def unsupported_reason(
             return f"block_table must be [B, max_blocks], got {block_table.shape}"
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (q.shape[1],):
         return f"alibi_slopes must be [Hq], got {alibi_slopes.shape}"
-    return None
+    # The kernel addresses k and v (a plane: its whole stacked cache) as one ref each.
+    return checks.narrow_offsets_reason({"k": k, "v": v})
 
 
 def _plane_rows(plane: CachePlane) -> tuple[Array, int]:

@@ -683,19 +683,51 @@ def test_kernel_writes_caches_of_2_31_elements_and_more_with_64_bit_offsets(layo
         assert _store_offset_types(triton_text) == {offset_type}
 
 
-def test_fp8_cache_the_kernel_cannot_address_is_refused_or_warned_about(monkeypatch):
-    """An fp8 cache of 2**31 to 2**32 elements gets 32-bit offsets from Pallas' Triton
-    lowering: the explicit kernel refuses it, auto writes it with the scatter and, on a
-    CUDA device, says so once. Past 2**32 elements (more than 4 GiB) the kernel takes it."""
+@pytest.mark.parametrize("layout", ["stacked_kv", "per_cache"])
+def test_kernel_writes_an_fp8_cache_of_2_31_to_2_32_elements_with_64_bit_offsets(layout, monkeypatch):
+    """An fp8 cache of 2**31 + 2**21 elements (2.1 GB, abstract): Pallas' Triton lowering
+    alone would address it with 32-bit offsets (it sizes its choice in bytes);
+    `kernels.triton_offsets` widens them, so auto writes it with the kernel, whose
+    stores use 64-bit offsets, and says nothing."""
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
+    key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((4,), jnp.int32)
+    if layout == "stacked_kv":
+        caches = (jax.ShapeDtypeStruct((2, 2**16 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn),)
+        fn = functools.partial(cache.reshape_and_cache_flash_kv, kv_cache_dtype="fp8")
+    else:
+        caches = (jax.ShapeDtypeStruct((2**17 + 32, BLOCK_SIZE, 8, 128), jnp.float8_e5m2),) * 2
+        fn = functools.partial(cache.reshape_and_cache_flash, kv_cache_dtype="fp8_e5m2")
+    assert 2**31 < math.prod(caches[0].shape) <= 2**32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)
+        text, triton_text = _triton_module_of_cuda_lowering(
+            lambda k, v, s, *c: fn(k, v, *c, s), key, key, slots, *caches, monkeypatch=monkeypatch)
+    assert TRITON_CALL in text
+    assert _store_offset_types(triton_text) == {"i64"}
+
+
+def test_fp8_cache_is_refused_or_warned_about_without_the_64_bit_offsets(monkeypatch):
+    """Where the widening could not be installed (a JAX whose lowering differs from the
+    one it was checked against; pretended here), the explicit kernel refuses an fp8
+    cache of 2**31 to 2**32 elements, naming it and the reason, and auto writes it with
+    the scatter and, on a CUDA device, says so once. Past 2**32 elements (more than
+    4 GiB) the lowering's own 64-bit offsets serve and the kernel takes it."""
+    from jax_paged_attn.kernels import triton_offsets
+
+    monkeypatch.setattr(triton_offsets, "INSTALLED", False)
+    monkeypatch.setattr(triton_offsets, "REASON", "pretended for the test")
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
     monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
     key = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((4,), jnp.int32)
     band = jax.ShapeDtypeStruct((2, 2**16 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn)  # 2**31 + 2**21 elements
     fn = functools.partial(cache.reshape_and_cache_flash_kv, kv_cache_dtype="fp8")
-    with pytest.raises(NotImplementedError, match=r"an fp8 cache of 2148007936 elements .* signed 32-bit"):
+    why = r"kv_cache is 2148007936 float8_e4m3fn elements .* signed 32-bit .* not installed: pretended for the test"
+    with pytest.raises(NotImplementedError, match=why):
         jax.eval_shape(functools.partial(fn, implementation="triton"), key, key, band, slots)
-    with pytest.warns(dispatch.ReferenceFallbackWarning, match="an fp8 cache of 2148007936 elements"):
+    with pytest.warns(dispatch.ReferenceFallbackWarning, match=why):
         text = jax.jit(fn).trace(key, key, band, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert TRITON_CALL not in text and "scatter" in text
     with warnings.catch_warnings():
@@ -931,3 +963,63 @@ def test_gpu_kernel_writes_a_cache_of_more_than_2_31_elements(layout, num_blocks
     untouched = jnp.asarray(np.setdiff1d(np.arange(num_slots - 4096, num_slots), slots_np)[:256])
     rest = flat[0][:, untouched] if layout == "stacked_kv" else flat[0][untouched]
     assert not np.any(host_copy(rest.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("layout,num_blocks", [("stacked_kv", 2**16 + 16), ("per_cache", 2**18 - 32)])
+def test_gpu_kernel_writes_an_fp8_cache_of_2_31_to_2_32_elements(layout, num_blocks, kv_cache_dtype):
+    """Compiled on a CUDA device: fp8 caches of 2**31 to 2**32 elements (one stacked layer
+    of 2**31 + 2**21 elements, 2.1 GB; or a key and a value cache of 2**32 - 2**19 each,
+    4.3 GB apiece), which Pallas alone would address with wrapping 32-bit offsets.
+    The default implementation runs the kernel (64-bit offsets, `kernels.triton_offsets`)
+    and the whole cache equals, bit for bit, the XLA scatter's from the same zeros:
+    slots at both ends and on both sides of element 2**31 included."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    num_kv_heads, head_size = 8, 128
+    row = num_kv_heads * head_size
+    num_slots = num_blocks * BLOCK_SIZE
+    dtype = cache.get_kv_cache_dtype(kv_cache_dtype, jnp.bfloat16)
+    rng = np.random.default_rng(31)
+    key, value = (jnp.asarray(4 * rng.standard_normal((64, num_kv_heads, head_size)), jnp.bfloat16)
+                  for _ in range(2))
+    # Element 2**31 is in slot 2**31 / row of a per-layer cache; in the stacked layout the
+    # value plane starts at slot num_slots, so it is the value cache's slot 2**31 / row - num_slots.
+    boundary = 2**31 // row - (num_slots if layout == "stacked_kv" else 0)
+    edges = [0, 1, boundary - 1, boundary, boundary + 1, num_slots - 2, num_slots - 1]
+    assert 0 < boundary - 1 and boundary + 1 < num_slots - 2
+    top = np.setdiff1d(np.arange(num_slots - 8192, num_slots), edges)
+    slots_np = np.concatenate([edges, rng.choice(top, 64 - len(edges), replace=False)]).astype(np.int32)
+    slots = jnp.asarray(slots_np)
+    scales = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=0.25)
+
+    def zeros():
+        if layout == "stacked_kv":
+            return (cache.allocate_kv_cache(num_blocks, BLOCK_SIZE, num_kv_heads, head_size,
+                                            kv_cache_dtype=kv_cache_dtype),)
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+        return tuple(jax.jit(functools.partial(jnp.zeros, shape, dtype))() for _ in range(2))
+
+    def writer(implementation):
+        if layout == "stacked_kv":
+            return jax.jit(lambda k, v, c, s: (cache.reshape_and_cache_flash_kv(
+                k, v, c, s, implementation=implementation, **scales),), donate_argnums=2)
+        return jax.jit(lambda k, v, kc, vc, s: cache.reshape_and_cache_flash(
+            k, v, kc, vc, s, implementation=implementation, **scales), donate_argnums=(2, 3))
+
+    caches = zeros()
+    assert all(c.dtype == dtype and 2**31 < math.prod(c.shape) <= 2**32 for c in caches)
+    kernel = writer(None)
+    assert TRITON_CALL in kernel.lower(key, value, *caches, slots).as_text()
+    by_kernel = kernel(key, value, *caches, slots)
+    by_scatter = writer("xla")(key, value, *zeros(), slots)
+    same = jax.jit(lambda a, b: jnp.array_equal(jax.lax.bitcast_convert_type(a, jnp.uint8),
+                                                jax.lax.bitcast_convert_type(b, jnp.uint8)))
+    for got, want in zip(by_kernel, by_scatter):
+        assert bool(same(got, want))
+    # The rows were written (not only equal zeros): the value rows at the edges hold v / 0.25.
+    flat = by_kernel[-1].reshape(-1, num_slots, row)[-1]
+    edge_rows = host_copy(flat[jnp.asarray(edges)].astype(jnp.float32))
+    want_rows = numpy_fp8(host_copy(value.astype(jnp.float32)).reshape(64, row)[: len(edges)], 0.25, dtype)
+    np.testing.assert_array_equal(edge_rows, want_rows.astype(np.float32))

@@ -14,8 +14,10 @@ import pytest
 
 import jax_paged_attn as jpa
 from jax_paged_attn import dispatch
+from jax_paged_attn.kv_view import cache_planes
 
 S = jax.ShapeDtypeStruct
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture
@@ -129,3 +131,63 @@ def test_a_jax_without_the_triton_lowering_still_imports_and_runs_the_reference(
     assert "explicit: implementation='triton' cannot run this call: the installed jax" in result.stdout
     assert "has no Pallas triton lowering" in result.stdout
     assert "triton imported: False" in result.stdout
+
+
+BIG_FP8 = S((2, 2**16 + 16, 16, 8, 128), jnp.float8_e4m3fn)  # 2**31 + 2**21 elements, 2.1 GB, never allocated
+
+
+def _attention_on(kind: str, kv: S, **kwargs):
+    """(fn, args): decode or paged prefill reading both planes of the stacked cache ``kv``."""
+    table = S((4, 64), jnp.int32)
+    if kind == "decode":
+        def fn(q, kv, n, t):
+            return jpa.flash_attn_with_kvcache(q, *cache_planes(kv), n, t, causal=True, **kwargs)
+        return fn, (S((4, 1, 32, 128), jnp.bfloat16), kv, S((4,), jnp.int32), table)
+
+    def fn(q, kv, cq, ck, t):
+        return jpa.flash_attn_varlen_func(q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t,
+                                          **kwargs)
+    return fn, (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
+
+
+def _cuda_text(fn, args) -> str:
+    """CUDA text of ``fn`` traced anew (a fresh function: jit's trace cache would skip
+    the dispatch, and with it the warning)."""
+    return jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kind,name", [("decode", "k_cache"), ("paged_prefill", "k")])
+def test_fp8_cache_of_2_31_elements_without_64_bit_offsets_runs_the_reference(kind, name, fresh_warnings,
+                                                                               monkeypatch):
+    """Where the 64-bit offsets of `kernels.triton_offsets` could not be installed
+    (pretended here), a stacked fp8 cache of 2**31 to 2**32 elements would be read with
+    wrapping 32-bit offsets: auto runs the reference and says so once, naming the cache
+    and the reason; the explicit kernel raises. With the widening installed (the real
+    state) auto runs the kernel and says nothing."""
+    from jax_paged_attn.kernels import triton_offsets
+
+    monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
+    fn, args = _attention_on(kind, BIG_FP8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)
+        text = _cuda_text(fn, args)
+    assert TRITON_CALL in text
+
+    monkeypatch.setattr(triton_offsets, "INSTALLED", False)
+    monkeypatch.setattr(triton_offsets, "REASON", "pretended for the test")
+    why = (rf"{name} is a plane of a stacked cache of 2148007936 float8_e4m3fn elements .* signed 32-bit "
+           r".* not installed: pretended for the test")
+    with pytest.warns(dispatch.ReferenceFallbackWarning, match=why):
+        text = _cuda_text(fn, args)
+    assert TRITON_CALL not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)  # said once
+        _cuda_text(fn, args)
+    explicit, _ = _attention_on(kind, BIG_FP8, implementation="triton")
+    with pytest.raises(NotImplementedError, match=f"implementation='triton' cannot run this call: {why}"):
+        _cuda_text(explicit, args)
+    small, small_args = _attention_on(kind, S((2, 64, 16, 8, 128), jnp.float8_e4m3fn))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)  # a small fp8 cache: the kernel
+        text = _cuda_text(small, small_args)
+    assert TRITON_CALL in text

@@ -139,3 +139,63 @@ def test_auto_implementation_runs_the_kernel_on_gpu():
     fn = lambda *a: jpa.flash_attn_with_kvcache(*a, causal=True)
     assert TRITON_CALL in jax.jit(fn).lower(q, cache, cache, lens, table).as_text()
     np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, cache, cache, lens, table), np.float32), 1.0, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["decode", "paged_prefill"])
+@pytest.mark.parametrize("layout", ["stacked_kv", "per_cache"])
+def test_kernels_read_an_fp8_cache_of_2_31_to_2_32_elements(layout, kind):
+    """fp8 caches of 2**31 to 2**32 elements, which Pallas alone would address with
+    wrapping 32-bit offsets: one stacked layer of 2**32 - 2**19 elements (4.3 GB; its
+    value plane crosses element 2**31), or a key and a value cache of 2**31 + 2**21
+    elements each (2.1 GB apiece; both cross it). The block tables point at the last 256
+    blocks of each cache (the stacked layer's values: near element 2**32; the separate
+    caches: on both sides of element 2**31); the rest of the cache is zero, so a read at
+    a wrapped offset changes the output. Decode and paged prefill with the kernel
+    (64-bit offsets, `kernels.triton_offsets`) match the reference."""
+    from jax_paged_attn.kv_view import cache_planes
+
+    hq, hk, d, bs, dtype, scale = 32, 8, 128, 16, jnp.float8_e4m3fn, 2.0
+    batch, blocks_per_seq = 4, 64
+    used = batch * blocks_per_seq
+    if layout == "stacked_kv":
+        num_blocks = 2**17 - 16
+        shape = (2, num_blocks, bs, hk, d)
+    else:
+        num_blocks = 2**17 + 128
+        shape = (num_blocks, bs, hk, d)
+    assert 2**31 < np.prod(shape, dtype=np.int64) <= 2**32
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def make_cache(seed: int):
+        """Zeros, with N(0, 1/4) fp8 values in the last ``used`` blocks (written in place)."""
+        tail = jax.random.normal(jax.random.key(seed), (*shape[:-4], used, bs, hk, d), jnp.float32) / scale
+        cache = jnp.zeros(shape, dtype)
+        return jax.lax.dynamic_update_slice_in_dim(cache, tail.astype(dtype), num_blocks - used, axis=len(shape) - 4)
+
+    if layout == "stacked_kv":
+        k_cache, v_cache = cache_planes(make_cache(8))
+    else:
+        k_cache, v_cache = make_cache(8), make_cache(9)
+    table = (num_blocks - used + jax.random.permutation(jax.random.key(10), used)).reshape(batch, blocks_per_seq)
+    table = table.astype(jnp.int32)
+    max_ctx = blocks_per_seq * bs
+    seq = jnp.array([max_ctx, 700, 33, 256], jnp.int32)
+    common = dict(causal=True, k_scale=scale, v_scale=scale)
+    if kind == "decode":
+        q = jax.random.normal(jax.random.key(11), (batch, 1, hq, d), jnp.bfloat16)
+        call = functools.partial(jpa.flash_attn_with_kvcache, **common)
+        args = (q, k_cache, v_cache, seq, table)
+    else:
+        new = np.array([300, 1, 33, 64])
+        cu_q = jnp.array(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+        cu_k = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seq)]).astype(jnp.int32)
+        q = jax.random.normal(jax.random.key(12), (int(new.sum()), hq, d), jnp.bfloat16)
+        call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=int(new.max()), max_seqlen_k=max_ctx,
+                                 block_table=table, **common)
+        args = (q, k_cache, v_cache, cu_q, cu_k)
+    kernel = jax.jit(functools.partial(call, implementation="triton"))
+    assert TRITON_CALL in kernel.lower(*args).as_text()
+    out = kernel(*args)
+    ref = jax.jit(functools.partial(call, implementation="xla"))(*args)
+    _assert_close(out, ref, jnp.bfloat16)
+    assert np.abs(np.asarray(ref, np.float32)).max() > 0.1  # the values came from the written blocks

@@ -1,8 +1,10 @@
 """The package's layering: launch plans below both the wrappers and the kernels.
 
 ``spec``, ``kv_view`` and ``tuning`` import nothing of the package, ``reference`` only
-the spec, ``plans`` only those; the kernels (``jax_paged_attn/kernels/*``) import only
-the spec, the plans, ``kv_view``, ``reference``'s helpers and ``kernels.common``, never a
+the spec, ``plans`` only those, ``kernels.common`` and ``kernels.triton_offsets`` (the
+lowering fix every Triton kernel relies on, installed by the ``kernels`` package) only
+the plans; the kernels (``jax_paged_attn/kernels/*``) import only the spec, the plans,
+``kv_view``, ``reference``'s helpers and ``kernels.common``, never a
 wrapper (``prefill``, ``decode``, ``cache``), the public API, the layers or the
 dispatch, nor another kernel. Imports are read with ``ast`` (function-level imports
 included), so nothing is imported to check them.
@@ -26,7 +28,10 @@ BOTTOM = {  # module -> the package modules it may import
     f"{PACKAGE}.reference": {f"{PACKAGE}.spec"},
     f"{PACKAGE}.plans": {f"{PACKAGE}.spec", f"{PACKAGE}.tuning"},
     f"{PACKAGE}.kernels.common": {f"{PACKAGE}.plans"},
+    f"{PACKAGE}.kernels.triton_offsets": {f"{PACKAGE}.plans"},
+    f"{PACKAGE}.kernels": {f"{PACKAGE}.kernels.triton_offsets"},  # the package installs the fix
 }
+KERNEL_HELPERS = ("__init__", "common", "triton_offsets")  # modules of kernels/ that are not kernels
 KERNEL_IMPORTS = {f"{PACKAGE}.{name}" for name in ("spec", "plans", "kv_view", "reference", "kernels.common")}
 
 
@@ -71,7 +76,7 @@ def imports_of(module: str) -> set[str]:
 
 
 KERNEL_MODULES = sorted(module_name(p) for p in (_ROOT / "kernels").glob("*.py")
-                        if p.stem not in ("__init__", "common"))
+                        if p.stem not in KERNEL_HELPERS)
 
 
 def test_the_kernels_are_found():

@@ -3,13 +3,21 @@ implementation, lower for CUDA to a module that contains the Pallas Triton kerne
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
 same jitted function runs the reference, lowered for CUDA it runs the kernel.
+
+The lowering is also where the kernels' element offsets are decided: the last section
+records, while lowering, the offset width of every ref access, and checks that an fp8
+cache of 2**31 elements and more is addressed with 64-bit offsets
+(`jax_paged_attn.kernels.triton_offsets`) and everything else with 32-bit ones.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_paged_attn as jpa
+from jax_paged_attn.kv_view import cache_planes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -95,3 +103,150 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     assert stacked_rows in text
     assert plane_rows not in text
     assert f"tensor<{num_blocks}x{block_size}x{hk}x{d}xbf16>" not in text  # no slice of a plane
+
+
+# --------------------------------------------------------------------------- 64-bit offsets
+
+S = jax.ShapeDtypeStruct
+BIG_FP8_BLOCKS = 2**16 + 16  # a stacked [2, n, 16, 8, 128] fp8 cache of 2**31 + 2**21 elements (2.1 GB)
+SMALL_BLOCKS = 64
+
+
+@pytest.fixture
+def offset_widths(monkeypatch):
+    """``{(ref shape, ref dtype): {offset bit widths}}`` of every element-offset tensor
+    Pallas' Triton lowering computes while the test lowers (the installed offsets
+    function, spied on from outside)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering
+
+    from jax_paged_attn.kernels import triton_offsets
+
+    assert triton_offsets.INSTALLED, triton_offsets.REASON
+    installed = lowering._compute_offsets_from_indices
+    seen: dict = {}
+
+    def spy(block_info, nd_indexer):
+        offsets = installed(block_info, nd_indexer)
+        kind = offsets.type
+        element = ir.RankedTensorType(kind).element_type if isinstance(kind, ir.RankedTensorType) else kind
+        aval = block_info.full_shape_dtype
+        seen.setdefault((tuple(aval.shape), jnp.dtype(aval.dtype)), set()).add(ir.IntegerType(element).width)
+        return offsets
+
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", spy)
+    return seen
+
+
+def _widths_of_refs_with(widths: dict, elements: int, dtype) -> set:
+    found = [w for (shape, dt), w in widths.items() if math.prod(shape) == elements and dt == jnp.dtype(dtype)]
+    assert found, f"no ref of {elements} {jnp.dtype(dtype).name} elements was addressed: {sorted(widths)}"
+    return set().union(*found)
+
+
+def _stacked_fp8(num_blocks: int, dtype=jnp.float8_e4m3fn) -> S:
+    return S((2, num_blocks, 16, 8, 128), dtype)
+
+
+def _lower_kernel(kind: str, kv: S) -> str:
+    """CUDA text of the cache write, decode or paged prefill on the stacked cache ``kv``
+    (abstract inputs: nothing is allocated), with the default implementation."""
+    table = S((4, 64), jnp.int32)
+    if kind == "cache_write":
+        tokens = S((64, 8, 128), jnp.bfloat16)
+        name = {jnp.dtype(jnp.float8_e4m3fn): "fp8_e4m3", jnp.dtype(jnp.float8_e5m2): "fp8_e5m2"}[kv.dtype]
+        fn = lambda k, v, kv, s: jpa.reshape_and_cache_flash_kv(k, v, kv, s, kv_cache_dtype=name, k_scale=0.5,
+                                                                 v_scale=0.5)
+        args = (tokens, tokens, kv, S((64,), jnp.int32))
+    elif kind == "decode":
+        fn = lambda q, kv, n, t: jpa.flash_attn_with_kvcache(q, *cache_planes(kv), n, t, causal=True,
+                                                             k_scale=0.5, v_scale=0.5)
+        args = (S((4, 1, 32, 128), jnp.bfloat16), kv, S((4,), jnp.int32), table)
+    else:
+        fn = lambda q, kv, cq, ck, t: jpa.flash_attn_varlen_func(
+            q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5)
+        args = (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
+    text = _cuda_text(fn, *args)
+    assert TRITON_CALL in text  # the kernel, not the reference
+    return text
+
+
+@pytest.mark.parametrize("kind", ["cache_write", "decode", "paged_prefill"])
+def test_kernels_address_an_fp8_cache_of_2_31_elements_with_64_bit_offsets(kind, offset_widths):
+    """A stacked fp8 cache of 2**31 + 2**21 elements (2.1 GB: Pallas alone would pick
+    32-bit offsets, sized in bytes) is addressed with 64-bit element offsets by every
+    kernel; the other refs of the same kernels keep 32-bit ones."""
+    kv = _stacked_fp8(BIG_FP8_BLOCKS)
+    elements = math.prod(kv.shape)
+    assert 2**31 < elements and elements <= 2**32
+    _lower_kernel(kind, kv)
+    # The kernels view the stacked cache as rows [2 * num_blocks * 16, Hk * D or Hk, D]: same elements.
+    assert _widths_of_refs_with(offset_widths, elements, kv.dtype) == {64}
+    others = {w for (shape, _), ws in offset_widths.items() if math.prod(shape) != elements for w in ws}
+    assert others == {32}
+
+
+@pytest.mark.parametrize("kind", ["cache_write", "decode", "paged_prefill"])
+def test_kernels_keep_32_bit_offsets_for_a_small_fp8_cache(kind, offset_widths):
+    """The widening touches only refs of 2**31 elements and more: with a small cache
+    every offset of every kernel stays 32-bit (no extra registers)."""
+    kv = _stacked_fp8(SMALL_BLOCKS, jnp.float8_e5m2)
+    _lower_kernel(kind, kv)
+    assert _widths_of_refs_with(offset_widths, math.prod(kv.shape), kv.dtype) == {32}
+    assert {w for ws in offset_widths.values() for w in ws} == {32}
+
+
+def _read_16_elements(x):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(min(x_ref.shape[0], 2**31) - 16, 16)].astype(jnp.float32)
+
+    return pl.pallas_call(kernel, out_shape=S((16,), jnp.float32), compiler_params=plgpu.CompilerParams())(x)
+
+
+@pytest.mark.parametrize("elements,dtype,width", [
+    (2**31 - 16, jnp.float8_e4m3fn, 32),  # every offset fits in 31 bits
+    (2**31, jnp.float8_e4m3fn, 64),  # the rule's boundary (Pallas alone: 32)
+    (2**32, jnp.int8, 64),  # exactly 4 GiB (Pallas alone: 32, its test is "> 2**32 bytes")
+    (2**31, jnp.bfloat16, 64),  # exactly 4 GiB of 2-byte elements (Pallas alone: 32)
+    (2**31 + 16, jnp.bfloat16, 64),  # past 4 GiB: Pallas' own 64 bits, unchanged
+    (2**30, jnp.float32, 32),  # 4 GiB of 4-byte elements: offsets below 2**30
+])
+def test_offset_width_follows_the_element_count(elements, dtype, width, offset_widths):
+    """The rule at its edges, on a one-ref kernel that reads 16 elements (the last ones,
+    or those just below 2**31: a static slice must fit in 32 bits)."""
+    _cuda_text(_read_16_elements, S((elements,), dtype))
+    assert offset_widths[((elements,), jnp.dtype(dtype))] == {width}
+
+
+def test_the_offsets_fix_is_installed_once():
+    from jax._src.pallas.triton import lowering
+
+    from jax_paged_attn.kernels import triton_offsets
+
+    assert triton_offsets.INSTALLED and triton_offsets.REASON == ""
+    installed = lowering._compute_offsets_from_indices
+    assert triton_offsets.install() is True
+    assert lowering._compute_offsets_from_indices is installed  # not wrapped twice
+
+
+def _offsets_of_another_jax(block_info, nd_indexer):
+    full_size = math.prod(block_info.full_shape_dtype.shape)  # sized in elements: nothing to fix
+    return 64 if full_size >= 2**31 else 32
+
+
+def test_the_offsets_fix_is_not_installed_over_an_unexpected_lowering(monkeypatch):
+    """A JAX whose offsets function differs from the checked one is left alone, and
+    the reason is kept for the support checks."""
+    from jax._src.pallas.triton import lowering
+
+    from jax_paged_attn.kernels import triton_offsets
+
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", _offsets_of_another_jax)
+    monkeypatch.setattr(triton_offsets, "INSTALLED", True)
+    monkeypatch.setattr(triton_offsets, "REASON", "")
+    assert triton_offsets.install() is False
+    assert lowering._compute_offsets_from_indices is _offsets_of_another_jax
+    assert "no longer chooses the offset width" in triton_offsets.REASON

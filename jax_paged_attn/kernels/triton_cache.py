@@ -27,10 +27,11 @@ one stacked cache ``[2, num_slots, Hk * D]`` written by the same program.
 Addressing: the kernel's own indices (tokens, slot ids, columns) are int32 and each
 stays below ``2**31``; the store addresses ``(slot, column)`` of the cache ref, and
 Pallas' Triton lowering turns that into a flat element offset, in 64 bits for a ref of
-more than 4 GiB. So caches of ``2**31`` elements and more are written here when their
-elements take 2 or 4 bytes; an fp8 cache of ``2**31`` to ``2**32`` elements would get
-32-bit offsets past ``2**31`` and stays on the scatter (`jax_paged_attn.cache`, which
-says so). The tiling comes from `jax_paged_attn.plans.plan_cache_write`.
+``2**31`` elements and more (the lowering itself for more than 4 GiB,
+`jax_paged_attn.kernels.triton_offsets` for an fp8 cache of ``2**31`` to ``2**32``
+elements, which the lowering alone would address with wrapping 32-bit offsets). So
+every cache size is written here; only where that widening could not be installed does
+such an fp8 cache stay on the scatter (`jax_paged_attn.cache`, which says so). The tiling comes from `jax_paged_attn.plans.plan_cache_write`.
 """
 from __future__ import annotations
 
