@@ -309,3 +309,36 @@ def test_profile_engine_quick_smoke(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "batch 2, engine window, default" in text and "noopt" in text and "dense XLA step" in text
     assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
+
+
+PTXAS_VERBOSE = """\
+ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function 'varlen_attention' for 'sm_90a'
+ptxas info    : Function properties for varlen_attention
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 228 registers, used 1 barriers
+ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_add_fusion
+    8 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_kernel_resources_reads_ptxas_verbose_output():
+    resources = _load("kernel_resources")
+    entries = resources.parse_ptxas_verbose(PTXAS_VERBOSE)
+    assert [(e.name, e.arch, e.registers, e.spill_store_bytes, e.spill_load_bytes, e.shared_bytes)
+            for e in entries] == [("varlen_attention", "sm_90a", 228, 0, 0, None),
+                                  ("loop_add_fusion", "sm_90a", 255, 24, 16, 1024)]
+    assert resources.parse_overrides(["masked_block_k=16", "pack_gqa=False"]) == {
+        "masked_block_k": 16, "pack_gqa": False}
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        resources.parse_overrides(["masked_block_k"])
+
+
+def test_kernel_resources_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
+    resources = _load("kernel_resources")
+    monkeypatch.setattr(resources.shutil, "which", lambda name: "/usr/bin/ptxas")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert resources.main(["--out", str(tmp_path)]) == 2
+    assert "no GPU here" in capsys.readouterr().err
