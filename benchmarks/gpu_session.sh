@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine] [resources]
 # Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,6 +32,11 @@ for step in "${steps[@]}"; do
       python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
     engine)
       timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
+    resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v)
+      { for variant in "--kernel prefill" "--kernel prefill --config masked_block_k=16" "--kernel decode"; do
+          # shellcheck disable=SC2086
+          timeout 120 python3 benchmarks/kernel_resources.py $variant 2>&1 | grep -v "fusion\|^$"
+        done; } | tee "$out/resources.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
