@@ -226,6 +226,15 @@ PREFILL_TABLE: dict[tuple[int, str, bool], PrefillConfig] = {
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: MEASURED_TABLES
 
 
+def describe_tables(device: TuningDevice | None = None) -> str:
+    """Which tile configs the kernels take on ``device`` (default: `target_device`), in words."""
+    device = target_device() if device is None else device
+    if device.kind in MEASURED_TABLES:
+        return f"tile configs measured on the {device.kind}"
+    return (f"no tile configs measured on the {device.kind}: defaults fitted to its "
+            f"{device.shared_memory_per_block // 1024} KiB of shared memory per block")
+
+
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.
 MEASURED_TABLES: dict[str, dict[str, dict[tuple, object]]] = {}
 

@@ -379,3 +379,15 @@ def test_bench_engine_quick_smoke(capsys):
     out = capsys.readouterr().out
     assert "| batch |" in out
     assert len(rows) == 2 and all(r["engine_tok_s"] > 0 and r["dense_tok_s"] > 0 for r in rows)
+
+
+def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypatch):
+    from jax_paged_attn import tuning
+    from jax_paged_attn.engine import engine as engine_module
+
+    model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), implementation="triton", interpret=True)
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("NVIDIA L4", 99 * 1024))
+    assert engine_module._implementation_report(model) == (
+        "triton (chosen by the model's implementation argument); no tile configs measured on the NVIDIA L4: "
+        "defaults fitted to its 99 KiB of shared memory per block")

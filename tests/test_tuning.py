@@ -174,3 +174,9 @@ def test_a_table_field_this_version_does_not_know_is_said_not_dropped_silently(t
         tables = tuning.load_measured_tables(path)
     assert tables == {"NVIDIA H100 80GB HBM3": {"DECODE_TABLE": {(128, 16, 4): tuning.DecodeConfig(pages_per_step=8)}}}
     assert tuning.load_measured_tables(tmp_path / "absent.json") == {}
+
+
+def test_the_tables_in_use_are_described_in_words():
+    assert tuning.describe_tables(tuning.REFERENCE_DEVICE) == "tile configs measured on the NVIDIA H200"
+    assert tuning.describe_tables(L4) == ("no tile configs measured on the NVIDIA L4: defaults fitted to its "
+                                          "99 KiB of shared memory per block")

@@ -856,13 +856,17 @@ def _implementation_report(model: Any) -> str:
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     attn = getattr(getattr(layers[0], "self_attn", None), "attn", None) if layers else None
+    from jax_paged_attn import tuning
+
     impl = dispatch.normalize_implementation(getattr(attn, "implementation", None))
     backend = jax.default_backend()
     if impl == dispatch.AUTO:
         if backend == "gpu":
             return ("auto: Pallas Triton kernels for attention and the cache write on CUDA "
-                    "(the pure-JAX reference for calls no kernel supports)")
+                    f"(the pure-JAX reference for calls no kernel supports); {tuning.describe_tables()}")
         return f"auto: the pure-JAX reference (no Pallas kernel for the {backend} backend)"
+    if impl != dispatch.XLA and backend == "gpu":
+        return f"{impl} (chosen by the model's implementation argument); {tuning.describe_tables()}"
     return f"{impl} (chosen by the model's implementation argument)"
 
 
