@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from jax_paged_attn import tuning
 from jax_paged_attn.spec import AttentionSpec
-from jax_paged_attn.tuning import CacheWriteConfig, DecodeConfig, PrefillConfig, next_power_of_2
+from jax_paged_attn.tuning import (CacheWriteConfig, DecodeConfig, MosaicDecodeConfig, PrefillConfig,
+                                   next_power_of_2)
 
 Array = jax.Array
 
@@ -33,7 +34,8 @@ __all__ = [
     "CacheWriteConfig", "visible_key_interval", "num_query_tiles", "plan_tiles", "heads_per_program",
     "check_prefill_config", "plan_prefill_tiling", "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
-    "alibi_slopes_log2",
+    "alibi_slopes_log2", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
+    "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling",
 ]
 
 LOG2E = math.log2(math.e)
@@ -398,7 +400,8 @@ def decode_tile_keys(block_size: int, head_size: int, cache_itemsize: int, compu
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int, config: DecodeConfig
+    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int,
+    config: DecodeConfig | MosaicDecodeConfig,
 ) -> int:
     """KV splits per (sequence, KV head) so that a few long sequences still fill the GPU.
 
@@ -445,6 +448,89 @@ def plan_decode_tiling(
         num_stages=config.num_stages,
         prefetch_page_ids=config.prefetch_page_ids,
     )
+
+
+# =========================================================================== paged decode, Mosaic GPU
+
+MOSAIC_DECODE_ROWS = 64
+"""Query rows of one Mosaic GPU decode program: the M of a Hopper warpgroup MMA
+(``Sq * G`` rows of a KV head, zero-padded; more rows take more programs)."""
+
+MOSAIC_HEAD_MULTIPLE = 64
+"""The Mosaic GPU decode kernel's head sizes are multiples of this: shared-memory tiles
+are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeTiling:
+    """Static launch plan of the Mosaic GPU decode kernel, from `plan_mosaic_decode_tiling`.
+
+    Attributes:
+      row_blocks: programs per KV head along the query rows (``Sq * G`` rows in blocks
+        of `MOSAIC_DECODE_ROWS`).
+      tile_keys: keys per pipeline stage, ``pages_per_tile`` whole pages.
+      pages_per_tile: cache pages (one TMA copy each, per K and V) per stage.
+      num_stages: K/V tiles in the shared-memory ring.
+      num_splits: KV splits per (sequence, KV head); 1 writes the final output.
+    """
+
+    row_blocks: int
+    tile_keys: int
+    pages_per_tile: int
+    num_stages: int
+    num_splits: int
+
+    @property
+    def rows_per_program(self) -> int:
+        return MOSAIC_DECODE_ROWS
+
+
+def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
+                                         out_itemsize: int) -> int:
+    """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring, the query
+    tile, the probabilities tile, the output tile (``out_itemsize``: q's for one split,
+    4 for f32 partials), the log-sum-exp row and the barriers."""
+    rows = MOSAIC_DECODE_ROWS
+    ring = num_stages * 2 * tile_keys * head_size * itemsize
+    return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + rows * head_size * out_itemsize \
+        + rows * 4 + 1024
+
+
+def plan_mosaic_decode_tiling(
+    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype,
+    config: MosaicDecodeConfig,
+) -> MosaicDecodeTiling:
+    """The Mosaic GPU decode kernel's static launch plan for these shapes and `config`.
+
+    ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
+    ``max_blocks`` the block table's columns. A stage holds at least one page
+    (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
+    (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
+    multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
+    kernel cannot take.
+    """
+    batch, num_q_tokens, num_q_heads, head_size = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    if config.tile_keys not in (64, 128):
+        raise ValueError(f"config.tile_keys must be 64 or 128, got {config.tile_keys}.")
+    tile_keys = max(config.tile_keys, block_size)  # at least one whole page per stage
+    if tile_keys % block_size or tile_keys > 128:
+        raise ValueError(f"the block size ({block_size}) must divide 128 and config.tile_keys "
+                         f"({config.tile_keys}).")
+    if config.num_stages < 2:
+        raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
+    rows = num_q_tokens * (num_q_heads // num_kv_heads)
+    row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
+    itemsize = jnp.dtype(q_dtype).itemsize
+    num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
+    out_itemsize = itemsize if num_splits == 1 else 4
+    stages = config.num_stages
+    while stages > 2 and estimate_mosaic_decode_shared_memory(
+            tile_keys, head_size, itemsize, stages, out_itemsize) > tuning.DECODE_SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
+                              pages_per_tile=tile_keys // block_size, num_stages=stages,
+                              num_splits=num_splits)
 
 
 # =========================================================================== cache write

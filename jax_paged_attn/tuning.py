@@ -96,6 +96,28 @@ class DecodeConfig:
     prefetch_page_ids: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Tiling of the Mosaic GPU paged decode kernel (`jax_paged_attn.kernels.mosaic_decode`).
+
+    tile_keys: keys per pipeline stage (whole pages; 64 or 128, a multiple of the block
+    size: the probabilities tile is stored to shared memory in 128-byte swizzled rows of
+    64 bf16 keys); num_stages: K/V tiles in the TMA ring (all but the one being computed
+    stay in flight during a step's math), lowered until the ring fits
+    ``DECODE_SHARED_MEMORY_BUDGET`` (at least 2); num_splits, target_programs,
+    min_tiles_per_split: the KV split choice, as in `DecodeConfig`
+    (`jax_paged_attn.plans.choose_num_splits`). Unmeasured on the GPU: the defaults
+    are a starting point (4 pages of 16 keys per stage, 4 stages = 12 pages of one KV
+    head in flight per program at D 128).
+    """
+
+    tile_keys: int = 64
+    num_stages: int = 4
+    num_splits: int = 0
+    target_programs: int = 1024
+    min_tiles_per_split: int = 4
+
+
 # Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
 # estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
 DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
@@ -140,6 +162,13 @@ def prefill_config(head_size: int, dtype_name: str, paged: bool = False) -> Pref
 def decode_config(head_size: int, block_size: int, group_size: int) -> DecodeConfig:
     key = (next_power_of_2(head_size), block_size, next_power_of_2(group_size))
     return DECODE_TABLE.get(key, DecodeConfig())
+
+
+def mosaic_decode_config(head_size: int, block_size: int, group_size: int) -> MosaicDecodeConfig:
+    """The Mosaic GPU decode kernel's config: no measured table yet, so the default
+    (the arguments are the key a measured table will use, as `decode_config`'s)."""
+    del head_size, block_size, group_size
+    return MosaicDecodeConfig()
 
 
 @dataclasses.dataclass(frozen=True)
