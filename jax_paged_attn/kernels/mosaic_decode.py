@@ -1,0 +1,327 @@
+"""Paged decode attention: the Pallas kernel body and its launch (Mosaic GPU lowering, Hopper).
+
+Only the kernel lives here; `jax_paged_attn.plans.plan_mosaic_decode_tiling` decides the
+tiling (`MosaicDecodeTiling`), `jax_paged_attn.decode` checks support, lays the query
+rows out for the kernel and merges the KV splits. Semantics are those of
+`jax_paged_attn.reference.paged_decode_attention` within the limits `decode.unsupported_reason`
+names for this lowering.
+
+FIRST CUT, UNMEASURED ON THE GPU: it has been cross-lowered for CUDA on a CPU host (the
+module holds a ``mosaic_gpu`` custom call) but never compiled by ptxas nor run on an
+H200; its speed is unknown.
+
+What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup):
+
+* its query tile is the ``Sq * G`` rows that share a KV head (row ``r`` is query token
+  ``r // G`` of query head ``kv_head * G + r % G``), zero-padded to 64 rows, the M of a
+  Hopper warpgroup MMA (wgmma); the wrapper lays them out ``[B, Hk * row_blocks, 64, D]``
+  so one TMA copy brings the tile to shared memory;
+* it streams its share of the sequence's visible keys through a ring of ``num_stages``
+  shared-memory stages of ``tile_keys`` keys: each stage is ``pages_per_tile`` TMA copies
+  of one page of one KV head (``block_size x D``, contiguous rows ``Hk * D`` apart in the
+  vLLM layout) for K and as many for V, the page ids read from the block table in global
+  memory; a stage's copies complete one barrier for K and one for V, and the stage is
+  refilled with the tile ``num_stages`` ahead as soon as its math is done, so
+  ``num_stages - 1`` tiles stay in flight while one is computed;
+* ``S = Q K^T`` is one wgmma (K^T is a transposed view of the K stage, no copy); the
+  online softmax runs in base 2 (``exp2``) on the f32 scores in registers; ``P`` is
+  stored to shared memory in q's dtype and ``O += P V`` is a second wgmma;
+* masking: every tile applies the bottom-right causal / window mask and the sequence
+  end to its scores; in a tile holding keys outside ``[kv_lo, seq_len)`` (the first
+  tile of a window, the last tile of the sequence) those keys' V rows are set to 0 in
+  shared memory before ``P V``, so NaN / inf garbage in unused page slots never reaches
+  an output (a 0 probability would still give ``0 * NaN = NaN``); out-of-range keys'
+  K rows only produce scores that the mask replaces;
+* with one split it writes the normalized output in q's dtype; with several, its
+  normalized f32 partial output and natural log-sum-exp (-inf for a row that saw no
+  key), merged by `decode.combine_splits`.
+
+What it does not do yet (each is either refused by `decode.unsupported_reason` or a
+known performance gap):
+
+* no warp specialization: the one warpgroup issues the TMA copies and does the math,
+  and its wgmmas are synchronous; the ring's depth is the only overlap of memory and
+  math;
+* the query tile is always 64 rows, so a GQA group of 4 with one token wastes 15/16 of
+  the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
+* fp8 caches are not converted in-kernel (refused); float32 queries are refused (wgmma
+  would compute in TF32); head sizes must be multiples of 64;
+* several query tokens with a causal or sliding-window mask are refused: in-range keys
+  hidden from some rows only would need the non-finite quarantine of
+  `kernels.common.quarantine_nonfinite_values`, not done here yet.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_paged_attn import reference
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LN_2, LOG2E, RUNNING_MAX_INIT
+from jax_paged_attn.kv_view import CachePlane
+from jax_paged_attn.plans import MOSAIC_DECODE_ROWS, MosaicDecodeTiling
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+_SWIZZLE_BYTES = 128
+"""Shared-memory tiles of the MMA operands: rows of 128 bytes (64 16-bit elements),
+swizzled so the wgmma reads them without bank conflicts."""
+
+
+def interpret_params() -> object:
+    """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
+    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def _operand_transforms(itemsize: int) -> tuple:
+    return (plgpu.TilingTransform((8, _SWIZZLE_BYTES // itemsize)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+
+
+def _decode_kernel(
+    *refs,
+    spec: AttentionSpec,
+    tiling: MosaicDecodeTiling,
+    num_q_tokens: int,
+    group_size: int,
+    block_size: int,
+    k_plane: int,
+    v_plane: int,
+    has_alibi: bool,
+):
+    (
+        # inputs
+        q_ref,  # [B, Hk * row_blocks, 64, D] q dtype: the query rows of each program, zero-padded
+        k_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding K (plane k_plane)
+        v_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding V (plane v_plane)
+        seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
+        block_table_ref,  # i32[B, max_blocks]
+        *rest,  # the optional ALiBi slopes, the outputs, the scratch buffers
+    ) = refs
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
+    if tiling.num_splits == 1:
+        o_ref, *scratch = rest  # [B, Hk * row_blocks, 64, D] q dtype
+        lse_ref = None
+    else:
+        # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
+        o_ref, lse_ref, *scratch = rest
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem,
+     q_barrier, k_barriers, v_barriers) = scratch
+
+    rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
+    dtype = q_ref.dtype
+    max_blocks = block_table_ref.shape[1]
+    num_pages = k_ref.shape[1]
+    max_keys = max_blocks * block_size
+
+    head_block, seq, split = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("split")
+    kv_head = lax.div(head_block, jnp.int32(tiling.row_blocks))
+    row_block = lax.rem(head_block, jnp.int32(tiling.row_blocks))
+
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+
+    seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
+    # Visible keys of the whole tile: [kv_lo, seq_len) (as in the Triton kernel).
+    kv_lo = jnp.int32(0)
+    if spec.window_left >= 0:
+        kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
+    base = lax.div(kv_lo, jnp.int32(block_size)) * block_size  # tiles start at kv_lo's page
+    num_tiles = lax.div(jnp.maximum(seq_len - base, 0) + (tile_keys - 1), jnp.int32(tile_keys))
+    tiles_per_split = lax.div(num_tiles + (tiling.num_splits - 1), jnp.int32(tiling.num_splits))
+    tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
+    num_steps = jnp.minimum(tile_begin + tiles_per_split, num_tiles) - tile_begin
+
+    def issue(step, slot):
+        """Starts the TMA copies of tile ``tile_begin + step`` into ring slot ``slot``."""
+        first_key = base + (tile_begin + step) * tile_keys
+        for p in range(tiling.pages_per_tile):
+            # Pages past the sequence (or the table) hold no visible key: any in-bounds
+            # page serves; ids outside the cache (unvalidated tables under jit) are
+            # clamped, never followed.
+            col = jnp.minimum(lax.div(first_key, jnp.int32(block_size)) + p, max_blocks - 1)
+            page = jnp.clip(block_table_ref[seq, col], 0, num_pages - 1)
+            dst = pl.ds(p * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, :, kv_head, :], k_smem.at[slot, dst],
+                                    k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
+                                    v_barriers.at[slot])
+
+    for s in range(stages):
+        pl.when(s < num_steps)(functools.partial(issue, s, s))
+
+    # Per-element row / key coordinates of a [64, tile_keys] score tile.
+    row = row_block * rows + plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), 1, layout=plgpu.Layout.WGMMA)
+    q_tok = lax.div(row, jnp.int32(group_size))
+    slopes = None
+    if alibi_ref is not None:
+        # Row r's slope is its query head's (r % G): G selects, once per program.
+        head_in_group = lax.rem(row, jnp.int32(group_size))
+        slopes = jnp.zeros((rows, tile_keys), jnp.float32)
+        for g in range(group_size):
+            slopes = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes)
+    key_row = plgpu.broadcasted_iota(jnp.int32, (tile_keys, q_ref.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
+
+    score_scale = spec.softmax_scale
+    plgpu.barrier_wait(q_barrier)
+
+    def step_fn(step, carry):
+        acc, row_max, row_sum = carry  # f32[64, D], f32[64], f32[64]
+        slot = lax.rem(step, jnp.int32(stages))
+        first_key = base + (tile_begin + step) * tile_keys
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
+        # Scores in log2 units (exp2 is the fast path): s * log2(e).
+        if spec.softcap > 0:
+            s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
+        else:
+            s = s * (score_scale * LOG2E)
+        key = first_key + col
+        if slopes is not None:
+            s = s - slopes * reference.alibi_distance(q_tok, key, num_q_tokens, seq_len)
+        visible = reference.key_visible(q_tok, key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
+        s = jnp.where(visible, s, -jnp.inf)
+        new_max = jnp.maximum(row_max, s.max(axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
+        row_sum = row_sum * correction + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+        p_smem[...] = p.astype(dtype)
+        plgpu.barrier_wait(v_barriers.at[slot])
+
+        # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
+        # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
+        @pl.when((first_key < kv_lo) | (first_key + tile_keys > seq_len))
+        def _():
+            v_stage = v_smem.at[slot]
+            v_key = first_key + key_row
+            v_stage[...] = jnp.where((v_key >= kv_lo) & (v_key < seq_len), v_stage[...], 0).astype(dtype)
+
+        plgpu.commit_smem()  # P (and a zeroed V) become visible to the wgmma
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]  # waits for the wgmma: the slot is free again
+
+        # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
+        # (in place, one [64, D] f32 tile fewer in registers): Mosaic GPU interpret mode
+        # cannot run run_state, and the tests run this same code there.
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((rows, acc.shape[1]), jnp.float32))
+        pl.when(step + stages < num_steps)(lambda: issue(step + stages, slot))
+        return acc, new_max, row_sum
+
+    head_size = q_ref.shape[-1]
+    carry = (
+        plgpu.layout_cast(jnp.zeros((rows, head_size), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    acc, row_max, row_sum = lax.fori_loop(0, num_steps, step_fn, carry)
+
+    # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    out = acc * lax.broadcast_in_dim(1.0 / safe_sum, acc.shape, [0])
+    o_smem[...] = out.astype(o_smem.dtype)
+    if lse_ref is not None:
+        lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+    plgpu.commit_smem()
+    if lse_ref is None:
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, head_block])
+    else:
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, seq, head_block])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def paged_decode_call(
+    q_rows: Array,  # [B, Hk * row_blocks, 64, D] f16 / bf16: query rows per program (decode.py lays them out)
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype, a plane of a stacked cache
+    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
+    cache_seqlens: Array,  # i32[B]
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e) (plans.alibi_slopes_log2), or None
+    *,
+    spec: AttentionSpec,
+    tiling: MosaicDecodeTiling,
+    num_q_tokens: int,
+    group_size: int,
+    interpret: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Runs the kernel over the grid (KV heads x row blocks, sequences, splits).
+
+    The caches are planes of stacked arrays (`jax_paged_attn.kv_view.CachePlane`): the
+    whole stacked array reaches the kernel and each TMA copy names the plane, so XLA
+    copies nothing. ``interpret`` runs the kernel in Mosaic GPU interpret mode
+    (`interpret_params`; CPU tests).
+
+    Returns the output rows ``[B, Hk * row_blocks, 64, D]`` in q's dtype when
+    ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, 64, D],
+    lse f32[splits, B, Hk * row_blocks, 64])``, each split normalized over its own keys,
+    ``lse`` the natural log-sum-exp of its scores (-inf for a split that saw no key).
+    Padding rows hold 0 (-inf log-sum-exp).
+    """
+    batch, head_blocks, rows, head_size = q_rows.shape
+    _, block_size, _, _ = k_cache.shape
+    dtype = q_rows.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    inputs = [q_rows, k_cache.array, v_cache.array, cache_seqlens, block_table]
+    common.append_optional(inputs, alibi_slopes_log2)
+    splits = tiling.num_splits
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(q_rows.shape, dtype)
+        out_dtype = dtype
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((splits, *q_rows.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, head_blocks, rows), jnp.float32),
+        )
+        out_dtype = jnp.float32
+    operand = _operand_transforms(itemsize)
+    scratch = [
+        plgpu.SMEM((rows, head_size), dtype, transforms=operand),  # Q
+        plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # K ring
+        plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # V ring
+        plgpu.SMEM((rows, tiling.tile_keys), dtype, transforms=operand),  # P
+        plgpu.SMEM((rows, head_size), out_dtype),  # output rows
+        plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
+        plgpu.Barrier(num_arrivals=1),  # Q
+        plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
+        plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
+    ]
+    kernel = functools.partial(
+        _decode_kernel,
+        spec=spec,
+        tiling=tiling,
+        num_q_tokens=num_q_tokens,
+        group_size=group_size,
+        block_size=block_size,
+        k_plane=k_cache.plane,
+        v_plane=v_cache.plane,
+        has_alibi=alibi_slopes_log2 is not None,
+    )
+    extra = {"interpret": interpret_params()} if interpret else {}
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(head_blocks, batch, splits),
+        grid_names=("heads", "batch", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="paged_decode_attention_mgpu",
+        **extra,
+    )(*inputs)
