@@ -91,6 +91,11 @@ def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array, spec: A
     if 128 % k_cache.shape[1]:
         return f"{prefix} needs a block size dividing 128 (whole pages per 64- or 128-key stage), got " \
                f"{k_cache.shape[1]}"
+    least = plans.estimate_mosaic_decode_shared_memory(max(64, k_cache.shape[1]), q.shape[-1],
+                                                       jnp.dtype(q.dtype).itemsize, 2, 4)
+    if least > tuning.MOSAIC_SHARED_MEMORY_LIMIT:
+        return f"{prefix} does not fit shared memory at head size {q.shape[-1]} and block size " \
+               f"{k_cache.shape[1]} ({least} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT})"
     if q.shape[1] > 1 and (spec.causal or spec.is_local):
         return (f"{prefix} does not yet keep non-finite values of keys hidden from some query rows out of "
                 f"those rows (Sq = {q.shape[1]} > 1 with a causal or sliding-window mask)")

@@ -35,7 +35,7 @@ __all__ = [
     "check_prefill_config", "plan_prefill_tiling", "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
-    "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling",
+    "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
 ]
 
 LOG2E = math.log2(math.e)
@@ -461,6 +461,10 @@ MOSAIC_HEAD_MULTIPLE = 64
 are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
 
 
+MOSAIC_OUTPUT_CHUNK = 128
+"""Output columns the Mosaic GPU decode kernel stages in shared memory at a time."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeTiling:
     """Static launch plan of the Mosaic GPU decode kernel, from `plan_mosaic_decode_tiling`.
@@ -488,12 +492,13 @@ class MosaicDecodeTiling:
 def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
                                          out_itemsize: int) -> int:
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring, the query
-    tile, the probabilities tile, the output tile (``out_itemsize``: q's for one split,
-    4 for f32 partials), the log-sum-exp row and the barriers."""
+    tile, the probabilities tile, the output buffer (`MOSAIC_OUTPUT_CHUNK` columns at
+    most; ``out_itemsize``: q's for one split, 4 for f32 partials), the log-sum-exp row
+    and the barriers."""
     rows = MOSAIC_DECODE_ROWS
     ring = num_stages * 2 * tile_keys * head_size * itemsize
-    return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + rows * head_size * out_itemsize \
-        + rows * 4 + 1024
+    out = rows * min(head_size, MOSAIC_OUTPUT_CHUNK) * out_itemsize
+    return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + out + rows * 4 + 1024
 
 
 def plan_mosaic_decode_tiling(
@@ -524,10 +529,26 @@ def plan_mosaic_decode_tiling(
     itemsize = jnp.dtype(q_dtype).itemsize
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     out_itemsize = itemsize if num_splits == 1 else 4
+
+    def fits(keys: int, stages: int) -> bool:
+        return estimate_mosaic_decode_shared_memory(
+            keys, head_size, itemsize, stages, out_itemsize) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+
+    # Fewer stages first, then (a page allowing) 64-key stages: at D 256 two 128-key
+    # stages alone take 256 KiB.
     stages = config.num_stages
-    while stages > 2 and estimate_mosaic_decode_shared_memory(
-            tile_keys, head_size, itemsize, stages, out_itemsize) > tuning.DECODE_SHARED_MEMORY_BUDGET:
+    while stages > 2 and not fits(tile_keys, stages):
         stages -= 1
+    if not fits(tile_keys, stages) and tile_keys > 64 and block_size <= 64:
+        tile_keys = 64
+        stages = config.num_stages
+        while stages > 2 and not fits(tile_keys, stages):
+            stages -= 1
+    if not fits(tile_keys, stages):
+        raise ValueError(
+            f"the Mosaic GPU decode kernel does not fit shared memory at head size {head_size} and block size "
+            f"{block_size} ({estimate_mosaic_decode_shared_memory(tile_keys, head_size, itemsize, stages, 4)} "
+            f"bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // block_size, num_stages=stages,
                               num_splits=num_splits)

@@ -104,7 +104,7 @@ class MosaicDecodeConfig:
     size: the probabilities tile is stored to shared memory in 128-byte swizzled rows of
     64 bf16 keys); num_stages: K/V tiles in the TMA ring (all but the one being computed
     stay in flight during a step's math), lowered until the ring fits
-    ``DECODE_SHARED_MEMORY_BUDGET`` (at least 2); num_splits, target_programs,
+    ``MOSAIC_SHARED_MEMORY_LIMIT`` (at least 2); num_splits, target_programs,
     min_tiles_per_split: the KV split choice, as in `DecodeConfig`
     (`jax_paged_attn.plans.choose_num_splits`). Unmeasured on the GPU: the defaults
     are a starting point (4 pages of 16 keys per stage, 4 stages = 12 pages of one KV
@@ -121,6 +121,11 @@ class MosaicDecodeConfig:
 # Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
 # estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
 DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
+
+# Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the
+# opt-in maximum). Its estimate (`plans.estimate_mosaic_decode_shared_memory`) counts
+# its scratch buffers exactly, so no margin for compiler scratch as with Triton.
+MOSAIC_SHARED_MEMORY_LIMIT = 227 * 1024
 
 
 # key: (head_size rounded up to a power of 2, query dtype name, paged: K/V read through a

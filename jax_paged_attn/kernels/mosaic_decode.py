@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_paged_attn import reference
+from jax_paged_attn import plans, reference
 from jax_paged_attn.kernels import common
 from jax_paged_attn.kernels.common import LN_2, LOG2E, RUNNING_MAX_INIT
 from jax_paged_attn.kv_view import CachePlane
@@ -236,15 +236,20 @@ def _decode_kernel(
     seen = row_sum > 0
     safe_sum = jnp.where(seen, row_sum, 1.0)
     out = acc * lax.broadcast_in_dim(1.0 / safe_sum, acc.shape, [0])
-    o_smem[...] = out.astype(o_smem.dtype)
+    o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
     if lse_ref is not None:
         lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-    plgpu.commit_smem()
-    if lse_ref is None:
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, head_block])
-    else:
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, seq, head_block])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
+    # The output leaves through a [64, chunk] buffer, chunk columns at a time: a whole
+    # f32 [64, 256] tile would not fit beside the ring at D 256.
+    chunk = o_smem.shape[1]
+    for c in range(head_size // chunk):
+        if c:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
+        o_smem[...] = out[:, c * chunk:(c + 1) * chunk].astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(c * chunk, chunk)])
+        if c == 0 and lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -297,7 +302,7 @@ def paged_decode_call(
         plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # K ring
         plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # V ring
         plgpu.SMEM((rows, tiling.tile_keys), dtype, transforms=operand),  # P
-        plgpu.SMEM((rows, head_size), out_dtype),  # output rows
+        plgpu.SMEM((rows, min(head_size, plans.MOSAIC_OUTPUT_CHUNK)), out_dtype),  # output rows, a column chunk
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.Barrier(num_arrivals=1),  # Q
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
