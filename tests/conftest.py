@@ -9,6 +9,11 @@ Implementations (`IMPLEMENTATIONS`, used as ``@parametrize_impl``):
   command ``pytest -m "not gpu"`` deselects it; on the GPU machine run ``pytest -m gpu``.
   Nothing is skipped silently: without a GPU these tests fail.
 
+Decode tests also run the Mosaic GPU decode kernel (`DECODE_MOSAIC_IMPLEMENTATIONS`):
+``mosaic_gpu`` in Mosaic GPU interpret mode, skipped with its reason on jax < 0.11 (that
+interpreter has no rule for ``layout_cast`` and no transposed wgmma operands, both of
+which the kernel uses), and ``mosaic_gpu_gpu`` compiled for a Hopper GPU, marked ``gpu``.
+
 Problems are built with NaN in every cache slot no sequence owns (unused pages, the tail
 of a sequence's last page) and in padding rows of packed tensors, and with randomly
 permuted block tables, so an implementation that reads padding shows NaN.
@@ -66,6 +71,20 @@ IMPLEMENTATIONS = [
     pytest.param(TRITON_GPU, id="triton_gpu", marks=pytest.mark.gpu),
 ]
 parametrize_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+
+MOSAIC_INTERPRET_SKIP_REASON = (
+    "jax < 0.11: the Mosaic GPU interpreter has no layout_cast rule and no transposed wgmma "
+    "operands (the decode kernel's Q K^T); jax >= 0.11 runs them")
+MOSAIC_INTERPRET_WORKS = jax.__version_info__ >= (0, 11)
+requires_mosaic_interpret = pytest.mark.skipif(not MOSAIC_INTERPRET_WORKS, reason=MOSAIC_INTERPRET_SKIP_REASON)
+MOSAIC_GPU_INTERPRET = Implementation("mosaic_gpu", interpret=True, max_examples=4)
+MOSAIC_GPU_COMPILED = Implementation("mosaic_gpu", interpret=False, max_examples=40)
+DECODE_MOSAIC_IMPLEMENTATIONS = [
+    pytest.param(MOSAIC_GPU_INTERPRET, id="mosaic_gpu", marks=requires_mosaic_interpret),
+    pytest.param(MOSAIC_GPU_COMPILED, id="mosaic_gpu_gpu", marks=pytest.mark.gpu),
+]
+"""The Mosaic GPU decode kernel (`jax_paged_attn.kernels.mosaic_decode`), decode tests only:
+no other kernel has a Mosaic GPU lowering in this package yet."""
 
 
 @pytest.fixture
