@@ -3,13 +3,20 @@ implementation, lower for CUDA to a module that contains the Pallas Triton kerne
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
 same jitted function runs the reference, lowered for CUDA it runs the kernel.
+
+The Mosaic GPU decode kernel (``implementation="mosaic_gpu"``) is checked the same way:
+its Pallas lowering to a Mosaic GPU module runs on the CPU host, so a kernel the
+lowering rejects fails here; what only ptxas or the GPU can reject needs ``-m gpu``.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_paged_attn as jpa
+from jax_paged_attn.kv_view import cache_planes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -95,3 +102,69 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     assert stacked_rows in text
     assert plane_rows not in text
     assert f"tensor<{num_blocks}x{block_size}x{hk}x{d}xbf16>" not in text  # no slice of a plane
+
+
+MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size,block_size,group,num_q_tokens,options",
+    [
+        (jnp.bfloat16, 64, 16, 1, 1, dict(causal=True)),
+        (jnp.float16, 128, 32, 4, 1, dict(causal=True, window_size=(100, 0), softcap=30.0, alibi=True)),
+        (jnp.bfloat16, 256, 16, 8, 1, dict(causal=True)),
+        (jnp.bfloat16, 128, 16, 4, 1, dict(causal=True, splits=True)),
+        (jnp.float16, 64, 32, 8, 4, dict(causal=False)),
+        (jnp.bfloat16, 128, 64, 32, 3, dict(causal=False, splits=True)),  # 96 rows: two row blocks
+    ],
+    ids=["bf16-d64-bs16-g1", "f16-d128-bs32-g4-window-softcap-alibi", "bf16-d256-bs16-g8",
+         "bf16-d128-bs16-g4-splits", "f16-d64-bs32-g8-sq4", "bf16-d128-bs64-g32-sq3-rowblocks-splits"],
+)
+def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group, num_q_tokens, options):
+    """implementation="mosaic_gpu" lowers for CUDA to one Mosaic GPU kernel (no Triton
+    call) that reads the stacked cache in place (the whole [2, ...] array, no plane slice)."""
+    options = dict(options)
+    num_kv_heads, num_blocks = 2, 64
+    # A long table makes the split choice use several KV splits (the merge then runs in XLA).
+    max_blocks = 48 if options.pop("splits", False) else 4
+    kv = jnp.zeros((2, num_blocks, block_size, num_kv_heads, head_size), dtype)
+    q = jnp.ones((2, num_q_tokens, group * num_kv_heads, head_size), dtype)
+    lens = jnp.array([5, 40], jnp.int32)
+    table = jnp.zeros((2, max_blocks), jnp.int32)
+    slopes = jnp.ones((group * num_kv_heads,), jnp.float32) if options.pop("alibi", False) else None
+
+    def fn(q, kv, lens, table, slopes):
+        k, v = cache_planes(kv)
+        return jpa.flash_attn_with_kvcache(q, k, v, lens, table, alibi_slopes=slopes,
+                                           implementation="mosaic_gpu", **options)
+
+    text = _cuda_text(fn, q, kv, lens, table, slopes)
+    assert len(MOSAIC_CALL.findall(text)) == 1
+    assert TRITON_CALL not in text
+    assert f"tensor<2x{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" in text
+    assert f"tensor<{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" not in text  # no plane slice
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_decode_mosaic_gpu_refuses_fp8_pages(cache_dtype):
+    """The first cut does not convert fp8 pages: an explicit request says so (auto,
+    which never picks Mosaic GPU, is unaffected)."""
+    k, v = _paged_cache(dtype=cache_dtype)
+    q = jnp.ones((3, 1, 8, 64), jnp.bfloat16)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="fp8"):
+        _cuda_text(fn, q, k, v, lens, table)
+
+
+def test_varlen_has_no_mosaic_gpu_lowering_here():
+    """An explicit mosaic_gpu prefill call raises, naming the missing lowering, rather
+    than running another kernel."""
+    q = jnp.ones((40, 8, 64), jnp.bfloat16)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    k = jnp.ones((40, 2, 64), jnp.bfloat16)
+    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True,
+                                                       implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+        _cuda_text(fn, q, k, k, cu)
