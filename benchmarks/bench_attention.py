@@ -677,6 +677,16 @@ def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
                         lambda o: to_numpy(o)[:, 0])
 
 
+def decode_ours_mosaic_gpu(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
+    """Our decode kernel's Mosaic GPU lowering (implementation='mosaic_gpu'), timed and
+    checked against ours (the Triton tier unless --ours-impl) on the same inputs."""
+    api = _ours_api()
+    fn = jax.jit(functools.partial(api.flash_attn_with_kvcache, causal=True, implementation="mosaic_gpu",
+                                   interpret=ctx.interpret))
+    return ctx.time_jax(lambda: fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table),
+                        lambda o: to_numpy(o)[:, 0])
+
+
 def stock_paged_grid(pages_per_seq: int, quick: bool) -> list[tuple[int, int]]:
     """(k_splits, pages_per_compute_block) pairs the stock kernel accepts for this length.
 
@@ -819,6 +829,8 @@ def decode_torch_varlen_paged(ctx: Context, case: DecodeCase, x: DecodeInputs) -
 DECODE_IMPLS = (
     Impl("ours", "jax_paged_attn.flash_attn_with_kvcache (implementation='triton' unless --ours-impl), "
                  "vLLM cache layout, permuted block table", decode_ours, is_ours=True),
+    Impl("ours_mosaic_gpu", "jax_paged_attn.flash_attn_with_kvcache(implementation='mosaic_gpu'): our decode "
+                            "kernel's Mosaic GPU lowering (first cut), same inputs as ours", decode_ours_mosaic_gpu),
     Impl("stock_pallas", "jax.experimental.pallas.ops.gpu.paged_attention, layout [Hk, pages, page, D], "
                          "best of a k_splits × pages_per_compute_block sweep (q pre-scaled: it takes no scale)",
          decode_stock_pallas),
