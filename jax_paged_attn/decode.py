@@ -78,21 +78,23 @@ def unsupported_reason(
     return None
 
 
+def _mosaic_cache_itemsizes(k_cache: Array | CachePlane, v_cache: Array | CachePlane) -> tuple[int, int]:
+    return jnp.dtype(k_cache.dtype).itemsize, jnp.dtype(v_cache.dtype).itemsize
+
+
 def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array, spec: AttentionSpec) -> str | None:
     """What the Mosaic GPU first cut (`kernels.mosaic_decode`) lacks, beyond the Triton tier's limits."""
     prefix = "the Mosaic GPU decode kernel"
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"{prefix} takes float16 / bfloat16 queries only (float32 would run its wgmma in TF32), got {q.dtype}"
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(cache.dtype) != jnp.dtype(q.dtype):
-            return f"{prefix} does not convert fp8 pages yet: {name} is {cache.dtype}, q is {q.dtype}"
     if q.shape[-1] % plans.MOSAIC_HEAD_MULTIPLE:
         return f"{prefix} needs a head size that is a multiple of {plans.MOSAIC_HEAD_MULTIPLE}, got {q.shape[-1]}"
     if 128 % k_cache.shape[1]:
         return f"{prefix} needs a block size dividing 128 (whole pages per 64- or 128-key stage), got " \
                f"{k_cache.shape[1]}"
     least = plans.estimate_mosaic_decode_shared_memory(max(64, k_cache.shape[1]), q.shape[-1],
-                                                       jnp.dtype(q.dtype).itemsize, 2, 4)
+                                                       jnp.dtype(q.dtype).itemsize, 2, 4,
+                                                       _mosaic_cache_itemsizes(k_cache, v_cache))
     if least > tuning.MOSAIC_SHARED_MEMORY_LIMIT:
         return f"{prefix} does not fit shared memory at head size {q.shape[-1]} and block size " \
                f"{k_cache.shape[1]} ({least} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT})"
@@ -161,7 +163,7 @@ def paged_decode_attention(
             raise TypeError(f"config must be a MosaicDecodeConfig for lowering={MOSAIC_GPU!r}, got "
                             f"{type(config).__name__}.")
         return _mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), cache_seqlens, block_table, alibi_slopes,
-                              spec=spec, interpret=interpret, config=config)
+                              k_scale, v_scale, spec=spec, interpret=interpret, config=config)
     from jax_paged_attn.kernels import triton_decode
     head_size, block_size = q.shape[-1], k_cache.shape[1]
     group_size = q.shape[2] // k_cache.shape[2]
@@ -182,11 +184,13 @@ def paged_decode_attention(
 
 def _mosaic_decode(
     q: Array,  # [B, Sq, Hq, D] f16 / bf16
-    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype
-    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
+    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
     cache_seqlens: Array,  # i32[B]
     block_table: Array,  # i32[B, max_blocks]
     alibi_slopes: Array | None,  # f32[Hq] or None
+    k_scale: Array | float,  # f32 scalar, used when k_cache is fp8
+    v_scale: Array | float,  # f32 scalar, used when v_cache is fp8
     *,
     spec: AttentionSpec,
     interpret: bool,
@@ -207,7 +211,8 @@ def _mosaic_decode(
     group = num_q_heads // num_kv_heads
     if config is None:
         config = tuning.mosaic_decode_config(head_size, k_cache.shape[1], group)
-    tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config)
+    tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,
+                                             _mosaic_cache_itemsizes(k_cache, v_cache))
     rows = num_q_tokens * group
     padded = tiling.row_blocks * plans.MOSAIC_DECODE_ROWS
     q_rows = q.reshape(batch, num_q_tokens, num_kv_heads, group, head_size).transpose(0, 2, 1, 3, 4)
@@ -216,7 +221,8 @@ def _mosaic_decode(
     q_rows = q_rows.reshape(batch, num_kv_heads * tiling.row_blocks, plans.MOSAIC_DECODE_ROWS, head_size)
     result = mosaic_decode.paged_decode_call(
         q_rows, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
-        plans.alibi_slopes_log2(alibi_slopes), spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
+        plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
+        spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
         group_size=group, interpret=interpret,
     )
 

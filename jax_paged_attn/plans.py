@@ -490,25 +490,29 @@ class MosaicDecodeTiling:
 
 
 def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
-                                         out_itemsize: int) -> int:
-    """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring, the query
-    tile, the probabilities tile, the output buffer (`MOSAIC_OUTPUT_CHUNK` columns at
-    most; ``out_itemsize``: q's for one split, 4 for f32 partials), the log-sum-exp row
-    and the barriers."""
+                                         out_itemsize: int, cache_itemsizes: tuple[int, int] | None = None) -> int:
+    """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
+    caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffer of
+    each fp8 operand, the query tile, the probabilities tile, the output buffer
+    (`MOSAIC_OUTPUT_CHUNK` columns at most; ``out_itemsize``: q's for one split, 4 for
+    f32 partials), the log-sum-exp row and the barriers."""
     rows = MOSAIC_DECODE_ROWS
-    ring = num_stages * 2 * tile_keys * head_size * itemsize
+    k_size, v_size = cache_itemsizes or (itemsize, itemsize)
+    ring = num_stages * tile_keys * head_size * (k_size + v_size)
+    ring += sum(tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize)
     out = rows * min(head_size, MOSAIC_OUTPUT_CHUNK) * out_itemsize
     return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + out + rows * 4 + 1024
 
 
 def plan_mosaic_decode_tiling(
     q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype,
-    config: MosaicDecodeConfig,
+    config: MosaicDecodeConfig, cache_itemsizes: tuple[int, int] | None = None,
 ) -> MosaicDecodeTiling:
     """The Mosaic GPU decode kernel's static launch plan for these shapes and `config`.
 
     ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
-    ``max_blocks`` the block table's columns. A stage holds at least one page
+    ``max_blocks`` the block table's columns, ``cache_itemsizes`` the K and V caches'
+    element sizes (default: q's; 1 for fp8 pages). A stage holds at least one page
     (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
     (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
     multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
@@ -532,7 +536,7 @@ def plan_mosaic_decode_tiling(
 
     def fits(keys: int, stages: int) -> bool:
         return estimate_mosaic_decode_shared_memory(
-            keys, head_size, itemsize, stages, out_itemsize) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+            keys, head_size, itemsize, stages, out_itemsize, cache_itemsizes) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
 
     # Fewer stages first, then (a page allowing) 64-key stages: at D 256 two 128-key
     # stages alone take 256 KiB.
@@ -545,10 +549,11 @@ def plan_mosaic_decode_tiling(
         while stages > 2 and not fits(tile_keys, stages):
             stages -= 1
     if not fits(tile_keys, stages):
+        need = estimate_mosaic_decode_shared_memory(tile_keys, head_size, itemsize, stages, out_itemsize,
+                                                    cache_itemsizes)
         raise ValueError(
             f"the Mosaic GPU decode kernel does not fit shared memory at head size {head_size} and block size "
-            f"{block_size} ({estimate_mosaic_decode_shared_memory(tile_keys, head_size, itemsize, stages, 4)} "
-            f"bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
+            f"{block_size} ({need} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // block_size, num_stages=stages,
                               num_splits=num_splits)

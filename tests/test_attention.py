@@ -602,6 +602,10 @@ MOSAIC_DECODE_SCENARIOS = {
     "gqa2-d64-f16-everything": (dict(num_queries=1, head_size=64, dtype=jnp.float16),
                                 dict(alibi=True, softcap=5.0, window_size=(20, 0), causal=True,
                                      softmax_scale=0.2)),
+    "gqa2-d128-fp8e4m3-causal": (dict(num_queries=1, head_size=128, cache_dtype=jnp.float8_e4m3fn,
+                                      k_scale=0.05, v_scale=0.02), dict(causal=True)),
+    "gqa2-d64-fp8e5m2-sq4-noncausal": (dict(num_queries=4, head_size=64, cache_dtype=jnp.float8_e5m2,
+                                            dtype=jnp.float16, k_scale=0.05, v_scale=0.02), dict(causal=False)),
 }
 
 
@@ -618,13 +622,12 @@ def test_decode_mosaic_gpu(rng, impl, scenario):
 @pytest.mark.parametrize(
     "build, attention, reason",
     [
-        (dict(head_size=64, cache_dtype=jnp.float8_e4m3fn), dict(causal=True), "does not convert fp8"),
         (dict(head_size=64, dtype=jnp.float32), dict(causal=True), "float16 / bfloat16 queries only"),
         (dict(head_size=32), dict(causal=True), "multiple of 64"),
         (dict(head_size=64, num_queries=2), dict(causal=True), "Sq = 2 > 1"),
         (dict(head_size=64, num_queries=2), dict(window_size=(8, 0)), "Sq = 2 > 1"),
     ],
-    ids=["fp8", "float32", "head32", "sq2-causal", "sq2-window"],
+    ids=["float32", "head32", "sq2-causal", "sq2-window"],
 )
 def test_decode_mosaic_gpu_refuses_what_it_lacks(rng, build, attention, reason):
     """implementation="mosaic_gpu" raises NotImplementedError naming what the first cut

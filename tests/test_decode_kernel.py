@@ -477,6 +477,11 @@ MOSAIC_GRID = [
     Case("mgpu-mha-d256-bs64-window", num_q_heads=2, num_kv_heads=2, head_size=256, block_size=64,
          window=(70, 0), seqlens=(200, 64, 1), max_blocks=4, num_blocks=16, lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1)),
+    Case("mgpu-gqa8-d128-fp8e4m3-window-alibi-bf16-2splits", num_q_heads=16, num_kv_heads=2,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17), lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=2)),
+    Case("mgpu-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
+         softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC),
 ]
 
 
@@ -525,7 +530,7 @@ def test_mosaic_unsupported_reason() -> None:
     assert decode.unsupported_reason(q.repeat(3, axis=1), cache, cache, *rest, spec=AttentionSpec.create(128),
                                      lowering=MOSAIC) is None  # Sq 3, no mask hides a loaded key
     fp8 = cache.astype(jnp.float8_e4m3fn)
-    assert "fp8" in reason(q, fp8, fp8, *rest)
+    assert reason(q, fp8, fp8, *rest) is None  # upcast in the kernel
     assert "float16 / bfloat16" in reason(q.astype(jnp.float32), cache.astype(jnp.float32),
                                           cache.astype(jnp.float32), *rest)
     assert "multiple of 64" in reason(q[..., :96], cache[..., :96], cache[..., :96], *rest)
@@ -533,8 +538,8 @@ def test_mosaic_unsupported_reason() -> None:
     assert "block size dividing 128" in reason(q, odd_block, odd_block, *rest)
     big = jnp.zeros((4, 128, 2, 256), jnp.bfloat16)  # two 128-key stages at D 256: 256 KiB
     assert "shared memory" in reason(q[..., :1].repeat(256, axis=-1), big, big, *rest)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        decode.paged_decode_attention(q, fp8, fp8, *rest, spec=causal, lowering=MOSAIC)
+    with pytest.raises(NotImplementedError, match="Sq = 3"):
+        decode.paged_decode_attention(q.repeat(3, axis=1), cache, cache, *rest, spec=causal, lowering=MOSAIC)
     with pytest.raises(TypeError, match="MosaicDecodeConfig"):
         decode.paged_decode_attention(q, cache, cache, *rest, spec=causal, lowering=MOSAIC, config=DecodeConfig())
 
@@ -546,7 +551,8 @@ def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, monkeypatch: pytest
     to q exactly (with several splits, equal partials with equal log-sum-exps merge to q)."""
     seen = {}
 
-    def echo(q_rows, k_cache, v_cache, lens, table, slopes, *, spec, tiling, num_q_tokens, group_size, interpret):
+    def echo(q_rows, k_cache, v_cache, lens, table, slopes, scales, *, spec, tiling, num_q_tokens, group_size,
+             interpret):
         seen["shape"], seen["tiling"] = q_rows.shape, tiling
         if tiling.num_splits == 1:
             return q_rows

@@ -145,17 +145,24 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
     assert f"tensor<{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" not in text  # no plane slice
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-def test_decode_mosaic_gpu_refuses_fp8_pages(cache_dtype):
-    """The first cut does not convert fp8 pages: an explicit request says so (auto,
-    which never picks Mosaic GPU, is unaffected)."""
-    k, v = _paged_cache(dtype=cache_dtype)
-    q = jnp.ones((3, 1, 8, 64), jnp.bfloat16)
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype,head_size,block_size",
+    [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),
+     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32)],
+    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32"],
+)
+def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_size, block_size):
+    """fp8 pages arrive as fp8 and are upcast in the kernel (to bf16 through f32, which
+    the lowering requires): the module still holds one Mosaic GPU kernel and no copy of
+    the cache."""
+    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=cache_dtype)
+    q = jnp.ones((3, 1, 8, head_size), q_dtype)
     lens = jnp.array([5, 17, 40], jnp.int32)
-    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
-    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
-    with pytest.raises(NotImplementedError, match="fp8"):
-        _cuda_text(fn, q, k, v, lens, table)
+    table = jnp.zeros((3, 40), jnp.int32)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, k_scale=0.5, v_scale=0.25,
+                                                           implementation="mosaic_gpu")
+    text = _cuda_text(fn, q, k, v, lens, table)
+    assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
 
 
 def test_varlen_has_no_mosaic_gpu_lowering_here():

@@ -26,6 +26,10 @@ What one program does (grid: KV heads x row blocks, sequences, KV splits; one wa
 * ``S = Q K^T`` is one wgmma (K^T is a transposed view of the K stage, no copy); the
   online softmax runs in base 2 (``exp2``) on the f32 scores in registers; ``P`` is
   stored to shared memory in q's dtype and ``O += P V`` is a second wgmma;
+* fp8 pages arrive as fp8 (half the bytes) and each stage is upcast to q's dtype
+  through registers into a second shared-memory buffer before its wgmma (Hopper's
+  wgmma takes fp8 only with fp8 on both sides); ``k_scale`` multiplies the score scale
+  and ``v_scale`` the final normalization;
 * masking: every tile applies the bottom-right causal / window mask and the sequence
   end to its scores; in a tile holding keys outside ``[kv_lo, seq_len)`` (the first
   tile of a window, the last tile of the sequence) those keys' V rows are set to 0 in
@@ -44,8 +48,13 @@ known performance gap):
   math;
 * the query tile is always 64 rows, so a GQA group of 4 with one token wastes 15/16 of
   the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
-* fp8 caches are not converted in-kernel (refused); float32 queries are refused (wgmma
-  would compute in TF32); head sizes must be multiples of 64;
+* the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
+  registers per stage), and to bf16 it goes through f32; float32 queries are refused
+  (wgmma would compute in TF32); head sizes must be multiples of 64;
+* ``O += P V`` lands in a fresh accumulator added to the running one in registers
+  (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form), two
+  ``[64, D]`` f32 tiles live at once: at D 256 that is 256 registers per thread and
+  will spill;
 * several query tokens with a causal or sliding-window mask are refused: in-range keys
   hidden from some rows only would need the non-finite quarantine of
   `kernels.common.quarantine_nonfinite_values`, not done here yet.
@@ -83,8 +92,19 @@ def interpret_params() -> object:
     return params()
 
 
-def _operand_transforms(itemsize: int) -> tuple:
-    return (plgpu.TilingTransform((8, _SWIZZLE_BYTES // itemsize)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+def _upcast(x: Array, dtype) -> Array:
+    """fp8 -> q's dtype. Hopper converts fp8 to f16 directly; to bf16 only through f32
+    (Mosaic GPU refuses the direct cast without a newer ptxas)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float16):
+        return x.astype(dtype)
+    return x.astype(jnp.float32).astype(dtype)
+
+
+def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
+    """Tiling and swizzle of a shared-memory operand whose rows are ``row_elements``
+    long: 128-byte swizzle, or 64 bytes for a 64-element fp8 row."""
+    swizzle = min(_SWIZZLE_BYTES, row_elements * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _decode_kernel(
@@ -97,6 +117,8 @@ def _decode_kernel(
     k_plane: int,
     v_plane: int,
     has_alibi: bool,
+    k_dequant: bool,
+    v_dequant: bool,
 ):
     (
         # inputs
@@ -105,17 +127,20 @@ def _decode_kernel(
         v_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding V (plane v_plane)
         seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
         block_table_ref,  # i32[B, max_blocks]
-        *rest,  # the optional ALiBi slopes, the outputs, the scratch buffers
+        *rest,  # the optional inputs (`common.pop_optional`), the outputs, the scratch buffers
     ) = refs
     alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
+    scales_ref = common.pop_optional(rest, k_dequant or v_dequant)  # f32[2]: k_scale, v_scale
     if tiling.num_splits == 1:
         o_ref, *scratch = rest  # [B, Hk * row_blocks, 64, D] q dtype
         lse_ref = None
     else:
         # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
         o_ref, lse_ref, *scratch = rest
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem,
-     q_barrier, k_barriers, v_barriers) = scratch
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_barrier, k_barriers, v_barriers, *converted) = scratch
+    # fp8 stages are converted to q's dtype into these before the wgmma ([tile_keys, D]).
+    k_conv = converted.pop(0) if k_dequant else None
+    v_conv = converted.pop(0) if v_dequant else None
 
     rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
     dtype = q_ref.dtype
@@ -172,6 +197,8 @@ def _decode_kernel(
     key_row = plgpu.broadcasted_iota(jnp.int32, (tile_keys, q_ref.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
 
     score_scale = spec.softmax_scale
+    if k_dequant:
+        score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
     plgpu.barrier_wait(q_barrier)
 
     def step_fn(step, carry):
@@ -179,9 +206,15 @@ def _decode_kernel(
         slot = lax.rem(step, jnp.int32(stages))
         first_key = base + (tile_begin + step) * tile_keys
         plgpu.barrier_wait(k_barriers.at[slot])
+        k_tile = k_smem.at[slot]
+        if k_conv is not None:
+            # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
+            k_conv[...] = _upcast(k_tile[...], dtype)
+            plgpu.commit_smem()
+            k_tile = k_conv
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
@@ -205,16 +238,27 @@ def _decode_kernel(
 
         # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
         # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
-        @pl.when((first_key < kv_lo) | (first_key + tile_keys > seq_len))
-        def _():
-            v_stage = v_smem.at[slot]
-            v_key = first_key + key_row
-            v_stage[...] = jnp.where((v_key >= kv_lo) & (v_key < seq_len), v_stage[...], 0).astype(dtype)
+        edge = (first_key < kv_lo) | (first_key + tile_keys > seq_len)
+        v_tile = v_smem.at[slot]
 
-        plgpu.commit_smem()  # P (and a zeroed V) become visible to the wgmma
+        def in_range_values(v):
+            v_key = first_key + key_row
+            return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
+
+        if v_conv is None:
+            @pl.when(edge)
+            def _():
+                v_tile[...] = in_range_values(v_tile[...])
+        else:
+            # The values pass through registers anyway: mask every tile (the mask is all
+            # true away from the edges) rather than branch.
+            v_conv[...] = in_range_values(_upcast(v_tile[...], dtype))
+            v_tile = v_conv
+
+        plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
             return acc_ref[...]  # waits for the wgmma: the slot is free again
 
         # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
@@ -235,7 +279,10 @@ def _decode_kernel(
     # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
     seen = row_sum > 0
     safe_sum = jnp.where(seen, row_sum, 1.0)
-    out = acc * lax.broadcast_in_dim(1.0 / safe_sum, acc.shape, [0])
+    inv_sum = 1.0 / safe_sum
+    if v_dequant:
+        inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
+    out = acc * lax.broadcast_in_dim(inv_sum, acc.shape, [0])
     o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
     if lse_ref is not None:
         lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
@@ -255,11 +302,12 @@ def _decode_kernel(
 
 def paged_decode_call(
     q_rows: Array,  # [B, Hk * row_blocks, 64, D] f16 / bf16: query rows per program (decode.py lays them out)
-    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype, a plane of a stacked cache
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8, a plane of a stacked cache
     v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]
     block_table: Array,  # i32[B, max_blocks]
     alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e) (plans.alibi_slopes_log2), or None
+    scales: Array | None,  # f32[2] (k_scale, v_scale) when either cache is fp8 (plans.kv_scales), else None
     *,
     spec: AttentionSpec,
     tiling: MosaicDecodeTiling,
@@ -284,8 +332,12 @@ def paged_decode_call(
     _, block_size, _, _ = k_cache.shape
     dtype = q_rows.dtype
     itemsize = jnp.dtype(dtype).itemsize
+    k_dequant, v_dequant = plans.is_fp8(k_cache.dtype), plans.is_fp8(v_cache.dtype)
+    if (k_dequant or v_dequant) and scales is None:
+        raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
     inputs = [q_rows, k_cache.array, v_cache.array, cache_seqlens, block_table]
     common.append_optional(inputs, alibi_slopes_log2)
+    common.append_optional(inputs, scales if (k_dequant or v_dequant) else None)
     splits = tiling.num_splits
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(q_rows.shape, dtype)
@@ -296,18 +348,28 @@ def paged_decode_call(
             jax.ShapeDtypeStruct((splits, batch, head_blocks, rows), jnp.float32),
         )
         out_dtype = jnp.float32
-    operand = _operand_transforms(itemsize)
+    keys = tiling.tile_keys
+
+    def ring(cache: CachePlane):
+        """The cache's stages in its own dtype (fp8 pages arrive as fp8 bytes)."""
+        cache_dtype = cache.dtype
+        transforms = _operand_transforms(jnp.dtype(cache_dtype).itemsize, head_size)
+        return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
+
+    operand = _operand_transforms(itemsize, head_size)
     scratch = [
         plgpu.SMEM((rows, head_size), dtype, transforms=operand),  # Q
-        plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # K ring
-        plgpu.SMEM((tiling.num_stages, tiling.tile_keys, head_size), dtype, transforms=operand),  # V ring
-        plgpu.SMEM((rows, tiling.tile_keys), dtype, transforms=operand),  # P
+        ring(k_cache),  # K ring
+        ring(v_cache),  # V ring
+        plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
         plgpu.SMEM((rows, min(head_size, plans.MOSAIC_OUTPUT_CHUNK)), out_dtype),  # output rows, a column chunk
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.Barrier(num_arrivals=1),  # Q
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
     ]
+    # fp8 stages upcast to q's dtype for the wgmma, K then V.
+    scratch += [plgpu.SMEM((keys, head_size), dtype, transforms=operand) for d in (k_dequant, v_dequant) if d]
     kernel = functools.partial(
         _decode_kernel,
         spec=spec,
@@ -318,6 +380,8 @@ def paged_decode_call(
         k_plane=k_cache.plane,
         v_plane=v_cache.plane,
         has_alibi=alibi_slopes_log2 is not None,
+        k_dequant=k_dequant,
+        v_dequant=v_dequant,
     )
     extra = {"interpret": interpret_params()} if interpret else {}
     return plgpu.kernel(
