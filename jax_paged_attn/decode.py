@@ -98,9 +98,6 @@ def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array, spec: A
     if least > tuning.MOSAIC_SHARED_MEMORY_LIMIT:
         return f"{prefix} does not fit shared memory at head size {q.shape[-1]} and block size " \
                f"{k_cache.shape[1]} ({least} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT})"
-    if q.shape[1] > 1 and (spec.causal or spec.is_local):
-        return (f"{prefix} does not yet keep non-finite values of keys hidden from some query rows out of "
-                f"those rows (Sq = {q.shape[1]} > 1 with a causal or sliding-window mask)")
     return None
 
 

@@ -606,6 +606,8 @@ MOSAIC_DECODE_SCENARIOS = {
                                       k_scale=0.05, v_scale=0.02), dict(causal=True)),
     "gqa2-d64-fp8e5m2-sq4-noncausal": (dict(num_queries=4, head_size=64, cache_dtype=jnp.float8_e5m2,
                                             dtype=jnp.float16, k_scale=0.05, v_scale=0.02), dict(causal=False)),
+    "gqa2-d64-sq4-causal": (dict(num_queries=4, head_size=64), dict(causal=True)),
+    "gqa2-d64-sq3-window": (dict(num_queries=3, head_size=64), dict(window_size=(8, 0))),
 }
 
 
@@ -624,10 +626,9 @@ def test_decode_mosaic_gpu(rng, impl, scenario):
     [
         (dict(head_size=64, dtype=jnp.float32), dict(causal=True), "float16 / bfloat16 queries only"),
         (dict(head_size=32), dict(causal=True), "multiple of 64"),
-        (dict(head_size=64, num_queries=2), dict(causal=True), "Sq = 2 > 1"),
-        (dict(head_size=64, num_queries=2), dict(window_size=(8, 0)), "Sq = 2 > 1"),
+        (dict(head_size=64, block_size=48), dict(causal=True), "block size dividing 128"),
     ],
-    ids=["float32", "head32", "sq2-causal", "sq2-window"],
+    ids=["float32", "head32", "block48"],
 )
 def test_decode_mosaic_gpu_refuses_what_it_lacks(rng, build, attention, reason):
     """implementation="mosaic_gpu" raises NotImplementedError naming what the first cut

@@ -474,6 +474,8 @@ MOSAIC_GRID = [
          lowering=MOSAIC, config=MosaicDecodeConfig(tile_keys=128, num_splits=2)),
     Case("mgpu-gqa32-d64-sq3-noncausal-2rowblocks", num_q_heads=64, num_kv_heads=2, head_size=64,
          num_q_tokens=3, causal=False, seqlens=(3, 90, 0), lowering=MOSAIC),
+    Case("mgpu-gqa4-d128-sq4-causal-window-2splits", num_q_tokens=4, window=(50, 0), seqlens=(4, 90, 0, 127),
+         lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
     Case("mgpu-mha-d256-bs64-window", num_q_heads=2, num_kv_heads=2, head_size=256, block_size=64,
          window=(70, 0), seqlens=(200, 64, 1), max_blocks=4, num_blocks=16, lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1)),
@@ -496,9 +498,11 @@ def test_mosaic_matches_reference_in_interpret_mode(case: Case) -> None:
 
 @requires_mosaic_interpret
 def test_mosaic_every_tile_boundary() -> None:
-    """Lengths 0..69 with 64-key stages and a 18-key window: the window start and the
-    sequence end fall on every offset of a stage and of a page."""
-    case = Case("mgpu-boundaries", num_q_heads=2, num_kv_heads=1, head_size=64, seqlens=tuple(range(70)),
+    """Lengths 0..69 with 64-key stages, 3 query tokens and a causal 18-key window: the
+    window start, the causal diagonal and the sequence end fall on every offset of a
+    stage and of a page."""
+    case = Case("mgpu-boundaries", num_q_heads=2, num_kv_heads=1, head_size=64, num_q_tokens=3,
+                seqlens=tuple(range(70)),
                 max_blocks=5, num_blocks=352, window=(18, 0), lowering=MOSAIC,
                 config=MosaicDecodeConfig(num_splits=2, num_stages=2))
     inputs = make_inputs(case, seed=4)
@@ -526,9 +530,7 @@ def test_mosaic_unsupported_reason() -> None:
     causal = AttentionSpec.create(128, causal=True)
     reason = functools.partial(decode.unsupported_reason, spec=causal, lowering=MOSAIC)
     assert reason(q, cache, cache, *rest) is None
-    assert reason(q[:, :1].repeat(3, axis=1), cache, cache, *rest) is not None  # Sq 3, causal
-    assert decode.unsupported_reason(q.repeat(3, axis=1), cache, cache, *rest, spec=AttentionSpec.create(128),
-                                     lowering=MOSAIC) is None  # Sq 3, no mask hides a loaded key
+    assert reason(q.repeat(3, axis=1), cache, cache, *rest) is None  # Sq 3, causal: quarantined in-kernel
     fp8 = cache.astype(jnp.float8_e4m3fn)
     assert reason(q, fp8, fp8, *rest) is None  # upcast in the kernel
     assert "float16 / bfloat16" in reason(q.astype(jnp.float32), cache.astype(jnp.float32),
@@ -538,8 +540,9 @@ def test_mosaic_unsupported_reason() -> None:
     assert "block size dividing 128" in reason(q, odd_block, odd_block, *rest)
     big = jnp.zeros((4, 128, 2, 256), jnp.bfloat16)  # two 128-key stages at D 256: 256 KiB
     assert "shared memory" in reason(q[..., :1].repeat(256, axis=-1), big, big, *rest)
-    with pytest.raises(NotImplementedError, match="Sq = 3"):
-        decode.paged_decode_attention(q.repeat(3, axis=1), cache, cache, *rest, spec=causal, lowering=MOSAIC)
+    f32 = (q.astype(jnp.float32), cache.astype(jnp.float32), cache.astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="float16 / bfloat16"):
+        decode.paged_decode_attention(*f32, *rest, spec=causal, lowering=MOSAIC)
     with pytest.raises(TypeError, match="MosaicDecodeConfig"):
         decode.paged_decode_attention(q, cache, cache, *rest, spec=causal, lowering=MOSAIC, config=DecodeConfig())
 
@@ -587,3 +590,30 @@ def test_mosaic_tiling_plan() -> None:
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(tile_keys=32))
     with pytest.raises(ValueError, match="config.num_stages"):
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(num_stages=1))
+
+
+@pytest.mark.parametrize("interpret", [pytest.param(True, marks=requires_mosaic_interpret),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("cache_dtype,num_splits", [(None, 3), ("float8_e5m2", 1)], ids=["bf16-3splits", "fp8-1split"])
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(cache_dtype, num_splits: int,
+                                                                   interpret: bool) -> None:
+    """The Triton test's scenario through the Mosaic GPU kernel: 3 query tokens, causal
+    window of 20, NaN / inf in K and V at keys that some rows see and others do not, a
+    stale NaN page left of every window; only the rows that see them are non-finite."""
+    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
+
+    nan, inf = float("nan"), float("inf")
+    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
+                                   head_size=64, dtype=jnp.bfloat16, cache_dtype=cache_dtype)
+    problem = poison_keys(problem, {
+        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
+        1: [(10, "k", nan), (32, "v", nan)]})
+    spec = AttentionSpec.create(64, causal=True, window_size=(20, 0))
+    fn = functools.partial(decode.paged_decode_attention, spec=spec, interpret=interpret, lowering=MOSAIC,
+                           config=MosaicDecodeConfig(num_splits=num_splits, num_stages=2))
+    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
+                      None, problem.k_scale, problem.v_scale)
+    attention = dict(causal=True, window_size=(20, 0))
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)

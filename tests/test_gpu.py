@@ -89,6 +89,7 @@ MOSAIC_DECODE_CASES = [
     (8, 1, 16, 16, 64, 32, jnp.float16, dict(softcap=30.0)),
     (8, 1, 8, 1, 128, 16, jnp.bfloat16, dict(alibi=True)),
     (8, 4, 32, 8, 128, 16, jnp.bfloat16, dict(causal=False)),
+    (8, 4, 32, 8, 128, 16, jnp.bfloat16, {}),
     (4, 1, 16, 4, 256, 16, jnp.bfloat16, {}),
     (4, 1, 64, 8, 128, 64, jnp.bfloat16, {}),
     (8, 1, 32, 8, 128, 16, jnp.float8_e4m3fn, {}),

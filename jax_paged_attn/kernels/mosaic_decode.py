@@ -36,6 +36,12 @@ What one program does (grid: KV heads x row blocks, sequences, KV splits; one wa
   shared memory before ``P V``, so NaN / inf garbage in unused page slots never reaches
   an output (a 0 probability would still give ``0 * NaN = NaN``); out-of-range keys'
   K rows only produce scores that the mask replaces;
+* with several query tokens under a causal / window mask, keys in range can be hidden
+  from some rows only; in a tile holding such keys, V rows holding a NaN / inf are set
+  to 0 and flagged, the flags go through shared memory to reach the score tile's column
+  layout, and the rows that see a flagged key get a NaN correction, so their output is
+  NaN and every other row's is not (`kernels.common.quarantine_nonfinite_values`, the
+  Triton kernels' form);
 * with one split it writes the normalized output in q's dtype; with several, its
   normalized f32 partial output and natural log-sum-exp (-inf for a row that saw no
   key), merged by `decode.combine_splits`.
@@ -55,9 +61,8 @@ known performance gap):
   (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form), two
   ``[64, D]`` f32 tiles live at once: at D 256 that is 256 registers per thread and
   will spill;
-* several query tokens with a causal or sliding-window mask are refused: in-range keys
-  hidden from some rows only would need the non-finite quarantine of
-  `kernels.common.quarantine_nonfinite_values`, not done here yet.
+* the block table is read from global memory, one scalar load per page, when a stage
+  is refilled (not staged in shared memory).
 """
 from __future__ import annotations
 
@@ -90,6 +95,14 @@ def interpret_params() -> object:
     if params is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+def _nonfinite_rows(v: Array) -> Array:
+    """bool ``[N]``: row ``n`` of ``v`` ``[N, D]`` holds a NaN / inf. Summed scaled by
+    `common.NONFINITE_SUM_SCALE`, so a sum of finite values stays finite; ``x - x`` is
+    0 for a finite sum, NaN otherwise."""
+    total = (v.astype(jnp.float32) * common.NONFINITE_SUM_SCALE).sum(axis=1)
+    return (total - total) != 0
 
 
 def _upcast(x: Array, dtype) -> Array:
@@ -137,7 +150,8 @@ def _decode_kernel(
     else:
         # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
         o_ref, lse_ref, *scratch = rest
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_barrier, k_barriers, v_barriers, *converted) = scratch
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bad_smem, q_barrier, k_barriers, v_barriers,
+     *converted) = scratch
     # fp8 stages are converted to q's dtype into these before the wgmma ([tile_keys, D]).
     k_conv = converted.pop(0) if k_dequant else None
     v_conv = converted.pop(0) if v_dequant else None
@@ -196,6 +210,17 @@ def _decode_kernel(
             slopes = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes)
     key_row = plgpu.broadcasted_iota(jnp.int32, (tile_keys, q_ref.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
 
+    # Several query tokens under a causal / window mask: keys in range that some rows
+    # cannot see. Keys of [free_lo, free_hi) are seen by every row.
+    quarantine = num_q_tokens > 1 and (spec.causal or spec.is_local)
+    free_lo, free_hi = kv_lo, seq_len
+    if spec.causal:
+        free_hi = seq_len - num_q_tokens + 1
+    elif spec.window_right >= 0:
+        free_hi = jnp.minimum(seq_len, seq_len - num_q_tokens + spec.window_right + 1)
+    if spec.window_left >= 0:
+        free_lo = seq_len - 1 - spec.window_left
+
     score_scale = spec.softmax_scale
     if k_dequant:
         score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
@@ -231,9 +256,8 @@ def _decode_kernel(
         new_max = jnp.maximum(row_max, s.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
-        row_sum = row_sum * correction + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-        p_smem[...] = p.astype(dtype)
+        if not quarantine:
+            p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
         plgpu.barrier_wait(v_barriers.at[slot])
 
         # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
@@ -245,15 +269,46 @@ def _decode_kernel(
             v_key = first_key + key_row
             return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
 
+        def quarantined(v):
+            """``v`` with its non-finite keys' rows set to 0; their flags to `bad_smem`."""
+            bad = _nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
+            bad_smem[...] = jnp.where(bad, 1.0, 0.0)
+            return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
+
+        if quarantine:
+            # Keys of [kv_lo, seq_len) that the mask hides from some rows (several query
+            # tokens): a non-finite value must reach only the rows that see it.
+            partial = edge | (first_key < free_lo) | (first_key + tile_keys > free_hi)
         if v_conv is None:
-            @pl.when(edge)
+            @pl.when(partial if quarantine else edge)
             def _():
-                v_tile[...] = in_range_values(v_tile[...])
+                v = in_range_values(v_tile[...])
+                v_tile[...] = quarantined(v) if quarantine else v
+
+            if quarantine:
+                @pl.when(jnp.logical_not(partial))
+                def _():
+                    # In the layout the other branch stores (a plain splat of 64 would
+                    # need a 128-element strided layout).
+                    bad_smem[...] = plgpu.layout_cast(jnp.zeros((tile_keys,), jnp.float32),
+                                                      plgpu.Layout.WGMMA.reduce(1))
         else:
             # The values pass through registers anyway: mask every tile (the mask is all
             # true away from the edges) rather than branch.
-            v_conv[...] = in_range_values(_upcast(v_tile[...], dtype))
+            v = in_range_values(_upcast(v_tile[...], dtype))
+            v_conv[...] = quarantined(v) if quarantine else v
             v_tile = v_conv
+        if quarantine:
+            plgpu.commit_smem()  # the flags, written by every thread, read back in another layout
+            # [tile_keys], one per column of the scores (the cast right after the load is
+            # the load's layout: a layout_cast of the loaded value, not a relayout).
+            bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
+            sees_bad = jnp.where(visible & (lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0), 1.0, 0.0)
+            # A NaN correction makes the row's output NaN for good (as the reference).
+            correction = jnp.where(sees_bad.max(axis=1) > 0, jnp.nan, correction)
+            p_smem[...] = p.astype(dtype)
+        row_sum = row_sum * correction + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
 
         plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
 
@@ -364,6 +419,7 @@ def paged_decode_call(
         plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
         plgpu.SMEM((rows, min(head_size, plans.MOSAIC_OUTPUT_CHUNK)), out_dtype),  # output rows, a column chunk
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
+        plgpu.SMEM((keys,), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
         plgpu.Barrier(num_arrivals=1),  # Q
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
