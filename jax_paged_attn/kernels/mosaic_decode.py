@@ -61,8 +61,8 @@ known performance gap):
   (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form), two
   ``[64, D]`` f32 tiles live at once: at D 256 that is 256 registers per thread and
   will spill;
-* the block table is read from global memory, one scalar load per page, when a stage
-  is refilled (not staged in shared memory).
+* the block table is read from global memory, one scalar load per page, a step before
+  the refill that uses it (not staged in shared memory).
 """
 from __future__ import annotations
 
@@ -179,15 +179,21 @@ def _decode_kernel(
     tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
     num_steps = jnp.minimum(tile_begin + tiles_per_split, num_tiles) - tile_begin
 
-    def issue(step, slot):
-        """Starts the TMA copies of tile ``tile_begin + step`` into ring slot ``slot``."""
-        first_key = base + (tile_begin + step) * tile_keys
-        for p in range(tiling.pages_per_tile):
-            # Pages past the sequence (or the table) hold no visible key: any in-bounds
-            # page serves; ids outside the cache (unvalidated tables under jit) are
-            # clamped, never followed.
-            col = jnp.minimum(lax.div(first_key, jnp.int32(block_size)) + p, max_blocks - 1)
-            page = jnp.clip(block_table_ref[seq, col], 0, num_pages - 1)
+    def page_ids(step) -> tuple:
+        """The cache pages of tile ``tile_begin + step``, one i32 scalar per page.
+
+        Pages past the sequence (or the table) hold no visible key: any in-bounds page
+        serves, so the table column is clamped (a step past the last reads the table's
+        last entry, harmlessly); ids outside the cache (unvalidated tables under jit)
+        are clamped, never followed.
+        """
+        first_col = lax.div(base, jnp.int32(block_size)) + (tile_begin + step) * tiling.pages_per_tile
+        return tuple(jnp.clip(block_table_ref[seq, jnp.minimum(first_col + p, max_blocks - 1)], 0, num_pages - 1)
+                     for p in range(tiling.pages_per_tile))
+
+    def issue(slot, pages: tuple):
+        """Starts the TMA copies of the tile of ``pages`` into ring slot ``slot``."""
+        for p, page in enumerate(pages):
             dst = pl.ds(p * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, :, kv_head, :], k_smem.at[slot, dst],
                                     k_barriers.at[slot])
@@ -195,7 +201,7 @@ def _decode_kernel(
                                     v_barriers.at[slot])
 
     for s in range(stages):
-        pl.when(s < num_steps)(functools.partial(issue, s, s))
+        pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
 
     # Per-element row / key coordinates of a [64, tile_keys] score tile.
     row = row_block * rows + plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), 0, layout=plgpu.Layout.WGMMA)
@@ -227,7 +233,8 @@ def _decode_kernel(
     plgpu.barrier_wait(q_barrier)
 
     def step_fn(step, carry):
-        acc, row_max, row_sum = carry  # f32[64, D], f32[64], f32[64]
+        # f32[64, D], f32[64], f32[64], the pages of tile step + stages (i32 scalars)
+        acc, row_max, row_sum, pages = carry
         slot = lax.rem(step, jnp.int32(stages))
         first_key = base + (tile_begin + step) * tile_keys
         plgpu.barrier_wait(k_barriers.at[slot])
@@ -320,8 +327,10 @@ def _decode_kernel(
         # (in place, one [64, D] f32 tile fewer in registers): Mosaic GPU interpret mode
         # cannot run run_state, and the tests run this same code there.
         acc = acc + pl.run_scoped(pv, plgpu.ACC((rows, acc.shape[1]), jnp.float32))
-        pl.when(step + stages < num_steps)(lambda: issue(step + stages, slot))
-        return acc, new_max, row_sum
+        pl.when(step + stages < num_steps)(lambda: issue(slot, pages))
+        # The ids of the next refill are loaded a step early: its TMA copies then wait
+        # for no global load (a scalar load per page would stall every step).
+        return acc, new_max, row_sum, page_ids(step + stages + 1)
 
     head_size = q_ref.shape[-1]
     carry = (
@@ -329,7 +338,7 @@ def _decode_kernel(
         plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
     )
-    acc, row_max, row_sum = lax.fori_loop(0, num_steps, step_fn, carry)
+    acc, row_max, row_sum, _ = lax.fori_loop(0, num_steps, step_fn, (*carry, page_ids(stages)))
 
     # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
     seen = row_sum > 0
