@@ -36,6 +36,7 @@ __all__ = [
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
+    "mosaic_output_chunk",
 ]
 
 LOG2E = math.log2(math.e)
@@ -462,7 +463,15 @@ are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
 
 
 MOSAIC_OUTPUT_CHUNK = 128
-"""Output columns the Mosaic GPU decode kernel stages in shared memory at a time."""
+"""Most output columns the Mosaic GPU decode kernel accumulates and stores as one chunk."""
+
+
+def mosaic_output_chunk(head_size: int) -> int:
+    """Output columns per chunk of the Mosaic GPU decode kernel: the whole head up to
+    `MOSAIC_OUTPUT_CHUNK`, else the largest of 128 / 64 dividing it (D 192: 64)."""
+    if head_size <= MOSAIC_OUTPUT_CHUNK:
+        return head_size
+    return MOSAIC_OUTPUT_CHUNK if head_size % MOSAIC_OUTPUT_CHUNK == 0 else MOSAIC_HEAD_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,7 +509,7 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     k_size, v_size = cache_itemsizes or (itemsize, itemsize)
     ring = num_stages * tile_keys * head_size * (k_size + v_size)
     ring += sum(tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize)
-    out = rows * min(head_size, MOSAIC_OUTPUT_CHUNK) * out_itemsize
+    out = rows * mosaic_output_chunk(head_size) * out_itemsize
     return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + out + rows * 4 + 1024
 
 

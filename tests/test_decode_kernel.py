@@ -484,6 +484,8 @@ MOSAIC_GRID = [
          config=MosaicDecodeConfig(num_splits=2)),
     Case("mgpu-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC),
+    Case("mgpu-gqa2-d192-fp8e4m3-2splits", num_q_heads=4, head_size=192, cache_dtype="float8_e4m3fn",
+         seqlens=(100, 1, 37), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
 ]
 
 
@@ -586,6 +588,7 @@ def test_mosaic_tiling_plan() -> None:
         t.tile_keys, 256, 2, t.num_stages, 2 if t.num_splits == 1 else 4) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
     t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
     assert (t.tile_keys, t.pages_per_tile) == (128, 1)
+    assert [plans.mosaic_output_chunk(d) for d in (64, 128, 192, 256)] == [64, 128, 64, 128]
     with pytest.raises(ValueError, match="config.tile_keys"):
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(tile_keys=32))
     with pytest.raises(ValueError, match="config.num_stages"):

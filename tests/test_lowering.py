@@ -118,10 +118,12 @@ MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
         (jnp.bfloat16, 128, 64, 32, 3, dict(causal=False, splits=True)),  # 96 rows: two row blocks
         (jnp.bfloat16, 128, 16, 4, 3, dict(causal=True, window_size=(30, 0))),  # non-finite quarantine
         (jnp.float16, 256, 32, 2, 2, dict(window_size=(40, 3), splits=True)),
+        (jnp.bfloat16, 192, 16, 4, 1, dict(causal=True, splits=True)),  # output in 64-column chunks
     ],
     ids=["bf16-d64-bs16-g1", "f16-d128-bs32-g4-window-softcap-alibi", "bf16-d256-bs16-g8",
          "bf16-d128-bs16-g4-splits", "f16-d64-bs32-g8-sq4", "bf16-d128-bs64-g32-sq3-rowblocks-splits",
-         "bf16-d128-bs16-g4-sq3-causal-window", "f16-d256-bs32-g2-sq2-two-sided-window-splits"],
+         "bf16-d128-bs16-g4-sq3-causal-window", "f16-d256-bs32-g2-sq2-two-sided-window-splits",
+         "bf16-d192-bs16-g4-splits"],
 )
 def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group, num_q_tokens, options):
     """implementation="mosaic_gpu" lowers for CUDA to one Mosaic GPU kernel (no Triton
@@ -151,8 +153,8 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
 @pytest.mark.parametrize(
     "q_dtype,cache_dtype,head_size,block_size",
     [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),
-     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32)],
-    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32"],
+     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32), (jnp.bfloat16, jnp.float8_e4m3fn, 192, 16)],
+    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32", "bf16-e4m3-d192"],
 )
 def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_size, block_size):
     """fp8 pages arrive as fp8 and are upcast in the kernel (to bf16 through f32, which

@@ -58,9 +58,10 @@ known performance gap):
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
   (wgmma would compute in TF32); head sizes must be multiples of 64;
 * ``O += P V`` lands in a fresh accumulator added to the running one in registers
-  (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form), two
-  ``[64, D]`` f32 tiles live at once: at D 256 that is 256 registers per thread and
-  will spill;
+  (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form); the output
+  is kept in column chunks (`plans.mosaic_output_chunk`: up to 128) and computed one
+  chunk at a time, so the extra accumulator is ``[64, 128]`` (64 registers per thread), but at D
+  256 the running output alone is 128 registers per thread: spills are possible;
 * the block table is read from global memory, one scalar load per page, a step before
   the refill that uses it (not staged in shared memory).
 """
@@ -115,8 +116,9 @@ def _upcast(x: Array, dtype) -> Array:
 
 def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
     """Tiling and swizzle of a shared-memory operand whose rows are ``row_elements``
-    long: 128-byte swizzle, or 64 bytes for a 64-element fp8 row."""
-    swizzle = min(_SWIZZLE_BYTES, row_elements * itemsize)
+    long: the widest swizzle (128, 64 or 32 bytes) whose tile width divides the row
+    (fp8 rows of 64 or 192 elements take 64 bytes)."""
+    swizzle = next(b for b in (_SWIZZLE_BYTES, 64, 32) if row_elements % (b // itemsize) == 0)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -227,6 +229,9 @@ def _decode_kernel(
     if spec.window_left >= 0:
         free_lo = seq_len - 1 - spec.window_left
 
+    head_size = q_ref.shape[-1]
+    chunk = o_smem.shape[1]  # output columns per accumulator chunk (`plans.mosaic_output_chunk`)
+
     score_scale = spec.softmax_scale
     if k_dequant:
         score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
@@ -234,7 +239,7 @@ def _decode_kernel(
 
     def step_fn(step, carry):
         # f32[64, D], f32[64], f32[64], the pages of tile step + stages (i32 scalars)
-        acc, row_max, row_sum, pages = carry
+        acc, row_max, row_sum, pages = carry  # acc: a tuple of [64, chunk] column chunks
         slot = lax.rem(step, jnp.int32(stages))
         first_key = base + (tile_begin + step) * tile_keys
         plgpu.barrier_wait(k_barriers.at[slot])
@@ -315,26 +320,27 @@ def _decode_kernel(
             correction = jnp.where(sees_bad.max(axis=1) > 0, jnp.nan, correction)
             p_smem[...] = p.astype(dtype)
         row_sum = row_sum * correction + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+        acc = tuple(a * lax.broadcast_in_dim(correction, a.shape, [0]) for a in acc)
 
         plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_tile)
+        def pv(c, acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(c * chunk, chunk)])
             return acc_ref[...]  # waits for the wgmma: the slot is free again
 
         # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
-        # (in place, one [64, D] f32 tile fewer in registers): Mosaic GPU interpret mode
-        # cannot run run_state, and the tests run this same code there.
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((rows, acc.shape[1]), jnp.float32))
+        # (in place, one [64, chunk] f32 tile fewer in registers): Mosaic GPU interpret
+        # mode cannot run run_state, and the tests run this same code there.
+        acc = tuple(a + pl.run_scoped(functools.partial(pv, c), plgpu.ACC((rows, chunk), jnp.float32))
+                    for c, a in enumerate(acc))
         pl.when(step + stages < num_steps)(lambda: issue(slot, pages))
         # The ids of the next refill are loaded a step early: its TMA copies then wait
         # for no global load (a scalar load per page would stall every step).
         return acc, new_max, row_sum, page_ids(step + stages + 1)
 
-    head_size = q_ref.shape[-1]
     carry = (
-        plgpu.layout_cast(jnp.zeros((rows, head_size), jnp.float32), plgpu.Layout.WGMMA),
+        tuple(plgpu.layout_cast(jnp.zeros((rows, chunk), jnp.float32), plgpu.Layout.WGMMA)
+              for _ in range(head_size // chunk)),
         plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
     )
@@ -346,17 +352,15 @@ def _decode_kernel(
     inv_sum = 1.0 / safe_sum
     if v_dequant:
         inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
-    out = acc * lax.broadcast_in_dim(inv_sum, acc.shape, [0])
     o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
     if lse_ref is not None:
         lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-    # The output leaves through a [64, chunk] buffer, chunk columns at a time: a whole
-    # f32 [64, 256] tile would not fit beside the ring at D 256.
-    chunk = o_smem.shape[1]
-    for c in range(head_size // chunk):
+    # The output leaves through a [64, chunk] buffer, a chunk at a time: a whole f32
+    # [64, 256] tile would not fit beside the ring at D 256.
+    for c, a in enumerate(acc):
         if c:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
-        o_smem[...] = out[:, c * chunk:(c + 1) * chunk].astype(o_smem.dtype)
+        o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(c * chunk, chunk)])
         if c == 0 and lse_ref is not None:
@@ -426,7 +430,7 @@ def paged_decode_call(
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
         plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
-        plgpu.SMEM((rows, min(head_size, plans.MOSAIC_OUTPUT_CHUNK)), out_dtype),  # output rows, a column chunk
+        plgpu.SMEM((rows, plans.mosaic_output_chunk(head_size)), out_dtype),  # output rows, a column chunk
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.SMEM((keys,), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
         plgpu.Barrier(num_arrivals=1),  # Q
