@@ -8,7 +8,9 @@ names for this lowering.
 
 FIRST CUT, UNMEASURED ON THE GPU: it has been cross-lowered for CUDA on a CPU host (the
 module holds a ``mosaic_gpu`` custom call) but never compiled by ptxas nor run on an
-H200; its speed is unknown.
+H200; its speed is unknown. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
+interpreter has no rule for ``layout_cast`` and no transposed wgmma operands); the
+tests skip those runs on older jax with that reason.
 
 What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup):
 
@@ -20,9 +22,10 @@ What one program does (grid: KV heads x row blocks, sequences, KV splits; one wa
   shared-memory stages of ``tile_keys`` keys: each stage is ``pages_per_tile`` TMA copies
   of one page of one KV head (``block_size x D``, contiguous rows ``Hk * D`` apart in the
   vLLM layout) for K and as many for V, the page ids read from the block table in global
-  memory; a stage's copies complete one barrier for K and one for V, and the stage is
-  refilled with the tile ``num_stages`` ahead as soon as its math is done, so
-  ``num_stages - 1`` tiles stay in flight while one is computed;
+  memory a step before the copies that use them; a stage's copies complete one barrier
+  for K and one for V, and the stage is refilled with the tile ``num_stages`` ahead as
+  soon as its math is done, so ``num_stages - 1`` tiles stay in flight while one is
+  computed;
 * ``S = Q K^T`` is one wgmma (K^T is a transposed view of the K stage, no copy); the
   online softmax runs in base 2 (``exp2``) on the f32 scores in registers; ``P`` is
   stored to shared memory in q's dtype and ``O += P V`` is a second wgmma;
@@ -56,14 +59,16 @@ known performance gap):
   the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
-  (wgmma would compute in TF32); head sizes must be multiples of 64;
+  (wgmma would compute in TF32); head sizes must be multiples of 64 and block sizes
+  divide 128 (whole pages per stage);
 * ``O += P V`` lands in a fresh accumulator added to the running one in registers
   (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form); the output
   is kept in column chunks (`plans.mosaic_output_chunk`: up to 128) and computed one
-  chunk at a time, so the extra accumulator is ``[64, 128]`` (64 registers per thread), but at D
-  256 the running output alone is 128 registers per thread: spills are possible;
-* the block table is read from global memory, one scalar load per page, a step before
-  the refill that uses it (not staged in shared memory).
+  chunk at a time, so the extra accumulator is ``[64, 128]`` (64 registers per
+  thread), but at D 256 the running output alone is 128 registers per thread: spills
+  are possible;
+* the block table is read from global memory, one scalar load per page (not staged in
+  shared memory); padding query rows are computed and written like real ones.
 """
 from __future__ import annotations
 
