@@ -54,7 +54,7 @@ def unsupported_reason(
     Looks only at shapes, dtypes and `spec` (it runs at trace time). The public API
     has already rejected malformed inputs; this only reports what the kernel lacks.
     """
-    del cache_seqlens, alibi_slopes, k_scale, v_scale  # every value is supported
+    del cache_seqlens, alibi_slopes, k_scale, v_scale, spec  # every value and option is supported
     if lowering not in LOWERINGS:
         return f"the decode kernel has no {lowering!r} lowering (available: {LOWERINGS})"
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4 or block_table.ndim != 2:
@@ -74,7 +74,7 @@ def unsupported_reason(
     if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
         return "the query heads are not a multiple of the KV heads"
     if lowering == MOSAIC_GPU:
-        return _mosaic_unsupported_reason(q, k_cache, v_cache, spec)
+        return _mosaic_unsupported_reason(q, k_cache, v_cache)
     return None
 
 
@@ -82,7 +82,7 @@ def _mosaic_cache_itemsizes(k_cache: Array | CachePlane, v_cache: Array | CacheP
     return jnp.dtype(k_cache.dtype).itemsize, jnp.dtype(v_cache.dtype).itemsize
 
 
-def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array, spec: AttentionSpec) -> str | None:
+def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array) -> str | None:
     """What the Mosaic GPU first cut (`kernels.mosaic_decode`) lacks, beyond the Triton tier's limits."""
     prefix = "the Mosaic GPU decode kernel"
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
