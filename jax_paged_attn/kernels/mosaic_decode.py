@@ -210,18 +210,27 @@ def _decode_kernel(
     for s in range(stages):
         pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
 
-    # Per-element row / key coordinates of a [64, tile_keys] score tile.
-    row = row_block * rows + plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), 0, layout=plgpu.Layout.WGMMA)
-    col = plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), 1, layout=plgpu.Layout.WGMMA)
-    q_tok = lax.div(row, jnp.int32(group_size))
-    slopes = None
+    def score_iota(dimension: int) -> Array:
+        """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
+        return plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), dimension, layout=plgpu.Layout.WGMMA)
+
+    def query_tokens():
+        """Each score row's query token (row ``r`` is token ``r // G``). With one token,
+        0 for every row: padding rows then attend like real ones and are dropped."""
+        if num_q_tokens == 1:
+            return jnp.int32(0)
+        return lax.div(row_block * rows + score_iota(0), jnp.int32(group_size))
+
+    # Only [64]-row vectors and scalars live across the loop: [64, tile_keys] index tiles
+    # are rebuilt in each step (cheap integer work) rather than held in registers.
+    slopes = None  # f32[64] per row, in the score tile's row layout
     if alibi_ref is not None:
-        # Row r's slope is its query head's (r % G): G selects, once per program.
-        head_in_group = lax.rem(row, jnp.int32(group_size))
-        slopes = jnp.zeros((rows, tile_keys), jnp.float32)
+        # Row r's slope is its query head's (r % G): G selects once, then one value per row.
+        head_in_group = lax.rem(row_block * rows + score_iota(0), jnp.int32(group_size))
+        slopes_2d = jnp.zeros((rows, tile_keys), jnp.float32)
         for g in range(group_size):
-            slopes = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes)
-    key_row = plgpu.broadcasted_iota(jnp.int32, (tile_keys, q_ref.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
+            slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
+        slopes = slopes_2d.max(axis=1)  # every column holds the row's slope
 
     # Several query tokens under a causal / window mask: keys in range that some rows
     # cannot see. Keys of [free_lo, free_hi) are seen by every row.
@@ -265,9 +274,11 @@ def _decode_kernel(
             s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
         else:
             s = s * (score_scale * LOG2E)
-        key = first_key + col
+        key = first_key + score_iota(1)
+        q_tok = query_tokens()
         if slopes is not None:
-            s = s - slopes * reference.alibi_distance(q_tok, key, num_q_tokens, seq_len)
+            dist = reference.alibi_distance(q_tok, key, num_q_tokens, seq_len)
+            s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
         visible = reference.key_visible(q_tok, key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
         s = jnp.where(visible, s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(axis=1))
@@ -283,7 +294,7 @@ def _decode_kernel(
         v_tile = v_smem.at[slot]
 
         def in_range_values(v):
-            v_key = first_key + key_row
+            v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
             return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
 
         def quarantined(v):
