@@ -36,7 +36,7 @@ __all__ = [
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
-    "mosaic_output_chunk",
+    "mosaic_output_chunk", "mosaic_store_chunk",
 ]
 
 LOG2E = math.log2(math.e)
@@ -467,11 +467,19 @@ MOSAIC_OUTPUT_CHUNK = 128
 
 
 def mosaic_output_chunk(head_size: int) -> int:
-    """Output columns per chunk of the Mosaic GPU decode kernel: the whole head up to
-    `MOSAIC_OUTPUT_CHUNK`, else the largest of 128 / 64 dividing it (D 192: 64)."""
+    """Output columns per accumulator chunk of the Mosaic GPU decode kernel: the whole
+    head up to `MOSAIC_OUTPUT_CHUNK`, else the largest of 128 / 64 dividing it (D 192: 64)."""
     if head_size <= MOSAIC_OUTPUT_CHUNK:
         return head_size
     return MOSAIC_OUTPUT_CHUNK if head_size % MOSAIC_OUTPUT_CHUNK == 0 else MOSAIC_HEAD_MULTIPLE
+
+
+def mosaic_store_chunk(head_size: int, out_itemsize: int) -> int:
+    """Output columns the Mosaic GPU decode kernel stages in shared memory per store: an
+    accumulator chunk, split to 64 columns for f32 partials (16 KiB instead of 32: at D
+    128 with two 64-key stages the kernel then takes ~105 KiB, so two fit an SM)."""
+    chunk = mosaic_output_chunk(head_size)
+    return min(chunk, MOSAIC_HEAD_MULTIPLE) if out_itemsize == 4 else chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,7 +517,7 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     k_size, v_size = cache_itemsizes or (itemsize, itemsize)
     ring = num_stages * tile_keys * head_size * (k_size + v_size)
     ring += sum(tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize)
-    out = rows * mosaic_output_chunk(head_size) * out_itemsize
+    out = rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize
     return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + out + rows * 4 + 1024
 
 

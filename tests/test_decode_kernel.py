@@ -4,8 +4,8 @@ first cut) against the reference.
 Every kernel run here is in Pallas interpret mode on the CPU; cross-lowering for CUDA
 checks that the Triton lowering accepts the kernel. The Mosaic GPU kernel's interpret-mode
 runs need jax >= 0.11 (`conftest.requires_mosaic_interpret`, skipped with the reason
-otherwise); its cross-lowering tests are in tests/test_lowering.py. Unused cache pages are filled
-with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
+otherwise); its cross-lowering tests are in tests/test_lowering.py. Unused cache pages
+are filled with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
 reads outside a sequence's keys shows up as NaN or as a wrong value.
 
 Tolerance (FlashAttention-3 style): the kernel's error against the float32 reference
@@ -504,8 +504,7 @@ def test_mosaic_every_tile_boundary() -> None:
     window start, the causal diagonal and the sequence end fall on every offset of a
     stage and of a page."""
     case = Case("mgpu-boundaries", num_q_heads=2, num_kv_heads=1, head_size=64, num_q_tokens=3,
-                seqlens=tuple(range(70)),
-                max_blocks=5, num_blocks=352, window=(18, 0), lowering=MOSAIC,
+                seqlens=tuple(range(70)), max_blocks=5, num_blocks=352, window=(18, 0), lowering=MOSAIC,
                 config=MosaicDecodeConfig(num_splits=2, num_stages=2))
     inputs = make_inputs(case, seed=4)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
@@ -589,6 +588,9 @@ def test_mosaic_tiling_plan() -> None:
     t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
     assert (t.tile_keys, t.pages_per_tile) == (128, 1)
     assert [plans.mosaic_output_chunk(d) for d in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    assert [plans.mosaic_store_chunk(128, size) for size in (2, 4)] == [128, 64]
+    # D 128 bf16, two 64-key stages, f32 partials: two programs fit an H200 SM (228 KiB).
+    assert 2 * (plans.estimate_mosaic_decode_shared_memory(64, 128, 2, 2, 4) + 1024) <= 228 * 1024
     with pytest.raises(ValueError, match="config.tile_keys"):
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(tile_keys=32))
     with pytest.raises(ValueError, match="config.num_stages"):

@@ -244,7 +244,7 @@ def _decode_kernel(
         free_lo = seq_len - 1 - spec.window_left
 
     head_size = q_ref.shape[-1]
-    chunk = o_smem.shape[1]  # output columns per accumulator chunk (`plans.mosaic_output_chunk`)
+    chunk = plans.mosaic_output_chunk(head_size)  # output columns per accumulator chunk
 
     score_scale = spec.softmax_scale
     if k_dequant:
@@ -371,15 +371,19 @@ def _decode_kernel(
     o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
     if lse_ref is not None:
         lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-    # The output leaves through a [64, chunk] buffer, a chunk at a time: a whole f32
-    # [64, 256] tile would not fit beside the ring at D 256.
-    for c, a in enumerate(acc):
-        if c:
+    # The output leaves through a [64, store] buffer (`plans.mosaic_store_chunk`), a
+    # store's columns at a time: a whole f32 [64, 256] tile would not fit beside the ring.
+    store = o_smem.shape[1]
+    for i, col0 in enumerate(range(0, head_size, store)):
+        a = acc[col0 // chunk]
+        if store < chunk:
+            a = a[:, col0 % chunk:col0 % chunk + store]
+        if i:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
         o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(c * chunk, chunk)])
-        if c == 0 and lse_ref is not None:
+        plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(col0, store)])
+        if i == 0 and lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
     plgpu.wait_smem_to_gmem(0)
 
@@ -446,7 +450,8 @@ def paged_decode_call(
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
         plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
-        plgpu.SMEM((rows, plans.mosaic_output_chunk(head_size)), out_dtype),  # output rows, a column chunk
+        # output rows, a column chunk at a time
+        plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.SMEM((keys,), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
         plgpu.Barrier(num_arrivals=1),  # Q
