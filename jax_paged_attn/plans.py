@@ -511,14 +511,17 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
     caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffer of
     each fp8 operand, the query tile, the probabilities tile, the output buffer
-    (`MOSAIC_OUTPUT_CHUNK` columns at most; ``out_itemsize``: q's for one split, 4 for
-    f32 partials), the log-sum-exp row and the barriers."""
+    (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
+    partials), the log-sum-exp row, the non-finite key flags and the three barrier
+    arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch buffer."""
     rows = MOSAIC_DECODE_ROWS
     k_size, v_size = cache_itemsizes or (itemsize, itemsize)
-    ring = num_stages * tile_keys * head_size * (k_size + v_size)
-    ring += sum(tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize)
-    out = rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize
-    return ring + rows * head_size * itemsize + rows * tile_keys * itemsize + out + rows * 4 + 1024
+    buffers = [num_stages * tile_keys * head_size * k_size, num_stages * tile_keys * head_size * v_size]
+    buffers += [tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize]
+    buffers += [rows * head_size * itemsize, rows * tile_keys * itemsize,
+                rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, tile_keys * 4]
+    buffers += [8 * num_stages] * 2 + [8]  # mbarriers
+    return sum(-(-size // 1024) * 1024 for size in buffers)
 
 
 def plan_mosaic_decode_tiling(
