@@ -476,6 +476,8 @@ MOSAIC_GRID = [
          num_q_tokens=3, causal=False, seqlens=(3, 90, 0), lowering=MOSAIC),
     Case("mgpu-gqa4-d128-sq4-causal-window-2splits", num_q_tokens=4, window=(50, 0), seqlens=(4, 90, 0, 127),
          lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+    Case("mgpu-gqa4-d64-sq2-two-sided-window", head_size=64, num_q_tokens=2, causal=False, window=(30, 5),
+         seqlens=(2, 90, 0, 127), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
     Case("mgpu-mha-d256-bs64-window", num_q_heads=2, num_kv_heads=2, head_size=256, block_size=64,
          window=(70, 0), seqlens=(200, 64, 1), max_blocks=4, num_blocks=16, lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1)),

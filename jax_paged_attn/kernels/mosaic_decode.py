@@ -232,8 +232,9 @@ def _decode_kernel(
             slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
         slopes = slopes_2d.max(axis=1)  # every column holds the row's slope
 
-    # Several query tokens under a causal / window mask: keys in range that some rows
-    # cannot see. Keys of [free_lo, free_hi) are seen by every row.
+    # Keys of [free_lo, free_hi) are in range and seen by every query row. With several
+    # query tokens under a causal / window mask, keys in range can be hidden from some
+    # rows only (`quarantine`).
     quarantine = num_q_tokens > 1 and (spec.causal or spec.is_local)
     free_lo, free_hi = kv_lo, seq_len
     if spec.causal:
@@ -274,13 +275,21 @@ def _decode_kernel(
             s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
         else:
             s = s * (score_scale * LOG2E)
-        key = first_key + score_iota(1)
-        q_tok = query_tokens()
         if slopes is not None:
-            dist = reference.alibi_distance(q_tok, key, num_q_tokens, seq_len)
+            dist = reference.alibi_distance(query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len)
             s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
-        visible = reference.key_visible(q_tok, key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
-        s = jnp.where(visible, s, -jnp.inf)
+
+        def visible():
+            """bool [64, tile_keys]: the mask (causal / window, sequence end, kv_lo)."""
+            key = first_key + score_iota(1)
+            return reference.key_visible(query_tokens(), key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
+
+        # Only tiles reaching outside [free_lo, free_hi) (keys every row sees, all in
+        # range) build the mask: the first tile of a window, the last of a sequence, the
+        # causal diagonal of several query tokens. The others skip its ~10 integer
+        # operations per score.
+        masked = (first_key < free_lo) | (first_key + tile_keys > free_hi)
+        s = lax.cond(masked, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
         new_max = jnp.maximum(row_max, s.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
@@ -303,37 +312,43 @@ def _decode_kernel(
             bad_smem[...] = jnp.where(bad, 1.0, 0.0)
             return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
 
-        if quarantine:
-            # Keys of [kv_lo, seq_len) that the mask hides from some rows (several query
-            # tokens): a non-finite value must reach only the rows that see it.
-            partial = edge | (first_key < free_lo) | (first_key + tile_keys > free_hi)
+        # With several query tokens under a causal / window mask, a masked tile's keys
+        # in [kv_lo, seq_len) may be hidden from some rows only: a non-finite value must
+        # reach only the rows that see it (in other tiles every row sees every key).
         if v_conv is None:
-            @pl.when(partial if quarantine else edge)
+            @pl.when(masked if quarantine else edge)  # masked includes every edge tile
             def _():
                 v = in_range_values(v_tile[...])
                 v_tile[...] = quarantined(v) if quarantine else v
-
-            if quarantine:
-                @pl.when(jnp.logical_not(partial))
-                def _():
-                    # In the layout the other branch stores (a plain splat of 64 would
-                    # need a 128-element strided layout).
-                    bad_smem[...] = plgpu.layout_cast(jnp.zeros((tile_keys,), jnp.float32),
-                                                      plgpu.Layout.WGMMA.reduce(1))
         else:
-            # The values pass through registers anyway: mask every tile (the mask is all
-            # true away from the edges) rather than branch.
+            # The values pass through registers anyway: zero the out-of-range rows in
+            # every tile (no key is out of range away from the edges) rather than branch.
             v = in_range_values(_upcast(v_tile[...], dtype))
-            v_conv[...] = quarantined(v) if quarantine else v
+            if quarantine:
+                @pl.when(masked)
+                def _():
+                    v_conv[...] = quarantined(v)
+
+                @pl.when(jnp.logical_not(masked))
+                def _():
+                    v_conv[...] = v
+            else:
+                v_conv[...] = v
             v_tile = v_conv
         if quarantine:
             plgpu.commit_smem()  # the flags, written by every thread, read back in another layout
-            # [tile_keys], one per column of the scores (the cast right after the load is
-            # the load's layout: a layout_cast of the loaded value, not a relayout).
-            bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
-            sees_bad = jnp.where(visible & (lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0), 1.0, 0.0)
-            # A NaN correction makes the row's output NaN for good (as the reference).
-            correction = jnp.where(sees_bad.max(axis=1) > 0, jnp.nan, correction)
+
+            def poison_rows(correction):
+                """A NaN correction for the rows that see a flagged key: their output is
+                then NaN for good, as the reference's."""
+                # [tile_keys], one per column of the scores (a layout_cast right after a
+                # load is the load's layout, not a relayout).
+                bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
+                flagged = lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0
+                sees_bad = jnp.where(visible() & flagged, 1.0, 0.0).max(axis=1) > 0
+                return jnp.where(sees_bad, jnp.nan, correction)
+
+            correction = lax.cond(masked, poison_rows, lambda c: c, correction)
             p_smem[...] = p.astype(dtype)
         row_sum = row_sum * correction + p.sum(axis=1)
         acc = tuple(a * lax.broadcast_in_dim(correction, a.shape, [0]) for a in acc)
