@@ -33,8 +33,10 @@ What one program does (grid: KV heads x row blocks, sequences, KV splits; one wa
   through registers into a second shared-memory buffer before its wgmma (Hopper's
   wgmma takes fp8 only with fp8 on both sides); ``k_scale`` multiplies the score scale
   and ``v_scale`` the final normalization;
-* masking: every tile applies the bottom-right causal / window mask and the sequence
-  end to its scores; in a tile holding keys outside ``[kv_lo, seq_len)`` (the first
+* masking: a tile holding keys that some row may not see (the first tile of a window,
+  the last of a sequence, the causal diagonal of several query tokens) applies the
+  bottom-right causal / window mask and the sequence end to its scores, the others
+  skip it (a branch); in a tile holding keys outside ``[kv_lo, seq_len)`` (the first
   tile of a window, the last tile of the sequence) those keys' V rows are set to 0 in
   shared memory before ``P V``, so NaN / inf garbage in unused page slots never reaches
   an output (a 0 probability would still give ``0 * NaN = NaN``); out-of-range keys'
