@@ -19,6 +19,7 @@ import jax_paged_attn as jpa
 from jax_paged_attn.kv_view import cache_planes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
 def _cuda_text(fn, *args) -> str:
@@ -42,6 +43,7 @@ def test_decode_lowers_to_triton_kernel(head_size, cache_dtype):
         q, k, v, lens, table,
     )
     assert TRITON_CALL in text
+    assert not MOSAIC_CALL.search(text)  # auto stays on Triton until the Mosaic GPU kernel is measured
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -103,8 +105,6 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     assert plane_rows not in text
     assert f"tensor<{num_blocks}x{block_size}x{hk}x{d}xbf16>" not in text  # no slice of a plane
 
-
-MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
 @pytest.mark.parametrize(
