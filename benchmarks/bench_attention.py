@@ -677,6 +677,39 @@ def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
                         lambda o: to_numpy(o)[:, 0])
 
 
+def mosaic_decode_grid(quick: bool) -> list[Any]:
+    """MosaicDecodeConfigs the ours_mosaic_gpu peer sweeps, the package default first:
+    (tile_keys, num_stages, target_programs). Unmeasured starting points: stage depth
+    (bytes in flight per program) against programs per SM (shared memory ~ num_stages *
+    2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB)."""
+    from jax_paged_attn.tuning import MosaicDecodeConfig
+
+    choices = ((64, 3, 1024), (128, 2, 1024)) if quick else (
+        (64, 2, 1024), (64, 3, 1024), (64, 6, 1024), (128, 2, 1024), (128, 3, 1024),
+        (64, 4, 512), (64, 4, 2048), (64, 4, 4096),
+    )
+    grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p) for t, st, p in choices]
+    return list(dict.fromkeys([MosaicDecodeConfig()] + grid))
+
+
+def decode_ours_mosaic_gpu(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
+    """Our decode kernel's Mosaic GPU lowering (`decode.paged_decode_attention`,
+    lowering='mosaic_gpu'), best of `mosaic_decode_grid` (every config's time is kept in
+    the row's sweep), checked against ours (the Triton tier unless --ours-impl)."""
+    from jax_paged_attn import decode
+    from jax_paged_attn.spec import AttentionSpec
+
+    spec = AttentionSpec.create(case.head_dim, causal=True)
+    scale = jnp.ones((), jnp.float32)
+
+    def make_call(config):
+        fn = jax.jit(functools.partial(decode.paged_decode_attention, spec=spec, lowering="mosaic_gpu",
+                                       interpret=ctx.interpret, config=config))
+        return lambda: fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, None, scale, scale)
+
+    return ctx.sweep(mosaic_decode_grid(ctx.quick), make_call, repr, lambda o: to_numpy(o)[:, 0])
+
+
 def stock_paged_grid(pages_per_seq: int, quick: bool) -> list[tuple[int, int]]:
     """(k_splits, pages_per_compute_block) pairs the stock kernel accepts for this length.
 
@@ -819,6 +852,9 @@ def decode_torch_varlen_paged(ctx: Context, case: DecodeCase, x: DecodeInputs) -
 DECODE_IMPLS = (
     Impl("ours", "jax_paged_attn.flash_attn_with_kvcache (implementation='triton' unless --ours-impl), "
                  "vLLM cache layout, permuted block table", decode_ours, is_ours=True),
+    Impl("ours_mosaic_gpu", "our decode kernel's Mosaic GPU lowering (first cut; what "
+                            "implementation='mosaic_gpu' runs), best of a MosaicDecodeConfig sweep, same inputs "
+                            "as ours", decode_ours_mosaic_gpu),
     Impl("stock_pallas", "jax.experimental.pallas.ops.gpu.paged_attention, layout [Hk, pages, page, D], "
                          "best of a k_splits × pages_per_compute_block sweep (q pre-scaled: it takes no scale)",
          decode_stock_pallas),

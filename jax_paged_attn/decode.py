@@ -4,7 +4,11 @@ The lowering-independent half of the decode kernel: the static support check, th
 config lookup in `jax_paged_attn.tuning`, and the merge of the KV splits
 (flash-decoding); the tiling plan (query-row padding, head-dim padding, keys per step,
 KV split count) is `jax_paged_attn.plans.plan_decode_tiling`, shared by every
-lowering. The kernel itself is `jax_paged_attn.kernels.triton_decode`.
+lowering. The kernels themselves are `jax_paged_attn.kernels.triton_decode` (lowering
+``"triton"``) and `jax_paged_attn.kernels.mosaic_decode` (lowering ``"mosaic_gpu"``, a
+first cut for Hopper, unmeasured on the GPU; its tiling is
+`jax_paged_attn.plans.plan_mosaic_decode_tiling` and this module lays the query rows
+out for it).
 
 Semantics are exactly `jax_paged_attn.reference.paged_decode_attention`.
 """
@@ -23,11 +27,13 @@ from jax_paged_attn.plans import (  # noqa: F401  (re-exported: the plan's names
 )
 from jax_paged_attn.plans import plan_decode_tiling as plan_tiling
 from jax_paged_attn.spec import AttentionSpec
-from jax_paged_attn.tuning import DecodeConfig
+from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
 
 Array = jax.Array
 
-LOWERINGS = ("triton",)
+TRITON = "triton"
+MOSAIC_GPU = "mosaic_gpu"
+LOWERINGS = (TRITON, MOSAIC_GPU)
 
 
 def unsupported_reason(
@@ -48,7 +54,7 @@ def unsupported_reason(
     Looks only at shapes, dtypes and `spec` (it runs at trace time). The public API
     has already rejected malformed inputs; this only reports what the kernel lacks.
     """
-    del cache_seqlens, alibi_slopes, k_scale, v_scale, spec  # every value is supported
+    del cache_seqlens, alibi_slopes, k_scale, v_scale, spec  # every value and option is supported
     if lowering not in LOWERINGS:
         return f"the decode kernel has no {lowering!r} lowering (available: {LOWERINGS})"
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4 or block_table.ndim != 2:
@@ -67,8 +73,33 @@ def unsupported_reason(
         return f"block size {block_size} is not a multiple of {checks.BLOCK_SIZE_MULTIPLE}"
     if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
         return "the query heads are not a multiple of the KV heads"
-    # The kernel addresses each cache (a plane: its whole stacked array) as one ref.
+    if lowering == MOSAIC_GPU:
+        return _mosaic_unsupported_reason(q, k_cache, v_cache)
+    # The Triton kernel addresses each cache (a plane: its whole stacked array) as one ref.
     return checks.narrow_offsets_reason({"k_cache": k_cache, "v_cache": v_cache})
+
+
+def _mosaic_cache_itemsizes(k_cache: Array | CachePlane, v_cache: Array | CachePlane) -> tuple[int, int]:
+    return jnp.dtype(k_cache.dtype).itemsize, jnp.dtype(v_cache.dtype).itemsize
+
+
+def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array) -> str | None:
+    """What the Mosaic GPU first cut (`kernels.mosaic_decode`) lacks, beyond the Triton tier's limits."""
+    prefix = "the Mosaic GPU decode kernel"
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"{prefix} takes float16 / bfloat16 queries only (float32 would run its wgmma in TF32), got {q.dtype}"
+    if q.shape[-1] % plans.MOSAIC_HEAD_MULTIPLE:
+        return f"{prefix} needs a head size that is a multiple of {plans.MOSAIC_HEAD_MULTIPLE}, got {q.shape[-1]}"
+    if 128 % k_cache.shape[1]:
+        return f"{prefix} needs a block size dividing 128 (whole pages per 64- or 128-key stage), got " \
+               f"{k_cache.shape[1]}"
+    least = plans.estimate_mosaic_decode_shared_memory(max(64, k_cache.shape[1]), q.shape[-1],
+                                                       jnp.dtype(q.dtype).itemsize, 2, 4,
+                                                       _mosaic_cache_itemsizes(k_cache, v_cache))
+    if least > tuning.MOSAIC_SHARED_MEMORY_LIMIT:
+        return f"{prefix} does not fit shared memory at head size {q.shape[-1]} and block size " \
+               f"{k_cache.shape[1]} ({least} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT})"
+    return None
 
 
 def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
@@ -103,27 +134,35 @@ def paged_decode_attention(
     v_scale: Array | float,  # f32 scalar, used when v_cache is fp8
     *,
     spec: AttentionSpec,
-    lowering: str = "triton",
+    lowering: str = TRITON,
     interpret: bool = False,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | MosaicDecodeConfig | None = None,
 ) -> Array:  # [B, Sq, Hq, D], q.dtype
     """Decode attention over a paged cache with the Pallas kernel (split-KV, GQA-packed).
 
-    Same contract as `jax_paged_attn.reference.paged_decode_attention`. ``config``
-    overrides the tuning table (`tuning.decode_config`); ``interpret`` runs the kernel
-    in Pallas interpret mode (CPU tests). Raises NotImplementedError when
-    `unsupported_reason` names a reason.
+    Same contract as `jax_paged_attn.reference.paged_decode_attention`. ``lowering``
+    picks the kernel (`LOWERINGS`); ``config`` overrides the tuning table
+    (`tuning.decode_config`, a `DecodeConfig`, for Triton; `tuning.mosaic_decode_config`,
+    a `MosaicDecodeConfig`, for Mosaic GPU); ``interpret`` runs the kernel in Pallas
+    interpret mode (CPU tests). Raises NotImplementedError when `unsupported_reason`
+    names a reason.
     """
     reason = unsupported_reason(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes,
                                 k_scale, v_scale, spec=spec, lowering=lowering)
     if reason:
         raise NotImplementedError(f"paged decode kernel: {reason}")
-    from jax_paged_attn.kernels import triton_decode
 
     # Zero-size launches: no query (B, Sq or Hq of 0), or no key anywhere; same results
     # as the reference (the tiling plan divides by these sizes).
     if q.size == 0 or block_table.shape[1] == 0 or k_cache.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
+    if lowering == MOSAIC_GPU:
+        if config is not None and not isinstance(config, MosaicDecodeConfig):
+            raise TypeError(f"config must be a MosaicDecodeConfig for lowering={MOSAIC_GPU!r}, got "
+                            f"{type(config).__name__}.")
+        return _mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), cache_seqlens, block_table, alibi_slopes,
+                              k_scale, v_scale, spec=spec, interpret=interpret, config=config)
+    from jax_paged_attn.kernels import triton_decode
     head_size, block_size = q.shape[-1], k_cache.shape[1]
     group_size = q.shape[2] // k_cache.shape[2]
     device = tuning.target_device()
@@ -140,3 +179,63 @@ def paged_decode_attention(
         return result
     partial_out, lse = result
     return combine_splits(partial_out, lse, q.dtype)
+
+
+def _mosaic_decode(
+    q: Array,  # [B, Sq, Hq, D] f16 / bf16
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
+    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
+    cache_seqlens: Array,  # i32[B]
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes: Array | None,  # f32[Hq] or None
+    k_scale: Array | float,  # f32 scalar, used when k_cache is fp8
+    v_scale: Array | float,  # f32 scalar, used when v_cache is fp8
+    *,
+    spec: AttentionSpec,
+    interpret: bool,
+    config: MosaicDecodeConfig | None,
+) -> Array:  # [B, Sq, Hq, D], q.dtype
+    """The Mosaic GPU lowering: query rows laid out per program, the kernel, the merge.
+
+    The kernel reads one ``[64, D]`` tile of query rows per (KV head, row block), so the
+    ``Sq * G`` rows of each KV head (row ``r``: token ``r // G``, head ``r % G`` of the
+    group) are gathered and zero-padded here, ``[B, Hk * row_blocks, 64, D]``, and the
+    output rows scattered back: a copy of q and of the output (``B * Sq * Hq * D``
+    elements each, small beside the K/V a decode step reads).
+    """
+    from jax_paged_attn.kernels import mosaic_decode
+
+    batch, num_q_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = tuning.mosaic_decode_config(head_size, k_cache.shape[1], group)
+    tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,
+                                             _mosaic_cache_itemsizes(k_cache, v_cache))
+    rows = num_q_tokens * group
+    padded = tiling.row_blocks * plans.MOSAIC_DECODE_ROWS
+    q_rows = q.reshape(batch, num_q_tokens, num_kv_heads, group, head_size).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_size)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    q_rows = q_rows.reshape(batch, num_kv_heads * tiling.row_blocks, plans.MOSAIC_DECODE_ROWS, head_size)
+    result = mosaic_decode.paged_decode_call(
+        q_rows, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
+        plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
+        spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
+        group_size=group, interpret=interpret,
+    )
+
+    def unpack_rows(x: Array, has_dim: bool) -> Array:
+        """``[..., Hk * row_blocks, 64(, D)]`` program rows -> ``[..., Sq, Hq(, D)]``."""
+        tail = (head_size,) if has_dim else ()
+        lead = x.shape[:x.ndim - 2 - len(tail)]
+        x = x.reshape(*lead, num_kv_heads, padded, *tail)[..., :rows, *([slice(None)] * len(tail))]
+        x = x.reshape(*lead, num_kv_heads, num_q_tokens, group, *tail)
+        n = len(lead)
+        x = jnp.moveaxis(x, n, n + 1)  # [..., Sq, Hk, G(, D)]
+        return x.reshape(*lead, num_q_tokens, num_q_heads, *tail)
+
+    if tiling.num_splits == 1:
+        return unpack_rows(result, True)
+    partial_out, lse = result
+    return combine_splits(unpack_rows(partial_out, True), unpack_rows(lse, False), q.dtype)

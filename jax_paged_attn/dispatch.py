@@ -5,6 +5,9 @@ Implementations (the ``implementation=`` argument of the public functions):
 * ``"xla"``: `jax_paged_attn.reference`, plain jax.numpy, any backend.
 * ``"triton"``: Pallas kernels lowered through Triton (NVIDIA GPUs, Ampere and newer;
   CPU with ``interpret=True``).
+* ``"mosaic_gpu"``: Pallas kernels lowered through Mosaic GPU (Hopper); so far only
+  the paged decode kernel (`jax_paged_attn.decode`, lowering ``"mosaic_gpu"``, a first
+  cut not yet measured on the GPU). Auto never picks it.
 * ``None`` / ``"auto"``: the Pallas kernel when the call is lowered for CUDA and the
   kernel supports the call, else ``"xla"``. The choice is made per lowering platform
   with `jax.lax.platform_dependent`, so one jitted function runs the kernel on a GPU
@@ -43,7 +46,8 @@ Array = jax.Array
 AUTO = "auto"
 XLA = "xla"
 TRITON = "triton"
-IMPLEMENTATIONS = (AUTO, XLA, TRITON)
+MOSAIC_GPU = "mosaic_gpu"
+IMPLEMENTATIONS = (AUTO, XLA, TRITON, MOSAIC_GPU)
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -167,12 +171,15 @@ def varlen_attention(
     from jax_paged_attn import prefill
 
     static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    # An explicit "mosaic_gpu" asks for the Mosaic GPU lowering; the prefill kernel's
+    # `unsupported_reason` says when it has none.
+    lowering = MOSAIC_GPU if implementation == MOSAIC_GPU else TRITON
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.varlen_attention, **static)),
-        kernel_fn=functools.partial(prefill.varlen_attention, lowering=TRITON, interpret=interpret, **static),
-        unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=TRITON, **static),
+        kernel_fn=functools.partial(prefill.varlen_attention, lowering=lowering, interpret=interpret, **static),
+        unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=lowering, **static),
     )
 
 
@@ -181,14 +188,20 @@ def paged_decode_attention(
     alibi_slopes: Array | None, k_scale: Array, v_scale: Array, *, spec: AttentionSpec,
     implementation: str | None, interpret: bool,
 ) -> Array:
-    """Dispatches `reference.paged_decode_attention` or a kernel with the same contract."""
+    """Dispatches `reference.paged_decode_attention` or a kernel with the same contract.
+
+    ``implementation="mosaic_gpu"`` runs the decode kernel's Mosaic GPU lowering; auto
+    and ``"triton"`` the Triton one (auto stays on Triton until the Mosaic GPU kernel
+    is measured on the GPU).
+    """
     from jax_paged_attn import decode
 
+    lowering = MOSAIC_GPU if implementation == MOSAIC_GPU else TRITON
     args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.paged_decode_attention, spec=spec)),
-        kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=TRITON,
+        kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=lowering,
                                     interpret=interpret),
-        unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=TRITON),
+        unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=lowering),
     )

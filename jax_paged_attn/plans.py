@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from jax_paged_attn import tuning
 from jax_paged_attn.spec import AttentionSpec
-from jax_paged_attn.tuning import CacheWriteConfig, DecodeConfig, PrefillConfig, next_power_of_2
+from jax_paged_attn.tuning import (CacheWriteConfig, DecodeConfig, MosaicDecodeConfig, PrefillConfig,
+                                   next_power_of_2)
 
 Array = jax.Array
 
@@ -36,6 +37,9 @@ __all__ = [
     "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "NARROW_OFFSETS_MAX_BYTES", "narrow_offsets_overflow",
+    "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
+    "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
+    "mosaic_output_chunk", "mosaic_store_chunk",
 ]
 
 LOG2E = math.log2(math.e)
@@ -427,7 +431,8 @@ def decode_tile_keys(block_size: int, head_size: int, cache_itemsize: int, compu
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int, config: DecodeConfig
+    batch: int, num_kv_heads: int, row_blocks: int, max_keys: int, tile_keys: int,
+    config: DecodeConfig | MosaicDecodeConfig,
 ) -> int:
     """KV splits per (sequence, KV head) so that a few long sequences still fill the GPU.
 
@@ -476,6 +481,134 @@ def plan_decode_tiling(
         num_stages=config.num_stages,
         prefetch_page_ids=config.prefetch_page_ids,
     )
+
+
+# =========================================================================== paged decode, Mosaic GPU
+
+MOSAIC_DECODE_ROWS = 64
+"""Query rows of one Mosaic GPU decode program: the M of a Hopper warpgroup MMA
+(``Sq * G`` rows of a KV head, zero-padded; more rows take more programs)."""
+
+MOSAIC_HEAD_MULTIPLE = 64
+"""The Mosaic GPU decode kernel's head sizes are multiples of this: shared-memory tiles
+are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
+
+
+MOSAIC_OUTPUT_CHUNK = 128
+"""Most output columns the Mosaic GPU decode kernel accumulates and stores as one chunk."""
+
+
+def mosaic_output_chunk(head_size: int) -> int:
+    """Output columns per accumulator chunk of the Mosaic GPU decode kernel: the whole
+    head up to `MOSAIC_OUTPUT_CHUNK`, else the largest of 128 / 64 dividing it (D 192: 64)."""
+    if head_size <= MOSAIC_OUTPUT_CHUNK:
+        return head_size
+    return MOSAIC_OUTPUT_CHUNK if head_size % MOSAIC_OUTPUT_CHUNK == 0 else MOSAIC_HEAD_MULTIPLE
+
+
+def mosaic_store_chunk(head_size: int, out_itemsize: int) -> int:
+    """Output columns the Mosaic GPU decode kernel stages in shared memory per store: an
+    accumulator chunk, split to 64 columns for f32 partials (16 KiB instead of 32: at D
+    128 with two 64-key stages the kernel then takes ~105 KiB, so two fit an SM)."""
+    chunk = mosaic_output_chunk(head_size)
+    return min(chunk, MOSAIC_HEAD_MULTIPLE) if out_itemsize == 4 else chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeTiling:
+    """Static launch plan of the Mosaic GPU decode kernel, from `plan_mosaic_decode_tiling`.
+
+    Attributes:
+      row_blocks: programs per KV head along the query rows (``Sq * G`` rows in blocks
+        of `MOSAIC_DECODE_ROWS`).
+      tile_keys: keys per pipeline stage, ``pages_per_tile`` whole pages.
+      pages_per_tile: cache pages (one TMA copy each, per K and V) per stage.
+      num_stages: K/V tiles in the shared-memory ring.
+      num_splits: KV splits per (sequence, KV head); 1 writes the final output.
+    """
+
+    row_blocks: int
+    tile_keys: int
+    pages_per_tile: int
+    num_stages: int
+    num_splits: int
+
+    @property
+    def rows_per_program(self) -> int:
+        return MOSAIC_DECODE_ROWS
+
+
+def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
+                                         out_itemsize: int, cache_itemsizes: tuple[int, int] | None = None) -> int:
+    """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
+    caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffer of
+    each fp8 operand, the query tile, the probabilities tile, the output buffer
+    (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
+    partials), the log-sum-exp row, the non-finite key flags and the three barrier
+    arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch buffer."""
+    rows = MOSAIC_DECODE_ROWS
+    k_size, v_size = cache_itemsizes or (itemsize, itemsize)
+    buffers = [num_stages * tile_keys * head_size * k_size, num_stages * tile_keys * head_size * v_size]
+    buffers += [tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize]
+    buffers += [rows * head_size * itemsize, rows * tile_keys * itemsize,
+                rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, tile_keys * 4]
+    buffers += [8 * num_stages] * 2 + [8]  # mbarriers
+    return sum(-(-size // 1024) * 1024 for size in buffers)
+
+
+def plan_mosaic_decode_tiling(
+    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype,
+    config: MosaicDecodeConfig, cache_itemsizes: tuple[int, int] | None = None,
+) -> MosaicDecodeTiling:
+    """The Mosaic GPU decode kernel's static launch plan for these shapes and `config`.
+
+    ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
+    ``max_blocks`` the block table's columns, ``cache_itemsizes`` the K and V caches'
+    element sizes (default: q's; 1 for fp8 pages). A stage holds at least one page
+    (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
+    (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
+    multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
+    kernel cannot take.
+    """
+    batch, num_q_tokens, num_q_heads, head_size = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    if config.tile_keys not in (64, 128):
+        raise ValueError(f"config.tile_keys must be 64 or 128, got {config.tile_keys}.")
+    tile_keys = max(config.tile_keys, block_size)  # at least one whole page per stage
+    if tile_keys % block_size or tile_keys > 128:
+        raise ValueError(f"the block size ({block_size}) must divide 128 and config.tile_keys "
+                         f"({config.tile_keys}).")
+    if config.num_stages < 2:
+        raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
+    rows = num_q_tokens * (num_q_heads // num_kv_heads)
+    row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
+    itemsize = jnp.dtype(q_dtype).itemsize
+    num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
+    out_itemsize = itemsize if num_splits == 1 else 4
+
+    def fits(keys: int, stages: int) -> bool:
+        return estimate_mosaic_decode_shared_memory(
+            keys, head_size, itemsize, stages, out_itemsize, cache_itemsizes) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+
+    # Fewer stages first, then (a page allowing) 64-key stages: at D 256 two 128-key
+    # stages alone take 256 KiB.
+    stages = config.num_stages
+    while stages > 2 and not fits(tile_keys, stages):
+        stages -= 1
+    if not fits(tile_keys, stages) and tile_keys > 64 and block_size <= 64:
+        tile_keys = 64
+        stages = config.num_stages
+        while stages > 2 and not fits(tile_keys, stages):
+            stages -= 1
+    if not fits(tile_keys, stages):
+        need = estimate_mosaic_decode_shared_memory(tile_keys, head_size, itemsize, stages, out_itemsize,
+                                                    cache_itemsizes)
+        raise ValueError(
+            f"the Mosaic GPU decode kernel does not fit shared memory at head size {head_size} and block size "
+            f"{block_size} ({need} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
+    return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
+                              pages_per_tile=tile_keys // block_size, num_stages=stages,
+                              num_splits=num_splits)
 
 
 # =========================================================================== cache write

@@ -192,6 +192,36 @@ def _warn_untuned(device: TuningDevice) -> None:
         f"{device.shared_memory_per_block // 1024} KiB of shared memory per block), which may be slower than "
         f"tuned ones; `benchmarks/bench_attention.py --tune` and `benchmarks/apply_tuning.py` measure a table.",
         UntunedDeviceWarning, stacklevel=4)
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Tiling of the Mosaic GPU paged decode kernel (`jax_paged_attn.kernels.mosaic_decode`).
+
+    tile_keys: keys per pipeline stage (whole pages; 64 or 128, a multiple of the block
+    size: the probabilities tile is stored to shared memory in 128-byte swizzled rows of
+    64 bf16 keys); num_stages: K/V tiles in the TMA ring (all but the one being computed
+    stay in flight during a step's math), lowered until the ring fits
+    ``MOSAIC_SHARED_MEMORY_LIMIT`` (at least 2); num_splits, target_programs,
+    min_tiles_per_split: the KV split choice, as in `DecodeConfig`
+    (`jax_paged_attn.plans.choose_num_splits`). Unmeasured on the GPU: the defaults
+    are a starting point (4 pages of 16 keys per stage, 4 stages = 12 pages of one KV
+    head in flight per program at D 128).
+    """
+
+    tile_keys: int = 64
+    num_stages: int = 4
+    num_splits: int = 0
+    target_programs: int = 1024
+    min_tiles_per_split: int = 4
+
+
+# Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
+# estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
+DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
+
+# Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the
+# opt-in maximum). Its estimate (`plans.estimate_mosaic_decode_shared_memory`) counts
+# its scratch buffers exactly, so no margin for compiler scratch as with Triton.
+MOSAIC_SHARED_MEMORY_LIMIT = 227 * 1024
 
 
 # key: (head_size rounded up to a power of 2, query dtype name, paged: K/V read through a
@@ -264,6 +294,13 @@ def decode_config(head_size: int, block_size: int, group_size: int,
     entry, else `DECODE_TABLE`'s, else `DecodeConfig()`."""
     key = (next_power_of_2(head_size), block_size, next_power_of_2(group_size))
     return _lookup("DECODE_TABLE", DECODE_TABLE, key, DecodeConfig(), device)
+
+
+def mosaic_decode_config(head_size: int, block_size: int, group_size: int) -> MosaicDecodeConfig:
+    """The Mosaic GPU decode kernel's config: no measured table yet, so the default
+    (the arguments are the key a measured table will use, as `decode_config`'s)."""
+    del head_size, block_size, group_size
+    return MosaicDecodeConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,11 @@ Implementations (`IMPLEMENTATIONS`, used as ``@parametrize_impl``):
   command ``pytest -m "not gpu"`` deselects it; on the GPU machine run ``pytest -m gpu``.
   Nothing is skipped silently: without a GPU these tests fail.
 
+Decode tests also run the Mosaic GPU decode kernel (`DECODE_MOSAIC_IMPLEMENTATIONS`):
+``mosaic_gpu`` in Mosaic GPU interpret mode (on jax 0.10.2 with `mosaic_interpret_compat`,
+which adds what that interpreter lacks and 0.11's has: transposed wgmma operands and
+``layout_cast``), and ``mosaic_gpu_gpu`` compiled for a Hopper GPU, marked ``gpu``.
+
 Problems are built with NaN in every cache slot no sequence owns (unused pages, the tail
 of a sequence's last page) and in padding rows of packed tensors, and with randomly
 permuted block tables, so an implementation that reads padding shows NaN.
@@ -33,6 +38,7 @@ import numpy as np
 import pytest
 
 import jax_paged_attn
+import mosaic_interpret_compat
 import oracle
 
 hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, database=None,
@@ -66,6 +72,16 @@ IMPLEMENTATIONS = [
     pytest.param(TRITON_GPU, id="triton_gpu", marks=pytest.mark.gpu),
 ]
 parametrize_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+
+mosaic_interpret_compat.install()  # jax 0.10.2's Mosaic GPU interpreter learns what 0.11's runs
+MOSAIC_GPU_INTERPRET = Implementation("mosaic_gpu", interpret=True, max_examples=4)
+MOSAIC_GPU_COMPILED = Implementation("mosaic_gpu", interpret=False, max_examples=40)
+DECODE_MOSAIC_IMPLEMENTATIONS = [
+    pytest.param(MOSAIC_GPU_INTERPRET, id="mosaic_gpu"),
+    pytest.param(MOSAIC_GPU_COMPILED, id="mosaic_gpu_gpu", marks=pytest.mark.gpu),
+]
+"""The Mosaic GPU decode kernel (`jax_paged_attn.kernels.mosaic_decode`), decode tests only:
+no other kernel has a Mosaic GPU lowering in this package yet."""
 
 
 @pytest.fixture

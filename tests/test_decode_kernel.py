@@ -1,8 +1,11 @@
-"""The paged decode kernel (`jax_paged_attn.decode`, Pallas Triton) against the reference.
+"""The paged decode kernels (`jax_paged_attn.decode`: Pallas Triton, and the Mosaic GPU
+first cut) against the reference.
 
 Every kernel run here is in Pallas interpret mode on the CPU; cross-lowering for CUDA
-checks that the Triton lowering accepts the kernel. Unused cache pages are filled
-with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
+checks that the Triton lowering accepts the kernel. The Mosaic GPU kernel runs in the
+Mosaic GPU interpreter (on jax 0.10.2 with `mosaic_interpret_compat`); its cross-lowering
+tests are in tests/test_lowering.py. Unused cache pages
+are filled with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
 reads outside a sequence's keys shows up as NaN or as a wrong value.
 
 Tolerance (FlashAttention-3 style): the kernel's error against the float32 reference
@@ -20,10 +23,10 @@ import numpy as np
 import pytest
 
 import jax_paged_attn
-from jax_paged_attn import decode, reference, tuning
-from jax_paged_attn.kernels import triton_decode
+from jax_paged_attn import decode, plans, reference, tuning
+from jax_paged_attn.kernels import mosaic_decode, triton_decode
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
-from jax_paged_attn.tuning import DecodeConfig
+from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
 
 # Absolute slack on top of 2x the reference's own rounding error: the kernel rounds
 # the softmax probabilities to the input dtype before the P @ V dot (as FlashAttention does).
@@ -52,7 +55,8 @@ class Case:
     softcap: float = 0.0
     alibi: bool = False
     cache_dtype: str | None = None  # an fp8 dtype name, or None for the query dtype
-    config: DecodeConfig | None = None  # None: the tuning table's default
+    config: DecodeConfig | MosaicDecodeConfig | None = None  # None: the tuning table's default
+    lowering: str = decode.TRITON
 
     def __str__(self) -> str:
         return self.name
@@ -112,7 +116,7 @@ INPUT_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "alibi
 def run_kernel(case: Case, inputs: dict, *, interpret: bool = True) -> jax.Array:
     """Through the decode wrapper (explicit config), jitted: one compile per case."""
     fn = functools.partial(decode.paged_decode_attention, spec=spec_of(case), interpret=interpret,
-                           config=case.config)
+                           config=case.config, lowering=case.lowering)
     return jax.jit(fn)(*(inputs[n] for n in INPUT_NAMES))
 
 
@@ -362,13 +366,13 @@ def test_unsupported_reason() -> None:
     spec = AttentionSpec.create(128)
     args = (q, cache, cache, lens, table, None, jnp.float32(1), jnp.float32(1))
     assert decode.unsupported_reason(*args, spec=spec, lowering="triton") is None
-    assert "lowering" in decode.unsupported_reason(*args, spec=spec, lowering="mosaic_gpu")
+    assert "lowering" in decode.unsupported_reason(*args, spec=spec, lowering="rocm")
     odd_head = (q[..., :40], cache[..., :40], cache[..., :40]) + args[3:]
     assert "head size 40" in decode.unsupported_reason(*odd_head, spec=spec, lowering="triton")
     int_cache = cache.astype(jnp.int8)
     assert "dtype" in decode.unsupported_reason(q, int_cache, int_cache, *args[3:], spec=spec, lowering="triton")
     with pytest.raises(NotImplementedError, match="lowering"):
-        decode.paged_decode_attention(*args, spec=spec, lowering="mosaic_gpu")
+        decode.paged_decode_attention(*args, spec=spec, lowering="rocm")
 
 
 @pytest.mark.parametrize("pages_per_step,num_warps,num_stages", [(2, 4, 4), (4, 2, 3), (1, 8, 6)])
@@ -457,3 +461,164 @@ def test_scores_below_minus_1e30_still_attend() -> None:
     got = decode.paged_decode_attention(q, k_cache, v_cache, lens, table, None, 1.0, 1.0, spec=spec,
                                         interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+# --- the Mosaic GPU lowering (first cut) ---
+
+MOSAIC = decode.MOSAIC_GPU
+MOSAIC_GRID = [
+    Case("mgpu-gqa4-d64-causal-bf16-3splits-2stages", head_size=64, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=3, num_stages=2)),
+    Case("mgpu-mqa-d128-bs32-window-alibi-softcap-f16-128keys", dtype="float16", num_q_heads=4, num_kv_heads=1,
+         block_size=32, window=(40, 0), softcap=10.0, alibi=True, seqlens=(0, 120, 55, 1), max_blocks=4,
+         lowering=MOSAIC, config=MosaicDecodeConfig(tile_keys=128, num_splits=2)),
+    Case("mgpu-gqa32-d64-sq3-noncausal-2rowblocks", num_q_heads=64, num_kv_heads=2, head_size=64,
+         num_q_tokens=3, causal=False, seqlens=(3, 90, 0), lowering=MOSAIC),
+    Case("mgpu-gqa4-d128-sq4-causal-window-2splits", num_q_tokens=4, window=(50, 0), seqlens=(4, 90, 0, 127),
+         lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+    Case("mgpu-gqa4-d64-sq2-two-sided-window", head_size=64, num_q_tokens=2, causal=False, window=(30, 5),
+         seqlens=(2, 90, 0, 127), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+    Case("mgpu-mha-d256-bs64-window", num_q_heads=2, num_kv_heads=2, head_size=256, block_size=64,
+         window=(70, 0), seqlens=(200, 64, 1), max_blocks=4, num_blocks=16, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=1)),
+    Case("mgpu-gqa8-d128-fp8e4m3-window-alibi-bf16-2splits", num_q_heads=16, num_kv_heads=2,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17), lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=2)),
+    Case("mgpu-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
+         softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC),
+    Case("mgpu-gqa2-d192-fp8e4m3-2splits", num_q_heads=4, head_size=192, cache_dtype="float8_e4m3fn",
+         seqlens=(100, 1, 37), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_GRID, ids=str)
+def test_mosaic_matches_reference_in_interpret_mode(case: Case) -> None:
+    """The Mosaic GPU kernel in Mosaic GPU interpret mode (CPU): NaN pages and garbage
+    block-table entries past each sequence, splits, windows, ALiBi, soft-cap, row blocks."""
+    inputs = make_inputs(case)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def test_mosaic_every_tile_boundary() -> None:
+    """Lengths 0..69 with 64-key stages, 3 query tokens and a causal 18-key window: the
+    window start, the causal diagonal and the sequence end fall on every offset of a
+    stage and of a page."""
+    case = Case("mgpu-boundaries", num_q_heads=2, num_kv_heads=1, head_size=64, num_q_tokens=3,
+                seqlens=tuple(range(70)), max_blocks=5, num_blocks=352, window=(18, 0), lowering=MOSAIC,
+                config=MosaicDecodeConfig(num_splits=2, num_stages=2))
+    inputs = make_inputs(case, seed=4)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_GRID + [
+    Case("mgpu-gpu-h200-shape-splits", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
+         max_blocks=256, num_blocks=1300, lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=7)),
+    Case("mgpu-gpu-h200-shape-one-split", num_q_heads=64, num_kv_heads=8, seqlens=(2048, 77, 1),
+         max_blocks=128, num_blocks=400, lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=1, num_stages=6)),
+], ids=str)
+def test_mosaic_compiled_on_gpu_matches_reference(case: Case) -> None:
+    """The Mosaic GPU scenarios compiled for a Hopper GPU (run with ``pytest -m gpu``)."""
+    inputs = make_inputs(case)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs, interpret=False))
+
+
+def test_mosaic_unsupported_reason() -> None:
+    q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    lens, table = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    rest = (lens, table, None, jnp.float32(1), jnp.float32(1))
+    causal = AttentionSpec.create(128, causal=True)
+    reason = functools.partial(decode.unsupported_reason, spec=causal, lowering=MOSAIC)
+    assert reason(q, cache, cache, *rest) is None
+    assert reason(q.repeat(3, axis=1), cache, cache, *rest) is None  # Sq 3, causal: quarantined in-kernel
+    fp8 = cache.astype(jnp.float8_e4m3fn)
+    assert reason(q, fp8, fp8, *rest) is None  # upcast in the kernel
+    assert "float16 / bfloat16" in reason(q.astype(jnp.float32), cache.astype(jnp.float32),
+                                          cache.astype(jnp.float32), *rest)
+    assert "multiple of 64" in reason(q[..., :96], cache[..., :96], cache[..., :96], *rest)
+    odd_block = jnp.zeros((4, 48, 2, 128), jnp.bfloat16)
+    assert "block size dividing 128" in reason(q, odd_block, odd_block, *rest)
+    big = jnp.zeros((4, 128, 2, 256), jnp.bfloat16)  # two 128-key stages at D 256: 256 KiB
+    assert "shared memory" in reason(q[..., :1].repeat(256, axis=-1), big, big, *rest)
+    f32 = (q.astype(jnp.float32), cache.astype(jnp.float32), cache.astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="float16 / bfloat16"):
+        decode.paged_decode_attention(*f32, *rest, spec=causal, lowering=MOSAIC)
+    with pytest.raises(TypeError, match="MosaicDecodeConfig"):
+        decode.paged_decode_attention(q, cache, cache, *rest, spec=causal, lowering=MOSAIC, config=DecodeConfig())
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper's row layout, with a stand-in kernel that echoes its query rows: 96
+    rows per KV head (Sq 3 x G 32) take two 64-row programs, and the output unpacks back
+    to q exactly (with several splits, equal partials with equal log-sum-exps merge to q)."""
+    seen = {}
+
+    def echo(q_rows, k_cache, v_cache, lens, table, slopes, scales, *, spec, tiling, num_q_tokens, group_size,
+             interpret):
+        seen["shape"], seen["tiling"] = q_rows.shape, tiling
+        if tiling.num_splits == 1:
+            return q_rows
+        rows = jnp.broadcast_to(q_rows.astype(jnp.float32), (tiling.num_splits, *q_rows.shape))
+        return rows, jnp.zeros(rows.shape[:-1], jnp.float32)
+
+    monkeypatch.setattr(mosaic_decode, "paged_decode_call", echo)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64, 64)), jnp.bfloat16)
+    cache = jnp.zeros((8, 16, 2, 64), jnp.bfloat16)
+    lens, table = jnp.array([5, 9], jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    out = decode.paged_decode_attention(q, cache, cache, lens, table, None, 1.0, 1.0,
+                                        spec=AttentionSpec.create(64), lowering=MOSAIC,
+                                        config=MosaicDecodeConfig(num_splits=num_splits))
+    assert seen["shape"] == (2, 2 * 2, plans.MOSAIC_DECODE_ROWS, 64)  # Hk 2 x 2 row blocks
+    assert seen["tiling"].row_blocks == 2 and seen["tiling"].num_splits == num_splits
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(q, np.float32))
+
+
+def test_mosaic_tiling_plan() -> None:
+    """Stages shrink to the shared-memory budget (never below 2), a stage holds whole
+    pages (a 128-key page makes a 128-key stage), bad configs name the field."""
+    plan = functools.partial(plans.plan_mosaic_decode_tiling, max_blocks=64, q_dtype=jnp.bfloat16)
+    t = plan((8, 1, 32, 128), (512, 16, 8, 128), config=MosaicDecodeConfig(num_stages=4, num_splits=1))
+    assert (t.tile_keys, t.pages_per_tile, t.num_stages, t.row_blocks) == (64, 4, 4, 1)
+    t = plan((8, 1, 16, 256), (512, 16, 2, 256), config=MosaicDecodeConfig(tile_keys=128, num_stages=8))
+    assert 2 <= t.num_stages < 8
+    assert plans.estimate_mosaic_decode_shared_memory(
+        t.tile_keys, 256, 2, t.num_stages, 2 if t.num_splits == 1 else 4) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+    t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
+    assert (t.tile_keys, t.pages_per_tile) == (128, 1)
+    assert [plans.mosaic_output_chunk(d) for d in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    assert [plans.mosaic_store_chunk(128, size) for size in (2, 4)] == [128, 64]
+    # D 128 bf16, two 64-key stages, f32 partials: two programs fit an H200 SM (228 KiB).
+    assert 2 * (plans.estimate_mosaic_decode_shared_memory(64, 128, 2, 2, 4) + 1024) <= 228 * 1024
+    with pytest.raises(ValueError, match="config.tile_keys"):
+        plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(tile_keys=32))
+    with pytest.raises(ValueError, match="config.num_stages"):
+        plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(num_stages=1))
+
+
+@pytest.mark.parametrize("interpret", [pytest.param(True),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("cache_dtype,num_splits", [(None, 3), ("float8_e5m2", 1)], ids=["bf16-3splits", "fp8-1split"])
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(cache_dtype, num_splits: int,
+                                                                   interpret: bool) -> None:
+    """The Triton test's scenario through the Mosaic GPU kernel: 3 query tokens, causal
+    window of 20, NaN / inf in K and V at keys that some rows see and others do not, a
+    stale NaN page left of every window; only the rows that see them are non-finite."""
+    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
+
+    nan, inf = float("nan"), float("inf")
+    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
+                                   head_size=64, dtype=jnp.bfloat16, cache_dtype=cache_dtype)
+    problem = poison_keys(problem, {
+        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
+        1: [(10, "k", nan), (32, "v", nan)]})
+    spec = AttentionSpec.create(64, causal=True, window_size=(20, 0))
+    fn = functools.partial(decode.paged_decode_attention, spec=spec, interpret=interpret, lowering=MOSAIC,
+                           config=MosaicDecodeConfig(num_splits=num_splits, num_stages=2))
+    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
+                      None, problem.k_scale, problem.v_scale)
+    attention = dict(causal=True, window_size=(20, 0))
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)

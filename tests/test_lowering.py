@@ -4,12 +4,17 @@ implementation, lower for CUDA to a module that contains the Pallas Triton kerne
 This is what keeps the GPU path from silently being the reference: on a CPU the
 same jitted function runs the reference, lowered for CUDA it runs the kernel.
 
-The lowering is also where the kernels' element offsets are decided: the last section
+The lowering is also where the kernels' element offsets are decided: a section below
 records, while lowering, the offset width of every ref access, and checks that an fp8
 cache of 2**31 elements and more is addressed with 64-bit offsets
 (`jax_paged_attn.kernels.triton_offsets`) and everything else with 32-bit ones.
+
+The Mosaic GPU decode kernel (``implementation="mosaic_gpu"``) is checked the same way:
+its Pallas lowering to a Mosaic GPU module runs on the CPU host, so a kernel the
+lowering rejects fails here; what only ptxas or the GPU can reject needs ``-m gpu``.
 """
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +25,7 @@ import jax_paged_attn as jpa
 from jax_paged_attn.kv_view import cache_planes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
 def _cuda_text(fn, *args) -> str:
@@ -43,6 +49,7 @@ def test_decode_lowers_to_triton_kernel(head_size, cache_dtype):
         q, k, v, lens, table,
     )
     assert TRITON_CALL in text
+    assert not MOSAIC_CALL.search(text)  # auto stays on Triton until the Mosaic GPU kernel is measured
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -250,3 +257,79 @@ def test_the_offsets_fix_is_not_installed_over_an_unexpected_lowering(monkeypatc
     assert triton_offsets.install() is False
     assert lowering._compute_offsets_from_indices is _offsets_of_another_jax
     assert "no longer chooses the offset width" in triton_offsets.REASON
+
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size,block_size,group,num_q_tokens,options",
+    [
+        (jnp.bfloat16, 64, 16, 1, 1, dict(causal=True)),
+        (jnp.float16, 128, 32, 4, 1, dict(causal=True, window_size=(100, 0), softcap=30.0, alibi=True)),
+        (jnp.bfloat16, 256, 16, 8, 1, dict(causal=True)),
+        (jnp.bfloat16, 128, 16, 4, 1, dict(causal=True, splits=True)),
+        (jnp.float16, 64, 32, 8, 4, dict(causal=False)),
+        (jnp.bfloat16, 128, 64, 32, 3, dict(causal=False, splits=True)),  # 96 rows: two row blocks
+        (jnp.bfloat16, 128, 16, 4, 3, dict(causal=True, window_size=(30, 0))),  # non-finite quarantine
+        (jnp.float16, 256, 32, 2, 2, dict(window_size=(40, 3), splits=True)),
+        (jnp.bfloat16, 192, 16, 4, 1, dict(causal=True, splits=True)),  # output in 64-column chunks
+    ],
+    ids=["bf16-d64-bs16-g1", "f16-d128-bs32-g4-window-softcap-alibi", "bf16-d256-bs16-g8",
+         "bf16-d128-bs16-g4-splits", "f16-d64-bs32-g8-sq4", "bf16-d128-bs64-g32-sq3-rowblocks-splits",
+         "bf16-d128-bs16-g4-sq3-causal-window", "f16-d256-bs32-g2-sq2-two-sided-window-splits",
+         "bf16-d192-bs16-g4-splits"],
+)
+def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group, num_q_tokens, options):
+    """implementation="mosaic_gpu" lowers for CUDA to one Mosaic GPU kernel (no Triton
+    call) that reads the stacked cache in place (the whole [2, ...] array, no plane slice)."""
+    options = dict(options)
+    num_kv_heads, num_blocks = 2, 64
+    # A long table makes the split choice use several KV splits (the merge then runs in XLA).
+    max_blocks = 48 if options.pop("splits", False) else 4
+    kv = jnp.zeros((2, num_blocks, block_size, num_kv_heads, head_size), dtype)
+    q = jnp.ones((2, num_q_tokens, group * num_kv_heads, head_size), dtype)
+    lens = jnp.array([5, 40], jnp.int32)
+    table = jnp.zeros((2, max_blocks), jnp.int32)
+    slopes = jnp.ones((group * num_kv_heads,), jnp.float32) if options.pop("alibi", False) else None
+
+    def fn(q, kv, lens, table, slopes):
+        k, v = cache_planes(kv)
+        return jpa.flash_attn_with_kvcache(q, k, v, lens, table, alibi_slopes=slopes,
+                                           implementation="mosaic_gpu", **options)
+
+    text = _cuda_text(fn, q, kv, lens, table, slopes)
+    assert len(MOSAIC_CALL.findall(text)) == 1
+    assert TRITON_CALL not in text
+    assert f"tensor<2x{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" in text
+    assert f"tensor<{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" not in text  # no plane slice
+
+
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype,head_size,block_size",
+    [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),
+     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32), (jnp.bfloat16, jnp.float8_e4m3fn, 192, 16)],
+    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32", "bf16-e4m3-d192"],
+)
+def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_size, block_size):
+    """fp8 pages arrive as fp8 and are upcast in the kernel (to bf16 through f32, which
+    the lowering requires): the module still holds one Mosaic GPU kernel and no copy of
+    the cache."""
+    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=cache_dtype)
+    q = jnp.ones((3, 1, 8, head_size), q_dtype)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.zeros((3, 40), jnp.int32)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, k_scale=0.5, v_scale=0.25,
+                                                           implementation="mosaic_gpu")
+    text = _cuda_text(fn, q, k, v, lens, table)
+    assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
+
+
+def test_varlen_has_no_mosaic_gpu_lowering_here():
+    """An explicit mosaic_gpu prefill call raises, naming the missing lowering, rather
+    than running another kernel."""
+    q = jnp.ones((40, 8, 64), jnp.bfloat16)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    k = jnp.ones((40, 2, 64), jnp.bfloat16)
+    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True,
+                                                       implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+        _cuda_text(fn, q, k, k, cu)

@@ -1,0 +1,503 @@
+"""Paged decode attention: the Pallas kernel body and its launch (Mosaic GPU lowering, Hopper).
+
+Only the kernel lives here; `jax_paged_attn.plans.plan_mosaic_decode_tiling` decides the
+tiling (`MosaicDecodeTiling`), `jax_paged_attn.decode` checks support, lays the query
+rows out for the kernel and merges the KV splits. Semantics are those of
+`jax_paged_attn.reference.paged_decode_attention` within the limits `decode.unsupported_reason`
+names for this lowering.
+
+FIRST CUT, UNMEASURED ON THE GPU: it has been cross-lowered for CUDA on a CPU host (the
+module holds a ``mosaic_gpu`` custom call) but never compiled by ptxas nor run on an
+H200; its speed is unknown. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
+interpreter has no rule for ``layout_cast`` and no transposed wgmma operands); the
+tests skip those runs on older jax with that reason.
+
+What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup):
+
+* its query tile is the ``Sq * G`` rows that share a KV head (row ``r`` is query token
+  ``r // G`` of query head ``kv_head * G + r % G``), zero-padded to 64 rows, the M of a
+  Hopper warpgroup MMA (wgmma); the wrapper lays them out ``[B, Hk * row_blocks, 64, D]``
+  so one TMA copy brings the tile to shared memory;
+* it streams its share of the sequence's visible keys through a ring of ``num_stages``
+  shared-memory stages of ``tile_keys`` keys: each stage is ``pages_per_tile`` TMA copies
+  of one page of one KV head (``block_size x D``, contiguous rows ``Hk * D`` apart in the
+  vLLM layout) for K and as many for V, the page ids read from the block table in global
+  memory a step before the copies that use them; a stage's copies complete one barrier
+  for K and one for V, and the stage is refilled with the tile ``num_stages`` ahead as
+  soon as its math is done, so ``num_stages - 1`` tiles stay in flight while one is
+  computed;
+* ``S = Q K^T`` is one wgmma (K^T is a transposed view of the K stage, no copy); the
+  online softmax runs in base 2 (``exp2``) on the f32 scores in registers; ``P`` is
+  stored to shared memory in q's dtype and ``O += P V`` is a second wgmma;
+* fp8 pages arrive as fp8 (half the bytes) and each stage is upcast to q's dtype
+  through registers into a second shared-memory buffer before its wgmma (Hopper's
+  wgmma takes fp8 only with fp8 on both sides); ``k_scale`` multiplies the score scale
+  and ``v_scale`` the final normalization;
+* masking: a tile holding keys that some row may not see (the first tile of a window,
+  the last of a sequence, the causal diagonal of several query tokens) applies the
+  bottom-right causal / window mask and the sequence end to its scores, the others
+  skip it (a branch); in a tile holding keys outside ``[kv_lo, seq_len)`` (the first
+  tile of a window, the last tile of the sequence) those keys' V rows are set to 0 in
+  shared memory before ``P V``, so NaN / inf garbage in unused page slots never reaches
+  an output (a 0 probability would still give ``0 * NaN = NaN``); out-of-range keys'
+  K rows only produce scores that the mask replaces;
+* with several query tokens under a causal / window mask, keys in range can be hidden
+  from some rows only; in a tile holding such keys, V rows holding a NaN / inf are set
+  to 0 and flagged, the flags go through shared memory to reach the score tile's column
+  layout, and the rows that see a flagged key get a NaN correction, so their output is
+  NaN and every other row's is not (`kernels.common.quarantine_nonfinite_values`, the
+  Triton kernels' form);
+* with one split it writes the normalized output in q's dtype; with several, its
+  normalized f32 partial output and natural log-sum-exp (-inf for a row that saw no
+  key), merged by `decode.combine_splits`.
+
+What it does not do yet (each is either refused by `decode.unsupported_reason` or a
+known performance gap):
+
+* no warp specialization: the one warpgroup issues the TMA copies and does the math,
+  and its wgmmas are synchronous; the ring's depth is the only overlap of memory and
+  math;
+* the query tile is always 64 rows, so a GQA group of 4 with one token wastes 15/16 of
+  the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
+* the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
+  registers per stage), and to bf16 it goes through f32; float32 queries are refused
+  (wgmma would compute in TF32); head sizes must be multiples of 64 and block sizes
+  divide 128 (whole pages per stage);
+* ``O += P V`` lands in a fresh accumulator added to the running one in registers
+  (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form); the output
+  is kept in column chunks (`plans.mosaic_output_chunk`: up to 128) and computed one
+  chunk at a time, so the extra accumulator is ``[64, 128]`` (64 registers per
+  thread), but at D 256 the running output alone is 128 registers per thread: spills
+  are possible;
+* the block table is read from global memory, one scalar load per page (not staged in
+  shared memory); padding query rows are computed and written like real ones.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_paged_attn import plans, reference
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LN_2, LOG2E, RUNNING_MAX_INIT
+from jax_paged_attn.kv_view import CachePlane
+from jax_paged_attn.plans import MOSAIC_DECODE_ROWS, MosaicDecodeTiling
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+_SWIZZLE_BYTES = 128
+"""Shared-memory tiles of the MMA operands: rows of 128 bytes (64 16-bit elements),
+swizzled so the wgmma reads them without bank conflicts."""
+
+
+def interpret_params() -> object:
+    """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
+    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def _nonfinite_rows(v: Array) -> Array:
+    """bool ``[N]``: row ``n`` of ``v`` ``[N, D]`` holds a NaN / inf. Summed scaled by
+    `common.NONFINITE_SUM_SCALE`, so a sum of finite values stays finite; ``x - x`` is
+    0 for a finite sum, NaN otherwise."""
+    total = (v.astype(jnp.float32) * common.NONFINITE_SUM_SCALE).sum(axis=1)
+    return (total - total) != 0
+
+
+def _upcast(x: Array, dtype) -> Array:
+    """fp8 -> q's dtype. Hopper converts fp8 to f16 directly; to bf16 only through f32
+    (Mosaic GPU refuses the direct cast without a newer ptxas)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float16):
+        return x.astype(dtype)
+    return x.astype(jnp.float32).astype(dtype)
+
+
+def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
+    """Tiling and swizzle of a shared-memory operand whose rows are ``row_elements``
+    long: the widest swizzle (128, 64 or 32 bytes) whose tile width divides the row
+    (fp8 rows of 64 or 192 elements take 64 bytes)."""
+    swizzle = next(b for b in (_SWIZZLE_BYTES, 64, 32) if row_elements % (b // itemsize) == 0)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _decode_kernel(
+    *refs,
+    spec: AttentionSpec,
+    tiling: MosaicDecodeTiling,
+    num_q_tokens: int,
+    group_size: int,
+    block_size: int,
+    k_plane: int,
+    v_plane: int,
+    has_alibi: bool,
+    k_dequant: bool,
+    v_dequant: bool,
+):
+    (
+        # inputs
+        q_ref,  # [B, Hk * row_blocks, 64, D] q dtype: the query rows of each program, zero-padded
+        k_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding K (plane k_plane)
+        v_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding V (plane v_plane)
+        seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
+        block_table_ref,  # i32[B, max_blocks]
+        *rest,  # the optional inputs (`common.pop_optional`), the outputs, the scratch buffers
+    ) = refs
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
+    scales_ref = common.pop_optional(rest, k_dequant or v_dequant)  # f32[2]: k_scale, v_scale
+    if tiling.num_splits == 1:
+        o_ref, *scratch = rest  # [B, Hk * row_blocks, 64, D] q dtype
+        lse_ref = None
+    else:
+        # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
+        o_ref, lse_ref, *scratch = rest
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bad_smem, q_barrier, k_barriers, v_barriers,
+     *converted) = scratch
+    # fp8 stages are converted to q's dtype into these before the wgmma ([tile_keys, D]).
+    k_conv = converted.pop(0) if k_dequant else None
+    v_conv = converted.pop(0) if v_dequant else None
+
+    rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
+    dtype = q_ref.dtype
+    max_blocks = block_table_ref.shape[1]
+    num_pages = k_ref.shape[1]
+    max_keys = max_blocks * block_size
+
+    head_block, seq, split = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("split")
+    kv_head = lax.div(head_block, jnp.int32(tiling.row_blocks))
+    row_block = lax.rem(head_block, jnp.int32(tiling.row_blocks))
+
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+
+    seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
+    # Visible keys of the whole tile: [kv_lo, seq_len) (as in the Triton kernel).
+    kv_lo = jnp.int32(0)
+    if spec.window_left >= 0:
+        kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
+    base = lax.div(kv_lo, jnp.int32(block_size)) * block_size  # tiles start at kv_lo's page
+    num_tiles = lax.div(jnp.maximum(seq_len - base, 0) + (tile_keys - 1), jnp.int32(tile_keys))
+    tiles_per_split = lax.div(num_tiles + (tiling.num_splits - 1), jnp.int32(tiling.num_splits))
+    tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
+    num_steps = jnp.minimum(tile_begin + tiles_per_split, num_tiles) - tile_begin
+
+    def page_ids(step) -> tuple:
+        """The cache pages of tile ``tile_begin + step``, one i32 scalar per page.
+
+        Pages past the sequence (or the table) hold no visible key: any in-bounds page
+        serves, so the table column is clamped (a step past the last reads the table's
+        last entry, harmlessly); ids outside the cache (unvalidated tables under jit)
+        are clamped, never followed.
+        """
+        first_col = lax.div(base, jnp.int32(block_size)) + (tile_begin + step) * tiling.pages_per_tile
+        return tuple(jnp.clip(block_table_ref[seq, jnp.minimum(first_col + p, max_blocks - 1)], 0, num_pages - 1)
+                     for p in range(tiling.pages_per_tile))
+
+    def issue(slot, pages: tuple):
+        """Starts the TMA copies of the tile of ``pages`` into ring slot ``slot``."""
+        for p, page in enumerate(pages):
+            dst = pl.ds(p * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, :, kv_head, :], k_smem.at[slot, dst],
+                                    k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
+                                    v_barriers.at[slot])
+
+    for s in range(stages):
+        pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
+
+    def score_iota(dimension: int) -> Array:
+        """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
+        return plgpu.broadcasted_iota(jnp.int32, (rows, tile_keys), dimension, layout=plgpu.Layout.WGMMA)
+
+    def query_tokens():
+        """Each score row's query token (row ``r`` is token ``r // G``). With one token,
+        0 for every row: padding rows then attend like real ones and are dropped."""
+        if num_q_tokens == 1:
+            return jnp.int32(0)
+        return lax.div(row_block * rows + score_iota(0), jnp.int32(group_size))
+
+    # Only [64]-row vectors and scalars live across the loop: [64, tile_keys] index tiles
+    # are rebuilt in each step (cheap integer work) rather than held in registers.
+    slopes = None  # f32[64] per row, in the score tile's row layout
+    if alibi_ref is not None:
+        # Row r's slope is its query head's (r % G): G selects once, then one value per row.
+        head_in_group = lax.rem(row_block * rows + score_iota(0), jnp.int32(group_size))
+        slopes_2d = jnp.zeros((rows, tile_keys), jnp.float32)
+        for g in range(group_size):
+            slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
+        slopes = slopes_2d.max(axis=1)  # every column holds the row's slope
+
+    # Keys of [free_lo, free_hi) are in range and seen by every query row. With several
+    # query tokens under a causal / window mask, keys in range can be hidden from some
+    # rows only (`quarantine`).
+    quarantine = num_q_tokens > 1 and (spec.causal or spec.is_local)
+    free_lo, free_hi = kv_lo, seq_len
+    if spec.causal:
+        free_hi = seq_len - num_q_tokens + 1
+    elif spec.window_right >= 0:
+        free_hi = jnp.minimum(seq_len, seq_len - num_q_tokens + spec.window_right + 1)
+    if spec.window_left >= 0:
+        free_lo = seq_len - 1 - spec.window_left
+
+    head_size = q_ref.shape[-1]
+    chunk = plans.mosaic_output_chunk(head_size)  # output columns per accumulator chunk
+
+    score_scale = spec.softmax_scale
+    if k_dequant:
+        score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
+    plgpu.barrier_wait(q_barrier)
+
+    def step_fn(step, carry):
+        # f32[64, D], f32[64], f32[64], the pages of tile step + stages (i32 scalars)
+        acc, row_max, row_sum, pages = carry  # acc: a tuple of [64, chunk] column chunks
+        slot = lax.rem(step, jnp.int32(stages))
+        first_key = base + (tile_begin + step) * tile_keys
+        plgpu.barrier_wait(k_barriers.at[slot])
+        k_tile = k_smem.at[slot]
+        if k_conv is not None:
+            # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
+            k_conv[...] = _upcast(k_tile[...], dtype)
+            plgpu.commit_smem()
+            k_tile = k_conv
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
+        # Scores in log2 units (exp2 is the fast path): s * log2(e).
+        if spec.softcap > 0:
+            s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
+        else:
+            s = s * (score_scale * LOG2E)
+        if slopes is not None:
+            dist = reference.alibi_distance(query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len)
+            s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
+
+        def visible():
+            """bool [64, tile_keys]: the mask (causal / window, sequence end, kv_lo)."""
+            key = first_key + score_iota(1)
+            return reference.key_visible(query_tokens(), key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
+
+        # Only tiles reaching outside [free_lo, free_hi) (keys every row sees, all in
+        # range) build the mask: the first tile of a window, the last of a sequence, the
+        # causal diagonal of several query tokens. The others skip its ~10 integer
+        # operations per score.
+        masked = (first_key < free_lo) | (first_key + tile_keys > free_hi)
+        s = lax.cond(masked, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
+        new_max = jnp.maximum(row_max, s.max(axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
+        if not quarantine:
+            p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
+        plgpu.barrier_wait(v_barriers.at[slot])
+
+        # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
+        # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
+        edge = (first_key < kv_lo) | (first_key + tile_keys > seq_len)
+        v_tile = v_smem.at[slot]
+
+        def in_range_values(v):
+            v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+            return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
+
+        def quarantined(v):
+            """``v`` with its non-finite keys' rows set to 0; their flags to `bad_smem`."""
+            bad = _nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
+            bad_smem[...] = jnp.where(bad, 1.0, 0.0)
+            return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
+
+        # With several query tokens under a causal / window mask, a masked tile's keys
+        # in [kv_lo, seq_len) may be hidden from some rows only: a non-finite value must
+        # reach only the rows that see it (in other tiles every row sees every key).
+        if v_conv is None:
+            @pl.when(masked if quarantine else edge)  # masked includes every edge tile
+            def _():
+                v = in_range_values(v_tile[...])
+                v_tile[...] = quarantined(v) if quarantine else v
+        else:
+            # The values pass through registers anyway: zero the out-of-range rows in
+            # every tile (no key is out of range away from the edges) rather than branch.
+            v = in_range_values(_upcast(v_tile[...], dtype))
+            if quarantine:
+                @pl.when(masked)
+                def _():
+                    v_conv[...] = quarantined(v)
+
+                @pl.when(jnp.logical_not(masked))
+                def _():
+                    v_conv[...] = v
+            else:
+                v_conv[...] = v
+            v_tile = v_conv
+        if quarantine:
+            plgpu.commit_smem()  # the flags, written by every thread, read back in another layout
+
+            def poison_rows(correction):
+                """A NaN correction for the rows that see a flagged key: their output is
+                then NaN for good, as the reference's."""
+                # [tile_keys], one per column of the scores (a layout_cast right after a
+                # load is the load's layout, not a relayout).
+                bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
+                flagged = lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0
+                sees_bad = jnp.where(visible() & flagged, 1.0, 0.0).max(axis=1) > 0
+                return jnp.where(sees_bad, jnp.nan, correction)
+
+            correction = lax.cond(masked, poison_rows, lambda c: c, correction)
+            p_smem[...] = p.astype(dtype)
+        row_sum = row_sum * correction + p.sum(axis=1)
+        acc = tuple(a * lax.broadcast_in_dim(correction, a.shape, [0]) for a in acc)
+
+        plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
+
+        def pv(c, acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(c * chunk, chunk)])
+            return acc_ref[...]  # waits for the wgmma: the slot is free again
+
+        # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
+        # (in place, one [64, chunk] f32 tile fewer in registers): Mosaic GPU interpret
+        # mode cannot run run_state, and the tests run this same code there.
+        acc = tuple(a + pl.run_scoped(functools.partial(pv, c), plgpu.ACC((rows, chunk), jnp.float32))
+                    for c, a in enumerate(acc))
+        pl.when(step + stages < num_steps)(lambda: issue(slot, pages))
+        # The ids of the next refill are loaded a step early: its TMA copies then wait
+        # for no global load (a scalar load per page would stall every step).
+        return acc, new_max, row_sum, page_ids(step + stages + 1)
+
+    carry = (
+        tuple(plgpu.layout_cast(jnp.zeros((rows, chunk), jnp.float32), plgpu.Layout.WGMMA)
+              for _ in range(head_size // chunk)),
+        plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    acc, row_max, row_sum, _ = lax.fori_loop(0, num_steps, step_fn, (*carry, page_ids(stages)))
+
+    # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    inv_sum = 1.0 / safe_sum
+    if v_dequant:
+        inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
+    o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
+    if lse_ref is not None:
+        lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+    # The output leaves through a [64, store] buffer (`plans.mosaic_store_chunk`), a
+    # store's columns at a time: a whole f32 [64, 256] tile would not fit beside the ring.
+    store = o_smem.shape[1]
+    for i, col0 in enumerate(range(0, head_size, store)):
+        a = acc[col0 // chunk]
+        if store < chunk:
+            a = a[:, col0 % chunk:col0 % chunk + store]
+        if i:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
+        o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(col0, store)])
+        if i == 0 and lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def paged_decode_call(
+    q_rows: Array,  # [B, Hk * row_blocks, 64, D] f16 / bf16: query rows per program (decode.py lays them out)
+    k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8, a plane of a stacked cache
+    v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
+    cache_seqlens: Array,  # i32[B]
+    block_table: Array,  # i32[B, max_blocks]
+    alibi_slopes_log2: Array | None,  # f32[Hq]: ALiBi slopes * log2(e) (plans.alibi_slopes_log2), or None
+    scales: Array | None,  # f32[2] (k_scale, v_scale) when either cache is fp8 (plans.kv_scales), else None
+    *,
+    spec: AttentionSpec,
+    tiling: MosaicDecodeTiling,
+    num_q_tokens: int,
+    group_size: int,
+    interpret: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Runs the kernel over the grid (KV heads x row blocks, sequences, splits).
+
+    The caches are planes of stacked arrays (`jax_paged_attn.kv_view.CachePlane`): the
+    whole stacked array reaches the kernel and each TMA copy names the plane, so XLA
+    copies nothing. ``interpret`` runs the kernel in Mosaic GPU interpret mode
+    (`interpret_params`; CPU tests).
+
+    Returns the output rows ``[B, Hk * row_blocks, 64, D]`` in q's dtype when
+    ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, 64, D],
+    lse f32[splits, B, Hk * row_blocks, 64])``, each split normalized over its own keys,
+    ``lse`` the natural log-sum-exp of its scores (-inf for a split that saw no key).
+    Padding rows hold 0 (-inf log-sum-exp).
+    """
+    batch, head_blocks, rows, head_size = q_rows.shape
+    _, block_size, _, _ = k_cache.shape
+    dtype = q_rows.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    k_dequant, v_dequant = plans.is_fp8(k_cache.dtype), plans.is_fp8(v_cache.dtype)
+    if (k_dequant or v_dequant) and scales is None:
+        raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
+    inputs = [q_rows, k_cache.array, v_cache.array, cache_seqlens, block_table]
+    common.append_optional(inputs, alibi_slopes_log2)
+    common.append_optional(inputs, scales if (k_dequant or v_dequant) else None)
+    splits = tiling.num_splits
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(q_rows.shape, dtype)
+        out_dtype = dtype
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((splits, *q_rows.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, head_blocks, rows), jnp.float32),
+        )
+        out_dtype = jnp.float32
+    keys = tiling.tile_keys
+
+    def ring(cache: CachePlane):
+        """The cache's stages in its own dtype (fp8 pages arrive as fp8 bytes)."""
+        cache_dtype = cache.dtype
+        transforms = _operand_transforms(jnp.dtype(cache_dtype).itemsize, head_size)
+        return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
+
+    operand = _operand_transforms(itemsize, head_size)
+    scratch = [
+        plgpu.SMEM((rows, head_size), dtype, transforms=operand),  # Q
+        ring(k_cache),  # K ring
+        ring(v_cache),  # V ring
+        plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
+        # output rows, a column chunk at a time
+        plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
+        plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
+        plgpu.SMEM((keys,), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
+        plgpu.Barrier(num_arrivals=1),  # Q
+        plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
+        plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
+    ]
+    # fp8 stages upcast to q's dtype for the wgmma, K then V.
+    scratch += [plgpu.SMEM((keys, head_size), dtype, transforms=operand) for d in (k_dequant, v_dequant) if d]
+    kernel = functools.partial(
+        _decode_kernel,
+        spec=spec,
+        tiling=tiling,
+        num_q_tokens=num_q_tokens,
+        group_size=group_size,
+        block_size=block_size,
+        k_plane=k_cache.plane,
+        v_plane=v_cache.plane,
+        has_alibi=alibi_slopes_log2 is not None,
+        k_dequant=k_dequant,
+        v_dequant=v_dequant,
+    )
+    extra = {"interpret": interpret_params()} if interpret else {}
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(head_blocks, batch, splits),
+        grid_names=("heads", "batch", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="paged_decode_attention_mgpu",
+        **extra,
+    )(*inputs)
