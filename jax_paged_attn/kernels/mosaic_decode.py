@@ -9,8 +9,8 @@ names for this lowering.
 FIRST CUT, UNMEASURED ON THE GPU: it has been cross-lowered for CUDA on a CPU host (the
 module holds a ``mosaic_gpu`` custom call) but never compiled by ptxas nor run on an
 H200; its speed is unknown. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
-interpreter has no rule for ``layout_cast`` and no transposed wgmma operands); the
-tests skip those runs on older jax with that reason.
+interpreter has no rule for ``layout_cast`` and no transposed wgmma operands; the tests
+add both there, tests/mosaic_interpret_compat.py).
 
 What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup):
 
