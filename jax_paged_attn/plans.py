@@ -33,7 +33,7 @@ __all__ = [
     "CacheWriteConfig", "visible_key_interval", "num_query_tiles", "plan_tiles", "heads_per_program",
     "check_prefill_config", "plan_prefill_tiling", "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
-    "alibi_slopes_log2",
+    "alibi_slopes_log2", "MOSAIC_BLOCK_Q", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
 ]
 
 LOG2E = math.log2(math.e)
@@ -337,6 +337,53 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
         # One loop masks every block: narrowing it would narrow the whole kernel.
         masked_block_k=block_k if config.single_kv_loop else min(block_k, config.masked_block_k),
     )
+
+
+
+MOSAIC_BLOCK_Q = 64
+"""Rows of a Mosaic GPU prefill tile: one warpgroup's wgmma M."""
+
+
+def mosaic_prefill_smem_bytes(block_q: int, block_k: int, head_size: int, num_stages: int,
+                              q_itemsize: int, k_itemsize: int, v_itemsize: int) -> int:
+    """Shared memory of the Mosaic GPU prefill kernel's tiles
+    (`jax_paged_attn.kernels.mosaic_prefill`): q / output, the K and V ring, the finite
+    and non-finite value tiles of masked blocks, and the converted-key tile (fp8 only).
+    Barriers and alignment fit in the budget's margin."""
+    conv_rows = block_k if k_itemsize == 1 else 8
+    return (block_q * head_size * q_itemsize + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
+            + (2 * block_k + conv_rows) * head_size * q_itemsize)
+
+
+def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
+                               max_seqlen_k: int, block_size: int | None,
+                               config: PrefillConfig) -> tuple[PrefillTiling, int]:
+    """``(tiling, copy_rows)`` of the Mosaic GPU varlen kernel.
+
+    block_q is `MOSAIC_BLOCK_Q` (``config.block_q`` is the Triton tier's: the first cut
+    has one warpgroup, no GQA packing); block_k is ``config.block_k`` shrunk to
+    ``max_seqlen_k`` (a power of 2 >= 16), then, with the ring depth
+    (``config.num_stages``, at least 2), shrunk until the tiles fit
+    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`. copy_rows: rows per TMA copy, block_k for
+    packed keys and ``gcd(block_k, block_size)`` over a paged cache (a copy never
+    crosses a page; both are multiples of 16).
+    """
+    block_k = min(config.block_k, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_k)))
+    stages = max(2, config.num_stages)
+
+    def fits() -> bool:
+        return mosaic_prefill_smem_bytes(MOSAIC_BLOCK_Q, block_k, head_size, stages, q_itemsize, k_itemsize,
+                                         v_itemsize) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+
+    while not fits() and stages > 2:
+        stages -= 1
+    while not fits() and block_k > MIN_DOT_ROWS:
+        block_k //= 2
+    copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
+    tiling = PrefillTiling(block_q=MOSAIC_BLOCK_Q, block_k=block_k, heads_per_program=1,
+                           padded_head_size=head_size, num_warps=4, num_stages=stages,
+                           longest_first=config.longest_first)
+    return tiling, copy_rows
 
 
 # =========================================================================== paged decode

@@ -133,6 +133,23 @@ PREFILL_TABLE: dict[tuple[int, str, bool], PrefillConfig] = {
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries: tuned_tables.json
 
 
+# Shared memory the Mosaic GPU prefill kernel may take (H200: 227 KiB per block); its
+# ring and block_k shrink to fit (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
+MOSAIC_SHARED_MEMORY_BUDGET = 200 * 1024
+
+# The Mosaic GPU prefill kernel's config: block_k and num_stages are used (block_q is
+# fixed at one warpgroup's 64 rows, GQA is not packed). Not measured on a GPU yet: a
+# starting point (64-key blocks, a 2-deep TMA ring, as the stock attention_mgpu
+# kernel's smallest configs), to be replaced by a sweep.
+MOSAIC_PREFILL_CONFIG = PrefillConfig(block_q=64, block_k=64, num_stages=2, pack_gqa=False)
+
+
+def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False) -> PrefillConfig:
+    """The Mosaic GPU prefill kernel's config (one default until measured)."""
+    del head_size, dtype_name, paged
+    return MOSAIC_PREFILL_CONFIG
+
+
 def prefill_config(head_size: int, dtype_name: str, paged: bool = False) -> PrefillConfig:
     return PREFILL_TABLE.get((next_power_of_2(head_size), dtype_name, bool(paged)), PrefillConfig())
 

@@ -1,0 +1,398 @@
+"""Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
+
+First cut, **not yet compiled or measured on a GPU**: a single-warpgroup kernel whose
+K/V blocks arrive by TMA in a ``num_stages``-deep shared-memory ring (one barrier per
+slot) while the warpgroup runs ``wgmma`` on the blocks before them. The producer /
+2-consumer warp specialization of the stock ``attention_mgpu`` kernel (the path to the
+issue's FLOP/s targets) is not done yet; neither is keeping P in registers across two
+consumer warpgroups or GQA packing of a KV group's heads into one tile.
+
+Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
+the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
+blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
+``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
+the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
+share K/V in L2); a program is one query head's ``block_q`` rows (no GQA packing: the
+KV head ``h // G`` is read by each of its G query heads, from L2).
+
+Memory layout (all TMA, so every copy must stay inside its array; the wrapper,
+`jax_paged_attn.prefill`, pads q and packed k / v by a tile, a paged cache is read by
+whole pages):
+
+* q: ``[Tq + block_q, Hq, D]``; a tile's rows ``q_row0 .. q_row0 + block_q`` of head h
+  (rows of other sequences are computed and dropped).
+* k / v: ``[planes, pages, page_rows, Hk, D]``. A paged cache is its stacked planes;
+  packed keys are one plane of one "page" holding every row (``page_rows = Tk +
+  block_k``). A KV block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
+  (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
+  arriving on the slot's barrier.
+* output: ``[num_tiles, block_q, Hq, D]``, one slab per tile (a TMA store writes whole
+  tiles, and a tile's rows past its sequence belong to the next one); the wrapper
+  gathers each packed row from its tile.
+
+Numerics as the Triton kernel: f32 scores and accumulator, base-2 online softmax with
+``log2(e)`` folded into the score scale and the ALiBi slopes, running max starting at
+the most negative finite f32 (a row that sees no key outputs 0). fp8 K/V are converted
+to the query dtype in shared memory after the TMA (exact), their scales applied to the
+scores and the output. Masked blocks also load keys the tile's rows cannot see (keys
+past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` by
+``where``; their values are split into finite values (non-finite -> 0) for P·V and a
+0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
+(row, column) pairs that see a non-finite value, which become NaN. So a NaN or inf in K
+or V reaches exactly the rows that see its key, as in the reference.
+
+Interpret mode (``interpret=True``, CPU tests) runs this kernel in the Mosaic GPU
+interpreter: TMA copies, barriers, the ring, the loops and all the softmax / mask
+arithmetic are interpreted as written. Two things differ, because the interpreter of
+jax 0.10 (the CI's) cannot run them: the two matmuls are ``lax.dot_general`` on the
+shared-memory tiles instead of ``wgmma`` (its ``wgmma`` takes neither a transposed
+shared-memory operand nor a register operand), and register-layout annotations
+(``layout_cast``, ``broadcasted_iota``'s layout) are dropped (no CPU rule). The
+``wgmma`` path is covered by lowering for CUDA on CPU (`tests/test_lowering.py`) and by
+the ``gpu``-marked tests on the H200.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_paged_attn import reference
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
+from jax_paged_attn.plans import TILE_INFO_WIDTH, PrefillTiling, TileField
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+try:  # public from jax 0.11; the jax 0.10 interpreter's parameters live here
+    _InterpretGPUParams = plgpu.InterpretGPUParams
+except AttributeError:  # pragma: no cover - depends on the jax version
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as _InterpretGPUParams
+
+
+def smem_transforms(minor_dim: int, dtype) -> tuple:
+    """Tiling + swizzle of a 2-D shared-memory tile whose rows have ``minor_dim`` elements
+    (the widest swizzle dividing a row, as wgmma and TMA want)."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor_dim * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+class _Ops:
+    """The few operations whose form differs between the GPU and the interpreter."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def layout(self, x: Array, layout) -> Array:
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, shape: tuple[int, int], dim: int) -> Array:
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def row_bcast(self, x: Array, shape: tuple[int, int]) -> Array:  # [M] -> [M, N]
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    def mma(self, a, b_ref, *, transpose_b: bool, shape: tuple[int, int]) -> Array:
+        """f32 ``a @ b`` (``a @ b.T`` with transpose_b); ``a`` a shared-memory ref or a
+        register array, ``b_ref`` a shared-memory ref."""
+        if self.interpret:
+            a_val = a if isinstance(a, jax.Array) else a[...]
+            dims = ((1,), (1,)) if transpose_b else ((1,), (0,))
+            return lax.dot_general(a_val, b_ref[...], (dims, ((), ())), preferred_element_type=jnp.float32)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref.T if transpose_b else b_ref)
+            return acc_ref[...]
+
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    def mma_acc(self, acc: Array, a: Array, b_ref) -> Array:
+        """``acc + a @ b`` (f32 accumulator in place on the GPU)."""
+        if self.interpret:
+            return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _prefill_kernel(
+    *refs,
+    spec: AttentionSpec,
+    tiling: PrefillTiling,
+    copy_rows: int,
+    page_rows: int,
+    num_pages: int,
+    max_pages_per_seq: int,
+    paged: bool,
+    planes: tuple[int, int],
+    group: int,
+    has_alibi: bool,
+    k_fp8: bool,
+    v_fp8: bool,
+    interpret: bool,
+):
+    (
+        # inputs (GMEM)
+        plan_ref,  # i32[num_tiles, TILE_INFO_WIDTH]
+        q_ref,  # [Tq + block_q, Hq, D] q dtype
+        k_ref,  # [planes, pages, page_rows, Hk, D] q dtype or fp8
+        v_ref,  # same layout as k_ref
+        *rest,
+    ) = refs
+    rest = list(rest)
+    table_ref = common.pop_optional(rest, paged)  # i32[B, max_blocks]
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq] slopes * log2(e)
+    scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
+    (
+        o_ref,  # output: [num_tiles, block_q, Hq, D] q dtype
+        # scratch (SMEM)
+        q_smem,  # [block_q, D] q dtype: the tile's queries, then its output
+        k_ring,  # [num_stages, block_k, D] K dtype
+        v_ring,  # [num_stages, block_k, D] V dtype
+        v_work,  # [block_k, D] q dtype: finite (masked blocks) or converted (fp8) values
+        v_bad,  # [block_k, D] q dtype: 1 where a value is non-finite (masked blocks)
+        k_conv,  # [block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
+        q_bar,  # Barrier[1]: q arrived
+        k_bars,  # Barrier[num_stages]: K block of the slot arrived
+        v_bars,  # Barrier[num_stages]: V block of the slot arrived
+    ) = rest
+    ops = _Ops(interpret)
+    block_q, block_k, stages = tiling.block_q, tiling.block_k, tiling.num_stages
+    head_size = q_smem.shape[-1]
+    dtype = q_smem.dtype
+    k_plane, v_plane = planes
+    copies = block_k // copy_rows
+    score_shape, out_shape = (block_q, block_k), (block_q, head_size)
+
+    t = lax.axis_index("tile")
+    h = lax.axis_index("head")
+    kv_head = lax.div(h, jnp.int32(group))
+
+    def field(f: TileField) -> Array:
+        return plan_ref[t, int(f)]
+
+    q_rows = field(TileField.Q_ROWS)
+
+    @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
+    def _():
+        seq = field(TileField.SEQ)
+        q_row0 = field(TileField.Q_ROW0)
+        q_pos0 = field(TileField.Q_POS0)
+        q_len = field(TileField.Q_LEN)
+        k_len = field(TileField.K_LEN)
+        k_row0 = field(TileField.K_ROW0)
+        kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
+        kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
+        num_blocks = kb_hi - kb_lo
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, block_q), h], q_smem, q_bar.at[0])
+
+        def fetch(kb: Array, slot: Array) -> None:
+            """Issues the TMA copies of KV block ``kb`` into ring slot ``slot``."""
+            for c in range(copies):
+                key0 = kb * block_k + c * copy_rows
+                if paged:
+                    logical = jnp.minimum(lax.div(key0, jnp.int32(page_rows)), max_pages_per_seq - 1)
+                    # A bad page id reads a real page, never outside the cache.
+                    page = jnp.clip(table_ref[seq, logical], 0, num_pages - 1)
+                    row = lax.rem(key0, jnp.int32(page_rows))
+                else:
+                    page, row = 0, k_row0 + key0
+                rows = pl.ds(row, copy_rows)
+                k_dst, v_dst = k_ring.at[slot], v_ring.at[slot]
+                if copies > 1:
+                    k_dst, v_dst = k_dst.at[pl.ds(c * copy_rows, copy_rows)], v_dst.at[pl.ds(c * copy_rows, copy_rows)]
+                plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, rows, kv_head], k_dst, k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, rows, kv_head], v_dst, v_bars.at[slot])
+
+        for i in range(stages):  # fill the ring
+            @pl.when(i < num_blocks)
+            def _():
+                fetch(kb_lo + i, jnp.int32(i))
+
+        if scale_ref is not None:
+            k_scale, v_scale = scale_ref[0], scale_ref[1]
+        else:
+            k_scale = v_scale = None
+        # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
+        if spec.softcap > 0:
+            pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
+        else:
+            pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
+        if k_fp8:
+            pre_tanh = k_scale * pre_tanh
+        slope = alibi_ref[h] if alibi_ref is not None else None
+
+        def visit(kb, carry, *, masked: bool):
+            acc, m_prev, l_prev = carry
+            slot = lax.rem(kb - kb_lo, jnp.int32(stages))
+            plgpu.barrier_wait(k_bars.at[slot])
+            k_tile = k_ring.at[slot]
+            if k_fp8:
+                k_conv[...] = k_tile[...].astype(dtype)
+                plgpu.commit_smem()  # register stores -> visible to wgmma
+                k_tile = k_conv
+            s = ops.mma(q_smem, k_tile, transpose_b=True, shape=score_shape)  # [block_q, block_k]
+            s = s * pre_tanh
+            if post_tanh is not None:
+                s = jnp.tanh(s) * post_tanh
+            if slope is not None or masked:
+                q_pos = q_pos0 + ops.iota(score_shape, 0)
+                k_pos = kb * block_k + ops.iota(score_shape, 1)
+            if slope is not None:
+                s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
+            if masked:
+                visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            correction = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
+            l_next = l_prev * correction + p.sum(axis=1)
+            acc = acc * ops.row_bcast(correction, out_shape)
+            plgpu.barrier_wait(v_bars.at[slot])
+            v_tile = v_ring.at[slot]
+            if masked:
+                # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
+                # future): P·V runs over finite values; a 0/1 product finds the rows
+                # (and columns) that see a non-finite one.
+                v = v_tile[...].astype(jnp.float32)
+                finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
+                v_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                v_bad[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                plgpu.commit_smem()
+                seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), v_bad, transpose_b=False,
+                               shape=out_shape)
+                acc = ops.mma_acc(acc, p.astype(dtype), v_work)
+                acc = jnp.where(seen > 0, jnp.nan, acc)
+            else:
+                if v_fp8:
+                    v_work[...] = v_tile[...].astype(dtype)
+                    plgpu.commit_smem()
+                    v_tile = v_work
+                acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+
+            # The slot's block is consumed (the wgmmas above have completed): refill it.
+            @pl.when(kb - kb_lo + stages < num_blocks)
+            def _():
+                fetch(kb + stages, slot)
+
+            return acc, m_next, l_next
+
+        carry = (
+            ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
+            ops.layout(jnp.full((block_q,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            ops.layout(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        plgpu.barrier_wait(q_bar.at[0])
+        masked_visit = functools.partial(visit, masked=True)
+        if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+            carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
+        carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
+        acc, _, l_sum = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
+
+        # One reciprocal per row; a row that sees no key -> 0.
+        inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+        if v_fp8:
+            inv_sum = inv_sum * v_scale
+        out = acc * ops.row_bcast(inv_sum, out_shape)
+        row = ops.iota(out_shape, 0)
+        attends = (row < q_rows) & (q_pos0 + row < q_len)
+        q_smem[...] = jnp.where(attends, out, 0.0).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, :, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def varlen_attention_call(
+    q: Array,  # [Tq + block_q, Hq, D] f16 / bf16 (padded by a tile: TMA reads stay inside)
+    k: tuple[Array, int],  # ([planes, pages, page_rows, Hk, D], plane) q dtype or fp8
+    v: tuple[Array, int],  # same layout as k (may be another plane of the same array)
+    plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from plans.plan_tiles
+    block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed: one page)
+    alibi_slopes_log2: Array | None,  # f32[Hq] ALiBi slopes * log2(e), or None
+    kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
+    *,
+    spec: AttentionSpec,
+    tiling: PrefillTiling,
+    copy_rows: int,
+    interpret: bool = False,
+) -> Array:  # [num_tiles, block_q, Hq, D] q.dtype: tile t's rows (see the module docstring)
+    """Builds and runs the Mosaic GPU kernel over the plan's tiles.
+
+    ``tiling`` (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`) gives block_q (64,
+    one wgmma M), block_k and the ring depth (``num_stages``); ``copy_rows`` the rows per
+    TMA copy (block_k for packed keys, ``gcd(block_k, block_size)`` for a paged cache).
+    Rows of a tile past its sequence hold garbage or zeros: the caller gathers only
+    each tile's own rows.
+    """
+    _, num_q_heads, head_size = q.shape
+    (k_arr, k_plane), (v_arr, v_plane) = k, v
+    _, num_pages, page_rows, num_kv_heads, _ = k_arr.shape
+    block_q, block_k, stages = tiling.block_q, tiling.block_k, tiling.num_stages
+    assert tiling.heads_per_program == 1 and block_k % copy_rows == 0, tiling
+    num_tiles = plan.shape[0]
+    assert plan.shape[1] == TILE_INFO_WIDTH
+    k_fp8, v_fp8 = jnp.dtype(k_arr.dtype).itemsize == 1, jnp.dtype(v_arr.dtype).itemsize == 1
+    if (k_fp8 or v_fp8) and kv_scales is None:
+        raise ValueError("kv_scales (k_scale, v_scale) are required with fp8 keys or values.")
+    paged = block_table is not None
+    dtype = q.dtype
+
+    def tile(rows: int, dt, lead: tuple[int, ...] = ()):
+        return plgpu.SMEM((*lead, rows, head_size), dt, transforms=smem_transforms(head_size, dt))
+
+    scratch = [
+        tile(block_q, dtype),
+        tile(block_k, k_arr.dtype, (stages,)),
+        tile(block_k, v_arr.dtype, (stages,)),
+        tile(block_k, dtype),
+        tile(block_k, dtype),
+        tile(block_k if k_fp8 else 8, dtype),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=block_k // copy_rows, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=block_k // copy_rows, num_barriers=stages),
+    ]
+    inputs = [plan, q, k_arr, v_arr]
+    common.append_optional(inputs, block_table)
+    common.append_optional(inputs, alibi_slopes_log2)
+    common.append_optional(inputs, kv_scales)
+    kernel = functools.partial(
+        _prefill_kernel,
+        spec=spec,
+        tiling=tiling,
+        copy_rows=copy_rows,
+        page_rows=page_rows,
+        num_pages=num_pages,
+        max_pages_per_seq=block_table.shape[1] if paged else 1,
+        paged=paged,
+        planes=(k_plane, v_plane),
+        group=num_q_heads // num_kv_heads,
+        has_alibi=alibi_slopes_log2 is not None,
+        k_fp8=k_fp8,
+        v_fp8=v_fp8,
+        interpret=interpret,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_tiles, block_q, num_q_heads, head_size), dtype),
+        scratch_types=scratch,
+        grid=(num_tiles, num_q_heads),
+        grid_names=("tile", "head"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_InterpretGPUParams() if interpret else None,
+        kernel_name="varlen_attention_mosaic",
+    )(*inputs)
+
