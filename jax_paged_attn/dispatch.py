@@ -5,8 +5,15 @@ Implementations (the ``implementation=`` argument of the public functions):
 * ``"xla"``: `jax_paged_attn.reference`, plain jax.numpy, any backend.
 * ``"triton"``: Pallas kernels lowered through Triton (NVIDIA GPUs, Ampere and newer;
   CPU with ``interpret=True``).
-* ``None`` / ``"auto"``: the Pallas kernel when the call is lowered for CUDA and the
-  kernel supports the call, else ``"xla"``. The choice is made per lowering platform
+* ``"mosaic_gpu"``: Pallas kernels lowered through Mosaic GPU (Hopper, sm_90a: TMA and
+  wgmma; CPU with ``interpret=True``, in the Mosaic GPU interpreter). Varlen prefill
+  only so far (`jax_paged_attn.kernels.mosaic_prefill`, a first cut not yet measured on
+  a GPU); paged decode with it raises `NotImplementedError` (its decode kernel does
+  not exist yet).
+* ``None`` / ``"auto"``: the Pallas Triton kernel when the call is lowered for CUDA and
+  the kernel supports the call, else ``"xla"``. Auto does not choose ``"mosaic_gpu"``
+  yet: it is meant to prefer it on sm_90 and newer once that kernel has been measured
+  faster than the Triton one there; until then it is used only when asked for. The choice is made per lowering platform
   with `jax.lax.platform_dependent`, so one jitted function runs the kernel on a GPU
   and the reference on a CPU, and cross-lowering for CUDA on a CPU host shows the
   kernel in the compiled module.
@@ -37,7 +44,8 @@ Array = jax.Array
 AUTO = "auto"
 XLA = "xla"
 TRITON = "triton"
-IMPLEMENTATIONS = (AUTO, XLA, TRITON)
+MOSAIC_GPU = "mosaic_gpu"
+IMPLEMENTATIONS = (AUTO, XLA, TRITON, MOSAIC_GPU)
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -87,6 +95,13 @@ def normalize_implementation(implementation: str | None) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}.")
     return impl
+
+
+def kernel_lowering(implementation: str | None) -> str:
+    """The Pallas lowering a kernel implementation runs through (``"triton"`` or
+    ``"mosaic_gpu"``, the names `prefill.LOWERINGS` / `decode.LOWERINGS` use); auto's
+    kernel is Triton's (see the module docstring)."""
+    return MOSAIC_GPU if normalize_implementation(implementation) == MOSAIC_GPU else TRITON
 
 
 def run_implementation(
@@ -144,11 +159,12 @@ def varlen_attention(
 
     static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
+    lowering = kernel_lowering(implementation)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.varlen_attention, **static)),
-        kernel_fn=functools.partial(prefill.varlen_attention, lowering=TRITON, interpret=interpret, **static),
-        unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=TRITON, **static),
+        kernel_fn=functools.partial(prefill.varlen_attention, lowering=lowering, interpret=interpret, **static),
+        unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=lowering, **static),
     )
 
 
@@ -161,10 +177,13 @@ def paged_decode_attention(
     from jax_paged_attn import decode
 
     args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
+    # implementation="mosaic_gpu": decode.unsupported_reason names the missing lowering
+    # (no Mosaic GPU decode kernel yet), and run_implementation raises NotImplementedError.
+    lowering = kernel_lowering(implementation)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.paged_decode_attention, spec=spec)),
-        kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=TRITON,
+        kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=lowering,
                                     interpret=interpret),
-        unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=TRITON),
+        unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=lowering),
     )

@@ -343,16 +343,20 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
 MOSAIC_BLOCK_Q = 64
 """Rows of a Mosaic GPU prefill tile: one warpgroup's wgmma M."""
 
+MOSAIC_MIN_BLOCK_K = 64
+"""Least keys per Mosaic GPU KV block: masked blocks load the V tile into registers in
+the wgmma layout, whose tiles have 64 rows."""
+
 
 def mosaic_prefill_smem_bytes(block_q: int, block_k: int, head_size: int, num_stages: int,
                               q_itemsize: int, k_itemsize: int, v_itemsize: int) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
-    (`jax_paged_attn.kernels.mosaic_prefill`): q / output, the K and V ring, the finite
-    and non-finite value tiles of masked blocks, and the converted-key tile (fp8 only).
-    Barriers and alignment fit in the budget's margin."""
+    (`jax_paged_attn.kernels.mosaic_prefill`): q / output, the K and V ring, the value
+    work tile (masked blocks, fp8 values), and the converted-key tile (fp8 keys; 8 rows
+    otherwise). Barriers and alignment fit in the budget's margin."""
     conv_rows = block_k if k_itemsize == 1 else 8
     return (block_q * head_size * q_itemsize + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
-            + (2 * block_k + conv_rows) * head_size * q_itemsize)
+            + (block_k + conv_rows) * head_size * q_itemsize)
 
 
 def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
@@ -361,14 +365,16 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     """``(tiling, copy_rows)`` of the Mosaic GPU varlen kernel.
 
     block_q is `MOSAIC_BLOCK_Q` (``config.block_q`` is the Triton tier's: the first cut
-    has one warpgroup, no GQA packing); block_k is ``config.block_k`` shrunk to
-    ``max_seqlen_k`` (a power of 2 >= 16), then, with the ring depth
-    (``config.num_stages``, at least 2), shrunk until the tiles fit
-    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`. copy_rows: rows per TMA copy, block_k for
-    packed keys and ``gcd(block_k, block_size)`` over a paged cache (a copy never
-    crosses a page; both are multiples of 16).
+    has one warpgroup, no GQA packing); block_k is ``config.block_k`` (at least
+    `MOSAIC_MIN_BLOCK_K`) shrunk to ``max_seqlen_k`` (a power of 2 >= `MOSAIC_MIN_BLOCK_K`),
+    then, with the ring depth (``config.num_stages``, at least 2), shrunk until the tiles
+    fit `tuning.MOSAIC_SHARED_MEMORY_BUDGET` (the least block_k and ring fit at every
+    head size). copy_rows: rows per TMA copy, block_k for packed keys and
+    ``gcd(block_k, block_size)`` over a paged cache (a copy never crosses a page; both
+    are multiples of 16).
     """
-    block_k = min(config.block_k, max(MIN_DOT_ROWS, next_power_of_2(max_seqlen_k)))
+    lowest = MOSAIC_MIN_BLOCK_K
+    block_k = max(lowest, min(config.block_k, next_power_of_2(max_seqlen_k)))
     stages = max(2, config.num_stages)
 
     def fits() -> bool:
@@ -377,7 +383,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
 
     while not fits() and stages > 2:
         stages -= 1
-    while not fits() and block_k > MIN_DOT_ROWS:
+    while not fits() and block_k > lowest:
         block_k //= 2
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     tiling = PrefillTiling(block_q=MOSAIC_BLOCK_Q, block_k=block_k, heads_per_program=1,

@@ -52,7 +52,7 @@ def _api(problem: VarlenProblem, implementation: str, attention: dict[str, Any])
     fn = functools.partial(
         jax_paged_attn.flash_attn_varlen_func, max_seqlen_q=problem.max_seqlen_q,
         max_seqlen_k=problem.max_seqlen_k, implementation=implementation,
-        interpret=implementation == "triton", **kwargs)
+        interpret=implementation in ("triton", "mosaic_gpu"), **kwargs)
     return jax.jit(fn)(alibi_slopes=slopes, **problem.arrays())
 
 
@@ -155,6 +155,36 @@ MAIN_GRID = [
 def test_kernel_matches_reference(build, attention):
     problem = make_varlen_problem(np.random.default_rng(0), **build)
     out = _api(problem, "triton", attention)
+    _assert_matches_reference(out, problem, attention)
+
+
+# The Mosaic GPU kernel in the Mosaic GPU interpreter (TMA, barriers, the ring and the
+# masks as written; the matmuls as dots, see `kernels.mosaic_prefill`): a subset of the
+# main grid, each case a few seconds, covering packed and paged (bs 16 and 32), GQA and
+# MQA, D 64 / 80 / 128 / 256, f16 and bf16, causal prefixes, windows, ALiBi, soft-cap,
+# fp8 keys and values, seqused_k and empty sequences.
+MOSAIC_INTERPRET_CASES = [
+    "packed-gqa4-d64-bf16-causal-ragged",
+    "packed-prefix-cached-mqa-d80-f16",
+    "paged-bs16-gqa4-d64-bf16-causal-prefix",
+    "paged-bs32-mqa-d128-f16-causal-window",
+    "paged-bs16-mha-d64-window-both-sides",
+    "packed-gqa2-d80-window-left-only",
+    "packed-gqa2-d64-alibi-causal",
+    "paged-bs32-gqa2-d64-f16-softcap-causal",
+    "paged-fp8e4m3-bs16-gqa4-d64-bf16-causal",
+    "paged-bs16-gqa2-d256-bf16-causal",
+    "paged-seqused-k-gqa4-d64",
+    "packed-more-queries-than-keys-causal",
+    "packed-empty-sequences",
+]
+
+
+@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
+                                              if i in MOSAIC_INTERPRET_CASES])
+def test_mosaic_kernel_matches_reference(build, attention):
+    problem = make_varlen_problem(np.random.default_rng(0), **build)
+    out = _api(problem, "mosaic_gpu", attention)
     _assert_matches_reference(out, problem, attention)
 
 

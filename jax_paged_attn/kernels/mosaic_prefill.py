@@ -38,7 +38,9 @@ scores and the output. Masked blocks also load keys the tile's rows cannot see (
 past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` by
 ``where``; their values are split into finite values (non-finite -> 0) for P·V and a
 0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
-(row, column) pairs that see a non-finite value, which become NaN. So a NaN or inf in K
+(row, column) pairs that see a non-finite value, which become NaN. (Masked blocks load
+the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
+multiple of 64.) So a NaN or inf in K
 or V reaches exactly the rows that see its key, as in the reference.
 
 Interpret mode (``interpret=True``, CPU tests) runs this kernel in the Mosaic GPU
@@ -79,10 +81,21 @@ except AttributeError:  # pragma: no cover - depends on the jax version
 
 def smem_transforms(minor_dim: int, dtype) -> tuple:
     """Tiling + swizzle of a 2-D shared-memory tile whose rows have ``minor_dim`` elements
-    (the widest swizzle dividing a row, as wgmma and TMA want)."""
+    (the widest swizzle dividing a row, as wgmma and TMA want). Rows of 16-byte multiples
+    only (fp8 at D = 48, 80, ...) get no transform: Mosaic GPU swizzles 32, 64 or 128
+    bytes, and such tiles (fp8 K/V) only feed register loads, never a wgmma."""
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor_dim * bits)
+    if swizzle < 32:
+        return ()
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _convert(x: Array, dtype) -> Array:
+    """fp8 -> f16 / bf16 (exact). The hardware converts fp8 to f16 only: bf16 goes through f32."""
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
 
 
 class _Ops:
@@ -162,8 +175,8 @@ def _prefill_kernel(
         q_smem,  # [block_q, D] q dtype: the tile's queries, then its output
         k_ring,  # [num_stages, block_k, D] K dtype
         v_ring,  # [num_stages, block_k, D] V dtype
-        v_work,  # [block_k, D] q dtype: finite (masked blocks) or converted (fp8) values
-        v_bad,  # [block_k, D] q dtype: 1 where a value is non-finite (masked blocks)
+        v_work,  # [block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
+        #   blocks), or converted values (fp8)
         k_conv,  # [block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
         q_bar,  # Barrier[1]: q arrived
         k_bars,  # Barrier[num_stages]: K block of the slot arrived
@@ -242,7 +255,7 @@ def _prefill_kernel(
             plgpu.barrier_wait(k_bars.at[slot])
             k_tile = k_ring.at[slot]
             if k_fp8:
-                k_conv[...] = k_tile[...].astype(dtype)
+                k_conv[...] = _convert(k_tile[...], dtype)
                 plgpu.commit_smem()  # register stores -> visible to wgmma
                 k_tile = k_conv
             s = ops.mma(q_smem, k_tile, transpose_b=True, shape=score_shape)  # [block_q, block_k]
@@ -266,20 +279,22 @@ def _prefill_kernel(
             v_tile = v_ring.at[slot]
             if masked:
                 # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
-                # future): P·V runs over finite values; a 0/1 product finds the rows
-                # (and columns) that see a non-finite one.
+                # future): a 0/1 product first finds the (row, column) pairs that see a
+                # non-finite value, then P·V runs over the finite values (one work tile,
+                # reused: each wgmma has completed before the tile is rewritten).
                 v = v_tile[...].astype(jnp.float32)
                 finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
-                v_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
-                v_bad[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
-                plgpu.commit_smem()
-                seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), v_bad, transpose_b=False,
+                v_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                plgpu.commit_smem()  # register stores -> visible to wgmma
+                seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), v_work, transpose_b=False,
                                shape=out_shape)
+                v_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                plgpu.commit_smem()
                 acc = ops.mma_acc(acc, p.astype(dtype), v_work)
                 acc = jnp.where(seen > 0, jnp.nan, acc)
             else:
                 if v_fp8:
-                    v_work[...] = v_tile[...].astype(dtype)
+                    v_work[...] = _convert(v_tile[...], dtype)
                     plgpu.commit_smem()
                     v_tile = v_work
                 acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
@@ -358,7 +373,6 @@ def varlen_attention_call(
         tile(block_q, dtype),
         tile(block_k, k_arr.dtype, (stages,)),
         tile(block_k, v_arr.dtype, (stages,)),
-        tile(block_k, dtype),
         tile(block_k, dtype),
         tile(block_k if k_fp8 else 8, dtype),
         plgpu.Barrier(num_barriers=1),
