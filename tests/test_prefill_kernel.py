@@ -200,12 +200,14 @@ def test_query_without_keys_is_zero_not_nan():
 
 
 def _kernel_with_config(problem: VarlenProblem, config: tuning.PrefillConfig,
-                        attention: dict[str, Any], interpret: bool = True) -> jax.Array:
+                        attention: dict[str, Any], interpret: bool = True,
+                        lowering: str = prefill.TRITON) -> jax.Array:
     kwargs = _attention_kwargs(problem, attention)
     slopes = kwargs.pop("alibi_slopes", None)
     spec = AttentionSpec.create(problem.q.shape[-1], has_alibi=slopes is not None, **kwargs)
     fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=problem.max_seqlen_q,
-                           max_seqlen_k=problem.max_seqlen_k, interpret=interpret, config=config)
+                           max_seqlen_k=problem.max_seqlen_k, interpret=interpret, config=config,
+                           lowering=lowering)
     a = problem.arrays()
     return jax.jit(fn)(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
                        a["block_table"], a["seqused_k"], slopes, a["k_scale"], a["v_scale"])
@@ -310,6 +312,51 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
                                     1: [(25, "v", inf), (29, "k", nan)]})
     attention = dict(causal=True, window_size=(12, 0))
     out = _kernel_with_config(problem, config, attention, interpret=interpret)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
+# Mosaic GPU kernel: its TMA ring (num_stages slots refilled as blocks are consumed) and
+# the paged copies (gcd(block_k, block_size) rows per TMA, several per barrier) over
+# tiles that visit more KV blocks than the ring holds.
+MOSAIC_TILINGS = [
+    ("ring2-packed-window-wraps",
+     tuning.PrefillConfig(block_k=64, num_stages=2),
+     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=64, q_padding_rows=2),
+     dict(causal=True, window_size=(100, 0))),
+    ("ring3-paged-bs48-three-copies-per-block",
+     tuning.PrefillConfig(block_k=64, num_stages=3),
+     dict(q_lens=[65, 3], k_lens=[260, 50], num_q_heads=4, num_kv_heads=2, head_size=32, paged=True,
+          block_size=48, extra_blocks=4),
+     dict(causal=True)),
+    ("bk128-paged-bs16-eight-copies-softcap-alibi",
+     tuning.PrefillConfig(block_k=128, num_stages=2),
+     dict(q_lens=[20], k_lens=[300], num_q_heads=2, num_kv_heads=2, head_size=64, paged=True,
+          block_size=16, dtype=jnp.float16),
+     dict(causal=True, softcap=10.0, alibi=True)),
+]
+
+
+@pytest.mark.parametrize("config, build, attention", [pytest.param(c, b, a, id=i) for i, c, b, a in MOSAIC_TILINGS])
+def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
+    problem = make_varlen_problem(np.random.default_rng(5), **build)
+    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
+    _assert_matches_reference(out, problem, attention)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged):
+    """The Mosaic GPU kernel's masked blocks (split finite values, 0/1 product for the
+    rows that see a non-finite one) on the same poisoned keys as the Triton test."""
+    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
+                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
+                                  q_padding_rows=3)
+    nan, inf = float("nan"), float("inf")
+    problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
+                                    1: [(25, "v", inf), (29, "k", nan)]})
+    attention = dict(causal=True, window_size=(12, 0))
+    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG, attention, lowering=prefill.MOSAIC_GPU)
     exact = problem.oracle(**attention)
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
