@@ -1,8 +1,13 @@
 """Cross-lowering on a CPU host: the public functions, with the default (auto)
-implementation, lower for CUDA to a module that contains the Pallas Triton kernel.
+implementation, lower for CUDA to a module that contains the Pallas Triton kernel;
+with ``implementation="mosaic_gpu"``, varlen attention lowers to the Mosaic GPU kernel.
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
-same jitted function runs the reference, lowered for CUDA it runs the kernel.
+same jitted function runs the reference, lowered for CUDA it runs the kernel. For the
+Mosaic GPU kernel it is also the only CPU check of its wgmma path (the CPU tests run
+it in the interpreter, which computes the matmuls as dots): lowering runs the whole
+Pallas -> Mosaic GPU translation (layouts, TMA transforms, wgmma shapes); only the
+final PTX compile needs the GPU.
 """
 import jax
 import jax.numpy as jnp
@@ -12,6 +17,7 @@ import pytest
 import jax_paged_attn as jpa
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"  # @mosaic_gpu_v2 in jax 0.10
 
 
 def _cuda_text(fn, *args) -> str:
@@ -95,3 +101,51 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     assert stacked_rows in text
     assert plane_rows not in text
     assert f"tensor<{num_blocks}x{block_size}x{hk}x{d}xbf16>" not in text  # no slice of a plane
+
+
+@pytest.mark.parametrize("paged, head_size, q_dtype, kv_dtype, block_size", [
+    (False, 64, jnp.bfloat16, jnp.bfloat16, None),
+    (False, 128, jnp.float16, jnp.float16, None),
+    (False, 256, jnp.bfloat16, jnp.bfloat16, None),
+    (False, 80, jnp.float16, jnp.float16, None),
+    (True, 64, jnp.float16, jnp.float16, 16),
+    (True, 128, jnp.bfloat16, jnp.bfloat16, 48),
+    (True, 256, jnp.bfloat16, jnp.bfloat16, 32),
+    (True, 128, jnp.bfloat16, jnp.float8_e4m3fn, 16),
+    (True, 64, jnp.float16, jnp.float8_e5m2, 32),
+    (True, 96, jnp.bfloat16, jnp.float8_e4m3fn, 16),
+])
+def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype, block_size):
+    """Every feature at once (causal window, soft-cap, ALiBi) so that masked and unmasked
+    blocks, fp8 conversion and the paged copies all lower."""
+    q = jnp.ones((40, 8, head_size), q_dtype)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    slopes = jnp.ones((8,), jnp.float32)
+    kwargs = dict(causal=True, window_size=(100, 0), softcap=30.0, implementation="mosaic_gpu")
+    if paged:
+        k, v = _paged_cache(num_blocks=12, block_size=block_size, head_size=head_size, dtype=kv_dtype)
+        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+        cu_k = jnp.array([0, 60, 150], jnp.int32)
+        fn = lambda q, k, v, cq, ck, t, a: jpa.flash_attn_varlen_func(
+            q, k, v, cq, ck, 33, 90, block_table=t, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+        text = _cuda_text(fn, q, k, v, cu, cu_k, table, slopes)
+    else:
+        k = jnp.ones((150, 2, head_size), kv_dtype)
+        cu_k = jnp.array([0, 60, 150], jnp.int32)
+        fn = lambda q, k, v, cq, ck, a: jpa.flash_attn_varlen_func(
+            q, k, v, cq, ck, 33, 90, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+        text = _cuda_text(fn, q, k, k, cu, cu_k, slopes)
+    assert MOSAIC_GPU_CALL in text
+    assert TRITON_CALL not in text
+
+
+def test_layer_prefill_lowers_to_mosaic_gpu_and_decode_refuses_it():
+    """The layer's varlen call takes implementation="mosaic_gpu"; its decode has no Mosaic
+    GPU kernel yet and says so (NotImplementedError naming the lowering)."""
+    k, v = _paged_cache()
+    q = jnp.ones((3, 1, 8, 64), jnp.bfloat16)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="implementation='mosaic_gpu'.*'mosaic_gpu' lowering"):
+        _cuda_text(fn, q, k, v, lens, table)
