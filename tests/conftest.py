@@ -9,6 +9,12 @@ Implementations (`IMPLEMENTATIONS`, used as ``@parametrize_impl``):
   command ``pytest -m "not gpu"`` deselects it; on the GPU machine run ``pytest -m gpu``.
   Nothing is skipped silently: without a GPU these tests fail.
 
+Varlen-only tests at 16-bit dtypes use ``@parametrize_varlen_impl``
+(`VARLEN_IMPLEMENTATIONS`), which adds the Mosaic GPU prefill kernel: ``mosaic_gpu`` in
+the Mosaic GPU interpreter (CPU) and ``mosaic_gpu_gpu`` compiled for a Hopper GPU
+(marked ``gpu``). It has no decode kernel and takes no float32 queries (both raise
+NotImplementedError), so the decode and float32 tests do not list it.
+
 Problems are built with NaN in every cache slot no sequence owns (unused pages, the tail
 of a sequence's last page) and in padding rows of packed tensors, and with randomly
 permuted block tables, so an implementation that reads padding shows NaN.
@@ -66,6 +72,15 @@ IMPLEMENTATIONS = [
     pytest.param(TRITON_GPU, id="triton_gpu", marks=pytest.mark.gpu),
 ]
 parametrize_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+
+MOSAIC_INTERPRET = Implementation("mosaic_gpu", interpret=True, max_examples=3)
+MOSAIC_GPU = Implementation("mosaic_gpu", interpret=False, max_examples=40)
+MOSAIC_IMPLEMENTATIONS = [
+    pytest.param(MOSAIC_INTERPRET, id="mosaic_gpu"),
+    pytest.param(MOSAIC_GPU, id="mosaic_gpu_gpu", marks=pytest.mark.gpu),
+]
+VARLEN_IMPLEMENTATIONS = IMPLEMENTATIONS + MOSAIC_IMPLEMENTATIONS
+parametrize_varlen_impl = pytest.mark.parametrize("impl", VARLEN_IMPLEMENTATIONS)
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 
 Every API test runs once per implementation (`conftest.IMPLEMENTATIONS`): the XLA
 reference, the Pallas Triton kernels in interpret mode, and (marked ``gpu``) the same
-kernels compiled for a GPU. Shapes are kept small so the interpret-mode runs stay fast.
+kernels compiled for a GPU. Varlen tests at 16-bit dtypes also run the Mosaic GPU
+prefill kernel (`conftest.VARLEN_IMPLEMENTATIONS`: in its interpreter, and marked
+``gpu`` compiled for a Hopper GPU). Shapes are kept small so the interpret-mode runs stay fast.
 The reference module is also checked directly, at float32, with a tight tolerance.
 """
 from __future__ import annotations
@@ -34,7 +36,9 @@ from conftest import (
     cumulative,
     make_kvcache_problem,
     make_varlen_problem,
+    MOSAIC_IMPLEMENTATIONS,
     parametrize_impl,
+    parametrize_varlen_impl,
     poison_keys,
     random_array,
 )
@@ -199,7 +203,7 @@ def test_packed_dtypes(rng, impl, dtype, causal):
     check_against_oracle(problem, impl, causal=causal)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_fewer_queries_than_keys(rng, impl):
     # Bottom-right alignment with Sq < Sk in the packed layout (chunked prefill).
     problem = make_varlen_problem(rng, [3, 1, 12], [20, 9, 12], dtype=jnp.float16)
@@ -233,13 +237,13 @@ def test_softcap(rng, impl, softcap):
     assert np.abs(out - uncapped).max() > 1e-3, "softcap was ignored"
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_window(rng, impl):
     problem = make_varlen_problem(rng, [9, 30], [14, 30], dtype=jnp.bfloat16)
     check_against_oracle(problem, impl, window_size=(5, 3))
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
 def test_packed_head_sizes(rng, impl, head_size):
     problem = make_varlen_problem(rng, [6, 19], num_q_heads=2, num_kv_heads=1, head_size=head_size,
@@ -247,7 +251,7 @@ def test_packed_head_sizes(rng, impl, head_size):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_padded_batch(rng, impl):
     # Empty sequences in the middle and at the end, NaN rows past cu_seqlens_q[-1] and
     # past cu_seqlens_k[-1]: the padding rows of the output are exactly 0.
@@ -258,7 +262,7 @@ def test_packed_padded_batch(rng, impl):
     assert not out[13:].any()
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("paged", [False, True])
 def test_rows_outside_every_sequence_are_zero_under_jit(rng, impl, paged):
     # Under jit cu_seqlens_q is not validated: one starting past 0 leaves rows before
@@ -290,7 +294,7 @@ def test_length_one_sequences(rng, impl, paged):
 # --------------------------------------------------------------------------- rows that see no key
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_more_queries_than_keys_causal(rng, impl):
     # Sq=6 > Sk=2: query i aligns with key i - 4, so queries 0..3 see nothing; a
     # sequence with no keys at all outputs 0 too.
@@ -380,6 +384,18 @@ def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
 
 
+# The Mosaic GPU prefill kernel on the varlen cases at 16-bit dtypes (it has no decode
+# kernel and takes no float32 queries).
+MOSAIC_NONFINITE_CASES = [name for name, (build, _, _) in NONFINITE_CASES.items()
+                          if "cache_seqlens" not in build and build.get("dtype") != jnp.float32]
+
+
+@pytest.mark.parametrize("impl", MOSAIC_IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", MOSAIC_NONFINITE_CASES)
+def test_nonfinite_keys_reach_only_the_rows_that_see_them_mosaic(rng, impl, name):
+    test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name)
+
+
 # --------------------------------------------------------------------------- zero-size inputs
 # One behaviour on every implementation: no query gives an empty output, no key
 # anywhere (no packed row, no cache block, no block-table column) gives zeros.
@@ -451,7 +467,7 @@ def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_block_sizes(rng, impl, block_size):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
@@ -466,7 +482,7 @@ def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("decode_len", [1, 4])
 def test_paged_varlen_decode_batch(rng, impl, decode_len):
     # vLLM's speculative-decode path: a few queries per sequence through the varlen API.
@@ -496,7 +512,7 @@ def test_paged_alibi(rng, impl, causal):
     assert np.abs(out - problem.oracle(causal=causal)).max() > 1e-3, "alibi_slopes were ignored"
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 8), (8, 2), (8, 1)])
 def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=num_q_heads,
@@ -504,7 +520,7 @@ def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_paged_fp8_cache(rng, impl, cache_dtype):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
