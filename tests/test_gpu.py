@@ -1,6 +1,10 @@
 """GPU suite (``pytest -m gpu`` on a CUDA host): the compiled Pallas kernels against
 the reference, on shapes large enough to exercise tiling, splits and paging.
 
+The prefill cases run both kernel implementations, ``triton`` and ``mosaic_gpu`` (the
+Mosaic GPU kernel needs a Hopper GPU, sm_90a; it takes 16-bit queries only, so the
+float32 case is Triton's alone).
+
 Deselected on CPU by the README's test command (``-m "not gpu"``); run on the
 device in every session that changes a kernel.
 """
@@ -91,8 +95,20 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"L{c[0]}Hq{c[1]}Hk{c[2]}D{c[3]}{jnp.dtype(c[4]).name}{sorted(c[5])}")
-def test_packed_varlen_kernel_matches_reference(case):
+PREFILL_IMPLEMENTATIONS = ["triton", "mosaic_gpu"]
+
+
+def _prefill_params(cases, dtype_of, ids):
+    """(implementation, case) pairs: every case with Triton, the 16-bit ones with Mosaic GPU."""
+    return [pytest.param(impl, case, id=f"{impl}-{ids(case)}") for case in cases for impl in PREFILL_IMPLEMENTATIONS
+            if impl == "triton" or jnp.dtype(dtype_of(case)) != jnp.float32]
+
+
+@pytest.mark.parametrize("implementation, case", _prefill_params(
+    PREFILL_CASES + [([4096, 333], 32, 8, 128, jnp.bfloat16, {}),  # long rings, ragged tail
+                     ([777, 64], 8, 8, 48, jnp.float16, dict(window_size=(100, 20), causal=False))],
+    lambda c: c[4], lambda c: f"L{c[0]}Hq{c[1]}Hk{c[2]}D{c[3]}{jnp.dtype(c[4]).name}{sorted(c[5])}"))
+def test_packed_varlen_kernel_matches_reference(implementation, case):
     lens, hq, hk, d, dtype, kw = case
     kw = dict(kw)
     total = sum(lens)
@@ -105,14 +121,16 @@ def test_packed_varlen_kernel_matches_reference(case):
         kw["alibi_slopes"] = jnp.linspace(0.01, 0.2, hq, dtype=jnp.float32)
     kw.setdefault("causal", True)
     call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **kw)
-    out = jax.jit(functools.partial(call, implementation="triton"))(q, k, v, cu, cu)
+    out = jax.jit(functools.partial(call, implementation=implementation))(q, k, v, cu, cu)
     ref = jax.jit(functools.partial(call, implementation="xla"))(q, k, v, cu, cu)
     _assert_close(out, ref, dtype)
     assert not np.asarray(out[total:], np.float32).any()
 
 
-@pytest.mark.parametrize("block_size,cache_dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16), (16, jnp.float8_e5m2)])
-def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype):
+@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_size,cache_dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16), (16, jnp.float8_e5m2),
+                                                    (48, jnp.float8_e4m3fn)])
+def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype, implementation):
     new, cached = [512, 5, 64], [3584, 37, 0]
     hq, hk, d = 32, 8, 128
     seq = [n + c for n, c in zip(new, cached)]
@@ -126,7 +144,7 @@ def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype):
     q = jax.random.normal(jax.random.key(7), (sum(new), hq, d), jnp.bfloat16)
     call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(new), max_seqlen_k=max(seq),
                              causal=True, block_table=table, k_scale=scale, v_scale=scale)
-    out = jax.jit(functools.partial(call, implementation="triton"))(q, k_cache, v_cache, cu_q, cu_k)
+    out = jax.jit(functools.partial(call, implementation=implementation))(q, k_cache, v_cache, cu_q, cu_k)
     ref = jax.jit(functools.partial(call, implementation="xla"))(q, k_cache, v_cache, cu_q, cu_k)
     _assert_close(out, ref, jnp.bfloat16)
 
