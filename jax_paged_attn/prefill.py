@@ -163,13 +163,15 @@ def varlen_attention(
     max_seqlen_k: int,
     lowering: str = TRITON,
     interpret: bool = False,
-    config: tuning.PrefillConfig | None = None,
+    config: tuning.PrefillConfig | tuning.MosaicPrefillConfig | None = None,
 ) -> Array:  # [Tq, Hq, D], q.dtype
-    """`reference.varlen_attention` through the Pallas varlen kernel.
+    """`reference.varlen_attention` through the Pallas varlen kernel of ``lowering``.
 
     Same arguments and result as the reference (see its docstring and
     `jax_paged_attn.api.flash_attn_varlen_func`); ``config`` overrides the tuning
-    table, ``interpret`` runs the kernel in Pallas interpret mode (CPU tests).
+    table (a `tuning.PrefillConfig` for ``"triton"``, a `tuning.MosaicPrefillConfig`
+    for ``"mosaic_gpu"``), ``interpret`` runs the kernel in Pallas interpret mode
+    (CPU tests; for Mosaic GPU its interpreter).
     Raises NotImplementedError when `unsupported_reason` gives a reason.
     """
     reason = unsupported_reason(
@@ -181,10 +183,15 @@ def varlen_attention(
     num_q_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[-2]
     paged = block_table is not None
-    if config is None:
-        choose = tuning.mosaic_prefill_config if lowering == MOSAIC_GPU else tuning.prefill_config
-        config = choose(head_size, jnp.dtype(q.dtype).name, paged=paged)
-    check_config(config)
+    if lowering == MOSAIC_GPU:
+        if config is None:
+            config = tuning.mosaic_prefill_config(head_size, jnp.dtype(q.dtype).name, paged=paged,
+                                                  interpret=interpret)
+        plans.check_mosaic_prefill_config(config)
+    else:
+        if config is None:
+            config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=paged)
+        check_config(config)
     if q.size == 0:  # no token or no head: nothing to compute (a zero-size grid)
         return jnp.zeros(q.shape, q.dtype)
     if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
@@ -234,7 +241,7 @@ def _mosaic_varlen_attention(
     q: Array, k: Array | CachePlane, v: Array | CachePlane, cu_seqlens_q: Array, cu_seqlens_k: Array,
     block_table: Array | None, seqused_k: Array | None, alibi_slopes: Array | None,
     k_scale: Array | float, v_scale: Array | float, *, spec: AttentionSpec, max_seqlen_q: int,
-    max_seqlen_k: int, config: tuning.PrefillConfig, interpret: bool,
+    max_seqlen_k: int, config: tuning.MosaicPrefillConfig, interpret: bool,
 ) -> Array:  # [Tq, Hq, D], q.dtype
     """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty call).
 
@@ -248,9 +255,9 @@ def _mosaic_varlen_attention(
     num_q_tokens, _, head_size = q.shape
     paged = block_table is not None
     itemsize = lambda x: jnp.dtype(x.dtype).itemsize
-    tiling, copy_rows = plans.plan_mosaic_prefill_tiling(
-        head_size, itemsize(q), itemsize(k), itemsize(v), max_seqlen_k=max_seqlen_k,
-        block_size=k.shape[1] if paged else None, config=config)
+    tiling = plans.plan_mosaic_prefill_tiling(
+        head_size, itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config)
     if paged:
         k_plane, v_plane = as_plane(k), as_plane(v)
         k_in, v_in = (k_plane.array, k_plane.plane), (v_plane.array, v_plane.plane)
@@ -272,7 +279,7 @@ def _mosaic_varlen_attention(
     tiles = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
-        copy_rows=copy_rows, interpret=interpret)
+        interpret=interpret)
     return _gather_tile_rows(tiles, plan, num_q_tokens)
 
 

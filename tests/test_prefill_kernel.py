@@ -319,22 +319,35 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
 
 # Mosaic GPU kernel: its TMA ring (num_stages slots refilled as blocks are consumed) and
 # the paged copies (gcd(block_k, block_size) rows per TMA, several per barrier) over
-# tiles that visit more KV blocks than the ring holds.
+# tiles that visit more KV blocks than the ring holds, in both forms: one warpgroup that
+# refills the ring itself, and warp-specialized (a producer warpgroup, 1 or 2 compute
+# warpgroups: the GPU default; the interpreter runs each warpgroup as a thread, ~2 s per
+# grid point, so those cases are small).
+_SINGLE = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
 MOSAIC_TILINGS = [
-    ("ring2-packed-window-wraps",
-     tuning.PrefillConfig(block_k=64, num_stages=2),
+    ("single-ring2-packed-window-wraps",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2),
      dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=64, q_padding_rows=2),
      dict(causal=True, window_size=(100, 0))),
-    ("ring3-paged-bs48-three-copies-per-block",
-     tuning.PrefillConfig(block_k=64, num_stages=3),
+    ("single-ring3-paged-bs48-three-copies-per-block",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=3),
      dict(q_lens=[65, 3], k_lens=[260, 50], num_q_heads=4, num_kv_heads=2, head_size=32, paged=True,
           block_size=48, extra_blocks=4),
      dict(causal=True)),
-    ("bk128-paged-bs16-eight-copies-softcap-alibi",
-     tuning.PrefillConfig(block_k=128, num_stages=2),
+    ("single-bk128-paged-bs16-eight-copies-softcap-alibi",
+     dataclasses.replace(_SINGLE, block_k=128, num_stages=2),
      dict(q_lens=[20], k_lens=[300], num_q_heads=2, num_kv_heads=2, head_size=64, paged=True,
           block_size=16, dtype=jnp.float16),
      dict(causal=True, softcap=10.0, alibi=True)),
+    ("specialized-2wg-packed-window-wraps",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2),
+     dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
+    ("specialized-1wg-paged-bs48-ring3-fp8",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
+     dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
+          block_size=48, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
+     dict(causal=True)),
 ]
 
 
@@ -356,7 +369,8 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged):
     problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
                                     1: [(25, "v", inf), (29, "k", nan)]})
     attention = dict(causal=True, window_size=(12, 0))
-    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG, attention, lowering=prefill.MOSAIC_GPU)
+    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, attention,
+                              lowering=prefill.MOSAIC_GPU)
     exact = problem.oracle(**attention)
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)

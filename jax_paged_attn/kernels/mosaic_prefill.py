@@ -1,29 +1,44 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-First cut, **not yet compiled or measured on a GPU**: a single-warpgroup kernel whose
-K/V blocks arrive by TMA in a ``num_stages``-deep shared-memory ring (one barrier per
-slot) while the warpgroup runs ``wgmma`` on the blocks before them. The producer /
-2-consumer warp specialization of the stock ``attention_mgpu`` kernel (the path to the
-issue's FLOP/s targets) is not done yet; neither is keeping P in registers across two
-consumer warpgroups or GQA packing of a KV group's heads into one tile.
+First cut, **not yet compiled or measured on a GPU** (only lowered for CUDA on a CPU
+host and run in the Mosaic GPU interpreter). K/V blocks arrive by TMA in a
+``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
+Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
+(`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
+
+* warp-specialized (the default): a producer warpgroup issues the TMA copies, waiting
+  for each slot to be released by every compute warpgroup (a second barrier per slot),
+  while 1 or 2 compute warpgroups, 64 query rows each, run the softmax and the
+  matmuls (registers moved from the producer to them with ``setmaxnreg``, as the stock
+  ``attention_mgpu`` kernel does);
+* single warpgroup: one warpgroup computes and refills each slot after its block (the
+  CPU tests' default: the interpreter runs it several times faster).
+
+Not done yet (the path to the issue's FLOP/s targets): the schedule barrier that
+staggers the two compute warpgroups' softmax against each other's wgmma, async wgmma
+overlapping Q·K^T of the next block with the softmax, GQA packing of a KV group's heads
+into one tile, and skipping the blocks a compute warpgroup's own rows cannot see.
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
 the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
-share K/V in L2); a program is one query head's ``block_q`` rows (no GQA packing: the
-KV head ``h // G`` is read by each of its G query heads, from L2).
+share K/V in L2); a program is one query head's ``block_q`` rows (64 per compute
+warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
+from L2). Every compute warpgroup visits all of the tile's blocks (the slots are
+released by all of them), with the tile's masked / unmasked split.
 
 Memory layout (all TMA, so every copy must stay inside its array; the wrapper,
 `jax_paged_attn.prefill`, pads q and packed k / v by a tile, a paged cache is read by
 whole pages):
 
-* q: ``[Tq + block_q, Hq, D]``; a tile's rows ``q_row0 .. q_row0 + block_q`` of head h
-  (rows of other sequences are computed and dropped).
+* q: ``[Tq + block_q, Hq, D]`` (rows rounded up to 8: a TMA of a swizzled tile wants
+  whole 8-row tiles in memory); a compute warpgroup reads its 64 rows of head h from
+  ``q_row0 + 64 * wg`` (rows of other sequences are computed and dropped).
 * k / v: ``[planes, pages, page_rows, Hk, D]``. A paged cache is its stacked planes;
   packed keys are one plane of one "page" holding every row (``page_rows = Tk +
-  block_k``). A KV block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
+  block_k``, rounded up to 8). A KV block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
   (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
   arriving on the slot's barrier.
 * output: ``[num_tiles, block_q, Hq, D]``, one slab per tile (a TMA store writes whole
@@ -38,10 +53,10 @@ scores and the output. Masked blocks also load keys the tile's rows cannot see (
 past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` by
 ``where``; their values are split into finite values (non-finite -> 0) for P·V and a
 0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
-(row, column) pairs that see a non-finite value, which become NaN. (Masked blocks load
+(row, column) pairs that see a non-finite value, which become NaN. So a NaN or inf in K
+or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
 the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
-multiple of 64.) So a NaN or inf in K
-or V reaches exactly the rows that see its key, as in the reference.
+multiple of 64.)
 
 Interpret mode (``interpret=True``, CPU tests) runs this kernel in the Mosaic GPU
 interpreter: TMA copies, barriers, the ring, the loops and all the softmax / mask
@@ -50,6 +65,8 @@ jax 0.10 (the CI's) cannot run them: the two matmuls are ``lax.dot_general`` on 
 shared-memory tiles instead of ``wgmma`` (its ``wgmma`` takes neither a transposed
 shared-memory operand nor a register operand), and register-layout annotations
 (``layout_cast``, ``broadcasted_iota``'s layout) are dropped (no CPU rule). The
+interpreter runs each warpgroup as a thread (it checks the barrier protocol: every
+completed phase must be waited for, hence the producer's drain). The
 ``wgmma`` path is covered by lowering for CUDA on CPU (`tests/test_lowering.py`) and by
 the ``gpu``-marked tests on the H200.
 """
@@ -66,12 +83,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_paged_attn import reference
 from jax_paged_attn.kernels import common
 from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
-from jax_paged_attn.plans import TILE_INFO_WIDTH, PrefillTiling, TileField
+from jax_paged_attn.plans import MOSAIC_ROWS_PER_WARPGROUP as ROWS_PER_WARPGROUP
+from jax_paged_attn.plans import TILE_INFO_WIDTH, MosaicPrefillTiling, TileField
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+# Registers per thread after the split (setmaxnreg; the stock attention_mgpu kernel's
+# figures): the producer only issues copies, compute warpgroups hold a 64 x block_k score
+# tile and a 64 x D accumulator. 2 x 232 + 40 warpgroup-threads' worth fits 64K registers.
+COMPUTE_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 
 try:  # public from jax 0.11; the jax 0.10 interpreter's parameters live here
     _InterpretGPUParams = plgpu.InterpretGPUParams
@@ -144,8 +168,7 @@ class _Ops:
 def _prefill_kernel(
     *refs,
     spec: AttentionSpec,
-    tiling: PrefillTiling,
-    copy_rows: int,
+    tiling: MosaicPrefillTiling,
     page_rows: int,
     num_pages: int,
     max_pages_per_seq: int,
@@ -160,7 +183,7 @@ def _prefill_kernel(
     (
         # inputs (GMEM)
         plan_ref,  # i32[num_tiles, TILE_INFO_WIDTH]
-        q_ref,  # [Tq + block_q, Hq, D] q dtype
+        q_ref,  # [Tq + block_q (rounded to 8), Hq, D] q dtype
         k_ref,  # [planes, pages, page_rows, Hk, D] q dtype or fp8
         v_ref,  # same layout as k_ref
         *rest,
@@ -171,27 +194,32 @@ def _prefill_kernel(
     scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
     (
         o_ref,  # output: [num_tiles, block_q, Hq, D] q dtype
-        # scratch (SMEM)
-        q_smem,  # [block_q, D] q dtype: the tile's queries, then its output
+        # scratch (SMEM), W = compute warpgroups
+        q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output
         k_ring,  # [num_stages, block_k, D] K dtype
         v_ring,  # [num_stages, block_k, D] V dtype
-        v_work,  # [block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
+        v_work,  # [W, block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
         #   blocks), or converted values (fp8)
-        k_conv,  # [block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
-        q_bar,  # Barrier[1]: q arrived
-        k_bars,  # Barrier[num_stages]: K block of the slot arrived
-        v_bars,  # Barrier[num_stages]: V block of the slot arrived
-    ) = rest
+        k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
+        # barriers
+        q_bars,  # [W]: the warpgroup's queries arrived
+        k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
+        v_bars,  # [num_stages]: the slot's V block arrived
+        k_free,  # [num_stages]: every compute warpgroup is done with the slot's K block
+        v_free,  # [num_stages]: every compute warpgroup is done with the slot's V block
+    ) = rest  # (k_free / v_free unused without warp specialization)
     ops = _Ops(interpret)
-    block_q, block_k, stages = tiling.block_q, tiling.block_k, tiling.num_stages
+    rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
+    workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
+    copy_rows = tiling.copy_rows
     head_size = q_smem.shape[-1]
     dtype = q_smem.dtype
     k_plane, v_plane = planes
-    copies = block_k // copy_rows
-    score_shape, out_shape = (block_q, block_k), (block_q, head_size)
+    score_shape, out_shape = (rows, block_k), (rows, head_size)
 
     t = lax.axis_index("tile")
     h = lax.axis_index("head")
+    wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
 
     def field(f: TileField) -> Array:
@@ -211,11 +239,9 @@ def _prefill_kernel(
         kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
         num_blocks = kb_hi - kb_lo
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, block_q), h], q_smem, q_bar.at[0])
-
-        def fetch(kb: Array, slot: Array) -> None:
-            """Issues the TMA copies of KV block ``kb`` into ring slot ``slot``."""
-            for c in range(copies):
+        def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
+            """Issues the TMA copies of KV block ``kb`` of ``src`` into ``ring[slot]``."""
+            for c in range(block_k // copy_rows):
                 key0 = kb * block_k + c * copy_rows
                 if paged:
                     logical = jnp.minimum(lax.div(key0, jnp.int32(page_rows)), max_pages_per_seq - 1)
@@ -224,115 +250,160 @@ def _prefill_kernel(
                     row = lax.rem(key0, jnp.int32(page_rows))
                 else:
                     page, row = 0, k_row0 + key0
-                rows = pl.ds(row, copy_rows)
-                k_dst, v_dst = k_ring.at[slot], v_ring.at[slot]
-                if copies > 1:
-                    k_dst, v_dst = k_dst.at[pl.ds(c * copy_rows, copy_rows)], v_dst.at[pl.ds(c * copy_rows, copy_rows)]
-                plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, rows, kv_head], k_dst, k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, rows, kv_head], v_dst, v_bars.at[slot])
+                dst = ring.at[slot]
+                if copy_rows < block_k:
+                    dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
+                plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
 
-        for i in range(stages):  # fill the ring
-            @pl.when(i < num_blocks)
-            def _():
-                fetch(kb_lo + i, jnp.int32(i))
+        def fetch_block(i: int | Array, slot: Array) -> None:  # the tile's i-th block, K and V
+            fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+            fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
 
-        if scale_ref is not None:
-            k_scale, v_scale = scale_ref[0], scale_ref[1]
-        else:
-            k_scale = v_scale = None
-        # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
-        if spec.softcap > 0:
-            pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
-        else:
-            pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
-        if k_fp8:
-            pre_tanh = k_scale * pre_tanh
-        slope = alibi_ref[h] if alibi_ref is not None else None
+        @pl.when(wg == (workers if specialized else 0))
+        def _fill_the_ring():
+            for i in range(stages):
+                @pl.when(i < num_blocks)
+                def _():
+                    fetch_block(i, jnp.int32(i))
 
-        def visit(kb, carry, *, masked: bool):
-            acc, m_prev, l_prev = carry
-            slot = lax.rem(kb - kb_lo, jnp.int32(stages))
-            plgpu.barrier_wait(k_bars.at[slot])
-            k_tile = k_ring.at[slot]
-            if k_fp8:
-                k_conv[...] = _convert(k_tile[...], dtype)
-                plgpu.commit_smem()  # register stores -> visible to wgmma
-                k_tile = k_conv
-            s = ops.mma(q_smem, k_tile, transpose_b=True, shape=score_shape)  # [block_q, block_k]
-            s = s * pre_tanh
-            if post_tanh is not None:
-                s = jnp.tanh(s) * post_tanh
-            if slope is not None or masked:
-                q_pos = q_pos0 + ops.iota(score_shape, 0)
-                k_pos = kb * block_k + ops.iota(score_shape, 1)
-            if slope is not None:
-                s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
-            if masked:
-                visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
-                s = jnp.where(visible, s, -jnp.inf)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            correction = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
-            l_next = l_prev * correction + p.sum(axis=1)
-            acc = acc * ops.row_bcast(correction, out_shape)
-            plgpu.barrier_wait(v_bars.at[slot])
-            v_tile = v_ring.at[slot]
-            if masked:
-                # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
-                # future): a 0/1 product first finds the (row, column) pairs that see a
-                # non-finite value, then P·V runs over the finite values (one work tile,
-                # reused: each wgmma has completed before the tile is rewritten).
-                v = v_tile[...].astype(jnp.float32)
-                finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
-                v_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
-                plgpu.commit_smem()  # register stores -> visible to wgmma
-                seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), v_work, transpose_b=False,
-                               shape=out_shape)
-                v_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
-                plgpu.commit_smem()
-                acc = ops.mma_acc(acc, p.astype(dtype), v_work)
-                acc = jnp.where(seen > 0, jnp.nan, acc)
+        if specialized:
+            @pl.when(wg == workers)
+            def _producer():
+                """Refills each slot of the ring as soon as every compute warpgroup has
+                released it."""
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+                def refill(i, _):
+                    slot = lax.rem(i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+                    plgpu.barrier_wait(v_free.at[slot])
+                    fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+
+                lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
+
+                def drain(i, _):  # the last blocks' releases, refilled by nothing
+                    slot = lax.rem(i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                # Every completed phase of a barrier is waited for by the thread that
+                # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
+                # producer is idle here anyway).
+                lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+
+        @pl.when(wg < workers)
+        def _compute():
+            """Rows ``wg * 64 ..`` of the tile against every KV block of the tile."""
+            if specialized:
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            my_q, my_work, my_conv = q_smem.at[wg], v_work.at[wg], k_conv.at[wg]
+            row0 = wg * rows
+            my_pos0 = q_pos0 + row0
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0 + row0, rows), h], my_q, q_bars.at[wg])
+
+            if scale_ref is not None:
+                k_scale, v_scale = scale_ref[0], scale_ref[1]
             else:
-                if v_fp8:
-                    v_work[...] = _convert(v_tile[...], dtype)
+                k_scale = v_scale = None
+            # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
+            if spec.softcap > 0:
+                pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
+            else:
+                pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
+            if k_fp8:
+                pre_tanh = k_scale * pre_tanh
+            slope = alibi_ref[h] if alibi_ref is not None else None
+
+            def visit(kb, carry, *, masked: bool):
+                acc, m_prev, l_prev = carry
+                slot = lax.rem(kb - kb_lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bars.at[slot])
+                k_tile = k_ring.at[slot]
+                if k_fp8:
+                    my_conv[...] = _convert(k_tile[...], dtype)
+                    plgpu.commit_smem()  # register stores -> visible to wgmma
+                    k_tile = my_conv
+                s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape)  # [64, block_k]
+                if specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
+                s = s * pre_tanh
+                if post_tanh is not None:
+                    s = jnp.tanh(s) * post_tanh
+                if slope is not None or masked:
+                    q_pos = my_pos0 + ops.iota(score_shape, 0)
+                    k_pos = kb * block_k + ops.iota(score_shape, 1)
+                if slope is not None:
+                    s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
+                if masked:
+                    visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_next = jnp.maximum(m_prev, s.max(axis=1))
+                correction = jnp.exp2(m_prev - m_next)
+                p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
+                l_next = l_prev * correction + p.sum(axis=1)
+                acc = acc * ops.row_bcast(correction, out_shape)
+                plgpu.barrier_wait(v_bars.at[slot])
+                v_tile = v_ring.at[slot]
+                if masked:
+                    # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
+                    # future): a 0/1 product first finds the (row, column) pairs that see a
+                    # non-finite value, then P·V runs over the finite values (one work tile,
+                    # reused: each wgmma has completed before the tile is rewritten).
+                    v = v_tile[...].astype(jnp.float32)
+                    finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
+                    my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
                     plgpu.commit_smem()
-                    v_tile = v_work
-                acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+                    seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
+                                   shape=out_shape)
+                    my_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                    plgpu.commit_smem()
+                    acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                    acc = jnp.where(seen > 0, jnp.nan, acc)
+                else:
+                    if v_fp8:
+                        my_work[...] = _convert(v_tile[...], dtype)
+                        plgpu.commit_smem()
+                        v_tile = my_work
+                    acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+                if specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])  # the wgmmas have completed
+                else:  # the slot's wgmmas have completed: refill it ourselves
+                    @pl.when(kb - kb_lo + stages < num_blocks)
+                    def _():
+                        fetch_block(kb - kb_lo + stages, slot)
+                return acc, m_next, l_next
 
-            # The slot's block is consumed (the wgmmas above have completed): refill it.
-            @pl.when(kb - kb_lo + stages < num_blocks)
-            def _():
-                fetch(kb + stages, slot)
+            carry = (
+                ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
+                ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            )
+            plgpu.barrier_wait(q_bars.at[wg])
+            # Every compute warpgroup visits every block of the tile (the ring's slots are
+            # released by all of them); the plan's masked / unmasked split is the tile's,
+            # so a block a warpgroup's rows cannot see runs masked and adds nothing.
+            masked_visit = functools.partial(visit, masked=True)
+            if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+                carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
+            carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
+            acc, _, l_sum = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
 
-            return acc, m_next, l_next
-
-        carry = (
-            ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
-            ops.layout(jnp.full((block_q,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            ops.layout(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        plgpu.barrier_wait(q_bar.at[0])
-        masked_visit = functools.partial(visit, masked=True)
-        if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
-            carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
-        carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
-        acc, _, l_sum = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
-
-        # One reciprocal per row; a row that sees no key -> 0.
-        inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
-        if v_fp8:
-            inv_sum = inv_sum * v_scale
-        out = acc * ops.row_bcast(inv_sum, out_shape)
-        row = ops.iota(out_shape, 0)
-        attends = (row < q_rows) & (q_pos0 + row < q_len)
-        q_smem[...] = jnp.where(attends, out, 0.0).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, :, h])
-        plgpu.wait_smem_to_gmem(0)
+            # One reciprocal per row; a row that sees no key -> 0.
+            inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+            if v_fp8:
+                inv_sum = inv_sum * v_scale
+            out = acc * ops.row_bcast(inv_sum, out_shape)
+            row = row0 + ops.iota(out_shape, 0)
+            attends = (row < q_rows) & (q_pos0 + row < q_len)
+            my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+            plgpu.wait_smem_to_gmem(0)
 
 
 def varlen_attention_call(
-    q: Array,  # [Tq + block_q, Hq, D] f16 / bf16 (padded by a tile: TMA reads stay inside)
+    q: Array,  # [Tq + block_q (rounded up to 8), Hq, D] f16 / bf16 (padded: TMA reads stay inside)
     k: tuple[Array, int],  # ([planes, pages, page_rows, Hk, D], plane) q dtype or fp8
     v: tuple[Array, int],  # same layout as k (may be another plane of the same array)
     plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from plans.plan_tiles
@@ -341,23 +412,22 @@ def varlen_attention_call(
     kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
     *,
     spec: AttentionSpec,
-    tiling: PrefillTiling,
-    copy_rows: int,
+    tiling: MosaicPrefillTiling,
     interpret: bool = False,
 ) -> Array:  # [num_tiles, block_q, Hq, D] q.dtype: tile t's rows (see the module docstring)
     """Builds and runs the Mosaic GPU kernel over the plan's tiles.
 
-    ``tiling`` (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`) gives block_q (64,
-    one wgmma M), block_k and the ring depth (``num_stages``); ``copy_rows`` the rows per
-    TMA copy (block_k for packed keys, ``gcd(block_k, block_size)`` for a paged cache).
-    Rows of a tile past its sequence hold garbage or zeros: the caller gathers only
-    each tile's own rows.
+    ``tiling`` (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`) gives the compute
+    warpgroups (64 query rows each; ``block_q`` = 64 x their number), block_k, the ring
+    depth and the rows per TMA copy (block_k for packed keys, ``gcd(block_k,
+    block_size)`` for a paged cache). Rows of a tile past its sequence hold garbage or
+    zeros: the caller gathers only each tile's own rows.
     """
     _, num_q_heads, head_size = q.shape
     (k_arr, k_plane), (v_arr, v_plane) = k, v
     _, num_pages, page_rows, num_kv_heads, _ = k_arr.shape
-    block_q, block_k, stages = tiling.block_q, tiling.block_k, tiling.num_stages
-    assert tiling.heads_per_program == 1 and block_k % copy_rows == 0, tiling
+    block_k, stages, workers = tiling.block_k, tiling.num_stages, tiling.compute_warpgroups
+    assert block_k % tiling.copy_rows == 0 and tiling.block_q == workers * ROWS_PER_WARPGROUP, tiling
     num_tiles = plan.shape[0]
     assert plan.shape[1] == TILE_INFO_WIDTH
     k_fp8, v_fp8 = jnp.dtype(k_arr.dtype).itemsize == 1, jnp.dtype(v_arr.dtype).itemsize == 1
@@ -366,18 +436,21 @@ def varlen_attention_call(
     paged = block_table is not None
     dtype = q.dtype
 
-    def tile(rows: int, dt, lead: tuple[int, ...] = ()):
-        return plgpu.SMEM((*lead, rows, head_size), dt, transforms=smem_transforms(head_size, dt))
+    def tile(rows: int, dt, lead: int):
+        return plgpu.SMEM((lead, rows, head_size), dt, transforms=smem_transforms(head_size, dt))
 
+    copies = block_k // tiling.copy_rows
     scratch = [
-        tile(block_q, dtype),
-        tile(block_k, k_arr.dtype, (stages,)),
-        tile(block_k, v_arr.dtype, (stages,)),
-        tile(block_k, dtype),
-        tile(block_k if k_fp8 else 8, dtype),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=block_k // copy_rows, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=block_k // copy_rows, num_barriers=stages),
+        tile(ROWS_PER_WARPGROUP, dtype, workers),
+        tile(block_k, k_arr.dtype, stages),
+        tile(block_k, v_arr.dtype, stages),
+        tile(block_k, dtype, workers),
+        tile(block_k if k_fp8 else 8, dtype, workers),
+        plgpu.Barrier(num_barriers=workers),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
     ]
     inputs = [plan, q, k_arr, v_arr]
     common.append_optional(inputs, block_table)
@@ -387,7 +460,6 @@ def varlen_attention_call(
         _prefill_kernel,
         spec=spec,
         tiling=tiling,
-        copy_rows=copy_rows,
         page_rows=page_rows,
         num_pages=num_pages,
         max_pages_per_seq=block_table.shape[1] if paged else 1,
@@ -401,12 +473,13 @@ def varlen_attention_call(
     )
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_tiles, block_q, num_q_heads, head_size), dtype),
+        out_type=jax.ShapeDtypeStruct((num_tiles, tiling.block_q, num_q_heads, head_size), dtype),
         scratch_types=scratch,
         grid=(num_tiles, num_q_heads),
         grid_names=("tile", "head"),
+        num_threads=workers + 1 if tiling.warp_specialized else 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_InterpretGPUParams() if interpret else None,
         kernel_name="varlen_attention_mosaic",
     )(*inputs)
-
