@@ -117,7 +117,9 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
 ])
 def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype, block_size):
     """Every feature at once (causal window, soft-cap, ALiBi) so that masked and unmasked
-    blocks, fp8 conversion and the paged copies all lower."""
+    blocks, fp8 conversion and the paged copies all lower, in the default
+    warp-specialized form (max_seqlen_q 100: 2 compute warpgroups where shared memory
+    allows, 1 at D 256)."""
     q = jnp.ones((40, 8, head_size), q_dtype)
     cu = jnp.array([0, 7, 40], jnp.int32)
     slopes = jnp.ones((8,), jnp.float32)
@@ -127,13 +129,13 @@ def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype,
         table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
         cu_k = jnp.array([0, 60, 150], jnp.int32)
         fn = lambda q, k, v, cq, ck, t, a: jpa.flash_attn_varlen_func(
-            q, k, v, cq, ck, 33, 90, block_table=t, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+            q, k, v, cq, ck, 100, 90, block_table=t, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
         text = _cuda_text(fn, q, k, v, cu, cu_k, table, slopes)
     else:
         k = jnp.ones((150, 2, head_size), kv_dtype)
         cu_k = jnp.array([0, 60, 150], jnp.int32)
         fn = lambda q, k, v, cq, ck, a: jpa.flash_attn_varlen_func(
-            q, k, v, cq, ck, 33, 90, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+            q, k, v, cq, ck, 100, 90, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
         text = _cuda_text(fn, q, k, k, cu, cu_k, slopes)
     assert MOSAIC_GPU_CALL in text
     assert TRITON_CALL not in text
@@ -149,3 +151,23 @@ def test_layer_prefill_lowers_to_mosaic_gpu_and_decode_refuses_it():
     fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
     with pytest.raises(NotImplementedError, match="implementation='mosaic_gpu'.*'mosaic_gpu' lowering"):
         _cuda_text(fn, q, k, v, lens, table)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_single_warpgroup_mosaic_form_lowers(paged):
+    """The single-warpgroup form (the CPU tests' interpret default) lowers too."""
+    from jax_paged_attn import prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    sds = jax.ShapeDtypeStruct
+    q = sds((40, 8, 128), jnp.bfloat16)
+    kv = sds((12, 32, 2, 128), jnp.float8_e4m3fn) if paged else sds((150, 2, 128), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    table = sds((2, 6), jnp.int32) if paged else None
+    scale = sds((), jnp.float32)
+    spec = AttentionSpec.create(128, causal=True, window_size=(100, 0), softcap=30.0, has_alibi=True)
+    fn = lambda *a: prefill.varlen_attention(*a, spec=spec, max_seqlen_q=100, max_seqlen_k=90,
+                                             lowering="mosaic_gpu",
+                                             config=tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP)
+    text = _cuda_text(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
+    assert MOSAIC_GPU_CALL in text
