@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ import pytest
 import jax_paged_attn
 from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, make_varlen_problem,
                       poison_keys)
-from jax_paged_attn import prefill, reference, tuning
+from jax_paged_attn import plans, prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -502,6 +503,55 @@ def test_unsupported_reason():
                                                      lowering="triton", **static)
     assert "dtype" in prefill.unsupported_reason(*_static_args(False, dtype=jnp.int8),
                                                  lowering="triton", **static)
+
+
+def test_mosaic_unsupported_reason():
+    static = dict(spec=AttentionSpec.create(64, causal=True), max_seqlen_q=20, max_seqlen_k=30,
+                  lowering=prefill.MOSAIC_GPU)
+    for paged, dtype in ((False, jnp.bfloat16), (True, jnp.float16)):
+        assert prefill.unsupported_reason(*_static_args(paged, dtype=dtype), **static) is None
+    assert prefill.unsupported_reason(*_static_args(True, 96, kv_dtype=jnp.float8_e4m3fn), **static) is None
+    assert "float16 or bfloat16" in prefill.unsupported_reason(*_static_args(False, dtype=jnp.float32), **static)
+    assert "multiples of 32" in prefill.unsupported_reason(
+        *_static_args(True, 80, kv_dtype=jnp.float8_e5m2), **static)
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2, num_kv_heads=1,
+                                  head_size=32, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="mosaic_gpu varlen kernel cannot run this call: .*float32"):
+        _kernel_with_config(problem, None, dict(causal=True), lowering=prefill.MOSAIC_GPU)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (tuning.PrefillConfig(), TypeError),  # the Triton tier's config
+    (tuning.MosaicPrefillConfig(block_k=96), ValueError),
+    (tuning.MosaicPrefillConfig(block_k=512), ValueError),
+    (tuning.MosaicPrefillConfig(num_stages=1), ValueError),
+    (tuning.MosaicPrefillConfig(compute_warpgroups=3), ValueError),
+    (tuning.MosaicPrefillConfig(compute_warpgroups=2, warp_specialized=False), ValueError),
+])
+def test_bad_mosaic_config_is_rejected(bad, error):
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2, num_kv_heads=1,
+                                  head_size=32)
+    with pytest.raises(error, match="config"):
+        _kernel_with_config(problem, bad, dict(causal=True), lowering=prefill.MOSAIC_GPU)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 192, 256])
+@pytest.mark.parametrize("kv_itemsize", [1, 2])
+def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
+    """The Mosaic plan shrinks the ring, the compute warpgroups and block_k until the
+    tiles fit the budget; the largest config fits at every head size."""
+    config = tuning.MosaicPrefillConfig(block_k=256, num_stages=4, compute_warpgroups=2)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=4096,
+                                              max_seqlen_k=4096, block_size=48, config=config)
+    used = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size,
+                                           tiling.num_stages, 2, kv_itemsize, kv_itemsize)
+    assert used <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+    assert tiling.block_k % plans.MOSAIC_MIN_BLOCK_K == 0 and tiling.num_stages >= 2
+    assert tiling.copy_rows == math.gcd(tiling.block_k, 48) and tiling.block_q == 64 * tiling.compute_warpgroups
+    # Short queries take one compute warpgroup, short keys a 64-key block.
+    short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=64,
+                                             max_seqlen_k=40, block_size=None, config=config)
+    assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(masked_block_k=24), dict(num_warps=3),
