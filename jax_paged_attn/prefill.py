@@ -133,10 +133,6 @@ def unsupported_reason(
         # wgmma multiplies 16-bit operands here (fp8 K/V are converted after the TMA).
         if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
             return f"the mosaic_gpu kernel takes float16 or bfloat16 queries, got {q.dtype}"
-        # An fp8 row of D bytes is converted through registers into a swizzled 16-bit
-        # tile; Mosaic GPU has no register layout for rows of 16-byte (not 32) multiples.
-        if (plans.is_fp8(k.dtype) or plans.is_fp8(v.dtype)) and head_size % 32:
-            return f"the mosaic_gpu kernel reads fp8 K/V at head sizes that are multiples of 32, got {head_size}"
     return None
 
 

@@ -528,7 +528,7 @@ def test_paged_fp8_cache(rng, impl, cache_dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_paged_everything_at_once(rng, impl):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
                                   head_size=80, dtype=jnp.float16, paged=True, block_size=32,

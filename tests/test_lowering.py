@@ -115,6 +115,7 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     (True, 128, jnp.bfloat16, jnp.float8_e4m3fn, 16),
     (True, 64, jnp.float16, jnp.float8_e5m2, 32),
     (True, 96, jnp.bfloat16, jnp.float8_e4m3fn, 16),
+    (True, 80, jnp.float16, jnp.float8_e4m3fn, 32),  # fp8 rows of 80 bytes: no swizzle
 ])
 def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype, block_size):
     """Every feature at once (causal window, soft-cap, ALiBi) so that masked and unmasked

@@ -136,6 +136,13 @@ class _Ops:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
+    def load(self, ref) -> Array:
+        """A ring tile into registers, in the wgmma layout (the layout of the 16-bit tiles
+        it is converted into and of the score tile it is masked with)."""
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
     def row_bcast(self, x: Array, shape: tuple[int, int]) -> Array:  # [M] -> [M, N]
         return lax.broadcast_in_dim(x, shape, [0])
 
@@ -321,7 +328,7 @@ def _prefill_kernel(
                 plgpu.barrier_wait(k_bars.at[slot])
                 k_tile = k_ring.at[slot]
                 if k_fp8:
-                    my_conv[...] = _convert(k_tile[...], dtype)
+                    my_conv[...] = _convert(ops.load(k_tile), dtype)
                     plgpu.commit_smem()  # register stores -> visible to wgmma
                     k_tile = my_conv
                 s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape)  # [64, block_k]
@@ -350,7 +357,7 @@ def _prefill_kernel(
                     # future): a 0/1 product first finds the (row, column) pairs that see a
                     # non-finite value, then P·V runs over the finite values (one work tile,
                     # reused: each wgmma has completed before the tile is rewritten).
-                    v = v_tile[...].astype(jnp.float32)
+                    v = ops.load(v_tile).astype(jnp.float32)
                     finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
                     my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
                     plgpu.commit_smem()
@@ -362,7 +369,7 @@ def _prefill_kernel(
                     acc = jnp.where(seen > 0, jnp.nan, acc)
                 else:
                     if v_fp8:
-                        my_work[...] = _convert(v_tile[...], dtype)
+                        my_work[...] = _convert(ops.load(v_tile), dtype)
                         plgpu.commit_smem()
                         v_tile = my_work
                     acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
