@@ -363,6 +363,8 @@ class MosaicPrefillTiling:
       num_stages: slots of the shared-memory K/V ring (>= 2).
       copy_rows: rows per TMA copy: block_k for packed keys, ``gcd(block_k, block_size)``
         over a paged cache (a copy never crosses a page).
+      pingpong: with 2 compute warpgroups, stagger them so that one's softmax overlaps
+        the other's wgmma (`tuning.MosaicPrefillConfig.pingpong`).
       longest_first: order of the tiles in the plan (`plan_tiles`).
     """
 
@@ -371,6 +373,7 @@ class MosaicPrefillTiling:
     num_stages: int
     copy_rows: int
     warp_specialized: bool = True
+    pingpong: bool = True
     longest_first: bool = True
 
     @property
@@ -392,7 +395,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
     if config.compute_warpgroups not in (1, 2):
         raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
-    for name in ("warp_specialized", "longest_first"):
+    for name in ("warp_specialized", "pingpong", "longest_first"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not config.warp_specialized and config.compute_warpgroups != 1:
@@ -441,7 +444,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
-                               longest_first=config.longest_first)
+                               pingpong=config.pingpong, longest_first=config.longest_first)
 
 # =========================================================================== paged decode
 

@@ -149,8 +149,10 @@ class MosaicPrefillConfig:
     producer warpgroup issues the TMA copies while the compute warpgroups run (as the
     stock attention_mgpu kernel); False: one warpgroup computes and refills each ring
     slot after its block (compute_warpgroups must then be 1; the CPU tests' form, see
-    `jax_paged_attn.kernels.mosaic_prefill`); longest_first: as
-    `PrefillConfig.longest_first`.
+    `jax_paged_attn.kernels.mosaic_prefill`); pingpong: with 2 compute warpgroups,
+    stagger them with a shared barrier so that one's softmax overlaps the other's wgmma
+    (FlashAttention-3's ping-pong; the stock kernel's ``use_schedule_barrier``, on by
+    default there); longest_first: as `PrefillConfig.longest_first`.
 
     Not measured on a GPU yet: the default is the stock attention_mgpu kernel's shape
     (a producer and 2 compute warpgroups of 64 rows, 2-slot ring), with 64-key blocks.
@@ -160,6 +162,7 @@ class MosaicPrefillConfig:
     num_stages: int = 2
     compute_warpgroups: int = 2
     warp_specialized: bool = True
+    pingpong: bool = True
     longest_first: bool = True
 
 

@@ -146,16 +146,21 @@ class _Ops:
     def row_bcast(self, x: Array, shape: tuple[int, int]) -> Array:  # [M] -> [M, N]
         return lax.broadcast_in_dim(x, shape, [0])
 
-    def mma(self, a, b_ref, *, transpose_b: bool, shape: tuple[int, int]) -> Array:
+    def mma(self, a, b_ref, *, transpose_b: bool, shape: tuple[int, int], while_running=None) -> Array:
         """f32 ``a @ b`` (``a @ b.T`` with transpose_b); ``a`` a shared-memory ref or a
-        register array, ``b_ref`` a shared-memory ref."""
+        register array, ``b_ref`` a shared-memory ref. ``while_running()`` runs after the
+        wgmma is issued, before waiting for it."""
         if self.interpret:
             a_val = a if isinstance(a, jax.Array) else a[...]
             dims = ((1,), (1,)) if transpose_b else ((1,), (0,))
+            if while_running is not None:
+                while_running()
             return lax.dot_general(a_val, b_ref[...], (dims, ((), ())), preferred_element_type=jnp.float32)
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b_ref.T if transpose_b else b_ref)
+            if while_running is not None:
+                while_running()
             return acc_ref[...]
 
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -170,6 +175,31 @@ class _Ops:
             plgpu.wgmma(acc_ref, a, b_ref)
 
         return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+class _PingPong:
+    """Staggers two compute warpgroups so that one's softmax overlaps the other's wgmma
+    (FlashAttention-3's ping-pong, the stock attention_mgpu kernel's schedule barrier).
+
+    A barrier both warpgroups arrive on: each phase completes when both have arrived.
+    Per KV block each warpgroup meets the other once while its Q·K^T wgmma runs, and
+    once more (arrive, then wait) between its softmax and its P·V; warpgroup 1 meets once before its first
+    block and warpgroup 0 once after its last, so warpgroup 1 runs half a block behind
+    and both complete the same phases.
+    """
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def arrive(self) -> None:
+        plgpu.barrier_arrive(self.barrier)
+
+    def wait(self) -> None:
+        plgpu.barrier_wait(self.barrier)
+
+    def meet(self) -> None:
+        self.arrive()
+        self.wait()
 
 
 def _prefill_kernel(
@@ -214,10 +244,12 @@ def _prefill_kernel(
         v_bars,  # [num_stages]: the slot's V block arrived
         k_free,  # [num_stages]: every compute warpgroup is done with the slot's K block
         v_free,  # [num_stages]: every compute warpgroup is done with the slot's V block
-    ) = rest  # (k_free / v_free unused without warp specialization)
+        schedule,  # [1], 2 arrivals: the compute warpgroups' ping-pong (see _PingPong)
+    ) = rest  # (k_free / v_free unused without warp specialization, schedule without ping-pong)
     ops = _Ops(interpret)
     rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
     workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
+    pingpong = _PingPong(schedule.at[0]) if tiling.pingpong and workers == 2 else None
     copy_rows = tiling.copy_rows
     head_size = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -331,7 +363,8 @@ def _prefill_kernel(
                     my_conv[...] = _convert(ops.load(k_tile), dtype)
                     plgpu.commit_smem()  # register stores -> visible to wgmma
                     k_tile = my_conv
-                s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape)  # [64, block_k]
+                s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape,
+                            while_running=pingpong.meet if pingpong else None)  # [64, block_k]
                 if specialized:
                     plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
                 s = s * pre_tanh
@@ -350,7 +383,12 @@ def _prefill_kernel(
                 p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
                 l_next = l_prev * correction + p.sum(axis=1)
                 acc = acc * ops.row_bcast(correction, out_shape)
-                plgpu.barrier_wait(v_bars.at[slot])
+                if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
+                    pingpong.arrive()
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    pingpong.wait()
+                else:
+                    plgpu.barrier_wait(v_bars.at[slot])
                 v_tile = v_ring.at[slot]
                 if masked:
                     # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
@@ -387,6 +425,8 @@ def _prefill_kernel(
                 ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             )
             plgpu.barrier_wait(q_bars.at[wg])
+            if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
+                pl.when(wg == 1)(pingpong.meet)
             # Every compute warpgroup visits every block of the tile (the ring's slots are
             # released by all of them); the plan's masked / unmasked split is the tile's,
             # so a block a warpgroup's rows cannot see runs masked and adds nothing.
@@ -395,6 +435,8 @@ def _prefill_kernel(
                 carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
             carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
             acc, _, l_sum = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
+            if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                pl.when(wg == 0)(pingpong.meet)
 
             # One reciprocal per row; a row that sees no key -> 0.
             inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
@@ -458,6 +500,7 @@ def varlen_attention_call(
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
     ]
     inputs = [plan, q, k_arr, v_arr]
     common.append_optional(inputs, block_table)
