@@ -2,7 +2,12 @@
 
 `varlen_attention` has the contract of `jax_paged_attn.reference.varlen_attention`
 (packed or paged keys, cu_seqlens, bottom-right causal, window, ALiBi, soft-cap, fp8
-cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill`. This module
+cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill` (``lowering=
+"triton"``) or of `jax_paged_attn.kernels.mosaic_prefill` (``lowering="mosaic_gpu"``,
+Hopper; a first cut, not yet measured: the same plan and semantics, its own tiling
+`plans.MosaicPrefillTiling`, and TMA's whole-tile reads and writes, see
+`_mosaic_varlen_attention`). The rest of this docstring describes the Triton kernel's
+tiling; the Mosaic kernel's is in its module. This module
 and `jax_paged_attn.plans` (the launch plan, below this wrapper and the kernels, shared
 by every lowering) hold everything that does not depend on the lowering:
 
