@@ -79,3 +79,21 @@ def test_cuda_call_no_kernel_runs_warns_once_per_reason(fresh_warnings, monkeypa
     with pytest.raises(NotImplementedError, match="implementation='triton' cannot run this call: reason A"):
         dispatch.run_implementation("triton", (jnp.ones(2),), reference_fn=lambda x: x,
                                     kernel_fn=lambda x: x, unsupported_reason=lambda: "reason A")
+
+
+def test_kernel_implementations_and_their_lowerings():
+    assert dispatch.IMPLEMENTATIONS == ("auto", "xla", "triton", "mosaic_gpu")
+    assert dispatch.kernel_lowering("mosaic_gpu") == "mosaic_gpu"
+    # auto's kernel stays Triton's until the Mosaic GPU kernel is measured on a GPU.
+    for implementation in (None, "auto", "triton"):
+        assert dispatch.kernel_lowering(implementation) == "triton"
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        dispatch.kernel_lowering("mosaic")
+
+
+def test_mosaic_gpu_decode_raises_with_the_reason(fresh_warnings):
+    """No Mosaic GPU decode kernel yet: an explicit request says so instead of running
+    another implementation."""
+    with pytest.raises(NotImplementedError, match="implementation='mosaic_gpu' cannot run this call: "
+                                                  "the decode kernel has no 'mosaic_gpu' lowering"):
+        trace_decode(*decode_args(), implementation="mosaic_gpu")
