@@ -157,3 +157,44 @@ def test_auto_implementation_runs_the_kernel_on_gpu():
     fn = lambda *a: jpa.flash_attn_with_kvcache(*a, causal=True)
     assert TRITON_CALL in jax.jit(fn).lower(q, cache, cache, lens, table).as_text()
     np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, cache, cache, lens, table), np.float32), 1.0, atol=1e-2)
+
+
+MOSAIC_FORMS = {
+    # From the simplest form to the default, to bisect a failure of the default.
+    "single-warpgroup": dict(compute_warpgroups=1, warp_specialized=False),
+    "specialized-1wg": dict(compute_warpgroups=1),
+    "specialized-2wg": dict(compute_warpgroups=2, pingpong=False),
+    "specialized-2wg-pingpong": dict(compute_warpgroups=2, pingpong=True),
+    "specialized-2wg-pingpong-ring3-bk128": dict(compute_warpgroups=2, num_stages=3, block_k=128),
+}
+
+
+@pytest.mark.parametrize("form", list(MOSAIC_FORMS))
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_forms_match_reference(form, paged):
+    """Every form of the Mosaic GPU kernel (`tuning.MosaicPrefillConfig`) on a causal
+    windowed, soft-capped GQA problem with ragged lengths, packed and over a paged cache."""
+    from jax_paged_attn import prefill, reference, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    lens, hq, hk, d, bs = [700, 1, 130, 64], 16, 4, 128, 16
+    total = sum(lens)
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    keys = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(keys[0], (total, hq, d), jnp.bfloat16)
+    if paged:
+        blocks_per_seq = -(-max(lens) // bs)
+        num_blocks = len(lens) * blocks_per_seq
+        k, v, _ = _random_cache(keys[1], num_blocks, bs, hk, d, jnp.bfloat16)
+        table = jax.random.permutation(keys[2], num_blocks).reshape(len(lens), blocks_per_seq).astype(jnp.int32)
+    else:
+        k = jax.random.normal(keys[1], (total, hk, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (total, hk, d), jnp.bfloat16)
+        table = None
+    spec = AttentionSpec.create(d, causal=True, window_size=(300, 0), softcap=30.0)
+    static = dict(spec=spec, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    config = tuning.MosaicPrefillConfig(**MOSAIC_FORMS[form])
+    args = (q, k, v, cu, cu, table, None, None, 1.0, 1.0)
+    out = jax.jit(lambda *a: prefill.varlen_attention(*a, lowering="mosaic_gpu", config=config, **static))(*args)
+    ref = jax.jit(lambda *a: reference.varlen_attention(*a, **static))(*args)
+    _assert_close(out, ref, jnp.bfloat16)
