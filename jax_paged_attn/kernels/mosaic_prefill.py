@@ -89,8 +89,6 @@ from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
 
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-
 # Registers per thread after the split (setmaxnreg; the stock attention_mgpu kernel's
 # figures): the producer only issues copies, compute warpgroups hold a 64 x block_k score
 # tile and a 64 x D accumulator. 2 x 232 + 40 warpgroup-threads' worth fits 64K registers.
@@ -395,8 +393,10 @@ def _prefill_kernel(
                     # future): a 0/1 product first finds the (row, column) pairs that see a
                     # non-finite value, then P·V runs over the finite values (one work tile,
                     # reused: each wgmma has completed before the tile is rewritten).
-                    v = ops.load(v_tile).astype(jnp.float32)
-                    finite = jnp.abs(v) <= _F32_MAX  # (no is_finite rule in the lowering; NaN compares False)
+                    # In the query dtype (fp8 converts exactly; half the registers of f32).
+                    v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
+                    # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
+                    finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
                     my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
                     plgpu.commit_smem()
                     seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
