@@ -5,8 +5,9 @@ the lowering: the prefill tile plan and its field layout (`TileField`), the stat
 tilings the kernels receive (`PrefillTiling`, `DecodeTiling`; the cache write's is its
 `tuning.CacheWriteConfig` as is), the decode split choice and shared-memory estimate,
 and the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
-K/V scales) done the same way for every kernel. A second lowering of the same kernels
-(Mosaic GPU) reuses all of it.
+K/V scales) done the same way for every kernel. The Mosaic GPU prefill kernel reuses the
+tile plan and the optional inputs, with a tiling of its own (`MosaicPrefillTiling`:
+warpgroups, a TMA ring, copies that never cross a cache page).
 
 Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
 (`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and
