@@ -80,7 +80,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_paged_attn import reference
+from jax_paged_attn import plans, reference
 from jax_paged_attn.kernels import common
 from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
 from jax_paged_attn.plans import MOSAIC_ROWS_PER_WARPGROUP as ROWS_PER_WARPGROUP
@@ -331,7 +331,7 @@ def _prefill_kernel(
 
         @pl.when(wg < workers)
         def _compute():
-            """Rows ``wg * 64 ..`` of the tile against every KV block of the tile."""
+            """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
             if specialized:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             my_q, my_work, my_conv = q_smem.at[wg], v_work.at[wg], k_conv.at[wg]
@@ -352,10 +352,24 @@ def _prefill_kernel(
                 pre_tanh = k_scale * pre_tanh
             slope = alibi_ref[h] if alibi_ref is not None else None
 
-            def visit(kb, carry, *, masked: bool):
-                acc, m_prev, l_prev = carry
+            def visit(kb, carry, *, masked: bool, compute: bool = True):
+                """KV block ``kb``: its barrier protocol always (wait for it, release it,
+                meet the other warpgroup), its attention only with ``compute``."""
                 slot = lax.rem(kb - kb_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bars.at[slot])
+                if not compute:
+                    if pingpong:
+                        pingpong.meet()
+                    if specialized:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                    if pingpong:
+                        pingpong.arrive()
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    if pingpong:
+                        pingpong.wait()
+                    release_v(kb, slot)
+                    return carry
+                acc, m_prev, l_prev = carry
                 k_tile = k_ring.at[slot]
                 if k_fp8:
                     my_conv[...] = _convert(ops.load(k_tile), dtype)
@@ -411,13 +425,16 @@ def _prefill_kernel(
                         plgpu.commit_smem()
                         v_tile = my_work
                     acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+                release_v(kb, slot)
+                return acc, m_next, l_next
+
+            def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
                 if specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])  # the wgmmas have completed
-                else:  # the slot's wgmmas have completed: refill it ourselves
+                    plgpu.barrier_arrive(v_free.at[slot])
+                else:  # no producer: refill the slot ourselves
                     @pl.when(kb - kb_lo + stages < num_blocks)
                     def _():
                         fetch_block(kb - kb_lo + stages, slot)
-                return acc, m_next, l_next
 
             carry = (
                 ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
@@ -427,14 +444,28 @@ def _prefill_kernel(
             plgpu.barrier_wait(q_bars.at[wg])
             if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
                 pl.when(wg == 1)(pingpong.meet)
-            # Every compute warpgroup visits every block of the tile (the ring's slots are
-            # released by all of them); the plan's masked / unmasked split is the tile's,
-            # so a block a warpgroup's rows cannot see runs masked and adds nothing.
+            # Every compute warpgroup goes through every block of the tile, in order (the
+            # ring's slots are released by all of them), but computes only the blocks its
+            # own rows can see: the plan's masked / unmasked split is the whole tile's,
+            # and a warpgroup of rows past the sequence's end sees none.
+            has_rows = (row0 < q_rows) & (my_pos0 < q_len)
+            my_last = jnp.minimum(jnp.minimum(my_pos0 + rows, q_pos0 + q_rows), q_len) - 1
+            my_lo, _ = plans.visible_key_interval(my_pos0, q_len, k_len, spec)
+            _, my_hi = plans.visible_key_interval(my_last, q_len, k_len, spec)
+            lead_split = jnp.where(has_rows, jnp.clip(lax.div(my_lo, jnp.int32(block_k)), kb_lo, kb_full_lo),
+                                   kb_full_lo)
+            mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
+            tail_split = jnp.where(has_rows, jnp.clip(common.cdiv(my_hi, block_k), kb_full_hi, kb_hi), kb_full_hi)
             masked_visit = functools.partial(visit, masked=True)
+            unmasked_visit = functools.partial(visit, masked=False)
+            skip = functools.partial(visit, masked=True, compute=False)
             if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
-                carry = lax.fori_loop(kb_lo, kb_full_lo, masked_visit, carry)
-            carry = lax.fori_loop(kb_full_lo, kb_full_hi, functools.partial(visit, masked=False), carry)
-            acc, _, l_sum = lax.fori_loop(kb_full_hi, kb_hi, masked_visit, carry)
+                carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
+                carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
+            carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
+            carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
+            carry = lax.fori_loop(kb_full_hi, tail_split, masked_visit, carry)
+            acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
             if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
                 pl.when(wg == 0)(pingpong.meet)
 
