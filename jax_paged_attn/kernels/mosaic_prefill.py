@@ -14,10 +14,13 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 * single warpgroup: one warpgroup computes and refills each slot after its block (the
   CPU tests' default: the interpreter runs it several times faster).
 
-Not done yet (the path to the issue's FLOP/s targets): the schedule barrier that
-staggers the two compute warpgroups' softmax against each other's wgmma, async wgmma
-overlapping Q·K^T of the next block with the softmax, GQA packing of a KV group's heads
-into one tile, and skipping the blocks a compute warpgroup's own rows cannot see.
+With two compute warpgroups a shared barrier staggers them (ping-pong,
+`tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
+
+Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
+the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
+into one tile (K/V are read once per query head, the reuse left to L2), a persistent
+grid, and the masked blocks' non-finite handling in fewer registers.
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
@@ -26,8 +29,9 @@ blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
 share K/V in L2); a program is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
-from L2). Every compute warpgroup visits all of the tile's blocks (the slots are
-released by all of them), with the tile's masked / unmasked split.
+from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
+slot is released by all of them) and computes those its own rows can see, with the
+tile's masked / unmasked split.
 
 Memory layout (all TMA, so every copy must stay inside its array; the wrapper,
 `jax_paged_attn.prefill`, pads q and packed k / v by a tile, a paged cache is read by
