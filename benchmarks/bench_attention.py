@@ -997,8 +997,8 @@ _OURS_ATTENTION = Impl("ours", "jax_paged_attn.flash_attn_varlen_func (implement
                                "--ours-impl), packed tokens; paged cache + block_table for prefix",
                        attention_ours, is_ours=True)
 _OURS_MOSAIC_GPU = Impl("ours_mosaic_gpu", "jax_paged_attn.flash_attn_varlen_func(implementation='mosaic_gpu'): "
-                                           "our Pallas Mosaic GPU prefill kernel (Hopper; first cut, single "
-                                           "warpgroup), same inputs as ours", attention_ours_mosaic_gpu)
+                                           "our Pallas Mosaic GPU prefill kernel (Hopper; first cut, "
+                                           "warp-specialized), same inputs as ours", attention_ours_mosaic_gpu)
 _XLA_REFERENCE = Impl("xla_ref", "jax_paged_attn.flash_attn_varlen_func(implementation='xla'), our reference "
                                  "(skipped when its f32 scores would not fit)", attention_xla_reference)
 
