@@ -885,6 +885,12 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
                         to_numpy)
 
 
+def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
+    """Our Mosaic GPU prefill tier beside the default (Triton) one; its output is checked
+    against ours like a peer's."""
+    return attention_ours(ctx, case, x, implementation="mosaic_gpu")
+
+
 def attention_xla_reference(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
     scores_bytes = 3 * 4 * case.batch * case.q_heads * x.max_q * x.max_k
     if scores_bytes > XLA_REFERENCE_MAX_BYTES:
@@ -1026,11 +1032,15 @@ def prefix_torch_varlen_paged(ctx: Context, case: AttentionCase, x: AttentionInp
 _OURS_ATTENTION = Impl("ours", "jax_paged_attn.flash_attn_varlen_func (implementation='triton' unless "
                                "--ours-impl), packed tokens; paged cache + block_table for prefix",
                        attention_ours, is_ours=True)
+_OURS_MOSAIC_GPU = Impl("ours_mosaic_gpu", "jax_paged_attn.flash_attn_varlen_func(implementation='mosaic_gpu'): "
+                                           "our Pallas Mosaic GPU prefill kernel (Hopper; first cut, "
+                                           "warp-specialized), same inputs as ours", attention_ours_mosaic_gpu)
 _XLA_REFERENCE = Impl("xla_ref", "jax_paged_attn.flash_attn_varlen_func(implementation='xla'), our reference "
                                  "(skipped when its f32 scores would not fit)", attention_xla_reference)
 
 PREFILL_IMPLS = (
     _OURS_ATTENTION,
+    _OURS_MOSAIC_GPU,
     Impl("stock_mha", "jax.experimental.pallas.ops.gpu.attention.mha (Pallas Triton), KV heads repeated",
          prefill_stock_mha),
     Impl("cudnn", "jax.nn.dot_product_attention(implementation='cudnn', is_causal=True)", prefill_jax_dpa("cudnn")),
@@ -1042,6 +1052,7 @@ PREFILL_IMPLS = (
 )
 VARLEN_IMPLS = (
     _OURS_ATTENTION,
+    _OURS_MOSAIC_GPU,
     Impl("cudnn_padded", "jax.nn.dot_product_attention(implementation='cudnn') on the batch padded to the "
                          "longest sequence, with query/key lengths", varlen_cudnn_padded),
     Impl("stock_mha_segments", "Pallas Triton attention.mha on all tokens as one sequence with segment_ids "
@@ -1051,6 +1062,7 @@ VARLEN_IMPLS = (
 )
 PREFIX_IMPLS = (
     _OURS_ATTENTION,
+    _OURS_MOSAIC_GPU,
     Impl("cudnn_paged", "JAX cuDNN paged_attention, MaskType.CAUSAL (top-left aligned: not the same "
                         "function)", prefix_cudnn_paged("CAUSAL")),
     Impl("cudnn_paged_nomask", "JAX cuDNN paged_attention without a mask (all keys: an upper bracket)",

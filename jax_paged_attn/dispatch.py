@@ -5,11 +5,15 @@ Implementations (the ``implementation=`` argument of the public functions):
 * ``"xla"``: `jax_paged_attn.reference`, plain jax.numpy, any backend.
 * ``"triton"``: Pallas kernels lowered through Triton (NVIDIA GPUs, Ampere and newer;
   CPU with ``interpret=True``).
-* ``"mosaic_gpu"``: Pallas kernels lowered through Mosaic GPU (Hopper); so far only
-  the paged decode kernel (`jax_paged_attn.decode`, lowering ``"mosaic_gpu"``, a first
-  cut not yet measured on the GPU). Auto never picks it.
-* ``None`` / ``"auto"``: the Pallas kernel when the call is lowered for CUDA and the
-  kernel supports the call, else ``"xla"``. The choice is made per lowering platform
+* ``"mosaic_gpu"``: Pallas kernels lowered through Mosaic GPU (Hopper, sm_90a: TMA and
+  wgmma; CPU with ``interpret=True``, in the Mosaic GPU interpreter): the varlen prefill
+  kernel (`jax_paged_attn.kernels.mosaic_prefill`) and the paged decode kernel
+  (`jax_paged_attn.kernels.mosaic_decode`), first cuts not yet measured on a GPU; the
+  cache write has no Mosaic GPU kernel and runs the Triton one.
+* ``None`` / ``"auto"``: the Pallas Triton kernel when the call is lowered for CUDA and
+  the kernel supports the call, else ``"xla"``. Auto does not choose ``"mosaic_gpu"``
+  yet: it is meant to prefer it on sm_90 and newer once those kernels have been measured
+  faster than the Triton ones there; until then they run only when asked for. The choice is made per lowering platform
   with `jax.lax.platform_dependent`, so one jitted function runs the kernel on a GPU
   and the reference on a CPU, and cross-lowering for CUDA on a CPU host shows the
   kernel in the compiled module.
@@ -92,7 +96,7 @@ def _auto_fallback_reason(kernel_reason: str | None) -> str | None:
     return kernel_reason
 
 
-_LOWERING_MODULES = {TRITON: "jax.experimental.pallas.triton"}
+_LOWERING_MODULES = {TRITON: "jax.experimental.pallas.triton", MOSAIC_GPU: "jax.experimental.pallas.mosaic_gpu"}
 
 
 @functools.cache
@@ -112,6 +116,13 @@ def normalize_implementation(implementation: str | None) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}.")
     return impl
+
+
+def kernel_lowering(implementation: str | None) -> str:
+    """The Pallas lowering a kernel implementation runs through (``"triton"`` or
+    ``"mosaic_gpu"``, the names `prefill.LOWERINGS` / `decode.LOWERINGS` use); auto's
+    kernel is Triton's (see the module docstring)."""
+    return MOSAIC_GPU if normalize_implementation(implementation) == MOSAIC_GPU else TRITON
 
 
 def run_implementation(
@@ -171,15 +182,14 @@ def varlen_attention(
     from jax_paged_attn import prefill
 
     static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    # An explicit "mosaic_gpu" asks for the Mosaic GPU lowering; the prefill kernel's
-    # `unsupported_reason` says when it has none.
-    lowering = MOSAIC_GPU if implementation == MOSAIC_GPU else TRITON
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
+    lowering = kernel_lowering(implementation)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.varlen_attention, **static)),
         kernel_fn=functools.partial(prefill.varlen_attention, lowering=lowering, interpret=interpret, **static),
         unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=lowering, **static),
+        lowering=lowering,
     )
 
 
@@ -196,12 +206,13 @@ def paged_decode_attention(
     """
     from jax_paged_attn import decode
 
-    lowering = MOSAIC_GPU if implementation == MOSAIC_GPU else TRITON
     args = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, k_scale, v_scale)
+    lowering = kernel_lowering(implementation)
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.paged_decode_attention, spec=spec)),
         kernel_fn=functools.partial(decode.paged_decode_attention, spec=spec, lowering=lowering,
                                     interpret=interpret),
         unsupported_reason=lambda: decode.unsupported_reason(*args, spec=spec, lowering=lowering),
+        lowering=lowering,
     )

@@ -6,8 +6,10 @@ tilings the kernels receive (`PrefillTiling`, `DecodeTiling`; the cache write's 
 `tuning.CacheWriteConfig` as is), the decode split choice and shared-memory estimate,
 the preparation of the optional kernel inputs (ALiBi slopes in log2 units, fp8
 K/V scales) done the same way for every kernel, and the size rule for refs the Triton
-lowering would address with too narrow offsets (`narrow_offsets_overflow`). A second
-lowering of the same kernels (Mosaic GPU) reuses all of it.
+lowering would address with too narrow offsets (`narrow_offsets_overflow`). The Mosaic
+GPU kernels reuse the tile plan and the optional inputs, with tilings of their own
+(`MosaicPrefillTiling`: warpgroups, a TMA ring, copies that never cross a cache page;
+`MosaicDecodeTiling`).
 
 Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
 (`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and
@@ -40,6 +42,8 @@ __all__ = [
     "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
+    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
+    "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
 ]
 
 LOG2E = math.log2(math.e)
@@ -370,6 +374,112 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
         masked_block_k=block_k if config.single_kv_loop else min(block_k, config.masked_block_k),
     )
 
+
+
+
+MOSAIC_ROWS_PER_WARPGROUP = 64
+"""Query rows of one Mosaic GPU compute warpgroup: its wgmma M."""
+
+MOSAIC_MIN_BLOCK_K = 64
+"""Least keys per Mosaic GPU KV block: masked blocks load the V tile into registers in
+the wgmma layout, whose tiles have 64 rows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillTiling:
+    """Static launch plan of the Mosaic GPU varlen kernel, from `plan_mosaic_prefill_tiling`.
+
+    Attributes:
+      compute_warpgroups: warpgroups computing attention, 64 query rows each (1 or 2).
+      warp_specialized: one more warpgroup issues the TMA copies (the producer);
+        otherwise the single compute warpgroup refills each ring slot itself after
+        its block (compute_warpgroups is then 1).
+      block_k: keys per KV block; a multiple of 64.
+      num_stages: slots of the shared-memory K/V ring (>= 2).
+      copy_rows: rows per TMA copy: block_k for packed keys, ``gcd(block_k, block_size)``
+        over a paged cache (a copy never crosses a page).
+      pingpong: with 2 compute warpgroups, stagger them so that one's softmax overlaps
+        the other's wgmma (`tuning.MosaicPrefillConfig.pingpong`).
+      longest_first: order of the tiles in the plan (`plan_tiles`).
+    """
+
+    compute_warpgroups: int
+    block_k: int
+    num_stages: int
+    copy_rows: int
+    warp_specialized: bool = True
+    pingpong: bool = True
+    longest_first: bool = True
+
+    @property
+    def block_q(self) -> int:
+        """Query positions per tile (the plan's P): 64 per compute warpgroup."""
+        return self.compute_warpgroups * MOSAIC_ROWS_PER_WARPGROUP
+
+
+def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
+    """Raises TypeError / ValueError for a config the Mosaic GPU kernel cannot compile."""
+    if not isinstance(config, tuning.MosaicPrefillConfig):
+        raise TypeError(f"config must be a MosaicPrefillConfig for lowering='mosaic_gpu', got "
+                        f"{type(config).__name__}.")
+    if not (isinstance(config.block_k, int) and config.block_k >= MOSAIC_MIN_BLOCK_K
+            and config.block_k % MOSAIC_MIN_BLOCK_K == 0 and config.block_k <= 256):
+        raise ValueError(f"config.block_k must be a multiple of {MOSAIC_MIN_BLOCK_K} up to 256 (a wgmma N), "
+                         f"got {config.block_k!r}.")
+    if not (isinstance(config.num_stages, int) and config.num_stages >= 2):
+        raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
+    if config.compute_warpgroups not in (1, 2):
+        raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
+    for name in ("warp_specialized", "pingpong", "longest_first"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
+    if not config.warp_specialized and config.compute_warpgroups != 1:
+        raise ValueError("config.compute_warpgroups must be 1 without warp specialization (the one "
+                         f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
+
+
+def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: int, num_stages: int,
+                              q_itemsize: int, k_itemsize: int, v_itemsize: int) -> int:
+    """Shared memory of the Mosaic GPU prefill kernel's tiles
+    (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
+    its value work tile (masked blocks, fp8 values) and its converted-key tile (fp8 keys;
+    8 rows otherwise), plus the K and V ring. Barriers and alignment fit in the budget's
+    margin."""
+    conv_rows = block_k if k_itemsize == 1 else 8
+    per_warpgroup = (MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize
+    return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
+
+
+def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
+                               max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
+                               config: tuning.MosaicPrefillConfig) -> MosaicPrefillTiling:
+    """The Mosaic GPU varlen kernel's tiling for these shapes and `config` (checked).
+
+    block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
+    the compute warpgroups to 1 when ``max_seqlen_q <= 64`` (decode-like batches would
+    run a warpgroup of idle rows). Then, until the tiles fit
+    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, the compute
+    warpgroups to 1, block_k halves (to 64; the least tiling fits at every head size).
+    """
+    block_k = max(MOSAIC_MIN_BLOCK_K, min(config.block_k, next_power_of_2(max_seqlen_k)))
+    block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
+    stages = config.num_stages
+    workers = 1 if max_seqlen_q <= MOSAIC_ROWS_PER_WARPGROUP else config.compute_warpgroups
+
+    def fits() -> bool:
+        return mosaic_prefill_smem_bytes(workers, block_k, head_size, stages, q_itemsize, k_itemsize,
+                                         v_itemsize) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+
+    while not fits() and stages > 2:
+        stages -= 1
+    if not fits():
+        workers = 1
+    while not fits() and block_k > MOSAIC_MIN_BLOCK_K:
+        block_k = max(MOSAIC_MIN_BLOCK_K, block_k // 2 - (block_k // 2) % MOSAIC_MIN_BLOCK_K)
+    copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
+    return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
+                               copy_rows=copy_rows, warp_specialized=config.warp_specialized,
+                               pingpong=config.pingpong, longest_first=config.longest_first)
 
 # =========================================================================== paged decode
 

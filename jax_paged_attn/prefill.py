@@ -2,7 +2,12 @@
 
 `varlen_attention` has the contract of `jax_paged_attn.reference.varlen_attention`
 (packed or paged keys, cu_seqlens, bottom-right causal, window, ALiBi, soft-cap, fp8
-cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill`. This module
+cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill` (``lowering=
+"triton"``) or of `jax_paged_attn.kernels.mosaic_prefill` (``lowering="mosaic_gpu"``,
+Hopper; a first cut, not yet measured: the same plan and semantics, its own tiling
+`plans.MosaicPrefillTiling`, and TMA's whole-tile reads and writes, see
+`_mosaic_varlen_attention`). The rest of this docstring describes the Triton kernel's
+tiling; the Mosaic kernel's is in its module. This module
 and `jax_paged_attn.plans` (the launch plan, below this wrapper and the kernels, shared
 by every lowering) hold everything that does not depend on the lowering:
 
@@ -81,7 +86,10 @@ from jax_paged_attn.spec import AttentionSpec
 Array = jax.Array
 
 TRITON = "triton"
-LOWERINGS = (TRITON,)
+MOSAIC_GPU = "mosaic_gpu"
+LOWERINGS = (TRITON, MOSAIC_GPU)
+"""Lowerings with a varlen kernel: Pallas Triton (any CUDA GPU) and Pallas Mosaic GPU
+(Hopper, `jax_paged_attn.kernels.mosaic_prefill`: a first cut, not yet measured)."""
 
 
 def unsupported_reason(
@@ -126,7 +134,12 @@ def unsupported_reason(
             return f"block_table must be [B, max_blocks], got {block_table.shape}"
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (q.shape[1],):
         return f"alibi_slopes must be [Hq], got {alibi_slopes.shape}"
-    # The kernel addresses k and v (a plane: its whole stacked cache) as one ref each.
+    if lowering == MOSAIC_GPU:
+        # wgmma multiplies 16-bit operands here (fp8 K/V are converted after the TMA).
+        if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+            return f"the mosaic_gpu kernel takes float16 or bfloat16 queries, got {q.dtype}"
+        return None
+    # The Triton kernel addresses k and v (a plane: its whole stacked cache) as one ref each.
     return checks.narrow_offsets_reason({"k": k, "v": v})
 
 
@@ -153,13 +166,15 @@ def varlen_attention(
     max_seqlen_k: int,
     lowering: str = TRITON,
     interpret: bool = False,
-    config: tuning.PrefillConfig | None = None,
+    config: tuning.PrefillConfig | tuning.MosaicPrefillConfig | None = None,
 ) -> Array:  # [Tq, Hq, D], q.dtype
-    """`reference.varlen_attention` through the Pallas varlen kernel.
+    """`reference.varlen_attention` through the Pallas varlen kernel of ``lowering``.
 
     Same arguments and result as the reference (see its docstring and
     `jax_paged_attn.api.flash_attn_varlen_func`); ``config`` overrides the tuning
-    table, ``interpret`` runs the kernel in Pallas interpret mode (CPU tests).
+    table (a `tuning.PrefillConfig` for ``"triton"``, a `tuning.MosaicPrefillConfig`
+    for ``"mosaic_gpu"``), ``interpret`` runs the kernel in Pallas interpret mode
+    (CPU tests; for Mosaic GPU its interpreter).
     Raises NotImplementedError when `unsupported_reason` gives a reason.
     """
     reason = unsupported_reason(
@@ -170,16 +185,27 @@ def varlen_attention(
         raise NotImplementedError(f"the {lowering} varlen kernel cannot run this call: {reason}")
     num_q_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[-2]
-    device = tuning.target_device()
-    if config is None:
-        config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=block_table is not None,
-                                       device=device)
-    check_config(config)
     paged = block_table is not None
+    device = tuning.target_device()
+    if lowering == MOSAIC_GPU:
+        if config is None:
+            config = tuning.mosaic_prefill_config(head_size, jnp.dtype(q.dtype).name, paged=paged,
+                                                  interpret=interpret)
+        plans.check_mosaic_prefill_config(config)
+    else:
+        if config is None:
+            config = tuning.prefill_config(head_size, jnp.dtype(q.dtype).name, paged=paged, device=device)
+        check_config(config)
     if q.size == 0:  # no token or no head: nothing to compute (a zero-size grid)
         return jnp.zeros(q.shape, q.dtype)
     if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
         return jnp.zeros(q.shape, q.dtype)  # no key anywhere: every row sees nothing
+
+    if lowering == MOSAIC_GPU:
+        return _mosaic_varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale,
+            spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, config=config,
+            interpret=interpret)
 
     tiling = plans.plan_prefill_tiling(num_q_heads, num_kv_heads, head_size, max_seqlen_q=max_seqlen_q,
                                        max_seqlen_k=max_seqlen_k, paged=paged, config=config,
@@ -216,3 +242,66 @@ def varlen_attention(
             num_kv_rows=num_blocks * block_size if paged else k.shape[0],
             page_size=block_size, interpret=interpret)
     raise AssertionError(lowering)  # unsupported_reason rejected it
+
+
+def _mosaic_varlen_attention(
+    q: Array, k: Array | CachePlane, v: Array | CachePlane, cu_seqlens_q: Array, cu_seqlens_k: Array,
+    block_table: Array | None, seqused_k: Array | None, alibi_slopes: Array | None,
+    k_scale: Array | float, v_scale: Array | float, *, spec: AttentionSpec, max_seqlen_q: int,
+    max_seqlen_k: int, config: tuning.MosaicPrefillConfig, interpret: bool,
+) -> Array:  # [Tq, Hq, D], q.dtype
+    """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty call).
+
+    The kernel reads and writes whole tiles by TMA, which must stay inside the arrays:
+    q and packed k / v are padded by a tile (a copy of q and of the packed keys, not of
+    a paged cache, which is read by whole pages), and the kernel writes one output slab
+    per tile, from which each packed row is gathered here.
+    """
+    from jax_paged_attn.kernels import mosaic_prefill
+
+    num_q_tokens, _, head_size = q.shape
+    paged = block_table is not None
+    itemsize = lambda x: jnp.dtype(x.dtype).itemsize
+    tiling = plans.plan_mosaic_prefill_tiling(
+        head_size, itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config)
+    if paged:
+        k_plane, v_plane = as_plane(k), as_plane(v)
+        k_in, v_in = (k_plane.array, k_plane.plane), (v_plane.array, v_plane.plane)
+        table = block_table.astype(jnp.int32)
+        key_capacity, num_packed_keys = table.shape[1] * k.shape[1], None
+    else:
+        # Packed keys as one plane of one page holding every row, plus a block of padding
+        # (rounded to 8 rows: a TMA of a swizzled tile wants whole 8-row tiles in memory).
+        rows = _round_up(k.shape[0] + tiling.block_k, 8)
+        pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))[None, None]
+        k_in, v_in = (pad(k), 0), (pad(v), 0)
+        table, key_capacity, num_packed_keys = None, None, k.shape[0]
+    plan = plans.plan_tiles(
+        cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=num_q_tokens,
+        num_packed_keys=num_packed_keys, key_capacity=key_capacity, spec=spec,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first)
+    q_in = jnp.pad(q, ((0, _round_up(num_q_tokens + tiling.block_q, 8) - num_q_tokens), (0, 0), (0, 0)))
+    tiles = mosaic_prefill.varlen_attention_call(
+        q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
+        plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
+        interpret=interpret)
+    return _gather_tile_rows(tiles, plan, num_q_tokens)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _gather_tile_rows(tiles: Array, plan: Array, num_q_tokens: int) -> Array:
+    """``[Tq, Hq, D]`` from per-tile slabs ``[num_tiles, block_q, Hq, D]``: packed row
+    ``q_row0[t] + i`` (``i < q_rows[t]``) is row ``i`` of tile ``t``'s slab."""
+    num_tiles, block_q = tiles.shape[:2]
+    offset = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    rows = plan[:, int(TileField.Q_ROW0)][:, None] + offset
+    owned = offset < plan[:, int(TileField.Q_ROWS)][:, None]
+    source = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * block_q + offset
+    index = jnp.zeros((num_q_tokens,), jnp.int32).at[jnp.where(owned, rows, num_q_tokens)].set(
+        source, mode="drop")
+    return tiles.reshape(num_tiles * block_q, *tiles.shape[2:])[index]

@@ -265,6 +265,61 @@ def describe_tables(device: TuningDevice | None = None) -> str:
             f"{device.shared_memory_per_block // 1024} KiB of shared memory per block")
 
 
+# Shared memory the Mosaic GPU prefill kernel may take (H200: 227 KiB per block); its
+# ring and block_k shrink to fit (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
+MOSAIC_SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    """Tiling of the Mosaic GPU varlen (prefill) kernel (`jax_paged_attn.prefill` with
+    ``lowering="mosaic_gpu"``, `jax_paged_attn.kernels.mosaic_prefill`).
+
+    block_k: keys per KV block, a multiple of 64 up to 256 (shrunk for short keys and to
+    fit shared memory); num_stages: slots of the shared-memory K/V ring the TMA copies
+    run ahead by (>= 2); compute_warpgroups: warpgroups of 64 query rows each computing
+    attention (1 or 2; a tile has 64 x that many query positions); warp_specialized: a
+    producer warpgroup issues the TMA copies while the compute warpgroups run (as the
+    stock attention_mgpu kernel); False: one warpgroup computes and refills each ring
+    slot after its block (compute_warpgroups must then be 1; the CPU tests' form, see
+    `jax_paged_attn.kernels.mosaic_prefill`); pingpong: with 2 compute warpgroups,
+    stagger them with a shared barrier so that one's softmax overlaps the other's wgmma
+    (FlashAttention-3's ping-pong; the stock kernel's ``use_schedule_barrier``, on by
+    default there); longest_first: as `PrefillConfig.longest_first`.
+
+    Not measured on a GPU yet: the default is the stock attention_mgpu kernel's shape
+    (a producer and 2 compute warpgroups of 64 rows, 2-slot ring), with 64-key blocks.
+    """
+
+    block_k: int = 64
+    num_stages: int = 2
+    compute_warpgroups: int = 2
+    warp_specialized: bool = True
+    pingpong: bool = True
+    longest_first: bool = True
+
+
+MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
+
+# The single-warpgroup form (no producer): the Mosaic GPU interpreter runs it in one
+# thread, several times faster than the warp-specialized form's threads.
+MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP = MosaicPrefillConfig(compute_warpgroups=1, warp_specialized=False)
+
+
+def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
+                          interpret: bool = False) -> MosaicPrefillConfig:
+    """The Mosaic GPU prefill kernel's config (one default until measured).
+
+    In interpret mode the default is the single-warpgroup form
+    (`MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP`): the Mosaic GPU interpreter compiles each
+    warpgroup's program anew for every grid point, so the warp-specialized form takes
+    about ten times longer on a CPU; everything but the producer / consumer hand-off is
+    the same code. An explicit ``config=`` interprets the specialized form.
+    """
+    del head_size, dtype_name, paged
+    return MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else MOSAIC_PREFILL_CONFIG
+
+
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.
 MEASURED_TABLES: dict[str, dict[str, dict[tuple, object]]] = {}
 

@@ -14,6 +14,12 @@ Decode tests also run the Mosaic GPU decode kernel (`DECODE_MOSAIC_IMPLEMENTATIO
 which adds what that interpreter lacks and 0.11's has: transposed wgmma operands and
 ``layout_cast``), and ``mosaic_gpu_gpu`` compiled for a Hopper GPU, marked ``gpu``.
 
+Varlen-only tests at 16-bit dtypes use ``@parametrize_varlen_impl``
+(`VARLEN_IMPLEMENTATIONS`), which adds the Mosaic GPU prefill kernel: ``mosaic_gpu`` in
+the Mosaic GPU interpreter (CPU) and ``mosaic_gpu_gpu`` compiled for a Hopper GPU
+(marked ``gpu``). It takes no float32 queries (NotImplementedError), so the float32
+tests do not list it.
+
 Problems are built with NaN in every cache slot no sequence owns (unused pages, the tail
 of a sequence's last page) and in padding rows of packed tensors, and with randomly
 permuted block tables, so an implementation that reads padding shows NaN.
@@ -80,8 +86,12 @@ DECODE_MOSAIC_IMPLEMENTATIONS = [
     pytest.param(MOSAIC_GPU_INTERPRET, id="mosaic_gpu"),
     pytest.param(MOSAIC_GPU_COMPILED, id="mosaic_gpu_gpu", marks=pytest.mark.gpu),
 ]
-"""The Mosaic GPU decode kernel (`jax_paged_attn.kernels.mosaic_decode`), decode tests only:
-no other kernel has a Mosaic GPU lowering in this package yet."""
+"""The Mosaic GPU decode kernel (`jax_paged_attn.kernels.mosaic_decode`), for the decode tests."""
+MOSAIC_INTERPRET, MOSAIC_GPU = MOSAIC_GPU_INTERPRET, MOSAIC_GPU_COMPILED
+MOSAIC_IMPLEMENTATIONS = DECODE_MOSAIC_IMPLEMENTATIONS
+VARLEN_IMPLEMENTATIONS = IMPLEMENTATIONS + MOSAIC_IMPLEMENTATIONS
+parametrize_varlen_impl = pytest.mark.parametrize("impl", VARLEN_IMPLEMENTATIONS)
+"""The varlen tests at 16-bit dtypes: every implementation, the Mosaic GPU prefill kernel too."""
 
 
 @pytest.fixture

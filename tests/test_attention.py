@@ -4,7 +4,9 @@ Every API test runs once per implementation (`conftest.IMPLEMENTATIONS`): the XL
 reference, the Pallas Triton kernels in interpret mode, and (marked ``gpu``) the same
 kernels compiled for a GPU. The decode tests also run the Mosaic GPU decode kernel
 (`conftest.DECODE_MOSAIC_IMPLEMENTATIONS`) on what it supports, and check that it
-refuses the rest with its reason. Shapes are kept small so the interpret-mode runs stay fast.
+refuses the rest with its reason. Varlen tests at 16-bit dtypes also run the Mosaic GPU
+prefill kernel (`conftest.VARLEN_IMPLEMENTATIONS`: in its interpreter, and marked
+``gpu`` compiled for a Hopper GPU). Shapes are kept small so the interpret-mode runs stay fast.
 The reference module is also checked directly, at float32, with a tight tolerance.
 """
 from __future__ import annotations
@@ -38,7 +40,9 @@ from conftest import (
     cumulative,
     make_kvcache_problem,
     make_varlen_problem,
+    MOSAIC_IMPLEMENTATIONS,
     parametrize_impl,
+    parametrize_varlen_impl,
     poison_keys,
     random_array,
 )
@@ -203,7 +207,7 @@ def test_packed_dtypes(rng, impl, dtype, causal):
     check_against_oracle(problem, impl, causal=causal)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_fewer_queries_than_keys(rng, impl):
     # Bottom-right alignment with Sq < Sk in the packed layout (chunked prefill).
     problem = make_varlen_problem(rng, [3, 1, 12], [20, 9, 12], dtype=jnp.float16)
@@ -237,13 +241,13 @@ def test_softcap(rng, impl, softcap):
     assert np.abs(out - uncapped).max() > 1e-3, "softcap was ignored"
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_window(rng, impl):
     problem = make_varlen_problem(rng, [9, 30], [14, 30], dtype=jnp.bfloat16)
     check_against_oracle(problem, impl, window_size=(5, 3))
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
 def test_packed_head_sizes(rng, impl, head_size):
     problem = make_varlen_problem(rng, [6, 19], num_q_heads=2, num_kv_heads=1, head_size=head_size,
@@ -251,7 +255,7 @@ def test_packed_head_sizes(rng, impl, head_size):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_padded_batch(rng, impl):
     # Empty sequences in the middle and at the end, NaN rows past cu_seqlens_q[-1] and
     # past cu_seqlens_k[-1]: the padding rows of the output are exactly 0.
@@ -262,7 +266,7 @@ def test_packed_padded_batch(rng, impl):
     assert not out[13:].any()
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("paged", [False, True])
 def test_rows_outside_every_sequence_are_zero_under_jit(rng, impl, paged):
     # Under jit cu_seqlens_q is not validated: one starting past 0 leaves rows before
@@ -294,7 +298,7 @@ def test_length_one_sequences(rng, impl, paged):
 # --------------------------------------------------------------------------- rows that see no key
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_packed_more_queries_than_keys_causal(rng, impl):
     # Sq=6 > Sk=2: query i aligns with key i - 4, so queries 0..3 see nothing; a
     # sequence with no keys at all outputs 0 too.
@@ -384,6 +388,18 @@ def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
 
 
+# The Mosaic GPU prefill kernel on the varlen cases at 16-bit dtypes (it has no decode
+# kernel and takes no float32 queries).
+MOSAIC_NONFINITE_CASES = [name for name, (build, _, _) in NONFINITE_CASES.items()
+                          if "cache_seqlens" not in build and build.get("dtype") != jnp.float32]
+
+
+@pytest.mark.parametrize("impl", MOSAIC_IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", MOSAIC_NONFINITE_CASES)
+def test_nonfinite_keys_reach_only_the_rows_that_see_them_mosaic(rng, impl, name):
+    test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name)
+
+
 # --------------------------------------------------------------------------- zero-size inputs
 # One behaviour on every implementation: no query gives an empty output, no key
 # anywhere (no packed row, no cache block, no block-table column) gives zeros.
@@ -455,7 +471,7 @@ def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_block_sizes(rng, impl, block_size):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
@@ -470,7 +486,7 @@ def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("decode_len", [1, 4])
 def test_paged_varlen_decode_batch(rng, impl, decode_len):
     # vLLM's speculative-decode path: a few queries per sequence through the varlen API.
@@ -500,7 +516,7 @@ def test_paged_alibi(rng, impl, causal):
     assert np.abs(out - problem.oracle(causal=causal)).max() > 1e-3, "alibi_slopes were ignored"
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 8), (8, 2), (8, 1)])
 def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=num_q_heads,
@@ -508,7 +524,7 @@ def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_paged_fp8_cache(rng, impl, cache_dtype):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.bfloat16, paged=True,
@@ -516,7 +532,7 @@ def test_paged_fp8_cache(rng, impl, cache_dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
-@parametrize_impl
+@parametrize_varlen_impl
 def test_paged_everything_at_once(rng, impl):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
                                   head_size=80, dtype=jnp.float16, paged=True, block_size=32,

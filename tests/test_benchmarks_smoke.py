@@ -222,6 +222,20 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     assert "## Targets" in markdown and "### prefix:" in markdown and "implementation='xla'" in markdown
 
 
+def test_mosaic_gpu_tier_is_timed_beside_ours_and_checked_against_it(tmp_path):
+    """--peers ours_mosaic_gpu adds our Mosaic GPU prefill kernel (here in its
+    interpreter) to the prefill and prefix suites; its output is compared with ours."""
+    argv = ["--tiny", "--no-isolate", "--interpret", "--suite", "prefill,prefix", "--peers", "ours_mosaic_gpu",
+            "--reps", "1", "--warmup", "1", "--out", str(tmp_path), "--stem", "run", "--budget-s", "inf"]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    mosaic = {r["suite"]: r for r in rows if r["impl"] == "ours_mosaic_gpu"}
+    assert set(mosaic) == {"prefill", "prefix"}
+    for suite, row in mosaic.items():
+        assert row["status"] == "ok", (suite, row["error"])
+        assert row["check_against"] == "ours" and row["check_max_abs_diff"] < report.AGREEMENT_ATOL
+
+
 def test_isolated_suite_runs_in_a_child_process(tmp_path):
     args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "jax_elementwise", "--ours-impl", "xla",
                              "--reps", "1", "--warmup", "1"])

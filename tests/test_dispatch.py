@@ -191,3 +191,15 @@ def test_fp8_cache_of_2_31_elements_without_64_bit_offsets_runs_the_reference(ki
         warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)  # a small fp8 cache: the kernel
         text = _cuda_text(small, small_args)
     assert TRITON_CALL in text
+
+
+def test_kernel_implementations_and_their_lowerings():
+    assert dispatch.IMPLEMENTATIONS == ("auto", "xla", "triton", "mosaic_gpu")
+    assert dispatch.kernel_lowering("mosaic_gpu") == "mosaic_gpu"
+    # auto's kernel stays Triton's until the Mosaic GPU kernel is measured on a GPU.
+    for implementation in (None, "auto", "triton"):
+        assert dispatch.kernel_lowering(implementation) == "triton"
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        dispatch.kernel_lowering("mosaic")
+
+

@@ -1,6 +1,10 @@
 """GPU suite (``pytest -m gpu`` on a CUDA host): the compiled Pallas kernels against
 the reference, on shapes large enough to exercise tiling, splits and paging.
 
+The prefill cases run both kernel implementations, ``triton`` and ``mosaic_gpu`` (the
+Mosaic GPU kernel needs a Hopper GPU, sm_90a; it takes 16-bit queries only, so the
+float32 case is Triton's alone).
+
 Deselected on CPU by the README's test command (``-m "not gpu"``); run on the
 device in every session that changes a kernel.
 """
@@ -138,8 +142,20 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"L{c[0]}Hq{c[1]}Hk{c[2]}D{c[3]}{jnp.dtype(c[4]).name}{sorted(c[5])}")
-def test_packed_varlen_kernel_matches_reference(case):
+PREFILL_IMPLEMENTATIONS = ["triton", "mosaic_gpu"]
+
+
+def _prefill_params(cases, dtype_of, ids):
+    """(implementation, case) pairs: every case with Triton, the 16-bit ones with Mosaic GPU."""
+    return [pytest.param(impl, case, id=f"{impl}-{ids(case)}") for case in cases for impl in PREFILL_IMPLEMENTATIONS
+            if impl == "triton" or jnp.dtype(dtype_of(case)) != jnp.float32]
+
+
+@pytest.mark.parametrize("implementation, case", _prefill_params(
+    PREFILL_CASES + [([4096, 333], 32, 8, 128, jnp.bfloat16, {}),  # long rings, ragged tail
+                     ([777, 64], 8, 8, 48, jnp.float16, dict(window_size=(100, 20), causal=False))],
+    lambda c: c[4], lambda c: f"L{c[0]}Hq{c[1]}Hk{c[2]}D{c[3]}{jnp.dtype(c[4]).name}{sorted(c[5])}"))
+def test_packed_varlen_kernel_matches_reference(implementation, case):
     lens, hq, hk, d, dtype, kw = case
     kw = dict(kw)
     total = sum(lens)
@@ -152,14 +168,16 @@ def test_packed_varlen_kernel_matches_reference(case):
         kw["alibi_slopes"] = jnp.linspace(0.01, 0.2, hq, dtype=jnp.float32)
     kw.setdefault("causal", True)
     call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **kw)
-    out = jax.jit(functools.partial(call, implementation="triton"))(q, k, v, cu, cu)
+    out = jax.jit(functools.partial(call, implementation=implementation))(q, k, v, cu, cu)
     ref = jax.jit(functools.partial(call, implementation="xla"))(q, k, v, cu, cu)
     _assert_close(out, ref, dtype)
     assert not np.asarray(out[total:], np.float32).any()
 
 
-@pytest.mark.parametrize("block_size,cache_dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16), (16, jnp.float8_e5m2)])
-def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype):
+@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_size,cache_dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16), (16, jnp.float8_e5m2),
+                                                    (48, jnp.float8_e4m3fn)])
+def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype, implementation):
     new, cached = [512, 5, 64], [3584, 37, 0]
     hq, hk, d = 32, 8, 128
     seq = [n + c for n, c in zip(new, cached)]
@@ -173,7 +191,7 @@ def test_paged_prefix_prefill_kernel_matches_reference(block_size, cache_dtype):
     q = jax.random.normal(jax.random.key(7), (sum(new), hq, d), jnp.bfloat16)
     call = functools.partial(jpa.flash_attn_varlen_func, max_seqlen_q=max(new), max_seqlen_k=max(seq),
                              causal=True, block_table=table, k_scale=scale, v_scale=scale)
-    out = jax.jit(functools.partial(call, implementation="triton"))(q, k_cache, v_cache, cu_q, cu_k)
+    out = jax.jit(functools.partial(call, implementation=implementation))(q, k_cache, v_cache, cu_q, cu_k)
     ref = jax.jit(functools.partial(call, implementation="xla"))(q, k_cache, v_cache, cu_q, cu_k)
     _assert_close(out, ref, jnp.bfloat16)
 
@@ -246,3 +264,44 @@ def test_kernels_read_an_fp8_cache_of_2_31_to_2_32_elements(layout, kind):
     ref = jax.jit(functools.partial(call, implementation="xla"))(*args)
     _assert_close(out, ref, jnp.bfloat16)
     assert np.abs(np.asarray(ref, np.float32)).max() > 0.1  # the values came from the written blocks
+
+
+MOSAIC_FORMS = {
+    # From the simplest form to the default, to bisect a failure of the default.
+    "single-warpgroup": dict(compute_warpgroups=1, warp_specialized=False),
+    "specialized-1wg": dict(compute_warpgroups=1),
+    "specialized-2wg": dict(compute_warpgroups=2, pingpong=False),
+    "specialized-2wg-pingpong": dict(compute_warpgroups=2, pingpong=True),
+    "specialized-2wg-pingpong-ring3-bk128": dict(compute_warpgroups=2, num_stages=3, block_k=128),
+}
+
+
+@pytest.mark.parametrize("form", list(MOSAIC_FORMS))
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_forms_match_reference(form, paged):
+    """Every form of the Mosaic GPU kernel (`tuning.MosaicPrefillConfig`) on a causal
+    windowed, soft-capped GQA problem with ragged lengths, packed and over a paged cache."""
+    from jax_paged_attn import prefill, reference, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    lens, hq, hk, d, bs = [700, 1, 130, 64], 16, 4, 128, 16
+    total = sum(lens)
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    keys = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(keys[0], (total, hq, d), jnp.bfloat16)
+    if paged:
+        blocks_per_seq = -(-max(lens) // bs)
+        num_blocks = len(lens) * blocks_per_seq
+        k, v, _ = _random_cache(keys[1], num_blocks, bs, hk, d, jnp.bfloat16)
+        table = jax.random.permutation(keys[2], num_blocks).reshape(len(lens), blocks_per_seq).astype(jnp.int32)
+    else:
+        k = jax.random.normal(keys[1], (total, hk, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (total, hk, d), jnp.bfloat16)
+        table = None
+    spec = AttentionSpec.create(d, causal=True, window_size=(300, 0), softcap=30.0)
+    static = dict(spec=spec, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    config = tuning.MosaicPrefillConfig(**MOSAIC_FORMS[form])
+    args = (q, k, v, cu, cu, table, None, None, 1.0, 1.0)
+    out = jax.jit(lambda *a: prefill.varlen_attention(*a, lowering="mosaic_gpu", config=config, **static))(*args)
+    ref = jax.jit(lambda *a: reference.varlen_attention(*a, **static))(*args)
+    _assert_close(out, ref, jnp.bfloat16)

@@ -1,5 +1,6 @@
 """Cross-lowering on a CPU host: the public functions, with the default (auto)
-implementation, lower for CUDA to a module that contains the Pallas Triton kernel.
+implementation, lower for CUDA to a module that contains the Pallas Triton kernel;
+with ``implementation="mosaic_gpu"``, varlen attention lowers to the Mosaic GPU kernel.
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
 same jitted function runs the reference, lowered for CUDA it runs the kernel.
@@ -12,6 +13,11 @@ cache of 2**31 elements and more is addressed with 64-bit offsets
 The Mosaic GPU decode kernel (``implementation="mosaic_gpu"``) is checked the same way:
 its Pallas lowering to a Mosaic GPU module runs on the CPU host, so a kernel the
 lowering rejects fails here; what only ptxas or the GPU can reject needs ``-m gpu``.
+
+For the Mosaic GPU prefill kernel it is also the only CPU check of its wgmma path (the
+CPU tests run it in the interpreter, which computes the matmuls as dots): lowering runs
+the whole Pallas -> Mosaic GPU translation (layouts, TMA transforms, wgmma shapes); only
+the final PTX compile needs the GPU.
 """
 import math
 import re
@@ -26,6 +32,7 @@ from jax_paged_attn.kv_view import cache_planes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
+MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"  # @mosaic_gpu_v2 in jax 0.10
 
 
 def _cuda_text(fn, *args) -> str:
@@ -68,6 +75,7 @@ def test_varlen_lowers_to_triton_kernel(paged):
         fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
         text = _cuda_text(fn, q, k, k, cu)
     assert TRITON_CALL in text
+    assert MOSAIC_GPU_CALL not in text  # auto keeps Triton until the Mosaic kernel is measured
 
 
 def test_cpu_lowering_of_auto_is_the_reference():
@@ -323,13 +331,72 @@ def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_
     assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
 
 
-def test_varlen_has_no_mosaic_gpu_lowering_here():
-    """An explicit mosaic_gpu prefill call raises, naming the missing lowering, rather
-    than running another kernel."""
-    q = jnp.ones((40, 8, 64), jnp.bfloat16)
+@pytest.mark.parametrize("paged, head_size, q_dtype, kv_dtype, block_size", [
+    (False, 64, jnp.bfloat16, jnp.bfloat16, None),
+    (False, 128, jnp.float16, jnp.float16, None),
+    (False, 256, jnp.bfloat16, jnp.bfloat16, None),
+    (False, 80, jnp.float16, jnp.float16, None),
+    (True, 64, jnp.float16, jnp.float16, 16),
+    (True, 128, jnp.bfloat16, jnp.bfloat16, 48),
+    (True, 256, jnp.bfloat16, jnp.bfloat16, 32),
+    (True, 128, jnp.bfloat16, jnp.float8_e4m3fn, 16),
+    (True, 64, jnp.float16, jnp.float8_e5m2, 32),
+    (True, 96, jnp.bfloat16, jnp.float8_e4m3fn, 16),
+    (True, 80, jnp.float16, jnp.float8_e4m3fn, 32),  # fp8 rows of 80 bytes: no swizzle
+])
+def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype, block_size):
+    """Every feature at once (causal window, soft-cap, ALiBi) so that masked and unmasked
+    blocks, fp8 conversion and the paged copies all lower, in the default
+    warp-specialized form (max_seqlen_q 100: 2 compute warpgroups where shared memory
+    allows, 1 at D 256)."""
+    q = jnp.ones((40, 8, head_size), q_dtype)
     cu = jnp.array([0, 7, 40], jnp.int32)
-    k = jnp.ones((40, 2, 64), jnp.bfloat16)
-    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True,
-                                                       implementation="mosaic_gpu")
-    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
-        _cuda_text(fn, q, k, k, cu)
+    slopes = jnp.ones((8,), jnp.float32)
+    kwargs = dict(causal=True, window_size=(100, 0), softcap=30.0, implementation="mosaic_gpu")
+    if paged:
+        k, v = _paged_cache(num_blocks=12, block_size=block_size, head_size=head_size, dtype=kv_dtype)
+        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+        cu_k = jnp.array([0, 60, 150], jnp.int32)
+        fn = lambda q, k, v, cq, ck, t, a: jpa.flash_attn_varlen_func(
+            q, k, v, cq, ck, 100, 90, block_table=t, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+        text = _cuda_text(fn, q, k, v, cu, cu_k, table, slopes)
+    else:
+        k = jnp.ones((150, 2, head_size), kv_dtype)
+        cu_k = jnp.array([0, 60, 150], jnp.int32)
+        fn = lambda q, k, v, cq, ck, a: jpa.flash_attn_varlen_func(
+            q, k, v, cq, ck, 100, 90, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
+        text = _cuda_text(fn, q, k, k, cu, cu_k, slopes)
+    assert MOSAIC_GPU_CALL in text
+    assert TRITON_CALL not in text
+
+
+def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
+    """flash_attn_with_kvcache(implementation="mosaic_gpu") runs the Mosaic GPU decode
+    kernel, not the Triton one."""
+    k, v = _paged_cache()
+    q = jnp.ones((3, 1, 8, 64), jnp.bfloat16)
+    lens = jnp.array([5, 17, 40], jnp.int32)
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
+    text = _cuda_text(fn, q, k, v, lens, table)
+    assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_single_warpgroup_mosaic_form_lowers(paged):
+    """The single-warpgroup form (the CPU tests' interpret default) lowers too."""
+    from jax_paged_attn import prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    sds = jax.ShapeDtypeStruct
+    q = sds((40, 8, 128), jnp.bfloat16)
+    kv = sds((12, 32, 2, 128), jnp.float8_e4m3fn) if paged else sds((150, 2, 128), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    table = sds((2, 6), jnp.int32) if paged else None
+    scale = sds((), jnp.float32)
+    spec = AttentionSpec.create(128, causal=True, window_size=(100, 0), softcap=30.0, has_alibi=True)
+    fn = lambda *a: prefill.varlen_attention(*a, spec=spec, max_seqlen_q=100, max_seqlen_k=90,
+                                             lowering="mosaic_gpu",
+                                             config=tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP)
+    text = _cuda_text(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
+    assert MOSAIC_GPU_CALL in text

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ import pytest
 import jax_paged_attn
 from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, make_varlen_problem,
                       poison_keys)
-from jax_paged_attn import prefill, reference, tuning
+from jax_paged_attn import plans, prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -52,7 +53,7 @@ def _api(problem: VarlenProblem, implementation: str, attention: dict[str, Any])
     fn = functools.partial(
         jax_paged_attn.flash_attn_varlen_func, max_seqlen_q=problem.max_seqlen_q,
         max_seqlen_k=problem.max_seqlen_k, implementation=implementation,
-        interpret=implementation == "triton", **kwargs)
+        interpret=implementation in ("triton", "mosaic_gpu"), **kwargs)
     return jax.jit(fn)(alibi_slopes=slopes, **problem.arrays())
 
 
@@ -158,6 +159,36 @@ def test_kernel_matches_reference(build, attention):
     _assert_matches_reference(out, problem, attention)
 
 
+# The Mosaic GPU kernel in the Mosaic GPU interpreter (TMA, barriers, the ring and the
+# masks as written; the matmuls as dots, see `kernels.mosaic_prefill`): a subset of the
+# main grid, each case a few seconds, covering packed and paged (bs 16 and 32), GQA and
+# MQA, D 64 / 80 / 128 / 256, f16 and bf16, causal prefixes, windows, ALiBi, soft-cap,
+# fp8 keys and values, seqused_k and empty sequences.
+MOSAIC_INTERPRET_CASES = [
+    "packed-gqa4-d64-bf16-causal-ragged",
+    "packed-prefix-cached-mqa-d80-f16",
+    "paged-bs16-gqa4-d64-bf16-causal-prefix",
+    "paged-bs32-mqa-d128-f16-causal-window",
+    "paged-bs16-mha-d64-window-both-sides",
+    "packed-gqa2-d80-window-left-only",
+    "packed-gqa2-d64-alibi-causal",
+    "paged-bs32-gqa2-d64-f16-softcap-causal",
+    "paged-fp8e4m3-bs16-gqa4-d64-bf16-causal",
+    "paged-bs16-gqa2-d256-bf16-causal",
+    "paged-seqused-k-gqa4-d64",
+    "packed-more-queries-than-keys-causal",
+    "packed-empty-sequences",
+]
+
+
+@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
+                                              if i in MOSAIC_INTERPRET_CASES])
+def test_mosaic_kernel_matches_reference(build, attention):
+    problem = make_varlen_problem(np.random.default_rng(0), **build)
+    out = _api(problem, "mosaic_gpu", attention)
+    _assert_matches_reference(out, problem, attention)
+
+
 def test_query_without_keys_is_zero_not_nan():
     problem = make_varlen_problem(np.random.default_rng(1), q_lens=[10], k_lens=[4],
                                   num_q_heads=2, num_kv_heads=1, head_size=32)
@@ -170,12 +201,14 @@ def test_query_without_keys_is_zero_not_nan():
 
 
 def _kernel_with_config(problem: VarlenProblem, config: tuning.PrefillConfig,
-                        attention: dict[str, Any], interpret: bool = True) -> jax.Array:
+                        attention: dict[str, Any], interpret: bool = True,
+                        lowering: str = prefill.TRITON) -> jax.Array:
     kwargs = _attention_kwargs(problem, attention)
     slopes = kwargs.pop("alibi_slopes", None)
     spec = AttentionSpec.create(problem.q.shape[-1], has_alibi=slopes is not None, **kwargs)
     fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=problem.max_seqlen_q,
-                           max_seqlen_k=problem.max_seqlen_k, interpret=interpret, config=config)
+                           max_seqlen_k=problem.max_seqlen_k, interpret=interpret, config=config,
+                           lowering=lowering)
     a = problem.arrays()
     return jax.jit(fn)(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
                        a["block_table"], a["seqused_k"], slopes, a["k_scale"], a["v_scale"])
@@ -280,6 +313,86 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
                                     1: [(25, "v", inf), (29, "k", nan)]})
     attention = dict(causal=True, window_size=(12, 0))
     out = _kernel_with_config(problem, config, attention, interpret=interpret)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
+# Mosaic GPU kernel: its TMA ring (num_stages slots refilled as blocks are consumed) and
+# the paged copies (gcd(block_k, block_size) rows per TMA, several per barrier) over
+# tiles that visit more KV blocks than the ring holds, in both forms: one warpgroup that
+# refills the ring itself, and warp-specialized (a producer warpgroup, 1 or 2 compute
+# warpgroups: the GPU default; the interpreter runs each warpgroup as a thread, ~2 s per
+# grid point, so those cases are small).
+_SINGLE = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
+MOSAIC_TILINGS = [
+    ("single-ring2-packed-window-wraps",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2),
+     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=64, q_padding_rows=2),
+     dict(causal=True, window_size=(100, 0))),
+    ("single-ring3-paged-bs48-three-copies-per-block",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=3),
+     dict(q_lens=[65, 3], k_lens=[260, 50], num_q_heads=4, num_kv_heads=2, head_size=32, paged=True,
+          block_size=48, extra_blocks=4),
+     dict(causal=True)),
+    ("single-bk128-paged-bs16-eight-copies-softcap-alibi",
+     dataclasses.replace(_SINGLE, block_k=128, num_stages=2),
+     dict(q_lens=[20], k_lens=[300], num_q_heads=2, num_kv_heads=2, head_size=64, paged=True,
+          block_size=16, dtype=jnp.float16),
+     dict(causal=True, softcap=10.0, alibi=True)),
+    ("specialized-2wg-packed-window-wraps",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
+     dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
+    # The ping-pong schedule (the GPU default) blocks a compute warpgroup early, inside
+    # an interpreter callback; with the 2 cores of a CI host XLA's CPU runtime then has
+    # no thread left to start the other warpgroup's program, and the interpreter hangs
+    # (seen with jax 0.10.2). Run on the GPU host, which has more cores.
+    pytest.param(
+        "specialized-2wg-pingpong-packed-window-wraps",
+        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=True),
+        dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
+        dict(causal=True, window_size=(100, 0)), marks=pytest.mark.gpu),
+    ("specialized-1wg-paged-bs48-ring3-fp8",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
+     dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
+          block_size=48, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
+     dict(causal=True)),
+]
+
+
+def _tiling_params(cases):
+    """pytest params from (id, config, build, attention) tuples or marked pytest.params of them."""
+    params = []
+    for case in cases:
+        marks = ()
+        if hasattr(case, "values"):  # a pytest.param
+            case, marks = case.values, case.marks
+        case_id, config, build, attention = case
+        params.append(pytest.param(config, build, attention, id=case_id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("config, build, attention", _tiling_params(MOSAIC_TILINGS))
+def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
+    problem = make_varlen_problem(np.random.default_rng(5), **build)
+    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
+    _assert_matches_reference(out, problem, attention)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged):
+    """The Mosaic GPU kernel's masked blocks (split finite values, 0/1 product for the
+    rows that see a non-finite one) on the same poisoned keys as the Triton test."""
+    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
+                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
+                                  q_padding_rows=3)
+    nan, inf = float("nan"), float("inf")
+    problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
+                                    1: [(25, "v", inf), (29, "k", nan)]})
+    attention = dict(causal=True, window_size=(12, 0))
+    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, attention,
+                              lowering=prefill.MOSAIC_GPU)
     exact = problem.oracle(**attention)
     low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
     assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
@@ -411,6 +524,54 @@ def test_unsupported_reason():
                                                      lowering="triton", **static)
     assert "dtype" in prefill.unsupported_reason(*_static_args(False, dtype=jnp.int8),
                                                  lowering="triton", **static)
+
+
+def test_mosaic_unsupported_reason():  # float16 / bfloat16 queries, any cache dtype and head size
+    static = dict(spec=AttentionSpec.create(64, causal=True), max_seqlen_q=20, max_seqlen_k=30,
+                  lowering=prefill.MOSAIC_GPU)
+    for paged, dtype in ((False, jnp.bfloat16), (True, jnp.float16)):
+        assert prefill.unsupported_reason(*_static_args(paged, dtype=dtype), **static) is None
+    assert prefill.unsupported_reason(*_static_args(True, 96, kv_dtype=jnp.float8_e4m3fn), **static) is None
+    assert "float16 or bfloat16" in prefill.unsupported_reason(*_static_args(False, dtype=jnp.float32), **static)
+    assert prefill.unsupported_reason(*_static_args(True, 80, kv_dtype=jnp.float8_e5m2), **static) is None
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2, num_kv_heads=1,
+                                  head_size=32, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="mosaic_gpu varlen kernel cannot run this call: .*float32"):
+        _kernel_with_config(problem, None, dict(causal=True), lowering=prefill.MOSAIC_GPU)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (tuning.PrefillConfig(), TypeError),  # the Triton tier's config
+    (tuning.MosaicPrefillConfig(block_k=96), ValueError),
+    (tuning.MosaicPrefillConfig(block_k=512), ValueError),
+    (tuning.MosaicPrefillConfig(num_stages=1), ValueError),
+    (tuning.MosaicPrefillConfig(compute_warpgroups=3), ValueError),
+    (tuning.MosaicPrefillConfig(compute_warpgroups=2, warp_specialized=False), ValueError),
+])
+def test_bad_mosaic_config_is_rejected(bad, error):
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[4], num_q_heads=2, num_kv_heads=1,
+                                  head_size=32)
+    with pytest.raises(error, match="config"):
+        _kernel_with_config(problem, bad, dict(causal=True), lowering=prefill.MOSAIC_GPU)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 192, 256])
+@pytest.mark.parametrize("kv_itemsize", [1, 2])
+def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
+    """The Mosaic plan shrinks the ring, the compute warpgroups and block_k until the
+    tiles fit the budget; the largest config fits at every head size."""
+    config = tuning.MosaicPrefillConfig(block_k=256, num_stages=4, compute_warpgroups=2)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=4096,
+                                              max_seqlen_k=4096, block_size=48, config=config)
+    used = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size,
+                                           tiling.num_stages, 2, kv_itemsize, kv_itemsize)
+    assert used <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+    assert tiling.block_k % plans.MOSAIC_MIN_BLOCK_K == 0 and tiling.num_stages >= 2
+    assert tiling.copy_rows == math.gcd(tiling.block_k, 48) and tiling.block_q == 64 * tiling.compute_warpgroups
+    # Short queries take one compute warpgroup, short keys a 64-key block.
+    short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=64,
+                                             max_seqlen_k=40, block_size=None, config=config)
+    assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(masked_block_k=24), dict(num_warps=3),

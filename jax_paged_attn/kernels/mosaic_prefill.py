@@ -1,0 +1,570 @@
+"""Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
+
+First cut, **not yet compiled or measured on a GPU** (only lowered for CUDA on a CPU
+host and run in the Mosaic GPU interpreter). K/V blocks arrive by TMA in a
+``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
+Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
+(`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
+
+* warp-specialized (the default): a producer warpgroup issues the TMA copies, waiting
+  for each slot to be released by every compute warpgroup (a second barrier per slot),
+  while 1 or 2 compute warpgroups, 64 query rows each, run the softmax and the
+  matmuls (registers moved from the producer to them with ``setmaxnreg``, as the stock
+  ``attention_mgpu`` kernel does);
+* single warpgroup: one warpgroup computes and refills each slot after its block (the
+  CPU tests' default: the interpreter runs it several times faster).
+
+With two compute warpgroups a shared barrier staggers them (ping-pong,
+`tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
+
+Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
+the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
+into one tile (K/V are read once per query head, the reuse left to L2), a persistent
+grid, and the masked blocks' non-finite handling in fewer registers.
+
+Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
+the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
+blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
+``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
+the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
+share K/V in L2); a program is one query head's ``block_q`` rows (64 per compute
+warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
+from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
+slot is released by all of them) and computes those its own rows can see, with the
+tile's masked / unmasked split.
+
+Memory layout (all TMA, so every copy must stay inside its array; the wrapper,
+`jax_paged_attn.prefill`, pads q and packed k / v by a tile, a paged cache is read by
+whole pages):
+
+* q: ``[Tq + block_q, Hq, D]`` (rows rounded up to 8: a TMA of a swizzled tile wants
+  whole 8-row tiles in memory); a compute warpgroup reads its 64 rows of head h from
+  ``q_row0 + 64 * wg`` (rows of other sequences are computed and dropped).
+* k / v: ``[planes, pages, page_rows, Hk, D]``. A paged cache is its stacked planes;
+  packed keys are one plane of one "page" holding every row (``page_rows = Tk +
+  block_k``, rounded up to 8). A KV block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
+  (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
+  arriving on the slot's barrier.
+* output: ``[num_tiles, block_q, Hq, D]``, one slab per tile (a TMA store writes whole
+  tiles, and a tile's rows past its sequence belong to the next one); the wrapper
+  gathers each packed row from its tile.
+
+Numerics as the Triton kernel: f32 scores and accumulator, base-2 online softmax with
+``log2(e)`` folded into the score scale and the ALiBi slopes, running max starting at
+the most negative finite f32 (a row that sees no key outputs 0). fp8 K/V are converted
+to the query dtype in shared memory after the TMA (exact), their scales applied to the
+scores and the output. Masked blocks also load keys the tile's rows cannot see (keys
+past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` by
+``where``; their values are split into finite values (non-finite -> 0) for P·V and a
+0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
+(row, column) pairs that see a non-finite value, which become NaN. So a NaN or inf in K
+or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
+the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
+multiple of 64.)
+
+Interpret mode (``interpret=True``, CPU tests) runs this kernel in the Mosaic GPU
+interpreter: TMA copies, barriers, the ring, the loops and all the softmax / mask
+arithmetic are interpreted as written. Two things differ, because the interpreter of
+jax 0.10 (the CI's) cannot run them: the two matmuls are ``lax.dot_general`` on the
+shared-memory tiles instead of ``wgmma`` (its ``wgmma`` takes neither a transposed
+shared-memory operand nor a register operand), and register-layout annotations
+(``layout_cast``, ``broadcasted_iota``'s layout) are dropped (no CPU rule). The
+interpreter runs each warpgroup as a thread (it checks the barrier protocol: every
+completed phase must be waited for, hence the producer's drain). The
+``wgmma`` path is covered by lowering for CUDA on CPU (`tests/test_lowering.py`) and by
+the ``gpu``-marked tests on the H200.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_paged_attn import plans, reference
+from jax_paged_attn.kernels import common
+from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
+from jax_paged_attn.plans import MOSAIC_ROWS_PER_WARPGROUP as ROWS_PER_WARPGROUP
+from jax_paged_attn.plans import TILE_INFO_WIDTH, MosaicPrefillTiling, TileField
+from jax_paged_attn.spec import AttentionSpec
+
+Array = jax.Array
+
+# Registers per thread after the split (setmaxnreg; the stock attention_mgpu kernel's
+# figures): the producer only issues copies, compute warpgroups hold a 64 x block_k score
+# tile and a 64 x D accumulator. 2 x 232 + 40 warpgroup-threads' worth fits 64K registers.
+COMPUTE_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+
+try:  # public from jax 0.11; the jax 0.10 interpreter's parameters live here
+    _InterpretGPUParams = plgpu.InterpretGPUParams
+except AttributeError:  # pragma: no cover - depends on the jax version
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as _InterpretGPUParams
+
+
+def smem_transforms(minor_dim: int, dtype) -> tuple:
+    """Tiling + swizzle of a 2-D shared-memory tile whose rows have ``minor_dim`` elements
+    (the widest swizzle dividing a row, as wgmma and TMA want). Rows of 16-byte multiples
+    only (fp8 at D = 48, 80, ...) get no transform: Mosaic GPU swizzles 32, 64 or 128
+    bytes, and such tiles (fp8 K/V) only feed register loads, never a wgmma."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor_dim * bits)
+    if swizzle < 32:
+        return ()
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _convert(x: Array, dtype) -> Array:
+    """fp8 -> f16 / bf16 (exact). The hardware converts fp8 to f16 only: bf16 goes through f32."""
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
+class _Ops:
+    """The few operations whose form differs between the GPU and the interpreter."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def layout(self, x: Array, layout) -> Array:
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, shape: tuple[int, int], dim: int) -> Array:
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def load(self, ref) -> Array:
+        """A ring tile into registers, in the wgmma layout (the layout of the 16-bit tiles
+        it is converted into and of the score tile it is masked with)."""
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+    def row_bcast(self, x: Array, shape: tuple[int, int]) -> Array:  # [M] -> [M, N]
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    def mma(self, a, b_ref, *, transpose_b: bool, shape: tuple[int, int], while_running=None) -> Array:
+        """f32 ``a @ b`` (``a @ b.T`` with transpose_b); ``a`` a shared-memory ref or a
+        register array, ``b_ref`` a shared-memory ref. ``while_running()`` runs after the
+        wgmma is issued, before waiting for it."""
+        if self.interpret:
+            a_val = a if isinstance(a, jax.Array) else a[...]
+            dims = ((1,), (1,)) if transpose_b else ((1,), (0,))
+            if while_running is not None:
+                while_running()
+            return lax.dot_general(a_val, b_ref[...], (dims, ((), ())), preferred_element_type=jnp.float32)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref.T if transpose_b else b_ref)
+            if while_running is not None:
+                while_running()
+            return acc_ref[...]
+
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    def mma_acc(self, acc: Array, a: Array, b_ref) -> Array:
+        """``acc + a @ b`` (f32 accumulator in place on the GPU)."""
+        if self.interpret:
+            return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+class _PingPong:
+    """Staggers two compute warpgroups so that one's softmax overlaps the other's wgmma
+    (FlashAttention-3's ping-pong, the stock attention_mgpu kernel's schedule barrier).
+
+    A barrier both warpgroups arrive on: each phase completes when both have arrived.
+    Per KV block each warpgroup meets the other once while its Q·K^T wgmma runs, and
+    once more (arrive, then wait) between its softmax and its P·V; warpgroup 1 meets once before its first
+    block and warpgroup 0 once after its last, so warpgroup 1 runs half a block behind
+    and both complete the same phases.
+    """
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def arrive(self) -> None:
+        plgpu.barrier_arrive(self.barrier)
+
+    def wait(self) -> None:
+        plgpu.barrier_wait(self.barrier)
+
+    def meet(self) -> None:
+        self.arrive()
+        self.wait()
+
+
+def _prefill_kernel(
+    *refs,
+    spec: AttentionSpec,
+    tiling: MosaicPrefillTiling,
+    page_rows: int,
+    num_pages: int,
+    max_pages_per_seq: int,
+    paged: bool,
+    planes: tuple[int, int],
+    group: int,
+    has_alibi: bool,
+    k_fp8: bool,
+    v_fp8: bool,
+    interpret: bool,
+):
+    (
+        # inputs (GMEM)
+        plan_ref,  # i32[num_tiles, TILE_INFO_WIDTH]
+        q_ref,  # [Tq + block_q (rounded to 8), Hq, D] q dtype
+        k_ref,  # [planes, pages, page_rows, Hk, D] q dtype or fp8
+        v_ref,  # same layout as k_ref
+        *rest,
+    ) = refs
+    rest = list(rest)
+    table_ref = common.pop_optional(rest, paged)  # i32[B, max_blocks]
+    alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq] slopes * log2(e)
+    scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
+    (
+        o_ref,  # output: [num_tiles, block_q, Hq, D] q dtype
+        # scratch (SMEM), W = compute warpgroups
+        q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output
+        k_ring,  # [num_stages, block_k, D] K dtype
+        v_ring,  # [num_stages, block_k, D] V dtype
+        v_work,  # [W, block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
+        #   blocks), or converted values (fp8)
+        k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
+        # barriers
+        q_bars,  # [W]: the warpgroup's queries arrived
+        k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
+        v_bars,  # [num_stages]: the slot's V block arrived
+        k_free,  # [num_stages]: every compute warpgroup is done with the slot's K block
+        v_free,  # [num_stages]: every compute warpgroup is done with the slot's V block
+        schedule,  # [1], 2 arrivals: the compute warpgroups' ping-pong (see _PingPong)
+    ) = rest  # (k_free / v_free unused without warp specialization, schedule without ping-pong)
+    ops = _Ops(interpret)
+    rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
+    workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
+    pingpong = _PingPong(schedule.at[0]) if tiling.pingpong and workers == 2 else None
+    copy_rows = tiling.copy_rows
+    head_size = q_smem.shape[-1]
+    dtype = q_smem.dtype
+    k_plane, v_plane = planes
+    score_shape, out_shape = (rows, block_k), (rows, head_size)
+
+    t = lax.axis_index("tile")
+    h = lax.axis_index("head")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+
+    def field(f: TileField) -> Array:
+        return plan_ref[t, int(f)]
+
+    q_rows = field(TileField.Q_ROWS)
+
+    @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
+    def _():
+        seq = field(TileField.SEQ)
+        q_row0 = field(TileField.Q_ROW0)
+        q_pos0 = field(TileField.Q_POS0)
+        q_len = field(TileField.Q_LEN)
+        k_len = field(TileField.K_LEN)
+        k_row0 = field(TileField.K_ROW0)
+        kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
+        kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
+        num_blocks = kb_hi - kb_lo
+
+        def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
+            """Issues the TMA copies of KV block ``kb`` of ``src`` into ``ring[slot]``."""
+            for c in range(block_k // copy_rows):
+                key0 = kb * block_k + c * copy_rows
+                if paged:
+                    logical = jnp.minimum(lax.div(key0, jnp.int32(page_rows)), max_pages_per_seq - 1)
+                    # A bad page id reads a real page, never outside the cache.
+                    page = jnp.clip(table_ref[seq, logical], 0, num_pages - 1)
+                    row = lax.rem(key0, jnp.int32(page_rows))
+                else:
+                    page, row = 0, k_row0 + key0
+                dst = ring.at[slot]
+                if copy_rows < block_k:
+                    dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
+                plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
+
+        def fetch_block(i: int | Array, slot: Array) -> None:  # the tile's i-th block, K and V
+            fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+            fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+
+        @pl.when(wg == (workers if specialized else 0))
+        def _fill_the_ring():
+            for i in range(stages):
+                @pl.when(i < num_blocks)
+                def _():
+                    fetch_block(i, jnp.int32(i))
+
+        if specialized:
+            @pl.when(wg == workers)
+            def _producer():
+                """Refills each slot of the ring as soon as every compute warpgroup has
+                released it."""
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+                def refill(i, _):
+                    slot = lax.rem(i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+                    plgpu.barrier_wait(v_free.at[slot])
+                    fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+
+                lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
+
+                def drain(i, _):  # the last blocks' releases, refilled by nothing
+                    slot = lax.rem(i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                # Every completed phase of a barrier is waited for by the thread that
+                # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
+                # producer is idle here anyway).
+                lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+
+        @pl.when(wg < workers)
+        def _compute():
+            """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
+            if specialized:
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            my_q, my_work, my_conv = q_smem.at[wg], v_work.at[wg], k_conv.at[wg]
+            row0 = wg * rows
+            my_pos0 = q_pos0 + row0
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0 + row0, rows), h], my_q, q_bars.at[wg])
+
+            if scale_ref is not None:
+                k_scale, v_scale = scale_ref[0], scale_ref[1]
+            else:
+                k_scale = v_scale = None
+            # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
+            if spec.softcap > 0:
+                pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
+            else:
+                pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
+            if k_fp8:
+                pre_tanh = k_scale * pre_tanh
+            slope = alibi_ref[h] if alibi_ref is not None else None
+
+            def visit(kb, carry, *, masked: bool, compute: bool = True):
+                """KV block ``kb``: its barrier protocol always (wait for it, release it,
+                meet the other warpgroup), its attention only with ``compute``."""
+                slot = lax.rem(kb - kb_lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bars.at[slot])
+                if not compute:
+                    if pingpong:
+                        pingpong.meet()
+                    if specialized:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                    if pingpong:
+                        pingpong.arrive()
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    if pingpong:
+                        pingpong.wait()
+                    release_v(kb, slot)
+                    return carry
+                acc, m_prev, l_prev = carry
+                k_tile = k_ring.at[slot]
+                if k_fp8:
+                    my_conv[...] = _convert(ops.load(k_tile), dtype)
+                    plgpu.commit_smem()  # register stores -> visible to wgmma
+                    k_tile = my_conv
+                s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape,
+                            while_running=pingpong.meet if pingpong else None)  # [64, block_k]
+                if specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
+                s = s * pre_tanh
+                if post_tanh is not None:
+                    s = jnp.tanh(s) * post_tanh
+                if slope is not None or masked:
+                    q_pos = my_pos0 + ops.iota(score_shape, 0)
+                    k_pos = kb * block_k + ops.iota(score_shape, 1)
+                if slope is not None:
+                    s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
+                if masked:
+                    visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_next = jnp.maximum(m_prev, s.max(axis=1))
+                correction = jnp.exp2(m_prev - m_next)
+                p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
+                l_next = l_prev * correction + p.sum(axis=1)
+                acc = acc * ops.row_bcast(correction, out_shape)
+                if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
+                    pingpong.arrive()
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    pingpong.wait()
+                else:
+                    plgpu.barrier_wait(v_bars.at[slot])
+                v_tile = v_ring.at[slot]
+                if masked:
+                    # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
+                    # future): a 0/1 product first finds the (row, column) pairs that see a
+                    # non-finite value, then P·V runs over the finite values (one work tile,
+                    # reused: each wgmma has completed before the tile is rewritten).
+                    # In the query dtype (fp8 converts exactly; half the registers of f32).
+                    v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
+                    # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
+                    finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
+                    my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                    plgpu.commit_smem()
+                    seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
+                                   shape=out_shape)
+                    my_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                    plgpu.commit_smem()
+                    acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                    acc = jnp.where(seen > 0, jnp.nan, acc)
+                else:
+                    if v_fp8:
+                        my_work[...] = _convert(ops.load(v_tile), dtype)
+                        plgpu.commit_smem()
+                        v_tile = my_work
+                    acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+                release_v(kb, slot)
+                return acc, m_next, l_next
+
+            def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
+                if specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                else:  # no producer: refill the slot ourselves
+                    @pl.when(kb - kb_lo + stages < num_blocks)
+                    def _():
+                        fetch_block(kb - kb_lo + stages, slot)
+
+            carry = (
+                ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
+                ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            )
+            plgpu.barrier_wait(q_bars.at[wg])
+            if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
+                pl.when(wg == 1)(pingpong.meet)
+            # Every compute warpgroup goes through every block of the tile, in order (the
+            # ring's slots are released by all of them), but computes only the blocks its
+            # own rows can see: the plan's masked / unmasked split is the whole tile's,
+            # and a warpgroup of rows past the sequence's end sees none.
+            has_rows = (row0 < q_rows) & (my_pos0 < q_len)
+            my_last = jnp.minimum(jnp.minimum(my_pos0 + rows, q_pos0 + q_rows), q_len) - 1
+            my_lo, _ = plans.visible_key_interval(my_pos0, q_len, k_len, spec)
+            _, my_hi = plans.visible_key_interval(my_last, q_len, k_len, spec)
+            lead_split = jnp.where(has_rows, jnp.clip(lax.div(my_lo, jnp.int32(block_k)), kb_lo, kb_full_lo),
+                                   kb_full_lo)
+            mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
+            tail_split = jnp.where(has_rows, jnp.clip(common.cdiv(my_hi, block_k), kb_full_hi, kb_hi), kb_full_hi)
+            masked_visit = functools.partial(visit, masked=True)
+            unmasked_visit = functools.partial(visit, masked=False)
+            skip = functools.partial(visit, masked=True, compute=False)
+            if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+                carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
+                carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
+            carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
+            carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
+            carry = lax.fori_loop(kb_full_hi, tail_split, masked_visit, carry)
+            acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
+            if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                pl.when(wg == 0)(pingpong.meet)
+
+            # One reciprocal per row; a row that sees no key -> 0.
+            inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+            if v_fp8:
+                inv_sum = inv_sum * v_scale
+            out = acc * ops.row_bcast(inv_sum, out_shape)
+            row = row0 + ops.iota(out_shape, 0)
+            attends = (row < q_rows) & (q_pos0 + row < q_len)
+            my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+            plgpu.wait_smem_to_gmem(0)
+
+
+def varlen_attention_call(
+    q: Array,  # [Tq + block_q (rounded up to 8), Hq, D] f16 / bf16 (padded: TMA reads stay inside)
+    k: tuple[Array, int],  # ([planes, pages, page_rows, Hk, D], plane) q dtype or fp8
+    v: tuple[Array, int],  # same layout as k (may be another plane of the same array)
+    plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from plans.plan_tiles
+    block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed: one page)
+    alibi_slopes_log2: Array | None,  # f32[Hq] ALiBi slopes * log2(e), or None
+    kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
+    *,
+    spec: AttentionSpec,
+    tiling: MosaicPrefillTiling,
+    interpret: bool = False,
+) -> Array:  # [num_tiles, block_q, Hq, D] q.dtype: tile t's rows (see the module docstring)
+    """Builds and runs the Mosaic GPU kernel over the plan's tiles.
+
+    ``tiling`` (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`) gives the compute
+    warpgroups (64 query rows each; ``block_q`` = 64 x their number), block_k, the ring
+    depth and the rows per TMA copy (block_k for packed keys, ``gcd(block_k,
+    block_size)`` for a paged cache). Rows of a tile past its sequence hold garbage or
+    zeros: the caller gathers only each tile's own rows.
+    """
+    _, num_q_heads, head_size = q.shape
+    (k_arr, k_plane), (v_arr, v_plane) = k, v
+    _, num_pages, page_rows, num_kv_heads, _ = k_arr.shape
+    block_k, stages, workers = tiling.block_k, tiling.num_stages, tiling.compute_warpgroups
+    assert block_k % tiling.copy_rows == 0 and tiling.block_q == workers * ROWS_PER_WARPGROUP, tiling
+    num_tiles = plan.shape[0]
+    assert plan.shape[1] == TILE_INFO_WIDTH
+    k_fp8, v_fp8 = jnp.dtype(k_arr.dtype).itemsize == 1, jnp.dtype(v_arr.dtype).itemsize == 1
+    if (k_fp8 or v_fp8) and kv_scales is None:
+        raise ValueError("kv_scales (k_scale, v_scale) are required with fp8 keys or values.")
+    paged = block_table is not None
+    dtype = q.dtype
+
+    def tile(rows: int, dt, lead: int):
+        return plgpu.SMEM((lead, rows, head_size), dt, transforms=smem_transforms(head_size, dt))
+
+    copies = block_k // tiling.copy_rows
+    scratch = [
+        tile(ROWS_PER_WARPGROUP, dtype, workers),
+        tile(block_k, k_arr.dtype, stages),
+        tile(block_k, v_arr.dtype, stages),
+        tile(block_k, dtype, workers),
+        tile(block_k if k_fp8 else 8, dtype, workers),
+        plgpu.Barrier(num_barriers=workers),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+    ]
+    inputs = [plan, q, k_arr, v_arr]
+    common.append_optional(inputs, block_table)
+    common.append_optional(inputs, alibi_slopes_log2)
+    common.append_optional(inputs, kv_scales)
+    kernel = functools.partial(
+        _prefill_kernel,
+        spec=spec,
+        tiling=tiling,
+        page_rows=page_rows,
+        num_pages=num_pages,
+        max_pages_per_seq=block_table.shape[1] if paged else 1,
+        paged=paged,
+        planes=(k_plane, v_plane),
+        group=num_q_heads // num_kv_heads,
+        has_alibi=alibi_slopes_log2 is not None,
+        k_fp8=k_fp8,
+        v_fp8=v_fp8,
+        interpret=interpret,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_tiles, tiling.block_q, num_q_heads, head_size), dtype),
+        scratch_types=scratch,
+        grid=(num_tiles, num_q_heads),
+        grid_names=("tile", "head"),
+        num_threads=workers + 1 if tiling.warp_specialized else 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_InterpretGPUParams() if interpret else None,
+        kernel_name="varlen_attention_mosaic",
+    )(*inputs)
