@@ -192,6 +192,8 @@ def _warn_untuned(device: TuningDevice) -> None:
         f"{device.shared_memory_per_block // 1024} KiB of shared memory per block), which may be slower than "
         f"tuned ones; `benchmarks/bench_attention.py --tune` and `benchmarks/apply_tuning.py` measure a table.",
         UntunedDeviceWarning, stacklevel=4)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
     """Tiling of the Mosaic GPU paged decode kernel (`jax_paged_attn.kernels.mosaic_decode`).
@@ -214,14 +216,11 @@ class MosaicDecodeConfig:
     min_tiles_per_split: int = 4
 
 
-# Shared memory the decode kernel may take (H200: 227 KiB per block); a key tile whose
-# estimate (`jax_paged_attn.plans.estimate_shared_memory`) exceeds it is halved.
-DECODE_SHARED_MEMORY_BUDGET = 200 * 1024
-
 # Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the
-# opt-in maximum). Its estimate (`plans.estimate_mosaic_decode_shared_memory`) counts
-# its scratch buffers exactly, so no margin for compiler scratch as with Triton.
-MOSAIC_SHARED_MEMORY_LIMIT = 227 * 1024
+# opt-in maximum; the Mosaic GPU kernels run on sm_90 and newer, which all have it). Its
+# estimate (`plans.estimate_mosaic_decode_shared_memory`) counts its scratch buffers
+# exactly, so no margin for compiler scratch as with Triton.
+MOSAIC_SHARED_MEMORY_LIMIT = REFERENCE_DEVICE.shared_memory_per_block
 
 
 # key: (head_size rounded up to a power of 2, query dtype name, paged: K/V read through a
@@ -265,9 +264,10 @@ def describe_tables(device: TuningDevice | None = None) -> str:
             f"{device.shared_memory_per_block // 1024} KiB of shared memory per block")
 
 
-# Shared memory the Mosaic GPU prefill kernel may take (H200: 227 KiB per block); its
-# ring and block_k shrink to fit (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
-MOSAIC_SHARED_MEMORY_BUDGET = 200 * 1024
+# Shared memory the Mosaic GPU prefill kernel may take (of Hopper's 227 KiB per block,
+# with the Triton kernels' headroom: its estimate leaves out scratch); its ring and
+# block_k shrink to fit (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
+MOSAIC_SHARED_MEMORY_BUDGET = REFERENCE_DEVICE.shared_memory_budget
 
 
 @dataclasses.dataclass(frozen=True)

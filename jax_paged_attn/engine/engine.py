@@ -865,7 +865,10 @@ def _implementation_report(model: Any) -> str:
             return ("auto: Pallas Triton kernels for attention and the cache write on CUDA "
                     f"(the pure-JAX reference for calls no kernel supports); {tuning.describe_tables()}")
         return f"auto: the pure-JAX reference (no Pallas kernel for the {backend} backend)"
-    if impl != dispatch.XLA and backend == "gpu":
+    if impl == dispatch.MOSAIC_GPU:
+        return ("mosaic_gpu (chosen by the model's implementation argument): the Mosaic GPU prefill and decode "
+                "kernels with their default configs (not tuned yet), the Triton cache-write kernel")
+    if impl == dispatch.TRITON and backend == "gpu":
         return f"{impl} (chosen by the model's implementation argument); {tuning.describe_tables()}"
     return f"{impl} (chosen by the model's implementation argument)"
 
