@@ -35,7 +35,7 @@ Array = jax.Array
 __all__ = [
     "LOG2E", "MIN_DOT_ROWS", "TILE_INFO_WIDTH", "TileField", "PrefillTiling", "DecodeTiling",
     "CacheWriteConfig", "visible_key_interval", "num_query_tiles", "plan_tiles", "heads_per_program",
-    "check_prefill_config", "plan_prefill_tiling", "estimate_prefill_shared_memory",
+    "round_up", "check_prefill_config", "plan_prefill_tiling", "estimate_prefill_shared_memory",
     "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "NARROW_OFFSETS_MAX_BYTES", "narrow_offsets_overflow",
@@ -56,6 +56,11 @@ MIN_DOT_ROWS = 16
 
 def _is_power_of_2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def round_up(x: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is >= ``x``."""
+    return -(-x // multiple) * multiple
 
 
 def _prev_power_of_2(x: int) -> int:
@@ -663,7 +668,7 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     buffers += [rows * head_size * itemsize, rows * tile_keys * itemsize,
                 rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, tile_keys * 4]
     buffers += [8 * num_stages] * 2 + [8]  # mbarriers
-    return sum(-(-size // 1024) * 1024 for size in buffers)
+    return sum(round_up(size, 1024) for size in buffers)
 
 
 def plan_mosaic_decode_tiling(

@@ -273,7 +273,7 @@ def _mosaic_varlen_attention(
     else:
         # Packed keys as one plane of one page holding every row, plus a block of padding
         # (rounded to 8 rows: a TMA of a swizzled tile wants whole 8-row tiles in memory).
-        rows = _round_up(k.shape[0] + tiling.block_k, 8)
+        rows = plans.round_up(k.shape[0] + tiling.block_k, 8)
         pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))[None, None]
         k_in, v_in = (pad(k), 0), (pad(v), 0)
         table, key_capacity, num_packed_keys = None, None, k.shape[0]
@@ -282,7 +282,7 @@ def _mosaic_varlen_attention(
         num_packed_keys=num_packed_keys, key_capacity=key_capacity, spec=spec,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first)
-    q_in = jnp.pad(q, ((0, _round_up(num_q_tokens + tiling.block_q, 8) - num_q_tokens), (0, 0), (0, 0)))
+    q_in = jnp.pad(q, ((0, plans.round_up(num_q_tokens + tiling.block_q, 8) - num_q_tokens), (0, 0), (0, 0)))
     tiles = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
@@ -290,8 +290,6 @@ def _mosaic_varlen_attention(
     return _gather_tile_rows(tiles, plan, num_q_tokens)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _gather_tile_rows(tiles: Array, plan: Array, num_q_tokens: int) -> Array:

@@ -92,6 +92,26 @@ any sum of finite values stays finite (256 * f32 max * 2**-9 = f32 max / 2), so 
 non-finite sum means a non-finite value. A power of 2: the scaling itself is exact."""
 
 
+def nonfinite_rows(v: Array) -> Array:
+    """bool ``[N]``: row ``n`` of ``v`` ``[N, D]`` holds a NaN / inf. The row is summed
+    scaled by `NONFINITE_SUM_SCALE` (a sum of finite values stays finite), and ``x - x``
+    is 0 for a finite sum, NaN otherwise: no ``isfinite``, which the Mosaic GPU lowering
+    has no rule for."""
+    total = jnp.sum(v.astype(jnp.float32) * NONFINITE_SUM_SCALE, axis=1)
+    return (total - total) != 0
+
+
+def mosaic_interpret_params() -> object:
+    """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
+    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
 def quarantine_nonfinite_values(masked_scores: Array, v: Array, correction: Array
                                 ) -> tuple[Array, Array]:
     """``(v, correction)`` for a masked tile's P·V step, so a NaN / inf value reaches only
@@ -104,14 +124,13 @@ def quarantine_nonfinite_values(masked_scores: Array, v: Array, correction: Arra
     and 0 * NaN would reach every row), and the correction of a row that sees such a key
     becomes NaN, which makes that row's running output NaN for good.
 
-    Why not the reference's form: it keeps the ``[M, N]`` visibility mask alive across
-    the softmax and rewrites ``[M, N]`` probabilities; in the Triton prefill kernel that
-    register pressure slowed every block of the kernel, masked or not, by 20-40 %. Here
-    the extra state is two vectors (which keys are bad, which rows see one) and one
-    ``[N, D]`` select on the values.
+    Unlike the reference's form, which keeps the ``[M, N]`` visibility mask alive across
+    the softmax and rewrites ``[M, N]`` probabilities, the extra state here is two
+    vectors (which keys are bad, which rows see one) and one ``[N, D]`` select on the
+    values. On the H200 neither form, in full-width masked steps, avoided slowing the
+    Triton prefill kernel by 20-40 % (benchmarks/RESULTS.md).
     """
-    scaled = v.astype(jnp.float32) * NONFINITE_SUM_SCALE
-    bad_key = jnp.logical_not(jnp.isfinite(jnp.sum(scaled, axis=1)))  # [N]
+    bad_key = nonfinite_rows(v)  # [N]
     v = jnp.where(bad_key[:, None], jnp.zeros_like(v), v)
     seen_bad = jnp.max(jnp.where(bad_key[None, :], masked_scores, -jnp.inf), axis=1)  # [M]
     # A visible score is > -inf (NaN when the key itself is NaN: that row's max is NaN anyway).

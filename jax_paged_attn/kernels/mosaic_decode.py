@@ -96,23 +96,6 @@ _SWIZZLE_BYTES = 128
 swizzled so the wgmma reads them without bank conflicts."""
 
 
-def interpret_params() -> object:
-    """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
-    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
-
-
-def _nonfinite_rows(v: Array) -> Array:
-    """bool ``[N]``: row ``n`` of ``v`` ``[N, D]`` holds a NaN / inf. Summed scaled by
-    `common.NONFINITE_SUM_SCALE`, so a sum of finite values stays finite; ``x - x`` is
-    0 for a finite sum, NaN otherwise."""
-    total = (v.astype(jnp.float32) * common.NONFINITE_SUM_SCALE).sum(axis=1)
-    return (total - total) != 0
-
-
 def _upcast(x: Array, dtype) -> Array:
     """fp8 -> q's dtype. Hopper converts fp8 to f16 directly; to bf16 only through f32
     (Mosaic GPU refuses the direct cast without a newer ptxas)."""
@@ -310,7 +293,7 @@ def _decode_kernel(
 
         def quarantined(v):
             """``v`` with its non-finite keys' rows set to 0; their flags to `bad_smem`."""
-            bad = _nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
+            bad = common.nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
             bad_smem[...] = jnp.where(bad, 1.0, 0.0)
             return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
 
@@ -425,7 +408,7 @@ def paged_decode_call(
     The caches are planes of stacked arrays (`jax_paged_attn.kv_view.CachePlane`): the
     whole stacked array reaches the kernel and each TMA copy names the plane, so XLA
     copies nothing. ``interpret`` runs the kernel in Mosaic GPU interpret mode
-    (`interpret_params`; CPU tests).
+    (`common.mosaic_interpret_params`; CPU tests).
 
     Returns the output rows ``[B, Hk * row_blocks, 64, D]`` in q's dtype when
     ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, 64, D],
@@ -490,7 +473,7 @@ def paged_decode_call(
         k_dequant=k_dequant,
         v_dequant=v_dequant,
     )
-    extra = {"interpret": interpret_params()} if interpret else {}
+    extra = {"interpret": common.mosaic_interpret_params()} if interpret else {}
     return plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -99,12 +99,6 @@ Array = jax.Array
 COMPUTE_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
-try:  # public from jax 0.11; the jax 0.10 interpreter's parameters live here
-    _InterpretGPUParams = plgpu.InterpretGPUParams
-except AttributeError:  # pragma: no cover - depends on the jax version
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as _InterpretGPUParams
-
-
 def smem_transforms(minor_dim: int, dtype) -> tuple:
     """Tiling + swizzle of a 2-D shared-memory tile whose rows have ``minor_dim`` elements
     (the widest swizzle dividing a row, as wgmma and TMA want). Rows of 16-byte multiples
@@ -565,6 +559,6 @@ def varlen_attention_call(
         num_threads=workers + 1 if tiling.warp_specialized else 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_InterpretGPUParams() if interpret else None,
+        interpret=common.mosaic_interpret_params() if interpret else None,
         kernel_name="varlen_attention_mosaic",
     )(*inputs)
