@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,30 @@ def test_query_rows_split_over_programs() -> None:
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
+def _assert_poisoned_rows_match(cache_dtype: str | None, **kernel: Any) -> None:
+    """3 query tokens, causal window of 20, NaN / inf at keys some rows see and others do
+    not: the decode kernel (``kernel``: interpret, config, lowering) leaves exactly the
+    oracle's rows non-finite."""
+    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
+
+    nan, inf = float("nan"), float("inf")
+    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
+                                   head_size=64, dtype=jnp.bfloat16, cache_dtype=cache_dtype)
+    # Sequence 0: query i sees keys [i + 47, i + 67]; sequence 1: [i + 10, i + 30].
+    # Keys 0..46 of sequence 0 lie left of every window (a stale page and the masked tile
+    # start); row 1 of both sequences sees none of the values.
+    problem = poison_keys(problem, {
+        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
+        1: [(10, "k", nan), (32, "v", nan)]})
+    attention = dict(causal=True, window_size=(20, 0))
+    fn = functools.partial(decode.paged_decode_attention, spec=AttentionSpec.create(64, **attention), **kernel)
+    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
+                      None, problem.k_scale, problem.v_scale)
+    exact = problem.oracle(**attention)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("config", [DecodeConfig(pages_per_step=1, num_splits=3),
                                     DecodeConfig(pages_per_step=1, num_splits=2, prefetch_page_ids=True)],
@@ -254,25 +279,7 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config: DecodeConfig
     """3 query tokens, causal window of 20: NaN / inf in K and V at keys that some query
     rows of the tile see and others do not, and a stale NaN page left of every window.
     Only the rows that see them are non-finite, also after the split merge."""
-    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
-
-    nan, inf = float("nan"), float("inf")
-    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
-                                   head_size=64, dtype=jnp.bfloat16)
-    # Sequence 0: query i sees keys [i + 47, i + 67]; sequence 1: [i + 10, i + 30].
-    # Keys 0..46 of sequence 0 lie left of every window (a stale page and the masked tile
-    # start); row 1 of both sequences sees none of the values.
-    problem = poison_keys(problem, {
-        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
-        1: [(10, "k", nan), (32, "v", nan)]})
-    spec = AttentionSpec.create(64, causal=True, window_size=(20, 0))
-    fn = functools.partial(decode.paged_decode_attention, spec=spec, interpret=interpret, config=config)
-    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
-                      None, problem.k_scale, problem.v_scale)
-    attention = dict(causal=True, window_size=(20, 0))
-    exact = problem.oracle(**attention)
-    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
-    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+    _assert_poisoned_rows_match(cache_dtype=None, interpret=interpret, config=config)
 
 
 def test_all_sequences_empty_output_zero() -> None:
@@ -605,20 +612,5 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(cache_dtype, 
     """The Triton test's scenario through the Mosaic GPU kernel: 3 query tokens, causal
     window of 20, NaN / inf in K and V at keys that some rows see and others do not, a
     stale NaN page left of every window; only the rows that see them are non-finite."""
-    from conftest import assert_nonfinite_rows_match_oracle, make_kvcache_problem, poison_keys
-
-    nan, inf = float("nan"), float("inf")
-    problem = make_kvcache_problem(np.random.default_rng(4), [70, 33], 3, num_q_heads=4, num_kv_heads=1,
-                                   head_size=64, dtype=jnp.bfloat16, cache_dtype=cache_dtype)
-    problem = poison_keys(problem, {
-        0: [(j, "v", nan) for j in range(47)] + [(47, "v", nan), (69, "v", inf)],
-        1: [(10, "k", nan), (32, "v", nan)]})
-    spec = AttentionSpec.create(64, causal=True, window_size=(20, 0))
-    fn = functools.partial(decode.paged_decode_attention, spec=spec, interpret=interpret, lowering=MOSAIC,
-                           config=MosaicDecodeConfig(num_splits=num_splits, num_stages=2))
-    out = jax.jit(fn)(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
-                      None, problem.k_scale, problem.v_scale)
-    attention = dict(causal=True, window_size=(20, 0))
-    exact = problem.oracle(**attention)
-    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
-    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+    _assert_poisoned_rows_match(cache_dtype=cache_dtype, interpret=interpret, lowering=MOSAIC,
+                                config=MosaicDecodeConfig(num_splits=num_splits, num_stages=2))

@@ -296,6 +296,28 @@ NONFINITE_TILINGS = [
 ]
 
 
+POISONED_ATTENTION = dict(causal=True, window_size=(12, 0))
+
+
+def _poisoned_problem(paged: bool) -> VarlenProblem:
+    """NaN / inf in K and V at keys on the causal diagonal and the left window edge of
+    `POISONED_ATTENTION`, in blocks shared with rows that may not see them."""
+    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
+                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
+                                  q_padding_rows=3)
+    nan, inf = float("nan"), float("inf")
+    # Sequence 0 (window 12): key 5 seen by rows 5..17, key 20 by rows 20..32, key 39 by
+    # row 39; sequence 1 (diagonal i + 21): key 25 seen by rows 4..8.
+    return poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
+                                 1: [(25, "v", inf), (29, "k", nan)]})
+
+
+def _assert_nonfinite_rows_match(out: jax.Array, problem: VarlenProblem) -> None:
+    exact = problem.oracle(**POISONED_ATTENTION)
+    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **POISONED_ATTENTION)
+    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+
+
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("config", [pytest.param(c, id=i) for i, c in NONFINITE_TILINGS])
@@ -303,19 +325,9 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
     """NaN / inf in K and V at keys on the causal diagonal and the window's left edge,
     in blocks shared with rows that may not see them: only the rows that do see them
     are non-finite (masked, unmasked and single-loop blocks, GQA-packed tiles)."""
-    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
-                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
-                                  q_padding_rows=3)
-    nan, inf = float("nan"), float("inf")
-    # Sequence 0 (window 12): key 5 seen by rows 5..17, key 20 by rows 20..32, key 39 by
-    # row 39; sequence 1 (diagonal i + 21): key 25 seen by rows 4..8.
-    problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
-                                    1: [(25, "v", inf), (29, "k", nan)]})
-    attention = dict(causal=True, window_size=(12, 0))
-    out = _kernel_with_config(problem, config, attention, interpret=interpret)
-    exact = problem.oracle(**attention)
-    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
-    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+    problem = _poisoned_problem(paged)
+    out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret)
+    _assert_nonfinite_rows_match(out, problem)
 
 
 # Mosaic GPU kernel: its TMA ring (num_stages slots refilled as blocks are consumed) and
@@ -384,18 +396,10 @@ def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
 def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged):
     """The Mosaic GPU kernel's masked blocks (split finite values, 0/1 product for the
     rows that see a non-finite one) on the same poisoned keys as the Triton test."""
-    problem = make_varlen_problem(np.random.default_rng(3), q_lens=[40, 9], k_lens=[40, 30],
-                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
-                                  q_padding_rows=3)
-    nan, inf = float("nan"), float("inf")
-    problem = poison_keys(problem, {0: [(5, "k", nan), (20, "v", nan), (39, "v", inf)],
-                                    1: [(25, "v", inf), (29, "k", nan)]})
-    attention = dict(causal=True, window_size=(12, 0))
-    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, attention,
+    problem = _poisoned_problem(paged)
+    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, POISONED_ATTENTION,
                               lowering=prefill.MOSAIC_GPU)
-    exact = problem.oracle(**attention)
-    low = problem.oracle(emulate_dtype=jnp.dtype(problem.q.dtype), **attention)
-    assert_nonfinite_rows_match_oracle(out, exact, low, problem.q.dtype)
+    _assert_nonfinite_rows_match(out, problem)
 
 
 # --------------------------------------------------------------------------- the plan
