@@ -10,7 +10,8 @@ decode: B64 ctx4096 Hq32 Hk8 D128 bf16, page 16) on the GPU with XLA's dump on, 
 each kernel entry, its registers per thread, spill stores / loads and shared memory.
 The Triton kernels are compiled by XLA's own Triton, so this is what the GPU runs, which
 a compile with another Triton release need not match. ``--config`` overrides fields of
-the kernel's tuned config (``--config masked_block_k=16``) to compare variants.
+the kernel's config (the tuned one for Triton, the default for Mosaic GPU; e.g.
+``--config masked_block_k=16``) to compare variants.
 
 Needs a CUDA GPU and ``ptxas`` on the PATH; exits with 2 otherwise. The Mosaic GPU
 kernels compile to a binary without a PTX dump, so for them the tool reports what the
@@ -98,8 +99,9 @@ def _compile_once(kernel: str, implementation: str, overrides: dict[str, object]
     spec = AttentionSpec.create(128, causal=True)
     if kernel == "prefill":
         batch, seq, q_heads, kv_heads, head = 8, 2048, 32, 8, 128
-        config = dataclasses.replace(tuning.prefill_config(head, "bfloat16", False), **overrides) \
-            if implementation == "triton" else None
+        default = (tuning.prefill_config(head, "bfloat16", False) if implementation == "triton"
+                   else tuning.mosaic_prefill_config(head, "bfloat16", False))
+        config = dataclasses.replace(default, **overrides)
         q = jax.random.normal(key, (batch * seq, q_heads, head), jnp.bfloat16)
         kv = jax.random.normal(key, (batch * seq, kv_heads, head), jnp.bfloat16)
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * seq
@@ -109,8 +111,9 @@ def _compile_once(kernel: str, implementation: str, overrides: dict[str, object]
         fn(q, kv, kv, cu).block_until_ready()
         return repr(config)
     batch, context, q_heads, kv_heads, head, page = 64, 4096, 32, 8, 128, 16
-    config = dataclasses.replace(tuning.decode_config(head, page, q_heads // kv_heads), **overrides) \
-        if implementation == "triton" else None
+    default = (tuning.decode_config(head, page, q_heads // kv_heads) if implementation == "triton"
+               else tuning.mosaic_decode_config(head, page, q_heads // kv_heads))
+    config = dataclasses.replace(default, **overrides)
     blocks = batch * context // page
     q = jax.random.normal(key, (batch, 1, q_heads, head), jnp.bfloat16)
     cache = jax.random.normal(key, (blocks, page, kv_heads, head), jnp.bfloat16)
