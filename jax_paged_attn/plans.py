@@ -42,7 +42,7 @@ __all__ = [
     "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
-    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
+    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
 ]
 
@@ -75,6 +75,13 @@ class TileField(enum.IntEnum):
 
     Rows are positions of the tile's sequence; "stored" rows are written by the tile
     (valid rows and the padding after them), "valid" rows also attend.
+
+    In a plan aligned to ``A`` rows (``plan_tiles(align_rows=A)``, the Mosaic GPU
+    kernel's: a TMA copy of a swizzled tile starts on a whole 8-row tile) every
+    segment's first tile starts ``Q_ROW0 mod A`` rows early, so ``Q_POS0`` may be
+    negative: rows at negative positions belong to the previous segment, are computed
+    and never stored. Likewise packed keys: KV block ``kb`` holds keys ``kb * block_k
+    - K_LEAD ..``, the first ``K_LEAD`` of block 0 being the previous sequence's.
     """
 
     SEQ = 0  # sequence index (row of block_table); 0 for padding and surplus tiles
@@ -88,6 +95,7 @@ class TileField(enum.IntEnum):
     KB_FULL_LO = 8  # first KV block every valid row sees entirely (no mask)
     KB_FULL_HI = 9  # end of the unmasked KV blocks
     KB_HI = 10  # end of the KV blocks the tile can see
+    K_LEAD = 11  # keys before the sequence's key 0 in its first KV block (aligned plans; else 0)
 
 
 TILE_INFO_WIDTH = 16  # columns per plan row: TileField padded to 64 bytes
@@ -117,14 +125,15 @@ def visible_key_interval(q_pos: Array, q_len: Array, k_len: Array, spec: Attenti
     return lo, hi
 
 
-def num_query_tiles(num_q_tokens: int, batch: int, positions_per_tile: int) -> int:
+def num_query_tiles(num_q_tokens: int, batch: int, positions_per_tile: int, align_rows: int = 1) -> int:
     """Static grid size bounding the tiles of any packing of the query rows.
 
     B sequences and the padding segments before and after them split ``num_q_tokens``
     rows into at most ``B + 2`` segments; ``sum(ceil(len_i / P)) <= ceil(sum(len_i) / P)
-    + B + 1``.
+    + B + 1``. An aligned plan adds fewer than ``align_rows`` lead rows to each segment.
     """
-    return -(-num_q_tokens // positions_per_tile) + batch + 1
+    lead_rows = (batch + 2) * (align_rows - 1)
+    return -(-(num_q_tokens + lead_rows) // positions_per_tile) + batch + 1
 
 
 def plan_tiles(
@@ -141,6 +150,7 @@ def plan_tiles(
     positions_per_tile: int,
     block_k: int,
     longest_first: bool = True,
+    align_rows: int = 1,
 ) -> Array:  # i32[num_query_tiles(...), TILE_INFO_WIDTH]
     """The kernel's work list: one row of `TileField` columns per query tile.
 
@@ -155,12 +165,19 @@ def plan_tiles(
       block_k: keys per KV block of the kernel's inner loop.
       longest_first: order tiles by decreasing work (see `jax_paged_attn.prefill`);
         otherwise sequences and tiles in order.
+      align_rows: A, the row alignment of every tile's first query row and of every
+        packed KV block's first row (`TileField`): 1 for none. A plan for A > 1 has up
+        to one more tile per segment; ``positions_per_tile`` and ``block_k`` must be
+        multiples of A.
 
     Pure jax.numpy, jit-able: everything static is a Python value. Invalid lengths
     (cu_seqlens past the arrays, negative lengths) are clamped so that the kernel
     never touches memory outside its arrays.
     """
     P = positions_per_tile
+    if align_rows < 1 or P % align_rows or block_k % align_rows:
+        raise ValueError(f"align_rows={align_rows} must be positive and divide positions_per_tile={P} "
+                         f"and block_k={block_k}")
     batch = cu_seqlens_q.shape[0] - 1
     cu_q = cu_seqlens_q.astype(jnp.int32)
     cu_k = cu_seqlens_k.astype(jnp.int32)
@@ -189,7 +206,12 @@ def plan_tiles(
     seg_k_len = jnp.concatenate([k_len, zeros])
     seg_k_row0 = jnp.concatenate([k_row0, zeros])
     seg_seq = jnp.concatenate([jnp.arange(batch, dtype=jnp.int32), zeros])
-    seg_tiles = _cdiv(seg_rows, P)
+    # Aligned plans start each segment's rows and keys A-aligned, the lead rows and keys
+    # (the previous segment's) in front of position 0.
+    seg_q_lead = seg_row0 % align_rows
+    seg_k_lead = seg_k_row0 % align_rows
+    seg_row0, seg_k_row0 = seg_row0 - seg_q_lead, seg_k_row0 - seg_k_lead
+    seg_tiles = jnp.where(seg_rows > 0, _cdiv(seg_rows + seg_q_lead, P), 0)
 
     if longest_first:
         # Visible (query, key) pairs ~ q_len * span of the middle query (exact for
@@ -202,7 +224,7 @@ def plan_tiles(
         order = jnp.arange(batch + 2, dtype=jnp.int32)
     ordered_tiles = seg_tiles[order]
     ends = jnp.cumsum(ordered_tiles)
-    num_tiles = num_query_tiles(num_q_tokens, batch, P)
+    num_tiles = num_query_tiles(num_q_tokens, batch, P, align_rows)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     slot = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
     real = slot <= batch + 1
@@ -211,25 +233,29 @@ def plan_tiles(
     local = t - (ends[slot] - ordered_tiles[slot])
     if longest_first:
         local = ordered_tiles[slot] - 1 - local  # a sequence's last tiles first
-    pos0 = local * P
+    q_lead = seg_q_lead[seg]
+    pos0 = local * P - q_lead  # position of the tile's row 0
 
-    q_row0 = seg_row0[seg] + pos0
-    q_rows = jnp.clip(seg_rows[seg] - pos0, 0, P)
+    q_row0 = seg_row0[seg] + local * P
+    q_rows = jnp.clip(seg_rows[seg] - pos0, 0, P)  # counted from row 0, lead rows included
     q_rows = jnp.where(real, jnp.clip(jnp.minimum(q_rows, num_q_tokens - q_row0), 0, P), 0)
     q_row0 = jnp.where(real, jnp.clip(q_row0, 0, num_q_tokens), 0)
     t_q_len = jnp.where(real, seg_q_len[seg], 0)
     t_k_len = jnp.where(real, seg_k_len[seg], 0)
 
-    # KV block range: rows pos0..last are the tile's valid (attending) queries.
-    valid = jnp.clip(jnp.minimum(t_q_len, pos0 + P) - pos0, 0, P)
-    last = pos0 + jnp.maximum(valid, 1) - 1
-    lo_first, hi_first = visible_key_interval(pos0, t_q_len, t_k_len, spec)
+    # KV block range: rows first..last are the tile's valid (attending) queries; blocks
+    # count from the sequence's aligned key row, k_lead keys before its key 0.
+    first = jnp.maximum(pos0, 0)
+    valid = jnp.clip(jnp.minimum(t_q_len, pos0 + P) - first, 0, P)
+    last = first + jnp.maximum(valid, 1) - 1
+    k_lead = jnp.where(real, seg_k_lead[seg], 0)
+    lo_first, hi_first = visible_key_interval(first, t_q_len, t_k_len, spec)
     lo_last, hi_last = visible_key_interval(last, t_q_len, t_k_len, spec)
     empty = (valid == 0) | (hi_last <= lo_first)
-    kb_lo = jnp.where(empty, 0, lo_first // block_k)
-    kb_hi = jnp.where(empty, 0, _cdiv(hi_last, block_k))
-    kb_full_lo = jnp.clip(_cdiv(lo_last, block_k), kb_lo, kb_hi)
-    kb_full_hi = jnp.clip(hi_first // block_k, kb_full_lo, kb_hi)
+    kb_lo = jnp.where(empty, 0, (lo_first + k_lead) // block_k)
+    kb_hi = jnp.where(empty, 0, _cdiv(hi_last + k_lead, block_k))
+    kb_full_lo = jnp.clip(_cdiv(lo_last + k_lead, block_k), kb_lo, kb_hi)
+    kb_full_hi = jnp.clip((hi_first + k_lead) // block_k, kb_full_lo, kb_hi)
 
     columns = {
         TileField.SEQ: jnp.where(real, seg_seq[seg], 0),
@@ -243,6 +269,7 @@ def plan_tiles(
         TileField.KB_FULL_LO: kb_full_lo,
         TileField.KB_FULL_HI: kb_full_hi,
         TileField.KB_HI: kb_hi,
+        TileField.K_LEAD: k_lead,
     }
     plan = jnp.zeros((num_tiles, TILE_INFO_WIDTH), jnp.int32)
     for field, column in columns.items():
@@ -384,6 +411,12 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
 
 MOSAIC_ROWS_PER_WARPGROUP = 64
 """Query rows of one Mosaic GPU compute warpgroup: its wgmma M."""
+
+MOSAIC_TMA_ROW_ALIGN = 8
+"""Rows of one tile of a swizzled shared-memory buffer. A TMA copy into it reads whole
+8-row tiles of the global array (which Mosaic GPU views tiled the same way), so every
+copy starts at a multiple of 8 rows, and an array read in tiles has a multiple of 8
+rows: the Mosaic GPU prefill plans are aligned to it (`plan_tiles(align_rows=...)`)."""
 
 MOSAIC_MIN_BLOCK_K = 64
 """Least keys per Mosaic GPU KV block: masked blocks load the V tile into registers in

@@ -252,9 +252,12 @@ def _mosaic_varlen_attention(
 ) -> Array:  # [Tq, Hq, D], q.dtype
     """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty call).
 
-    The kernel reads and writes whole tiles by TMA, which must stay inside the arrays:
-    q and packed k / v are padded by a tile (a copy of q and of the packed keys, not of
-    a paged cache, which is read by whole pages), and the kernel writes one output slab
+    The kernel reads q and k / v by TMA in whole 8-row tiles: the plan aligns each
+    tile's first query row and each sequence's first packed key row to 8
+    (`plans.MOSAIC_TMA_ROW_ALIGN`), rows past an array's end read as zeros, and only a
+    row count that is not a multiple of 8 is padded (a copy). The Mosaic GPU
+    interpreter of jax 0.10 cannot read past an array's end, so in interpret mode q
+    and packed k / v are padded by a tile as well. The kernel writes one output slab
     per tile, from which each packed row is gathered here.
     """
     from jax_paged_attn.kernels import mosaic_prefill
@@ -271,18 +274,18 @@ def _mosaic_varlen_attention(
         table = block_table.astype(jnp.int32)
         key_capacity, num_packed_keys = table.shape[1] * k.shape[1], None
     else:
-        # Packed keys as one plane of one page holding every row, plus a block of padding
-        # (rounded to 8 rows: a TMA of a swizzled tile wants whole 8-row tiles in memory).
-        rows = plans.round_up(k.shape[0] + tiling.block_k, 8)
-        pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))[None, None]
+        # Packed keys as one plane of one page holding every row.
+        rows = _tma_rows(k.shape[0], tiling.block_k, interpret)
+        pad = lambda x: _pad_rows(x, rows)[None, None]
         k_in, v_in = (pad(k), 0), (pad(v), 0)
         table, key_capacity, num_packed_keys = None, None, k.shape[0]
     plan = plans.plan_tiles(
         cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=num_q_tokens,
         num_packed_keys=num_packed_keys, key_capacity=key_capacity, spec=spec,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first)
-    q_in = jnp.pad(q, ((0, plans.round_up(num_q_tokens + tiling.block_q, 8) - num_q_tokens), (0, 0), (0, 0)))
+        positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first,
+        align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
+    q_in = _pad_rows(q, _tma_rows(num_q_tokens, tiling.block_q, interpret))
     tiles = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
@@ -292,13 +295,28 @@ def _mosaic_varlen_attention(
 
 
 
+def _tma_rows(num_rows: int, tile_rows: int, interpret: bool) -> int:
+    """Rows an array read by the Mosaic GPU kernel's TMA copies must have: a multiple of
+    8 (copies read whole 8-row tiles), plus a tile in interpret mode (jax 0.10's
+    interpreter cannot read past the end, where the GPU reads zeros)."""
+    return plans.round_up(num_rows + (tile_rows if interpret else 0), plans.MOSAIC_TMA_ROW_ALIGN)
+
+
+def _pad_rows(x: Array, rows: int) -> Array:
+    """``x`` with zero rows appended up to ``rows`` (no copy when it has them)."""
+    if x.shape[0] == rows:
+        return x
+    return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _gather_tile_rows(tiles: Array, plan: Array, num_q_tokens: int) -> Array:
     """``[Tq, Hq, D]`` from per-tile slabs ``[num_tiles, block_q, Hq, D]``: packed row
-    ``q_row0[t] + i`` (``i < q_rows[t]``) is row ``i`` of tile ``t``'s slab."""
+    ``q_row0[t] + i`` (``i < q_rows[t]``, ``q_pos0[t] + i >= 0``: an aligned tile's lead
+    rows are the previous segment's) is row ``i`` of tile ``t``'s slab."""
     num_tiles, block_q = tiles.shape[:2]
     offset = jnp.arange(block_q, dtype=jnp.int32)[None, :]
     rows = plan[:, int(TileField.Q_ROW0)][:, None] + offset
-    owned = offset < plan[:, int(TileField.Q_ROWS)][:, None]
+    owned = (offset < plan[:, int(TileField.Q_ROWS)][:, None]) & (plan[:, int(TileField.Q_POS0)][:, None] + offset >= 0)
     source = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * block_q + offset
     index = jnp.zeros((num_q_tokens,), jnp.int32).at[jnp.where(owned, rows, num_q_tokens)].set(
         source, mode="drop")

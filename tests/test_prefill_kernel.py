@@ -359,7 +359,7 @@ MOSAIC_TILINGS = [
     # The ping-pong schedule (the GPU default) blocks a compute warpgroup early, inside
     # an interpreter callback; with the 2 cores of a CI host XLA's CPU runtime then has
     # no thread left to start the other warpgroup's program, and the interpreter hangs
-    # (seen with jax 0.10.2). Run on the GPU host, which has more cores.
+    # (seen with jax 0.10.2; on a 16-core GPU host it ran past 140 s). Compiled on the GPU.
     pytest.param(
         "specialized-2wg-pingpong-packed-window-wraps",
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=True),
@@ -387,8 +387,11 @@ def _tiling_params(cases):
 
 @pytest.mark.parametrize("config, build, attention", _tiling_params(MOSAIC_TILINGS))
 def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
+    """Interpreted on a CPU host, compiled on a GPU host (the gpu-marked case runs only
+    there: the interpreter is far too slow for it even with the GPU host's cores)."""
     problem = make_varlen_problem(np.random.default_rng(5), **build)
-    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
+    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU,
+                              interpret=jax.default_backend() == "cpu")
     _assert_matches_reference(out, problem, attention)
 
 
@@ -423,39 +426,58 @@ PLAN_SPECS = [
 
 @pytest.mark.parametrize("attention", PLAN_SPECS, ids=lambda a: str(sorted(a.items())))
 @pytest.mark.parametrize("longest_first", [True, False])
-def test_plan_covers_rows_and_skips_only_invisible_keys(attention, longest_first):
+@pytest.mark.parametrize("align_rows", [1, 8])
+def test_plan_covers_rows_and_skips_only_invisible_keys(attention, longest_first, align_rows):
     """Every row is stored by exactly one tile; the visited KV blocks hold every key a
-    valid row sees; the unmasked blocks hold only keys every valid row sees."""
+    valid row sees; the unmasked blocks hold only keys every valid row sees. An aligned
+    plan (the Mosaic GPU kernel's) starts every tile's rows and every sequence's packed
+    keys on a multiple of ``align_rows``, the lead rows and keys in front of position 0."""
     q_lens = np.array([0, 1, 7, 8, 9, 23, 3], np.int32)
     k_lens = np.array([4, 1, 30, 8, 2, 23, 40], np.int32)
-    num_q_tokens, positions, block_k = int(q_lens.sum()) + 5, 8, 4
+    num_q_tokens, positions, block_k = int(q_lens.sum()) + 5, 8, 4 * align_rows // math.gcd(4, align_rows)
     spec = AttentionSpec.create(64, **attention)
     plan = _plan(q_lens, k_lens, num_q_tokens=num_q_tokens, num_packed_keys=int(k_lens.sum()),
                  key_capacity=None, spec=spec, max_seqlen_q=int(q_lens.max()),
                  max_seqlen_k=int(k_lens.max()), positions_per_tile=positions, block_k=block_k,
-                 longest_first=longest_first)
+                 longest_first=longest_first, align_rows=align_rows)
     F = prefill.TileField
-    assert plan.shape == (prefill.num_query_tiles(num_q_tokens, len(q_lens), positions),
+    assert plan.shape == (prefill.num_query_tiles(num_q_tokens, len(q_lens), positions, align_rows),
                           prefill.TILE_INFO_WIDTH)
+    assert np.all(plan[:, F.Q_ROW0] % align_rows == 0) and np.all(plan[:, F.K_ROW0] % align_rows == 0)
     stored = np.zeros(num_q_tokens, np.int32)
     cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)])
     for tile in plan:
-        rows = range(tile[F.Q_ROW0], tile[F.Q_ROW0] + tile[F.Q_ROWS])
-        stored[list(rows)] += 1
+        owned = [r for i, r in enumerate(range(tile[F.Q_ROW0], tile[F.Q_ROW0] + tile[F.Q_ROWS]))
+                 if tile[F.Q_POS0] + i >= 0]
+        stored[owned] += 1
         lo, full_lo, full_hi, hi = tile[[F.KB_LO, F.KB_FULL_LO, F.KB_FULL_HI, F.KB_HI]]
         assert lo <= full_lo <= full_hi <= hi
-        q_len, k_len = tile[F.Q_LEN], tile[F.K_LEN]
-        if tile[F.Q_ROWS] and tile[F.Q_POS0] < q_len:  # rows of a real sequence
+        q_len, k_len, k_lead = tile[F.Q_LEN], tile[F.K_LEN], tile[F.K_LEAD]
+        assert 0 <= k_lead < align_rows
+        if tile[F.Q_ROWS] and 0 < q_len and tile[F.Q_POS0] < q_len:  # rows of a real sequence
             assert tile[F.Q_ROW0] == cu_q[tile[F.SEQ]] + tile[F.Q_POS0]
+            assert tile[F.K_ROW0] + k_lead == cu_k[tile[F.SEQ]]
+        elif tile[F.Q_ROWS]:  # a padding segment's (its lead rows: the last sequence's)
+            assert q_len == 0 and hi == 0
         positions = np.arange(tile[F.Q_POS0], tile[F.Q_POS0] + tile[F.Q_ROWS])
-        positions = positions[positions < q_len][:, None]  # the rows that attend
+        positions = positions[(positions >= 0) & (positions < q_len)][:, None]  # the rows that attend
         keys = np.arange(max(k_len, hi * block_k))[None, :]
         visible = np.asarray(reference.key_visible(positions, keys, q_len, k_len, spec))
-        visited = (keys >= lo * block_k) & (keys < hi * block_k)
-        unmasked = (keys >= full_lo * block_k) & (keys < full_hi * block_k)
+        index = keys + k_lead  # keys count from the block of the aligned key row
+        visited = (index >= lo * block_k) & (index < hi * block_k)
+        unmasked = (index >= full_lo * block_k) & (index < full_hi * block_k)
         assert not np.any(visible & ~visited), tile  # no visible key is skipped
         assert np.all(visible | ~unmasked), tile  # unmasked blocks: visible to every row
     assert np.all(stored == 1), stored
+
+
+@pytest.mark.parametrize("align_rows, positions, block_k", [(0, 8, 8), (8, 12, 8), (8, 8, 12)])
+def test_plan_refuses_an_alignment_that_does_not_divide_the_tiles(align_rows, positions, block_k):
+    with pytest.raises(ValueError, match="align_rows"):
+        _plan(np.array([3], np.int32), np.array([3], np.int32), num_q_tokens=3, num_packed_keys=3,
+              key_capacity=None, spec=AttentionSpec.create(64), max_seqlen_q=3, max_seqlen_k=3,
+              positions_per_tile=positions, block_k=block_k, align_rows=align_rows)
 
 
 def test_plan_clamps_invalid_lengths():

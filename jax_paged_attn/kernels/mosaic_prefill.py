@@ -33,16 +33,19 @@ from L2). Every compute warpgroup goes through all of the tile's blocks in order
 slot is released by all of them) and computes those its own rows can see, with the
 tile's masked / unmasked split.
 
-Memory layout (all TMA, so every copy must stay inside its array; the wrapper,
-`jax_paged_attn.prefill`, pads q and packed k / v by a tile, a paged cache is read by
-whole pages):
+Memory layout (all TMA; a copy into a swizzled buffer reads whole 8-row tiles of the
+global array, so every copy starts on a multiple of 8 rows, `plans.MOSAIC_TMA_ROW_ALIGN`;
+rows past an array's end read as zeros):
 
-* q: ``[Tq + block_q, Hq, D]`` (rows rounded up to 8: a TMA of a swizzled tile wants
-  whole 8-row tiles in memory); a compute warpgroup reads its 64 rows of head h from
-  ``q_row0 + 64 * wg`` (rows of other sequences are computed and dropped).
+* q: ``[Tq, Hq, D]`` (rows a multiple of 8); a compute warpgroup reads its 64 rows of
+  head h from ``q_row0 + 64 * wg``. The plan is aligned (`plans.plan_tiles` with
+  ``align_rows=8``): a sequence's first tile starts up to 7 rows early, at negative
+  positions (the previous sequence's rows: computed, never stored).
 * k / v: ``[planes, pages, page_rows, Hk, D]``. A paged cache is its stacked planes;
-  packed keys are one plane of one "page" holding every row (``page_rows = Tk +
-  block_k``, rounded up to 8). A KV block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
+  packed keys are one plane of one "page" holding every row (a multiple of 8), each
+  sequence's KV blocks counted from its key row aligned down to 8: block ``kb`` holds
+  keys ``kb * block_k - k_lead ..`` (`TileField.K_LEAD`), the lead keys masked. A KV
+  block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
   (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
   arriving on the slot's barrier.
 * output: ``[num_tiles, block_q, Hq, D]``, one slab per tile (a TMA store writes whole
@@ -88,6 +91,7 @@ from jax_paged_attn import plans, reference
 from jax_paged_attn.kernels import common
 from jax_paged_attn.kernels.common import LOG2E, RUNNING_MAX_INIT
 from jax_paged_attn.plans import MOSAIC_ROWS_PER_WARPGROUP as ROWS_PER_WARPGROUP
+from jax_paged_attn.plans import MOSAIC_TMA_ROW_ALIGN as TMA_ROW_ALIGN
 from jax_paged_attn.plans import TILE_INFO_WIDTH, MosaicPrefillTiling, TileField
 from jax_paged_attn.spec import AttentionSpec
 
@@ -216,7 +220,7 @@ def _prefill_kernel(
     (
         # inputs (GMEM)
         plan_ref,  # i32[num_tiles, TILE_INFO_WIDTH]
-        q_ref,  # [Tq + block_q (rounded to 8), Hq, D] q dtype
+        q_ref,  # [Tq (a multiple of 8), Hq, D] q dtype
         k_ref,  # [planes, pages, page_rows, Hk, D] q dtype or fp8
         v_ref,  # same layout as k_ref
         *rest,
@@ -272,6 +276,7 @@ def _prefill_kernel(
         k_row0 = field(TileField.K_ROW0)
         kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
         kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
+        k_lead = field(TileField.K_LEAD)  # block kb holds keys kb * block_k - k_lead ..
         num_blocks = kb_hi - kb_lo
 
         def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
@@ -285,6 +290,9 @@ def _prefill_kernel(
                     row = lax.rem(key0, jnp.int32(page_rows))
                 else:
                     page, row = 0, k_row0 + key0
+                # A TMA copy into a tiled buffer starts on a whole tile: the plan aligns
+                # packed rows, and a copy of a page starts at a multiple of copy_rows.
+                row = pl.multiple_of(row, TMA_ROW_ALIGN)
                 dst = ring.at[slot]
                 if copy_rows < block_k:
                     dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
@@ -335,7 +343,8 @@ def _prefill_kernel(
             my_q, my_work, my_conv = q_smem.at[wg], v_work.at[wg], k_conv.at[wg]
             row0 = wg * rows
             my_pos0 = q_pos0 + row0
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0 + row0, rows), h], my_q, q_bars.at[wg])
+            q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
 
             if scale_ref is not None:
                 k_scale, v_scale = scale_ref[0], scale_ref[1]
@@ -382,11 +391,13 @@ def _prefill_kernel(
                     s = jnp.tanh(s) * post_tanh
                 if slope is not None or masked:
                     q_pos = my_pos0 + ops.iota(score_shape, 0)
-                    k_pos = kb * block_k + ops.iota(score_shape, 1)
+                    k_pos = kb * block_k - k_lead + ops.iota(score_shape, 1)
                 if slope is not None:
                     s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
                 if masked:
                     visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                    if not paged:  # the lead keys of a block 0 are the previous sequence's
+                        visible &= k_pos >= 0
                     s = jnp.where(visible, s, -jnp.inf)
                 m_next = jnp.maximum(m_prev, s.max(axis=1))
                 correction = jnp.exp2(m_prev - m_next)
@@ -446,18 +457,24 @@ def _prefill_kernel(
             # ring's slots are released by all of them), but computes only the blocks its
             # own rows can see: the plan's masked / unmasked split is the whole tile's,
             # and a warpgroup of rows past the sequence's end sees none.
-            has_rows = (row0 < q_rows) & (my_pos0 < q_len)
+            # (Rows at negative positions, an aligned tile's lead, are the previous
+            # segment's: computed with the others, never stored.)
+            has_rows = (row0 < q_rows) & (my_pos0 < q_len) & (my_pos0 + rows > 0)
+            my_first = jnp.maximum(my_pos0, 0)
             my_last = jnp.minimum(jnp.minimum(my_pos0 + rows, q_pos0 + q_rows), q_len) - 1
-            my_lo, _ = plans.visible_key_interval(my_pos0, q_len, k_len, spec)
+            my_lo, _ = plans.visible_key_interval(my_first, q_len, k_len, spec)
             _, my_hi = plans.visible_key_interval(my_last, q_len, k_len, spec)
-            lead_split = jnp.where(has_rows, jnp.clip(lax.div(my_lo, jnp.int32(block_k)), kb_lo, kb_full_lo),
-                                   kb_full_lo)
+            lead_split = jnp.where(
+                has_rows, jnp.clip(lax.div(my_lo + k_lead, jnp.int32(block_k)), kb_lo, kb_full_lo), kb_full_lo)
             mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
-            tail_split = jnp.where(has_rows, jnp.clip(common.cdiv(my_hi, block_k), kb_full_hi, kb_hi), kb_full_hi)
+            tail_split = jnp.where(
+                has_rows, jnp.clip(common.cdiv(my_hi + k_lead, block_k), kb_full_hi, kb_hi), kb_full_hi)
             masked_visit = functools.partial(visit, masked=True)
             unmasked_visit = functools.partial(visit, masked=False)
             skip = functools.partial(visit, masked=True, compute=False)
-            if spec.window_left >= 0:  # left window edge: the only blocks before the full ones
+            # Blocks before the full ones: a left window edge, or packed keys' block 0
+            # holding the previous sequence's lead keys.
+            if spec.window_left >= 0 or not paged:
                 carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
                 carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
             carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
@@ -473,7 +490,7 @@ def _prefill_kernel(
                 inv_sum = inv_sum * v_scale
             out = acc * ops.row_bcast(inv_sum, out_shape)
             row = row0 + ops.iota(out_shape, 0)
-            attends = (row < q_rows) & (q_pos0 + row < q_len)
+            attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
             my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
@@ -481,7 +498,7 @@ def _prefill_kernel(
 
 
 def varlen_attention_call(
-    q: Array,  # [Tq + block_q (rounded up to 8), Hq, D] f16 / bf16 (padded: TMA reads stay inside)
+    q: Array,  # [Tq (a multiple of 8), Hq, D] f16 / bf16
     k: tuple[Array, int],  # ([planes, pages, page_rows, Hk, D], plane) q dtype or fp8
     v: tuple[Array, int],  # same layout as k (may be another plane of the same array)
     plan: Array,  # i32[num_tiles, TILE_INFO_WIDTH] from plans.plan_tiles
