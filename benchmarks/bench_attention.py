@@ -685,7 +685,7 @@ def mosaic_decode_grid(quick: bool) -> list[Any]:
     from jax_paged_attn.tuning import MosaicDecodeConfig
 
     choices = ((64, 3, 1024), (128, 2, 1024)) if quick else (
-        (64, 2, 1024), (64, 3, 1024), (64, 6, 1024), (128, 2, 1024), (128, 3, 1024),
+        (64, 4, 1024), (64, 3, 1024), (64, 6, 1024), (128, 2, 1024), (128, 3, 1024),
         (64, 4, 512), (64, 4, 2048), (64, 4, 4096),
     )
     grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p) for t, st, p in choices]
@@ -885,10 +885,39 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
                         to_numpy)
 
 
+def mosaic_prefill_grid(quick: bool) -> list[Any]:
+    """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
+    (block_k, num_stages, pingpong) of the warp-specialized form with 2 compute
+    warpgroups (block_k is shrunk to fit shared memory at large head sizes)."""
+    from jax_paged_attn.tuning import MosaicPrefillConfig
+
+    choices = ((128, 2, True),) if quick else (
+        (64, 3, True), (64, 4, True), (128, 2, True), (128, 3, True), (64, 2, False), (128, 2, False),
+    )
+    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp) for bk, st, pp in choices]
+    return list(dict.fromkeys([MosaicPrefillConfig()] + grid))
+
+
 def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
-    """Our Mosaic GPU prefill tier beside the default (Triton) one; its output is checked
-    against ours like a peer's."""
-    return attention_ours(ctx, case, x, implementation="mosaic_gpu")
+    """Our Mosaic GPU prefill tier beside the default (Triton) one
+    (`prefill.varlen_attention`, lowering='mosaic_gpu'), best of `mosaic_prefill_grid`
+    (every config's time is kept in the row's sweep); its output is checked against
+    ours like a peer's."""
+    from jax_paged_attn import prefill
+    from jax_paged_attn.spec import AttentionSpec
+
+    spec = AttentionSpec.create(case.head_dim, causal=True)
+
+    def make_call(config):
+        fn = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=x.max_q,
+                                       max_seqlen_k=x.max_k, lowering="mosaic_gpu", interpret=ctx.interpret,
+                                       config=config))
+        return lambda: fn(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.block_table, None, None, 1.0, 1.0)
+
+    # The interpreter (CPU dry runs) takes the package's interpret default alone: the
+    # warp-specialized forms run there about ten times slower.
+    configs = [None] if ctx.interpret else mosaic_prefill_grid(ctx.quick)
+    return ctx.sweep(configs, make_call, repr, to_numpy)
 
 
 def attention_xla_reference(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
