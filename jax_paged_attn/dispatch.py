@@ -8,12 +8,15 @@ Implementations (the ``implementation=`` argument of the public functions):
 * ``"mosaic_gpu"``: Pallas kernels lowered through Mosaic GPU (Hopper, sm_90a: TMA and
   wgmma; CPU with ``interpret=True``, in the Mosaic GPU interpreter): the varlen prefill
   kernel (`jax_paged_attn.kernels.mosaic_prefill`) and the paged decode kernel
-  (`jax_paged_attn.kernels.mosaic_decode`), first cuts not yet measured on a GPU; the
-  cache write has no Mosaic GPU kernel and runs the Triton one.
-* ``None`` / ``"auto"``: the Pallas Triton kernel when the call is lowered for CUDA and
-  the kernel supports the call, else ``"xla"``. Auto does not choose ``"mosaic_gpu"``
-  yet: it is meant to prefer it on sm_90 and newer once those kernels have been measured
-  faster than the Triton ones there; until then they run only when asked for. The choice is made per lowering platform
+  (`jax_paged_attn.kernels.mosaic_decode`); the cache write has no Mosaic GPU kernel
+  and runs the Triton one.
+* ``None`` / ``"auto"``: a Pallas kernel when the call is lowered for CUDA and a kernel
+  supports the call, else ``"xla"``. The kernel is the Triton one, except for prefill
+  at the head sizes where the Mosaic GPU kernel was measured faster on the GPU the call
+  is planned for (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 on the H200) when it
+  supports the call and the K/V arrays hold fewer than 2**31 elements (larger caches
+  have been run through the Triton kernels only). Decode stays on Triton: its Mosaic
+  GPU kernel measured slower on every shape. The choice is made per lowering platform
   with `jax.lax.platform_dependent`, so one jitted function runs the kernel on a GPU
   and the reference on a CPU, and cross-lowering for CUDA on a CPU host shows the
   kernel in the compiled module.
@@ -120,8 +123,8 @@ def normalize_implementation(implementation: str | None) -> str:
 
 def kernel_lowering(implementation: str | None) -> str:
     """The Pallas lowering a kernel implementation runs through (``"triton"`` or
-    ``"mosaic_gpu"``, the names `prefill.LOWERINGS` / `decode.LOWERINGS` use); auto's
-    kernel is Triton's (see the module docstring)."""
+    ``"mosaic_gpu"``, the names `prefill.LOWERINGS` / `decode.LOWERINGS` use); for auto
+    the Triton one, which `varlen_attention` replaces where the module docstring says."""
     return MOSAIC_GPU if normalize_implementation(implementation) == MOSAIC_GPU else TRITON
 
 
@@ -184,6 +187,8 @@ def varlen_attention(
     static = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale)
     lowering = kernel_lowering(implementation)
+    if normalize_implementation(implementation) == AUTO and _auto_takes_mosaic_prefill(args, static):
+        lowering = MOSAIC_GPU
     return run_implementation(
         implementation, args,
         reference_fn=_on_arrays(functools.partial(reference.varlen_attention, **static)),
@@ -191,6 +196,29 @@ def varlen_attention(
         unsupported_reason=lambda: prefill.unsupported_reason(*args, lowering=lowering, **static),
         lowering=lowering,
     )
+
+
+MOSAIC_AUTO_MAX_KV_ELEMENTS = 2**31
+"""Auto's Mosaic GPU prefill takes K/V arrays of fewer elements (see the module docstring)."""
+
+
+def _stored_elements(x: Any) -> int:
+    """Elements of the array a K or V argument lives in (a `CachePlane`'s stacked array)."""
+    return int(getattr(x, "array", x).size)
+
+
+def _auto_takes_mosaic_prefill(args: tuple, static: dict) -> bool:
+    """Whether auto runs this varlen call through the Mosaic GPU kernel (module docstring)."""
+    from jax_paged_attn import prefill, tuning
+
+    q, k, v = args[:3]
+    shape = getattr(q, "shape", None)
+    if not shape or not tuning.auto_prefers_mosaic_prefill(shape[-1]):
+        return False
+    if max(_stored_elements(k), _stored_elements(v)) >= MOSAIC_AUTO_MAX_KV_ELEMENTS:
+        return False
+    return (lowering_unavailable_reason(MOSAIC_GPU) is None
+            and prefill.unsupported_reason(*args, lowering=MOSAIC_GPU, **static) is None)
 
 
 def paged_decode_attention(
@@ -201,8 +229,7 @@ def paged_decode_attention(
     """Dispatches `reference.paged_decode_attention` or a kernel with the same contract.
 
     ``implementation="mosaic_gpu"`` runs the decode kernel's Mosaic GPU lowering; auto
-    and ``"triton"`` the Triton one (auto stays on Triton until the Mosaic GPU kernel
-    is measured on the GPU).
+    and ``"triton"`` the Triton one (the Mosaic GPU kernel measured slower on the H200).
     """
     from jax_paged_attn import decode
 

@@ -204,13 +204,15 @@ class MosaicDecodeConfig:
     stay in flight during a step's math), lowered until the ring fits
     ``MOSAIC_SHARED_MEMORY_LIMIT`` (at least 2); num_splits, target_programs,
     min_tiles_per_split: the KV split choice, as in `DecodeConfig`
-    (`jax_paged_attn.plans.choose_num_splits`). Unmeasured on the GPU: the defaults
-    are a starting point (4 pages of 16 keys per stage, 4 stages = 12 pages of one KV
-    head in flight per program at D 128).
+    (`jax_paged_attn.plans.choose_num_splits`). Default: 4 pages of 16 keys per stage,
+    2 stages, the fastest of a 9-config sweep on 3 of the 4 decode shapes of
+    benchmarks/RESULTS.md (H200, 2026-12-01: 0.31-0.38 ms where 4 stages took
+    0.40-0.47; a shallower ring leaves shared memory for more programs per SM, which
+    hides more latency than a deeper ring does in one program).
     """
 
     tile_keys: int = 64
-    num_stages: int = 4
+    num_stages: int = 2
     num_splits: int = 0
     target_programs: int = 1024
     min_tiles_per_split: int = 4
@@ -304,6 +306,21 @@ MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
 # The single-warpgroup form (no producer): the Mosaic GPU interpreter runs it in one
 # thread, several times faster than the warp-specialized form's threads.
 MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP = MosaicPrefillConfig(compute_warpgroups=1, warp_specialized=False)
+
+
+MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128})}
+"""Head sizes at which auto runs prefill through the Mosaic GPU kernel instead of the
+Triton one, per GPU model: where it was measured faster (benchmarks/RESULTS.md,
+2026-12-01, H200, jax 0.11.2: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1
+S16384, 1.12x on 16 mixed lengths, 2.0x on a cached prefix; at D 64 0.82x and D 256
+0.67x, which stay on Triton, as every unmeasured head size and GPU does)."""
+
+
+def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:
+    """Whether auto should run a prefill of ``head_size`` through the Mosaic GPU kernel on
+    ``device`` (default: `target_device`), by `MOSAIC_PREFILL_HEAD_SIZES`."""
+    device = target_device() if device is None else device
+    return head_size in MOSAIC_PREFILL_HEAD_SIZES.get(device.kind, frozenset())
 
 
 def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,

@@ -391,3 +391,18 @@ def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypa
     assert engine_module._implementation_report(model) == (
         "triton (chosen by the model's implementation argument); no tile configs measured on the NVIDIA L4: "
         "defaults fitted to its 99 KiB of shared memory per block")
+
+
+@pytest.mark.parametrize("head_dim, mosaic", [(128, True), (64, False)])
+def test_the_start_report_says_when_auto_prefills_through_the_mosaic_gpu_kernel(monkeypatch, head_dim, mosaic):
+    from jax_paged_attn import tuning
+    from jax_paged_attn.engine import engine as engine_module
+
+    config = LlamaConfig.tiny(head_dim=head_dim)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    report = engine_module._implementation_report(model)
+    assert report.startswith("auto: Pallas Triton kernels")
+    assert ("prefill through the Mosaic GPU kernel" in report) == mosaic
+    assert (f"head size {head_dim} on this GPU" in report) == mosaic
+    assert tuning.target_device().kind == "NVIDIA H200"  # a CPU host plans for the H200

@@ -1,5 +1,6 @@
 """Cross-lowering on a CPU host: the public functions, with the default (auto)
-implementation, lower for CUDA to a module that contains the Pallas Triton kernel;
+implementation, lower for CUDA to a module that contains the Pallas Triton kernel, or
+the Mosaic GPU prefill kernel where auto prefers it on the H200 (head size 128);
 with ``implementation="mosaic_gpu"``, varlen attention lowers to the Mosaic GPU kernel.
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
@@ -56,7 +57,7 @@ def test_decode_lowers_to_triton_kernel(head_size, cache_dtype):
         q, k, v, lens, table,
     )
     assert TRITON_CALL in text
-    assert not MOSAIC_CALL.search(text)  # auto stays on Triton until the Mosaic GPU kernel is measured
+    assert not MOSAIC_CALL.search(text)  # auto decodes with Triton: the Mosaic GPU kernel measured slower
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -75,7 +76,7 @@ def test_varlen_lowers_to_triton_kernel(paged):
         fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
         text = _cuda_text(fn, q, k, k, cu)
     assert TRITON_CALL in text
-    assert MOSAIC_GPU_CALL not in text  # auto keeps Triton until the Mosaic kernel is measured
+    assert MOSAIC_GPU_CALL not in text  # at D 64 the Triton kernel measured faster
 
 
 def test_cpu_lowering_of_auto_is_the_reference():
@@ -165,7 +166,9 @@ def _stacked_fp8(num_blocks: int, dtype=jnp.float8_e4m3fn) -> S:
 
 def _lower_kernel(kind: str, kv: S) -> str:
     """CUDA text of the cache write, decode or paged prefill on the stacked cache ``kv``
-    (abstract inputs: nothing is allocated), with the default implementation."""
+    (abstract inputs: nothing is allocated) through the Triton kernels: the default
+    implementation, except for a prefill of a cache under 2**31 elements, which auto
+    runs through the Mosaic GPU kernel at this head size (128)."""
     table = S((4, 64), jnp.int32)
     if kind == "cache_write":
         tokens = S((64, 8, 128), jnp.bfloat16)
@@ -179,7 +182,8 @@ def _lower_kernel(kind: str, kv: S) -> str:
         args = (S((4, 1, 32, 128), jnp.bfloat16), kv, S((4,), jnp.int32), table)
     else:
         fn = lambda q, kv, cq, ck, t: jpa.flash_attn_varlen_func(
-            q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5)
+            q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5,
+            implementation="triton")
         args = (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
     text = _cuda_text(fn, *args)
     assert TRITON_CALL in text  # the kernel, not the reference
@@ -400,3 +404,53 @@ def test_single_warpgroup_mosaic_form_lowers(paged):
                                              config=tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP)
     text = _cuda_text(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
     assert MOSAIC_GPU_CALL in text
+
+
+def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16) -> str:
+    q = jnp.ones((40, 8, head_size), q_dtype)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    if paged:
+        k, v = _paged_cache(head_size=head_size, dtype=jnp.bfloat16 if q_dtype == jnp.float32 else q_dtype)
+        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+        fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 33, 40, causal=True,
+                                                                   block_table=t)
+        return _cuda_text(fn, q, k, v, cu, jnp.array([0, 30, 70], jnp.int32), table)
+    k = jnp.ones((40, 2, head_size), q_dtype)
+    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
+    return _cuda_text(fn, q, k, k, cu)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_auto_prefills_at_head_size_128_through_the_mosaic_gpu_kernel(paged):
+    """Auto takes the Mosaic GPU prefill kernel where it was measured faster
+    (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 on the H200, the GPU a CPU host plans
+    for), the Triton one elsewhere."""
+    text = _auto_varlen_text(128, paged)
+    assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
+    text = _auto_varlen_text(64, paged)
+    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+
+
+def test_auto_prefill_keeps_triton_where_the_mosaic_kernel_is_not_measured_or_cannot_run(monkeypatch):
+    """float32 queries (the Mosaic GPU kernel takes 16-bit ones) and a GPU without a
+    measurement (here an H100) run the Triton kernel at D 128."""
+    from jax_paged_attn import tuning
+
+    text = _auto_varlen_text(128, paged=False, q_dtype=jnp.float32)
+    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+    monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("NVIDIA H100 80GB HBM3", 227 * 1024))
+    text = _auto_varlen_text(128, paged=True)
+    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+
+
+def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():
+    """Caches of 2**31 elements and more have run through the Triton kernels alone on the
+    H200 (`tests/test_gpu.py`): auto keeps them there even at head size 128."""
+    kv = _stacked_fp8(BIG_FP8_BLOCKS)
+    fn = lambda q, kv, cq, ck, t: jpa.flash_attn_varlen_func(
+        q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5)
+    args = (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
+    text = _cuda_text(fn, *args)
+    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+    small = _cuda_text(fn, args[0], _stacked_fp8(64), *args[2:])
+    assert MOSAIC_GPU_CALL in small and TRITON_CALL not in small

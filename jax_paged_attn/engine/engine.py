@@ -862,8 +862,13 @@ def _implementation_report(model: Any) -> str:
     backend = jax.default_backend()
     if impl == dispatch.AUTO:
         if backend == "gpu":
-            return ("auto: Pallas Triton kernels for attention and the cache write on CUDA "
-                    f"(the pure-JAX reference for calls no kernel supports); {tuning.describe_tables()}")
+            head_size = getattr(getattr(model, "config", None), "head_dim", None)
+            prefill = ""
+            if head_size is not None and tuning.auto_prefers_mosaic_prefill(head_size):
+                prefill = (f", prefill through the Mosaic GPU kernel (measured faster than the Triton one at "
+                           f"head size {head_size} on this GPU)")
+            return ("auto: Pallas Triton kernels for attention and the cache write on CUDA"
+                    f"{prefill} (the pure-JAX reference for calls no kernel supports); {tuning.describe_tables()}")
         return f"auto: the pure-JAX reference (no Pallas kernel for the {backend} backend)"
     if impl == dispatch.MOSAIC_GPU:
         return ("mosaic_gpu (chosen by the model's implementation argument): the Mosaic GPU prefill and decode "
