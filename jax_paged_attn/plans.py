@@ -439,6 +439,9 @@ class MosaicPrefillTiling:
       pingpong: with 2 compute warpgroups, stagger them so that one's softmax overlaps
         the other's wgmma (`tuning.MosaicPrefillConfig.pingpong`).
       longest_first: order of the tiles in the plan (`plan_tiles`).
+      key_flags: masked blocks flag non-finite values per key
+        (`tuning.MosaicPrefillConfig.nonfinite_check` ``"key_flags"``) instead of
+        finding the rows that see one by a matrix product.
     """
 
     compute_warpgroups: int
@@ -448,6 +451,7 @@ class MosaicPrefillTiling:
     warp_specialized: bool = True
     pingpong: bool = True
     longest_first: bool = True
+    key_flags: bool = False
 
     @property
     def block_q(self) -> int:
@@ -471,6 +475,9 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     for name in ("warp_specialized", "pingpong", "longest_first"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
+    if config.nonfinite_check not in tuning.MOSAIC_NONFINITE_CHECKS:
+        raise ValueError(f"config.nonfinite_check must be one of {tuning.MOSAIC_NONFINITE_CHECKS}, got "
+                         f"{config.nonfinite_check!r}.")
     if not config.warp_specialized and config.compute_warpgroups != 1:
         raise ValueError("config.compute_warpgroups must be 1 without warp specialization (the one "
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
@@ -480,11 +487,11 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
                               q_itemsize: int, k_itemsize: int, v_itemsize: int) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
-    its value work tile (masked blocks, fp8 values) and its converted-key tile (fp8 keys;
-    8 rows otherwise), plus the K and V ring. Barriers and alignment fit in the budget's
-    margin."""
+    its value work tile (masked blocks, fp8 values), its converted-key tile (fp8 keys;
+    8 rows otherwise) and its f32 key flags (``"key_flags"``; counted always: 4 bytes a
+    key), plus the K and V ring. Barriers and alignment fit in the budget's margin."""
     conv_rows = block_k if k_itemsize == 1 else 8
-    per_warpgroup = (MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize
+    per_warpgroup = (MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize + 4 * block_k
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
@@ -517,7 +524,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
-                               pingpong=config.pingpong, longest_first=config.longest_first)
+                               pingpong=config.pingpong, longest_first=config.longest_first,
+                               key_flags=config.nonfinite_check == "key_flags")
 
 # =========================================================================== paged decode
 

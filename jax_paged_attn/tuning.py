@@ -287,10 +287,17 @@ class MosaicPrefillConfig:
     `jax_paged_attn.kernels.mosaic_prefill`); pingpong: with 2 compute warpgroups,
     stagger them with a shared barrier so that one's softmax overlaps the other's wgmma
     (FlashAttention-3's ping-pong; the stock kernel's ``use_schedule_barrier``, on by
-    default there); longest_first: as `PrefillConfig.longest_first`.
+    default there); longest_first: as `PrefillConfig.longest_first`; nonfinite_check: how
+    a masked block keeps a NaN / inf value from the rows its key is hidden from:
+    ``"product"`` (a 0/1 matrix product of the visibility with the values' non-finite
+    flags finds the rows that see one: a second wgmma and two shared-memory passes of
+    the value tile per masked block) or ``"key_flags"`` (one flag per key, through shared
+    memory to the score tile's columns, and a row reduction: one pass, no second wgmma;
+    not yet measured on a GPU).
 
-    Not measured on a GPU yet: the default is the stock attention_mgpu kernel's shape
-    (a producer and 2 compute warpgroups of 64 rows, 2-slot ring), with 64-key blocks.
+    The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
+    warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
+    a 7-config sweep on the H200 at D 128 (benchmarks/RESULTS.md, 2026-12-01).
     """
 
     block_k: int = 64
@@ -299,7 +306,11 @@ class MosaicPrefillConfig:
     warp_specialized: bool = True
     pingpong: bool = True
     longest_first: bool = True
+    nonfinite_check: str = "product"
 
+
+MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")
+"""The values of `MosaicPrefillConfig.nonfinite_check`."""
 
 MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
 

@@ -387,10 +387,17 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_single_warpgroup_mosaic_form_lowers(paged):
-    """The single-warpgroup form (the CPU tests' interpret default) lowers too."""
+@pytest.mark.parametrize("form", ["single-warpgroup", "key-flags"])
+def test_other_mosaic_forms_lower(paged, form):
+    """The single-warpgroup form (the CPU tests' interpret default) and the default form
+    with per-key non-finite flags in its masked blocks lower too."""
+    import dataclasses
+
     from jax_paged_attn import prefill, tuning
     from jax_paged_attn.spec import AttentionSpec
+
+    config = (tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if form == "single-warpgroup"
+              else dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="key_flags"))
 
     sds = jax.ShapeDtypeStruct
     q = sds((40, 8, 128), jnp.bfloat16)
@@ -400,8 +407,7 @@ def test_single_warpgroup_mosaic_form_lowers(paged):
     scale = sds((), jnp.float32)
     spec = AttentionSpec.create(128, causal=True, window_size=(100, 0), softcap=30.0, has_alibi=True)
     fn = lambda *a: prefill.varlen_attention(*a, spec=spec, max_seqlen_q=100, max_seqlen_k=90,
-                                             lowering="mosaic_gpu",
-                                             config=tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP)
+                                             lowering="mosaic_gpu", config=config)
     text = _cuda_text(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
     assert MOSAIC_GPU_CALL in text
 

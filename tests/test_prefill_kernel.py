@@ -180,6 +180,14 @@ MOSAIC_INTERPRET_CASES = [
     "packed-empty-sequences",
 ]
 
+# The ``"key_flags"`` masked blocks (`tuning.MosaicPrefillConfig.nonfinite_check`) on a
+# few of them: packed with lead keys, paged with a window, fp8 values.
+MOSAIC_KEY_FLAG_CASES = [
+    "packed-gqa4-d64-bf16-causal-ragged",
+    "paged-bs32-mqa-d128-f16-causal-window",
+    "paged-fp8e5m2-bs32-mqa-d80-f16-alibi",
+]
+
 
 @pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
                                               if i in MOSAIC_INTERPRET_CASES])
@@ -395,14 +403,32 @@ def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
     _assert_matches_reference(out, problem, attention)
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("nonfinite_check", tuning.MOSAIC_NONFINITE_CHECKS)
 @pytest.mark.parametrize("paged", [False, True])
-def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged):
-    """The Mosaic GPU kernel's masked blocks (split finite values, 0/1 product for the
-    rows that see a non-finite one) on the same poisoned keys as the Triton test."""
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged, nonfinite_check, interpret):
+    """The Mosaic GPU kernel's masked blocks on the same poisoned keys as the Triton
+    test, both ways of finding the rows that see a non-finite value (a 0/1 matrix
+    product; per-key flags through shared memory): the single-warpgroup form in the
+    interpreter, the default (warp-specialized, ping-pong) form compiled on a GPU."""
     problem = _poisoned_problem(paged)
-    out = _kernel_with_config(problem, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, POISONED_ATTENTION,
+    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    config = dataclasses.replace(base, nonfinite_check=nonfinite_check)
+    out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
                               lowering=prefill.MOSAIC_GPU)
     _assert_nonfinite_rows_match(out, problem)
+
+
+@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
+                                              if i in MOSAIC_KEY_FLAG_CASES])
+def test_mosaic_key_flags_match_reference(build, attention):
+    """The ``"key_flags"`` masked blocks on finite inputs (ragged packed and paged
+    sequences, a window, fp8 values): the same attention as the reference."""
+    problem = make_varlen_problem(np.random.default_rng(0), **build)
+    config = dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, nonfinite_check="key_flags")
+    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
+    _assert_matches_reference(out, problem, attention)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -568,6 +594,7 @@ def test_mosaic_unsupported_reason():  # float16 / bfloat16 queries, any cache d
 
 @pytest.mark.parametrize("bad, error", [
     (tuning.PrefillConfig(), TypeError),  # the Triton tier's config
+    (tuning.MosaicPrefillConfig(nonfinite_check="isfinite"), ValueError),
     (tuning.MosaicPrefillConfig(block_k=96), ValueError),
     (tuning.MosaicPrefillConfig(block_k=512), ValueError),
     (tuning.MosaicPrefillConfig(num_stages=1), ValueError),

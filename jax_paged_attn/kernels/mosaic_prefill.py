@@ -1,7 +1,7 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-First cut, **not yet compiled or measured on a GPU** (only lowered for CUDA on a CPU
-host and run in the Mosaic GPU interpreter). K/V blocks arrive by TMA in a
+First cut, measured on the H200 (benchmarks/RESULTS.md: 231-467 TFLOP/s at D 128,
+where auto runs it). K/V blocks arrive by TMA in a
 ``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
 Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 (`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
@@ -60,8 +60,12 @@ scores and the output. Masked blocks also load keys the tile's rows cannot see (
 past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` by
 ``where``; their values are split into finite values (non-finite -> 0) for P·V and a
 0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
-(row, column) pairs that see a non-finite value, which become NaN. So a NaN or inf in K
-or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
+(row, column) pairs that see a non-finite value, which become NaN (`MosaicPrefillConfig`
+``nonfinite_check="product"``, the default); or (``"key_flags"``, not yet measured) a
+key holding a non-finite value is flagged and its value row zeroed in one pass, the
+flags reach the score tile's columns through shared memory, and the rows that see a
+flagged key become NaN. So a NaN or inf in K or V reaches exactly the rows that see its
+key, as in the reference. (Masked blocks load
 the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
 multiple of 64.)
 
@@ -238,6 +242,7 @@ def _prefill_kernel(
         v_work,  # [W, block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
         #   blocks), or converted values (fp8)
         k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
+        key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (tiling.key_flags)
         # barriers
         q_bars,  # [W]: the warpgroup's queries arrived
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
@@ -340,7 +345,7 @@ def _prefill_kernel(
             """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
             if specialized:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            my_q, my_work, my_conv = q_smem.at[wg], v_work.at[wg], k_conv.at[wg]
+            my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
             row0 = wg * rows
             my_pos0 = q_pos0 + row0
             q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
@@ -418,6 +423,10 @@ def _prefill_kernel(
                     # reused: each wgmma has completed before the tile is rewritten).
                     # In the query dtype (fp8 converts exactly; half the registers of f32).
                     v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
+                    if tiling.key_flags:
+                        acc = masked_pv_with_key_flags(acc, p, v, visible)
+                        release_v(kb, slot)
+                        return acc, m_next, l_next
                     # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
                     finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
                     my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
@@ -436,6 +445,24 @@ def _prefill_kernel(
                     acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
                 release_v(kb, slot)
                 return acc, m_next, l_next
+
+            def masked_pv_with_key_flags(acc, p, v, visible):
+                """P·V of a masked block whose values may hold NaN / inf behind the mask
+                (`tuning.MosaicPrefillConfig.nonfinite_check` "key_flags"): a key with a
+                non-finite value is flagged and its row of V zeroed (one pass to this
+                warpgroup's work tile); the flags reach the score tile's columns through
+                shared memory, and a row that sees a flagged key becomes NaN, as in the
+                reference. The values of keys no row sees are zeroed too: 0 * NaN would
+                reach every row."""
+                bad = common.nonfinite_rows(v)  # [block_k], one per key (a row of the V tile)
+                my_bad[...] = jnp.where(bad, 1.0, 0.0)
+                my_work[...] = jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0.0, v).astype(dtype)
+                plgpu.commit_smem()  # flags and values, written by every thread, read in other layouts
+                bad_key = ops.layout(my_bad[...], plgpu.Layout.WGMMA.reduce(0))  # one per score column
+                flagged = lax.broadcast_in_dim(bad_key, score_shape, [1]) > 0
+                sees_bad = jnp.where(visible & flagged, 1.0, 0.0).max(axis=1) > 0
+                acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
 
             def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
                 if specialized:
@@ -541,6 +568,7 @@ def varlen_attention_call(
         tile(block_k, v_arr.dtype, stages),
         tile(block_k, dtype, workers),
         tile(block_k if k_fp8 else 8, dtype, workers),
+        plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.Barrier(num_barriers=workers),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
