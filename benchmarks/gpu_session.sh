@@ -19,9 +19,13 @@ for step in "${steps[@]}"; do
       # each worker allocates GPU memory on demand instead of preallocating 75 %).
       xdist=()
       [ -n "${TESTS_WORKERS:-}" ] && xdist=(-n "$TESTS_WORKERS")
+      # -v: each result as it lands, so a run cut off by the time limit still says how far it
+      # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run.
+      per_test=()
+      python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT_S:-200}")
       ( [ -n "${TESTS_WORKERS:-}" ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-        timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
-          "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
+        timeout "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider --durations=5 \
+          "${per_test[@]}" "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --stem results --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;

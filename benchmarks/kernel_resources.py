@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import dataclasses
 import os
 import pathlib
@@ -152,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     arch += "a" if arch in ("sm_90", "sm_100") else ""
     config = _compile_once(args.kernel, args.implementation, overrides)
     print(f"{device.device_kind} | jax {jax.__version__} | {args.kernel} {args.implementation} | {config}")
-    ptx_files = sorted(dump.glob("*.ptx"))
+    ptx_files = sorted(dump.rglob("*.ptx"))
     if not ptx_files:
-        print(f"no PTX in the dump ({dump})", file=sys.stderr)
+        # (jax 0.11.2 on the H200 left none in the top folder: say what the dump holds.)
+        kinds = collections.Counter(p.suffix or p.name for p in dump.rglob("*") if p.is_file())
+        print(f"no PTX in the dump ({dump}); it holds {dict(kinds.most_common(12))}", file=sys.stderr)
         return 1
     for path in ptx_files:
         result = subprocess.run([ptxas, f"-arch={arch}", "-v", str(path), "-o", os.devnull],
