@@ -466,6 +466,29 @@ def random_prompts(seed: int, lengths: Sequence[int]) -> list[list[int]]:
     return [rng.integers(0, LlamaConfig.tiny().vocab_size, size=n).tolist() for n in lengths]
 
 
+def cuda_lowering_target():
+    """Context for tracing and lowering for CUDA on this host. From jax 0.11 the Pallas
+    Triton lowering asks which GPU it lowers for, and a CPU host has none: the H200
+    stands in (an abstract device, as the package's tuning plans for it on a CPU host).
+    jax 0.10 does not ask. Trace inside the context too: the lowering reads the mesh the
+    function was traced under."""
+    import contextlib
+
+    if jax.default_backend() != "cpu" or not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    # A mesh of no axes: it names the device and shards nothing (with a 1-device axis,
+    # jax 0.11.2's Mosaic GPU lowering fails on a scalar constant in the kernel).
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def lower_for_cuda(fn: Any, *args: Any) -> str:
+    """StableHLO text of ``jax.jit(fn)`` on ``args`` lowered for CUDA from this host
+    (`cuda_lowering_target`)."""
+    with cuda_lowering_target():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def assert_no_data_dependent_branch(stablehlo_text: str) -> None:
     """No ``stablehlo.if``, and every ``stablehlo.case`` branches on a constant index (or on
     a case over one): `lax.platform_dependent`'s kernel-or-reference choice, which XLA

@@ -29,6 +29,7 @@ import pytest
 from jax_paged_attn import cache, dispatch, tuning
 from jax_paged_attn.kernels import triton_cache
 from jax_paged_attn.cache import PAD_BLOCK_ID, PAD_SLOT_ID
+from conftest import cuda_lowering_target
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 2
@@ -477,8 +478,9 @@ def test_jitted_swap_runs_the_host_side_as_host_compute_when_lowered_for_cuda():
     mapping = jnp.asarray([[1, 5], [6, 0]], jnp.int32)
 
     def cuda_text(src, dst):
-        return jax.jit(cache.swap_blocks, donate_argnums=1).trace(src, dst, mapping).lower(
-            lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering_target():
+            return jax.jit(cache.swap_blocks, donate_argnums=1).trace(src, dst, mapping).lower(
+                lowering_platforms=("cuda",)).as_text()
 
     def host_side(text, op):
         """Whether every ``op`` of the module runs in its host computation: in the body of
@@ -623,8 +625,9 @@ def test_auto_lowers_to_aliased_triton_kernel_for_cuda(kv_cache_dtype):
 
         jitted = jax.jit(lambda key, value, *caches, slots, call=call: call(key, value, slots, *caches),
                          donate_argnums=tuple(range(2, 2 + len(caches))))
+        with cuda_lowering_target():
+            cuda = jitted.trace(key, key, *caches, slots=slots).lower(lowering_platforms=("cuda",)).as_text()
         traced = jitted.trace(key, key, *caches, slots=slots)
-        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert TRITON_CALL in cuda
         assert cuda.count("tf.aliasing_output") == len(caches)
         assert "output_operand_aliases" in cuda  # the custom call writes into its cache operand
@@ -642,7 +645,7 @@ def _triton_module_of_cuda_lowering(fn, *args, monkeypatch) -> tuple[str, str]:
     """(StableHLO for CUDA, the Triton modules Pallas printed while lowering it)."""
     monkeypatch.setattr(triton_cache.pl, "pallas_call", functools.partial(triton_cache.pl.pallas_call, debug=True))
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), cuda_lowering_target():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return text, printed.getvalue()
 
@@ -727,14 +730,15 @@ def test_fp8_cache_is_refused_or_warned_about_without_the_64_bit_offsets(monkeyp
     why = r"kv_cache is 2148007936 float8_e4m3fn elements .* signed 32-bit .* not installed: pretended for the test"
     with pytest.raises(NotImplementedError, match=why):
         jax.eval_shape(functools.partial(fn, implementation="triton"), key, key, band, slots)
-    with pytest.warns(dispatch.ReferenceFallbackWarning, match=why):
+    with pytest.warns(dispatch.ReferenceFallbackWarning, match=why), cuda_lowering_target():
         text = jax.jit(fn).trace(key, key, band, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert TRITON_CALL not in text and "scatter" in text
     with warnings.catch_warnings():
         warnings.simplefilter("error", dispatch.ReferenceFallbackWarning)  # said once, not twice
         jax.eval_shape(fn, key, key, band, slots)
         big = jax.ShapeDtypeStruct((2, 2**17 + 16, BLOCK_SIZE, 8, 128), jnp.float8_e4m3fn)  # 4.3e9 bytes
-        text = jax.jit(fn).trace(key, key, big, slots).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering_target():
+            text = jax.jit(fn).trace(key, key, big, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert TRITON_CALL in text
 
 

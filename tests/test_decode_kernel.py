@@ -28,6 +28,7 @@ from jax_paged_attn import decode, plans, reference, tuning
 from jax_paged_attn.kernels import mosaic_decode, triton_decode
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
+from conftest import lower_for_cuda
 
 # Absolute slack on top of 2x the reference's own rounding error: the kernel rounds
 # the softmax probabilities to the input dtype before the P @ V dot (as FlashAttention does).
@@ -322,7 +323,7 @@ def test_compiled_on_gpu_matches_reference(case: Case) -> None:
 
 
 def _lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(fn, *args)
 
 
 @pytest.mark.parametrize(

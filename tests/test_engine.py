@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_no_data_dependent_branch, engine_base, random_prompts
+from conftest import assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
 from jax_paged_attn.engine import (
     EngineConfig,
     LLMEngine,
@@ -254,10 +254,11 @@ def test_decode_window_program_has_no_conditional():
     rows, width = state.block_tables.shape
     assert rows == 4 and state.active.tolist() == [True, False, False, False]  # BASE's batch bucket
     for greedy_batch in (True, False):
-        text = runner.window_program.trace(
-            runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
-            np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
-            max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering_target():
+            text = runner.window_program.trace(
+                runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+                np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
+                max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text  # the kernels, as on a GPU
         assert_no_data_dependent_branch(text)
 

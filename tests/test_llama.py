@@ -37,6 +37,7 @@ from jax_paged_attn.models import (
 )
 from jax_paged_attn.models.checkpoint import hf_parameter_map
 from jax_paged_attn.models.llama import apply_rope, jit_forward, jit_forward_dense, rope_inverse_frequencies
+from conftest import lower_for_cuda
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
@@ -642,7 +643,7 @@ def test_decode_step_lowers_to_four_matmuls_per_layer():
         def step(state, ids, positions, caches, md):
             return nnx.merge(graphdef, state)(ids, positions, caches, md, logits_indices=last_token_indices(md))
 
-        text = jax.jit(step).trace(state, ids, ids, caches, md).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(step, state, ids, ids, caches, md)
         return text.count("stablehlo.dot_general")
 
     one_layer, two_layers = dot_count(1), dot_count(2)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_no_data_dependent_branch, engine_base, random_prompts
+from conftest import assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
 from jax_paged_attn.engine import LLM, LLMEngine, Logprob, SamplingParams
 from jax_paged_attn.engine.sampling import MAX_LOGPROBS, logprob_dicts, logprobs_bucket, token_logprobs
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
@@ -176,10 +176,11 @@ def test_window_program_with_logprobs_has_no_conditional():
     runner = engine.runner
     state = runner._decode_state
     rows, width = state.block_tables.shape
-    text = runner.window_program.trace(
-        runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
-        np.zeros((rows, width), np.int32), num_steps=2, greedy=False, block_size=16, max_model_len=512,
-        num_logprobs=2).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_lowering_target():
+        text = runner.window_program.trace(
+            runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+            np.zeros((rows, width), np.int32), num_steps=2, greedy=False, block_size=16, max_model_len=512,
+            num_logprobs=2).lower(lowering_platforms=("cuda",)).as_text()
     assert_no_data_dependent_branch(text)
 
 

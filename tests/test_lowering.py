@@ -30,6 +30,7 @@ import pytest
 
 import jax_paged_attn as jpa
 from jax_paged_attn.kv_view import cache_planes
+from conftest import lower_for_cuda
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
@@ -37,7 +38,7 @@ MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"  # @mosaic_gpu_v2 in jax 0.10
 
 
 def _cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(fn, *args)
 
 
 def _paged_cache(num_blocks=12, block_size=16, num_kv_heads=2, head_size=64, dtype=jnp.bfloat16):

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import jax_paged_attn
-from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, make_varlen_problem,
-                      poison_keys)
+from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, lower_for_cuda,
+                      make_varlen_problem, poison_keys)
 from jax_paged_attn import plans, prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 
@@ -641,7 +641,7 @@ def test_bad_config_is_rejected(bad):
 
 
 def _cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(fn, *args)
 
 
 @pytest.mark.parametrize("paged, head_size, kv_dtype, knobs", [
