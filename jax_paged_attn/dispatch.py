@@ -14,8 +14,10 @@ Implementations (the ``implementation=`` argument of the public functions):
   supports the call, else ``"xla"``. The kernel is the Triton one, except for prefill
   at the head sizes where the Mosaic GPU kernel was measured faster on the GPU the call
   is planned for (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 on the H200) when it
-  supports the call and the K/V arrays hold fewer than 2**31 elements (larger caches
-  have been run through the Triton kernels only). Decode stays on Triton: its Mosaic
+  supports the call, the K/V arrays hold fewer than 2**31 elements (larger caches
+  have been run through the Triton kernels only) and the sequences average at least
+  `MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE` query rows (many short rows stay on the
+  Triton kernel, which packs a GQA group's heads into a tile). Decode stays on Triton: its Mosaic
   GPU kernel measured slower on every shape. The choice is made per lowering platform
   with `jax.lax.platform_dependent`, so one jitted function runs the kernel on a GPU
   and the reference on a CPU, and cross-lowering for CUDA on a CPU host shows the
@@ -201,6 +203,13 @@ def varlen_attention(
 MOSAIC_AUTO_MAX_KV_ELEMENTS = 2**31
 """Auto's Mosaic GPU prefill takes K/V arrays of fewer elements (see the module docstring)."""
 
+MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE = 128
+"""Auto's Mosaic GPU prefill takes calls with at least this many query rows per sequence
+on average (``Tq / B``, both static): it was measured faster on long query runs (512 to
+16,384 per sequence), and it gives every sequence and query head a tile of 64 or 128
+rows, where the Triton kernel packs a GQA group's heads into one, so a batch of many
+short rows (the decode rows of a mixed prefill + decode step) stays on Triton."""
+
 
 def _stored_elements(x: Any) -> int:
     """Elements of the array a K or V argument lives in (a `CachePlane`'s stacked array)."""
@@ -216,6 +225,9 @@ def _auto_takes_mosaic_prefill(args: tuple, static: dict) -> bool:
     if not shape or not tuning.auto_prefers_mosaic_prefill(shape[-1]):
         return False
     if max(_stored_elements(k), _stored_elements(v)) >= MOSAIC_AUTO_MAX_KV_ELEMENTS:
+        return False
+    cu_shape = getattr(args[3], "shape", None)  # cu_seqlens_q: [B + 1]
+    if not cu_shape or shape[0] < MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE * max(1, cu_shape[0] - 1):
         return False
     return (lowering_unavailable_reason(MOSAIC_GPU) is None
             and prefill.unsupported_reason(*args, lowering=MOSAIC_GPU, **static) is None)

@@ -150,7 +150,7 @@ def _attention_on(kind: str, kv: S, **kwargs):
     def fn(q, kv, cq, ck, t):
         return jpa.flash_attn_varlen_func(q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t,
                                           **kwargs)
-    return fn, (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
+    return fn, (S((512, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
 
 
 def _cuda_text(fn, args) -> str:

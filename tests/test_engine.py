@@ -404,6 +404,6 @@ def test_the_start_report_says_when_auto_prefills_through_the_mosaic_gpu_kernel(
     monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
     report = engine_module._implementation_report(model)
     assert report.startswith("auto: Pallas Triton kernels")
-    assert ("prefill through the Mosaic GPU kernel" in report) == mosaic
+    assert ("rows per sequence) through the Mosaic GPU kernel" in report) == mosaic
     assert (f"head size {head_dim} on this GPU" in report) == mosaic
     assert tuning.target_device().kind == "NVIDIA H200"  # a CPU host plans for the H200

@@ -413,17 +413,19 @@ def test_other_mosaic_forms_lower(paged, form):
     assert MOSAIC_GPU_CALL in text
 
 
-def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16) -> str:
-    q = jnp.ones((40, 8, head_size), q_dtype)
-    cu = jnp.array([0, 7, 40], jnp.int32)
+def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_sequences: int = 2) -> str:
+    """Auto's CUDA text for 256 query rows in ``num_sequences`` sequences."""
+    q = jnp.ones((256, 8, head_size), q_dtype)
+    cu = jnp.asarray(np.linspace(0, 256, num_sequences + 1).astype(np.int32))
     if paged:
-        k, v = _paged_cache(head_size=head_size, dtype=jnp.bfloat16 if q_dtype == jnp.float32 else q_dtype)
-        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
-        fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 33, 40, causal=True,
+        k, v = _paged_cache(num_blocks=16 * num_sequences, head_size=head_size,
+                            dtype=jnp.bfloat16 if q_dtype == jnp.float32 else q_dtype)
+        table = jnp.arange(16 * num_sequences, dtype=jnp.int32).reshape(num_sequences, 16)
+        fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 256, 256, causal=True,
                                                                    block_table=t)
-        return _cuda_text(fn, q, k, v, cu, jnp.array([0, 30, 70], jnp.int32), table)
-    k = jnp.ones((40, 2, head_size), q_dtype)
-    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
+        return _cuda_text(fn, q, k, v, cu, cu, table)
+    k = jnp.ones((256, 2, head_size), q_dtype)
+    fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 256, 256, causal=True)
     return _cuda_text(fn, q, k, k, cu)
 
 
@@ -435,6 +437,18 @@ def test_auto_prefills_at_head_size_128_through_the_mosaic_gpu_kernel(paged):
     text = _auto_varlen_text(128, paged)
     assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
     text = _auto_varlen_text(64, paged)
+    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_auto_prefills_many_short_query_runs_through_the_triton_kernel(paged):
+    """Fewer than `dispatch.MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE` query rows per
+    sequence on average (here 256 rows in 4 sequences: 64 each), as in a step mixing
+    decodes with a prefill chunk, stay on the Triton kernel at D 128 too."""
+    from jax_paged_attn import dispatch
+
+    assert 256 // 4 < dispatch.MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE <= 256 // 2
+    text = _auto_varlen_text(128, paged, num_sequences=4)
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
 
 
@@ -456,7 +470,7 @@ def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():
     kv = _stacked_fp8(BIG_FP8_BLOCKS)
     fn = lambda q, kv, cq, ck, t: jpa.flash_attn_varlen_func(
         q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5)
-    args = (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
+    args = (S((512, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
     text = _cuda_text(fn, *args)
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
     small = _cuda_text(fn, args[0], _stacked_fp8(64), *args[2:])
