@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_paged_attn import plans
-from jax_paged_attn.kv_view import CachePlane
+from jax_paged_attn.kv_view import CachePlane, stored_array
 
 MIN_HEAD_SIZE = 32
 MAX_HEAD_SIZE = 256
@@ -220,7 +220,7 @@ def narrow_offsets_reason(refs: Mapping[str, Any]) -> str | None:
         if x is None:
             continue
         stacked = isinstance(x, CachePlane)
-        array = x.array if stacked else x
+        array = stored_array(x)
         if not plans.narrow_offsets_overflow(tuple(array.shape), array.dtype):
             continue
         from jax_paged_attn.kernels import triton_offsets  # installs the fix on first import

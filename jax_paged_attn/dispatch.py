@@ -47,7 +47,7 @@ from typing import Any, Callable
 import jax
 
 from jax_paged_attn import reference
-from jax_paged_attn.kv_view import materialize
+from jax_paged_attn.kv_view import materialize, stored_array
 from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
@@ -211,11 +211,6 @@ rows, where the Triton kernel packs a GQA group's heads into one, so a batch of 
 short rows (the decode rows of a mixed prefill + decode step) stays on Triton."""
 
 
-def _stored_elements(x: Any) -> int:
-    """Elements of the array a K or V argument lives in (a `CachePlane`'s stacked array)."""
-    return int(getattr(x, "array", x).size)
-
-
 def _auto_takes_mosaic_prefill(args: tuple, static: dict) -> bool:
     """Whether auto runs this varlen call through the Mosaic GPU kernel (module docstring)."""
     from jax_paged_attn import prefill, tuning
@@ -224,7 +219,7 @@ def _auto_takes_mosaic_prefill(args: tuple, static: dict) -> bool:
     shape = getattr(q, "shape", None)
     if not shape or not tuning.auto_prefers_mosaic_prefill(shape[-1]):
         return False
-    if max(_stored_elements(k), _stored_elements(v)) >= MOSAIC_AUTO_MAX_KV_ELEMENTS:
+    if max(stored_array(k).size, stored_array(v).size) >= MOSAIC_AUTO_MAX_KV_ELEMENTS:
         return False
     cu_shape = getattr(args[3], "shape", None)  # cu_seqlens_q: [B + 1]
     if not cu_shape or shape[0] < MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE * max(1, cu_shape[0] - 1):

@@ -81,6 +81,12 @@ def as_plane(cache: Array | CachePlane) -> CachePlane:
     return CachePlane(cache.reshape(1, *cache.shape), 0)
 
 
+def stored_array(x: Array | CachePlane) -> Array:
+    """The array a kernel addresses for ``x``: a `CachePlane`'s whole stacked cache, or
+    ``x`` itself."""
+    return x.array if isinstance(x, CachePlane) else x
+
+
 def materialize(x: Array | CachePlane | None) -> Array | None:
     """The array a (possible) `CachePlane` stands for; other values unchanged."""
     return x.materialize() if isinstance(x, CachePlane) else x
