@@ -322,10 +322,6 @@ def test_compiled_on_gpu_matches_reference(case: Case) -> None:
 # --- cross-lowering for CUDA (the Triton lowering runs on this CPU host) ---
 
 
-def _lower_for_cuda(fn, *args) -> str:
-    return lower_for_cuda(fn, *args)
-
-
 @pytest.mark.parametrize(
     "dtype,cache_dtype,head_size,block_size,q_heads,kv_heads,num_q_tokens,window,softcap,alibi",
     [
@@ -350,7 +346,7 @@ def test_lowers_to_triton_for_cuda(dtype, cache_dtype, head_size, block_size, q_
             q, k, v, lens, table, causal=True, window_size=window, softcap=softcap, alibi_slopes=slopes,
             k_scale=k_scale, v_scale=v_scale, implementation="triton")
 
-    text = _lower_for_cuda(fn, q, cache, cache, lens, table, slopes, scale, scale)
+    text = lower_for_cuda(fn, q, cache, cache, lens, table, slopes, scale, scale)
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -360,7 +356,7 @@ def test_auto_picks_kernel_on_cuda_only() -> None:
     inputs = make_inputs(case)
     names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table")
     fn = lambda q, k, v, lens, table: jax_paged_attn.flash_attn_with_kvcache(q, k, v, lens, table, causal=True)
-    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(fn, *(inputs[n] for n in names))
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *(inputs[n] for n in names))
     assert "triton" not in jax.jit(fn).lower(*(inputs[n] for n in names)).as_text()
 
 
@@ -397,7 +393,7 @@ def test_prefetched_ids_lower_for_cuda(pages_per_step: int, num_warps: int, num_
     config = DecodeConfig(pages_per_step=pages_per_step, num_warps=num_warps, num_stages=num_stages,
                           prefetch_page_ids=True)
     fn = functools.partial(decode.paged_decode_attention, spec=spec, config=config)
-    text = _lower_for_cuda(lambda q, k, v, n, t, ks, vs: fn(q, k, v, n, t, None, ks, vs),
+    text = lower_for_cuda(lambda q, k, v, n, t, ks, vs: fn(q, k, v, n, t, None, ks, vs),
                            q, k_cache, v_cache, lens, table, scale, scale)
     assert "__gpu$xla.gpu.triton" in text
 

@@ -38,10 +38,6 @@ MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"  # @mosaic_gpu_v2 in jax 0.10
 
 
-def _cuda_text(fn, *args) -> str:
-    return lower_for_cuda(fn, *args)
-
-
 def _paged_cache(num_blocks=12, block_size=16, num_kv_heads=2, head_size=64, dtype=jnp.bfloat16):
     k = jnp.ones((num_blocks, block_size, num_kv_heads, head_size), dtype)
     return k, k
@@ -54,7 +50,7 @@ def test_decode_lowers_to_triton_kernel(head_size, cache_dtype):
     q = jnp.ones((3, 1, 8, head_size), jnp.bfloat16)
     lens = jnp.array([5, 17, 40], jnp.int32)
     table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
-    text = _cuda_text(
+    text = lower_for_cuda(
         lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, window_size=(32, 0)),
         q, k, v, lens, table,
     )
@@ -72,11 +68,11 @@ def test_varlen_lowers_to_triton_kernel(paged):
         cu_k = jnp.array([0, 30, 70], jnp.int32)
         fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(
             q, k, v, cq, ck, 33, 40, causal=True, block_table=t, softcap=30.0)
-        text = _cuda_text(fn, q, k, v, cu, cu_k, table)
+        text = lower_for_cuda(fn, q, k, v, cu, cu_k, table)
     else:
         k = jnp.ones((40, 2, 64), jnp.bfloat16)
         fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 33, 33, causal=True)
-        text = _cuda_text(fn, q, k, k, cu)
+        text = lower_for_cuda(fn, q, k, k, cu)
     assert TRITON_CALL in text
     assert MOSAIC_GPU_CALL not in text  # at D 64 the Triton kernel measured faster
 
@@ -114,7 +110,7 @@ def test_layer_reads_the_stacked_cache_in_place_for_cuda():
     def layer(q, k, kv, md):
         return jpa.paged_attention(q, k, k, kv, md, num_heads=hq, head_size=d, num_kv_heads=hk, scale=0.125)
 
-    text = _cuda_text(layer, q, k, kv, md)
+    text = lower_for_cuda(layer, q, k, kv, md)
     assert text.count(TRITON_CALL) >= 3  # cache write, prefill over the cache, decode
     plane_rows = f"tensor<{num_blocks * block_size}x{hk}x{d}xbf16>"
     stacked_rows = f"tensor<{2 * num_blocks * block_size}x{hk}x{d}xbf16>"
@@ -187,7 +183,7 @@ def _lower_kernel(kind: str, kv: S) -> str:
             q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5,
             implementation="triton")
         args = (S((256, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), table)
-    text = _cuda_text(fn, *args)
+    text = lower_for_cuda(fn, *args)
     assert TRITON_CALL in text  # the kernel, not the reference
     return text
 
@@ -238,7 +234,7 @@ def _read_16_elements(x):
 def test_offset_width_follows_the_element_count(elements, dtype, width, offset_widths):
     """The rule at its edges, on a one-ref kernel that reads 16 elements (the last ones,
     or those just below 2**31: a static slice must fit in 32 bits)."""
-    _cuda_text(_read_16_elements, S((elements,), dtype))
+    lower_for_cuda(_read_16_elements, S((elements,), dtype))
     assert offset_widths[((elements,), jnp.dtype(dtype))] == {width}
 
 
@@ -271,7 +267,6 @@ def test_the_offsets_fix_is_not_installed_over_an_unexpected_lowering(monkeypatc
     assert triton_offsets.install() is False
     assert lowering._compute_offsets_from_indices is _offsets_of_another_jax
     assert "no longer chooses the offset width" in triton_offsets.REASON
-
 
 
 @pytest.mark.parametrize(
@@ -310,7 +305,7 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
         return jpa.flash_attn_with_kvcache(q, k, v, lens, table, alibi_slopes=slopes,
                                            implementation="mosaic_gpu", **options)
 
-    text = _cuda_text(fn, q, kv, lens, table, slopes)
+    text = lower_for_cuda(fn, q, kv, lens, table, slopes)
     assert len(MOSAIC_CALL.findall(text)) == 1
     assert TRITON_CALL not in text
     assert f"tensor<2x{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" in text
@@ -333,7 +328,7 @@ def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_
     table = jnp.zeros((3, 40), jnp.int32)
     fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, k_scale=0.5, v_scale=0.25,
                                                            implementation="mosaic_gpu")
-    text = _cuda_text(fn, q, k, v, lens, table)
+    text = lower_for_cuda(fn, q, k, v, lens, table)
     assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
 
 
@@ -365,13 +360,13 @@ def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype,
         cu_k = jnp.array([0, 60, 150], jnp.int32)
         fn = lambda q, k, v, cq, ck, t, a: jpa.flash_attn_varlen_func(
             q, k, v, cq, ck, 100, 90, block_table=t, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
-        text = _cuda_text(fn, q, k, v, cu, cu_k, table, slopes)
+        text = lower_for_cuda(fn, q, k, v, cu, cu_k, table, slopes)
     else:
         k = jnp.ones((150, 2, head_size), kv_dtype)
         cu_k = jnp.array([0, 60, 150], jnp.int32)
         fn = lambda q, k, v, cq, ck, a: jpa.flash_attn_varlen_func(
             q, k, v, cq, ck, 100, 90, alibi_slopes=a, k_scale=0.5, v_scale=2.0, **kwargs)
-        text = _cuda_text(fn, q, k, k, cu, cu_k, slopes)
+        text = lower_for_cuda(fn, q, k, k, cu, cu_k, slopes)
     assert MOSAIC_GPU_CALL in text
     assert TRITON_CALL not in text
 
@@ -384,7 +379,7 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
     lens = jnp.array([5, 17, 40], jnp.int32)
     table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
     fn = lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True, implementation="mosaic_gpu")
-    text = _cuda_text(fn, q, k, v, lens, table)
+    text = lower_for_cuda(fn, q, k, v, lens, table)
     assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
 
 
@@ -410,7 +405,7 @@ def test_other_mosaic_forms_lower(paged, form):
     spec = AttentionSpec.create(128, causal=True, window_size=(100, 0), softcap=30.0, has_alibi=True)
     fn = lambda *a: prefill.varlen_attention(*a, spec=spec, max_seqlen_q=100, max_seqlen_k=90,
                                              lowering="mosaic_gpu", config=config)
-    text = _cuda_text(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
+    text = lower_for_cuda(fn, q, kv, kv, cu, cu, table, None, sds((8,), jnp.float32), scale, scale)
     assert MOSAIC_GPU_CALL in text
 
 
@@ -424,10 +419,10 @@ def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_seq
         table = jnp.arange(16 * num_sequences, dtype=jnp.int32).reshape(num_sequences, 16)
         fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 256, 256, causal=True,
                                                                    block_table=t)
-        return _cuda_text(fn, q, k, v, cu, cu, table)
+        return lower_for_cuda(fn, q, k, v, cu, cu, table)
     k = jnp.ones((256, 2, head_size), q_dtype)
     fn = lambda q, k, v, cq: jpa.flash_attn_varlen_func(q, k, v, cq, cq, 256, 256, causal=True)
-    return _cuda_text(fn, q, k, k, cu)
+    return lower_for_cuda(fn, q, k, k, cu)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -474,7 +469,7 @@ def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():
     fn = lambda q, kv, cq, ck, t: jpa.flash_attn_varlen_func(
         q, *cache_planes(kv), cq, ck, 64, 1024, causal=True, block_table=t, k_scale=0.5, v_scale=0.5)
     args = (S((512, 32, 128), jnp.bfloat16), kv, S((5,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
-    text = _cuda_text(fn, *args)
+    text = lower_for_cuda(fn, *args)
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
-    small = _cuda_text(fn, args[0], _stacked_fp8(64), *args[2:])
+    small = lower_for_cuda(fn, args[0], _stacked_fp8(64), *args[2:])
     assert MOSAIC_GPU_CALL in small and TRITON_CALL not in small

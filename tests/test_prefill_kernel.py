@@ -643,10 +643,6 @@ def test_bad_config_is_rejected(bad):
 # --------------------------------------------------------------------------- CUDA lowering
 
 
-def _cuda_text(fn, *args) -> str:
-    return lower_for_cuda(fn, *args)
-
-
 @pytest.mark.parametrize("paged, head_size, kv_dtype, knobs", [
     (False, 80, jnp.bfloat16, dict(pack_gqa=True)),
     (False, 128, jnp.float16, dict(pack_gqa=False, single_kv_loop=True)),
@@ -664,7 +660,7 @@ def test_lowers_for_cuda_to_triton_call(paged, head_size, kv_dtype, knobs):
     config = dataclasses.replace(tuning.prefill_config(head_size, jnp.dtype(q_dtype).name), **knobs)
     fn = functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=20, max_seqlen_k=30,
                            config=config)
-    assert TRITON_CALL in _cuda_text(fn, *args)
+    assert TRITON_CALL in lower_for_cuda(fn, *args)
 
 
 def test_public_api_lowers_for_cuda_to_triton_call():
@@ -674,4 +670,4 @@ def test_public_api_lowers_for_cuda_to_triton_call():
     cu_k = jnp.array([0, 20, 50], jnp.int32)
     fn = lambda q, k, v, cq, ck: jax_paged_attn.flash_attn_varlen_func(
         q, k, v, cq, ck, 33, 30, causal=True, implementation="triton")
-    assert TRITON_CALL in _cuda_text(fn, q, k, k, cu_q, cu_k)
+    assert TRITON_CALL in lower_for_cuda(fn, q, k, k, cu_q, cu_k)
