@@ -243,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation of the model: auto (default), xla, triton")
+    parser.add_argument("--matmul-implementation", default=None, choices=("auto", "xla", "weight_streaming"),
+                        help="the engine model's projections (jax_paged_attn.matmul.linear; default auto); the "
+                             "dense loop always uses XLA's dot")
     parser.add_argument("--dense-impl", default="xla", choices=("xla", "cudnn", "auto"),
                         help="jax.nn.dot_product_attention implementation of the dense baseline")
     parser.add_argument("--hf", action="store_true", help="also run bench_hf.py (torch) in a subprocess first")
@@ -267,12 +270,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
     start = time.perf_counter()
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
-                             implementation=args.implementation)
+                             implementation=args.implementation, matmul_implementation=args.matmul_implementation)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     steps = args.num_scheduler_steps
     print(f"# LLMEngine decode throughput: {num_params / 1e6:,.1f} M params, {jnp.dtype(dtype).name}, "
           f"prompt {prompt_len}, {new_tokens} new tokens, block size {args.block_size}, {steps}-step decode "
-          f"windows, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+          f"windows, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
+          f"engine projections: matmul_implementation={args.matmul_implementation or 'auto'}")
     print()
     print("| batch | engine decode tok/s | engine ms/step | floor ms/step | engine end-to-end tok/s | "
           "engine prefill tok/s | dense xla decode tok/s | dense ms/step | best engine / dense | "

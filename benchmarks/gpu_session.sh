@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [engine] [resources]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [resources]
 # Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,6 +34,8 @@ for step in "${steps[@]}"; do
       timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --stem tuning --budget-s "${TUNE_BUDGET_S:-$budget}" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
     apply)  # the last sweep's winners become the package's measured table (copy kept in $out)
       python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
+    matmul)  # the weight-streaming matmul's sweep beside XLA's dot on the decode step's products
+      timeout 330 python3 benchmarks/bench_matmul.py --out "$out" --budget-s "${MATMUL_BUDGET_S:-240}" 2>&1 | tee "$out/matmul.log" ;;
     engine)
       timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
     resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v)

@@ -44,6 +44,7 @@ __all__ = [
     "mosaic_output_chunk", "mosaic_store_chunk",
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
+    "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
 ]
 
 LOG2E = math.log2(math.e)
@@ -777,6 +778,91 @@ def plan_cache_write(num_tokens: int, num_kv_heads: int, head_size: int,
     if config is not None:
         return config
     return tuning.cache_write_config(num_tokens, num_kv_heads * head_size)
+
+
+# =========================================================================== weight-streaming matmul
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTiling:
+    """Static launch plan of the weight-streaming matmul, from `plan_matmul`.
+
+    Attributes:
+      rows: x's rows as the kernel sees them (a power of 2, >= `MIN_DOT_ROWS`).
+      block_n, block_k: output columns per program, weight rows per loop step.
+      split_k: programs along ``K`` (1: the kernel writes the output dtype).
+      num_warps, num_stages, eviction_policy: Triton launch parameters and load hint.
+    """
+
+    rows: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    eviction_policy: str | None
+
+
+def matmul_unsupported_reason(num_rows: int, depth: int, num_cols: int,
+                              config: tuning.MatmulConfig) -> str | None:
+    """Why `plan_matmul` cannot tile ``[num_rows, depth] @ [depth, num_cols]`` with
+    ``config``, or None."""
+    if num_rows > tuning.MATMUL_MAX_ROWS:
+        return f"{num_rows} rows exceed the kernel's {tuning.MATMUL_MAX_ROWS}"
+    if num_cols % config.block_n:
+        return f"N={num_cols} is not a multiple of block_n={config.block_n}"
+    if depth % config.block_k:
+        return f"K={depth} is not a multiple of block_k={config.block_k}"
+    if config.split_k and depth % (config.split_k * config.block_k):
+        return f"K={depth} is not a multiple of split_k * block_k = {config.split_k * config.block_k}"
+    return None
+
+
+def check_matmul_config(config: tuning.MatmulConfig) -> None:
+    for name in ("block_n", "block_k"):
+        value = getattr(config, name)
+        if value < 16 or not _is_power_of_2(value):
+            raise ValueError(f"MatmulConfig.{name} must be a power of 2 >= 16, got {value}")
+    if config.split_k < 0 or (config.split_k and not _is_power_of_2(config.split_k)):
+        raise ValueError(f"MatmulConfig.split_k must be 0 (choose) or a power of 2, got {config.split_k}")
+    if config.eviction_policy not in ("", "evict_first", "evict_last"):
+        raise ValueError("MatmulConfig.eviction_policy must be '', 'evict_first' or 'evict_last', "
+                         f"got {config.eviction_policy!r}")
+
+
+def plan_matmul(num_rows: int, depth: int, num_cols: int, config: tuning.MatmulConfig | None = None, *,
+                itemsize: int = 2, budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET) -> MatmulTiling:
+    """The weight-streaming matmul's tiling for ``[num_rows, depth] @ [depth, num_cols]``
+    (`matmul_unsupported_reason` must be None); ``num_stages`` drops (to 2 at least)
+    until `matmul_shared_memory` fits ``budget``."""
+    config = config or tuning.MatmulConfig()
+    check_matmul_config(config)
+    reason = matmul_unsupported_reason(num_rows, depth, num_cols, config)
+    if reason is not None:
+        raise ValueError(f"the weight-streaming matmul cannot tile this product: {reason}")
+    split = config.split_k
+    if not split:
+        split = 1
+        col_blocks = num_cols // config.block_n
+        while (col_blocks * split < config.target_programs
+               and depth % (2 * split * config.block_k) == 0
+               and depth // (2 * split * config.block_k) >= config.min_k_steps):
+            split *= 2
+    rows = max(MIN_DOT_ROWS, next_power_of_2(num_rows))
+    stages = config.num_stages
+    while stages > 2 and matmul_shared_memory(rows, config.block_k, config.block_n, stages, itemsize) > budget:
+        stages -= 1
+    return MatmulTiling(
+        rows=rows, block_n=config.block_n, block_k=config.block_k, split_k=split,
+        num_warps=config.num_warps, num_stages=stages,
+        eviction_policy=config.eviction_policy or None,
+    )
+
+
+def matmul_shared_memory(rows: int, block_k: int, block_n: int, num_stages: int, itemsize: int) -> int:
+    """Bytes of shared memory the Triton pipeliner gives the matmul's loop: ``num_stages``
+    buffers of an x tile and a w tile (as compiled on the H200)."""
+    return num_stages * (rows * block_k + block_k * block_n) * itemsize
 
 
 # =========================================================================== element offsets

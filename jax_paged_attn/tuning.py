@@ -415,6 +415,71 @@ def cache_write_config(num_tokens: int, row_size: int) -> CacheWriteConfig:
     return CacheWriteConfig(tokens_per_program=tokens, cols_per_program=cols)
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of the weight-streaming matmul (`jax_paged_attn.matmul`).
+
+    block_n: output columns per program (``block_n`` contiguous weight elements per
+    row read); block_k: weight rows per loop step; split_k: ranges of ``K`` computed
+    by separate programs and summed afterwards, 0 = the fewest (a power of 2) that
+    give at least ``target_programs`` programs while each range keeps at least
+    ``min_k_steps`` steps; num_warps / num_stages: Triton launch parameters;
+    eviction_policy: the weight loads' L2 hint ("evict_first": weights are read once
+    per step; "" for none).
+    """
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 0
+    target_programs: int = 256
+    min_k_steps: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+    eviction_policy: str = "evict_first"
+
+
+MATMUL_MAX_ROWS = 128
+"""The weight-streaming matmul's largest row count: its float32 accumulator is
+``rows x block_n`` registers per program, and past a few hundred rows a product is no
+longer bound by its weight reads (XLA's GEMMs take it)."""
+
+MATMUL_AUTO_MAX_WEIGHT_ELEMENTS = 8 * 2**20
+"""Auto runs the weight-streaming matmul for weights of at most this many elements
+(16 MiB in bfloat16) on the H200, with the default config where `MATMUL_TABLE` has no
+entry. Measured there (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2): 1.14-1.96x
+XLA's dot on the 4 and 6 Mi-element projections of a ~1B Llama at 2-128 rows, whose
+GEMMs read weights at 650-760 GB/s; the 16 and 32 Mi-element ones ran as fast or
+faster through XLA (0.82-1.02x), except the entry below."""
+
+MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig | None] = {
+    # (K, N, rows rounded up to a power of 2 >= 16) -> config, None: XLA. The sweep's
+    # best on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul"); times in us,
+    # ours / XLA's dot.
+    (2048, 3072, 16): MatmulConfig(target_programs=512),  # 8.5 / 16.7
+    (2048, 3072, 32): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 9.3 / 16.5
+    (2048, 3072, 128): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 13.9 / 19.3
+    (2048, 2048, 16): MatmulConfig(block_n=32),  # 7.3 / 11.5
+    (2048, 2048, 32): MatmulConfig(num_stages=3),  # 7.9 / 11.6
+    (2048, 16384, 32): MatmulConfig(block_k=64, num_stages=6),  # 22.3 / 29.4
+}
+
+
+def matmul_config(num_rows: int, depth: int, num_cols: int, device: TuningDevice | None = None
+                  ) -> MatmulConfig | None:
+    """Auto's choice for ``[num_rows, depth] @ [depth, num_cols]`` on ``device`` (default:
+    `target_device`): the weight-streaming matmul's config, or None for XLA's dot.
+
+    Only the H200 has measurements: other GPUs get None."""
+    device = target_device() if device is None else device
+    rows = max(16, next_power_of_2(num_rows))
+    if device.kind != REFERENCE_DEVICE_KIND or rows > MATMUL_MAX_ROWS:
+        return None
+    key = (depth, num_cols, rows)
+    if key in MATMUL_TABLE:
+        return MATMUL_TABLE[key]
+    return MatmulConfig() if depth * num_cols <= MATMUL_AUTO_MAX_WEIGHT_ELEMENTS else None
+
+
 # --------------------------------------------------------------------------- measured tables
 MEASURED_TABLES_FILE = "tuned_tables.json"
 """Package data written by `benchmarks/apply_tuning.py` from a sweep on a GPU

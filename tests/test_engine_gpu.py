@@ -77,3 +77,17 @@ def test_compiled_decode_window_copies_no_cache_and_branches_on_nothing(model):
               and any(f"[{s}]" in line for s in (dims, half, rows_shape))]
     assert not copies, copies[:3]
     assert " conditional(" not in hlo
+
+
+def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
+    """Decode steps' projections through the compiled weight-streaming kernel (prefill
+    steps of more than 128 tokens keep XLA's dot): tokens equal the dense forward's."""
+    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="triton",
+                             matmul_implementation="weight_streaming")
+    prompts = _prompts(7, [5, 45, 17, 70])
+    with jax.default_matmul_precision("highest"):
+        engine = LLMEngine(model, BASE)
+        outputs = engine.generate(prompts, _greedy(40), use_tqdm=False)
+        expected = dense_greedy_generate(model, prompts, 40)
+    assert [o.output_token_ids for o in outputs] == expected

@@ -406,6 +406,7 @@ class LLMEngine:
                       f"({num_blocks * config.block_size:,} tokens, {total_gib:.2f} GiB); host swap space "
                       f"{num_host_blocks} blocks")
         report.append(f"attention: {_implementation_report(model)}")
+        report.append(f"projections: {_matmul_report(model)}")
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
@@ -877,6 +878,18 @@ def _implementation_report(model: Any) -> str:
     if impl == dispatch.TRITON and backend == "gpu":
         return f"{impl} (chosen by the model's implementation argument); {tuning.describe_tables()}"
     return f"{impl} (chosen by the model's implementation argument)"
+
+
+def _matmul_report(model: Any) -> str:
+    """Which code the model's projections run, in words (`jax_paged_attn.matmul.linear`)."""
+    from jax_paged_attn import matmul
+
+    impl = getattr(model, "matmul_implementation", None)
+    if impl in (None, "auto"):
+        if getattr(model, "mesh", None) is not None:
+            return "XLA's dot (auto with tensor parallelism: the weight-streaming kernel is not partitioned)"
+        return f"auto: {matmul.describe_auto()}"
+    return f"{impl} (chosen by the model's matmul_implementation argument)"
 
 
 def _kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: int) -> tuple[int, str]:

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn import cache as cache_ops
+from jax_paged_attn import matmul
 from jax_paged_attn.layer import PagedAttention
 
 Array = jax.Array
@@ -390,6 +391,15 @@ def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any
     return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
+def _serving_projection(module: nnx.Linear | nnx.LinearGeneral, x: Array, implementation: str | None,
+                        interpret: bool) -> Array:
+    """``module(x)`` in the serving forward: `jax_paged_attn.matmul.linear` over the module's
+    kernel (the weight-streaming matmul for decode-sized batches where auto picks it), in
+    the module's compute dtype as the module would."""
+    dtype = module.dtype or x.dtype
+    return matmul.linear(x.astype(dtype), module.kernel[...], implementation=implementation, interpret=interpret)
+
+
 class LlamaAttention(nnx.Module):
     """Self-attention: the fused q/k/v projection, rotary embeddings, paged attention, o_proj.
 
@@ -403,8 +413,10 @@ class LlamaAttention(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
-                 tensor_parallel_axis: str, rngs: nnx.Rngs):
+                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None):
         self.config = config
+        self.matmul_implementation = matmul_implementation
+        self.interpret = interpret
         hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # LinearGeneral contracts x's last axis with the 4-D kernel in one dot_general (no
@@ -424,11 +436,15 @@ class LlamaAttention(nnx.Module):
         """``group = Hq // Hk``: the query heads that share one KV head."""
         return self.config.num_attention_heads // self.config.num_key_value_heads
 
-    def project_qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
-        """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``."""
+    def project_qkv(self, x: Array, positions: Array, *, serving: bool = False) -> tuple[Array, Array, Array]:
+        """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``
+        (``serving``: the product through `jax_paged_attn.matmul.linear`)."""
         cfg = self.config
         group = self.queries_per_kv_head
-        qkv = self.qkv_proj(x)  # [..., Hk, group + 2, D]
+        if serving:
+            qkv = _serving_projection(self.qkv_proj, x, self.matmul_implementation, self.interpret)
+        else:
+            qkv = self.qkv_proj(x)  # [..., Hk, group + 2, D]
         # Merging (Hk, group) gives query head j * group + i; the merged axis keeps the Hk
         # axis's sharding (it is the major one), so this reshape moves no data across devices.
         q = qkv[..., :group, :].reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
@@ -440,11 +456,11 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
         num_tokens = x.shape[0]
-        q, k, v = self.project_qkv(x, positions)
+        q, k, v = self.project_qkv(x, positions, serving=True)
         out, kv_cache = self.attn(
             q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
         )
-        return self.o_proj(out), kv_cache
+        return _serving_projection(self.o_proj, out, self.matmul_implementation, self.interpret), kv_cache
 
     def dense(self, x: Array) -> Array:
         """``[B, S, hidden]`` -> ``[B, S, hidden]``: causal attention over the whole sequence, no cache."""
@@ -476,15 +492,26 @@ class LlamaMLP(nnx.Module):
     device's gate and up columns pair up locally.
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+                 matmul_implementation: str | None = None, interpret: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.matmul_implementation = matmul_implementation
+        self.interpret = interpret
         self.gate_up_proj = nnx.LinearGeneral(config.hidden_size, (2, config.intermediate_size),
                                               use_bias=False, **kw)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, **kw)
 
-    def __call__(self, x: Array) -> Array:
-        gate_up = self.gate_up_proj(x)  # [..., 2, intermediate]
-        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+    def __call__(self, x: Array, *, serving: bool = False) -> Array:
+        """``[..., hidden]`` -> ``[..., hidden]`` (``serving``: products through
+        `jax_paged_attn.matmul.linear`)."""
+        if serving:
+            def project(module, h):
+                return _serving_projection(module, h, self.matmul_implementation, self.interpret)
+        else:
+            def project(module, h):
+                return module(h)
+        gate_up = project(self.gate_up_proj, x)  # [..., 2, intermediate]
+        return project(self.down_proj, jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -492,19 +519,20 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
-                 tensor_parallel_axis: str, rngs: nnx.Rngs):
+                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = LlamaAttention(
             config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
             implementation=implementation, interpret=interpret, mesh=mesh,
-            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs)
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=matmul_implementation)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                            matmul_implementation=matmul_implementation, interpret=interpret)
 
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), serving=True), kv_cache
 
     def dense(self, x: Array) -> Array:
         x = x + self.self_attn.dense(self.input_layernorm(x))
@@ -517,13 +545,14 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
-                 tensor_parallel_axis: str, rngs: nnx.Rngs):
+                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([
             LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
                               implementation=implementation, interpret=interpret, mesh=mesh,
-                              tensor_parallel_axis=tensor_parallel_axis, rngs=rngs)
+                              tensor_parallel_axis=tensor_parallel_axis, rngs=rngs,
+                              matmul_implementation=matmul_implementation)
             for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -540,6 +569,11 @@ class LlamaForCausalLM(nnx.Module):
         "fp8_e5m2": what `allocate_kv_caches` allocates and the layers write.
       implementation: attention implementation, None / "auto", "xla" or "triton"
         (see `jax_paged_attn.dispatch`).
+      matmul_implementation: the decoder layers' projections in the serving forward
+        (`__call__`), None / "auto", "xla" or "weight_streaming" (see
+        `jax_paged_attn.matmul.linear`); with a mesh, auto is XLA's dot (GSPMD partitions
+        it; the kernel is not partitioned) and "weight_streaming" is refused. The dense
+        forward and the LM head always use XLA's dot.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
         `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
@@ -566,9 +600,19 @@ class LlamaForCausalLM(nnx.Module):
         interpret: bool = False,
         mesh: jax.sharding.Mesh | None = None,
         tensor_parallel_axis: str = "tp",
+        matmul_implementation: str | None = None,
     ):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}.")
+        if matmul_implementation not in (None, "auto", *matmul.MATMUL_IMPLEMENTATIONS):
+            raise ValueError(f"matmul_implementation must be one of {('auto', *matmul.MATMUL_IMPLEMENTATIONS)} "
+                             f"or None, got {matmul_implementation!r}.")
+        self.matmul_implementation = matmul_implementation
+        if mesh is not None:
+            if matmul_implementation == "weight_streaming":
+                raise ValueError("matmul_implementation='weight_streaming' cannot run with a mesh: the kernel is "
+                                 "not partitioned over devices; use None or 'xla'.")
+            matmul_implementation = "xla"  # GSPMD partitions XLA's dot; said in the engine's start report
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
@@ -579,7 +623,7 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(
             config, dtype=self.dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
             implementation=implementation, interpret=interpret, mesh=mesh,
-            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs,
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=matmul_implementation,
         )
         if config.tie_word_embeddings:
             self.lm_head = None

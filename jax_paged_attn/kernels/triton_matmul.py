@@ -1,0 +1,83 @@
+"""Weight-streaming matmul for decode-sized batches: the Pallas kernel and its
+`pallas_call` (Triton lowering).
+
+``y[M, N] = x[M, K] @ w[K, N]`` for a few rows (``M`` <= 128, padded to a power of 2
+>= 16 by the wrapper). Such a product reads each weight once and does little math per
+byte, so it runs at the pace of its weight reads; the kernel is laid out for that:
+
+* one program computes ``block_n`` output columns over one of ``split_k`` equal
+  ranges of ``K`` (the split is what lets a narrow ``N`` keep every SM reading);
+* it walks its range ``block_k`` rows of ``w`` at a time (each row segment is
+  ``block_n`` contiguous elements), in a loop Triton's pipeliner keeps
+  ``num_stages - 1`` weight tiles in flight for;
+* weight tiles are loaded with an eviction hint (they are read once per step, and the
+  activations and the KV cache are the data worth keeping in L2);
+* ``x`` and ``w`` are whole-array refs the program addresses itself, so ``K`` and ``N``
+  need only be multiples of the tile, not powers of 2.
+
+With one split the program writes ``y`` in the output dtype; with several it writes
+its float32 partial product, summed by the caller.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_paged_attn.plans import MatmulTiling
+
+Array = jax.Array
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, k_per_split: int):
+    # x_ref: [M, K] whole; w_ref: [K, N] whole; o_ref: [M, block_n] (split 1, output dtype)
+    # or [M, block_n] of the f32[split_k, M, N] partials.
+    rows = x_ref.shape[0]
+    block_k, block_n = tiling.block_k, tiling.block_n
+    col0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
+    k0 = pl.program_id(1) * k_per_split
+    cols = pl.ds(col0, block_n)
+
+    # float32 operands: full-precision products, not TF32 (a float32 model asks for that)
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+    def step(i, acc):
+        k = pl.multiple_of(k0 + i * block_k, block_k)
+        x = x_ref[:, pl.ds(k, block_k)]
+        w = plgpu.load(w_ref.at[pl.ds(k, block_k), cols], eviction_policy=tiling.eviction_policy)
+        return acc + plgpu.dot(x, w, precision=precision)
+
+    acc = lax.fori_loop(0, k_per_split // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def matmul_call(x: Array, w: Array, tiling: MatmulTiling, *, out_dtype, interpret: bool = False) -> Array:
+    """``x`` ``[M, K]`` (``M`` a power of 2 >= 16), ``w`` ``[K, N]`` -> ``[M, N]`` in
+    ``out_dtype`` (one split) or the float32 partials ``[split_k, M, N]``.
+
+    The wrapper (`jax_paged_attn.matmul`) has checked that ``block_n`` divides ``N`` and
+    ``split_k * block_k`` divides ``K``."""
+    rows, depth = x.shape
+    cols = w.shape[1]
+    whole = pl.BlockSpec()  # the whole array: the kernel addresses it itself
+    if tiling.split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, cols), out_dtype)
+        out_spec = pl.BlockSpec((rows, tiling.block_n), lambda j, s: (0, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((tiling.split_k, rows, cols), jnp.float32)
+        out_spec = pl.BlockSpec((None, rows, tiling.block_n), lambda j, s: (s, 0, j))
+    kernel = functools.partial(_matmul_kernel, tiling=tiling, k_per_split=depth // tiling.split_k)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(cols // tiling.block_n, tiling.split_k),
+        in_specs=[whole, whole],
+        out_specs=out_spec,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="weight_streaming_matmul",
+    )(x, w)

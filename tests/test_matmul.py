@@ -1,0 +1,207 @@
+"""The weight-streaming matmul (`jax_paged_attn.matmul`): the kernel in interpret mode
+against a float32 product, its plan, auto's choice, errors, the CUDA lowering, and the
+Llama model's serving forward through it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import lower_for_cuda
+from jax_paged_attn import matmul, plans, tuning
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+from jax_paged_attn.tuning import MatmulConfig
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+IMPLEMENTATIONS = ["xla", "weight_streaming"]
+
+
+def _operands(rows, depth, out, dtype=jnp.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((*rows, depth)), dtype)
+    w = jnp.asarray(rng.standard_normal((depth, *out)) * depth ** -0.5, dtype)
+    return x, w
+
+
+def _exact(x, w):
+    """float32 ``[rows, prod(out)]`` product of the flattened operands."""
+    return np.asarray(x, np.float32).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float32).reshape(w.shape[0], -1)
+
+
+CASES = {  # rows (leading axes of x), K, out axes of w, config
+    "one_row": ((1,), 256, (128,), MatmulConfig(block_k=64)),
+    "odd_rows_split_4": ((17,), 512, (192,), MatmulConfig(block_k=64, split_k=4)),
+    "auto_split": ((32,), 1024, (64,), MatmulConfig(block_k=64, target_programs=8)),
+    "linear_general_kernel": ((3, 5), 256, (2, 4, 16), MatmulConfig(block_n=32, block_k=128)),
+    "max_rows": ((128,), 128, (64,), MatmulConfig()),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_linear_matches_a_float32_product(implementation, case, dtype):
+    rows, depth, out, config = case
+    x, w = _operands(rows, depth, out, dtype)
+    if implementation == "weight_streaming":
+        y = matmul.weight_streaming_matmul(x, w, config=config, interpret=True)
+    else:
+        y = matmul.linear(x, w, implementation="xla")
+    assert y.shape == (*rows, *out) and y.dtype == dtype
+    expected = _exact(x, w)
+    got = np.asarray(y, np.float32).reshape(expected.shape)
+    # float32 accumulation, one rounding to the output dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol * np.abs(expected).max())
+
+
+def test_split_k_partials_sum_to_the_unsplit_product():
+    x, w = _operands((8,), 512, (64,))
+    one = matmul.weight_streaming_matmul(x, w, config=MatmulConfig(block_k=64, split_k=1), interpret=True)
+    eight = matmul.weight_streaming_matmul(x, w, config=MatmulConfig(block_k=64, split_k=8), interpret=True)
+    np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(eight, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_plan_splits_k_until_enough_programs():
+    config = MatmulConfig(block_n=64, block_k=128, target_programs=256, min_k_steps=2)
+    tiling = plans.plan_matmul(32, 2048, 2048, config)
+    assert (tiling.rows, tiling.split_k) == (32, 8)  # 32 column blocks x 8 splits of 2 steps
+    # each split keeps min_k_steps steps: 2048 / 128 = 16 steps allow at most split 4
+    tiling = plans.plan_matmul(2, 2048, 64, MatmulConfig(block_k=128, target_programs=1024, min_k_steps=4))
+    assert (tiling.rows, tiling.split_k) == (16, 4)
+    assert plans.plan_matmul(2, 2048, 2048, MatmulConfig(split_k=2)).split_k == 2
+
+
+def test_plan_drops_pipeline_stages_to_fit_shared_memory():
+    config = MatmulConfig(block_n=64, block_k=128, num_stages=6)  # 48 KiB per stage at 128 rows
+    assert plans.plan_matmul(128, 4096, 1024, config, itemsize=2, budget=200 * 1024).num_stages == 4
+    assert plans.plan_matmul(16, 4096, 1024, config, itemsize=2, budget=200 * 1024).num_stages == 6
+
+
+@pytest.mark.parametrize("config, message", [
+    (MatmulConfig(block_n=48), "block_n"),
+    (MatmulConfig(block_k=8), "block_k"),
+    (MatmulConfig(split_k=3), "split_k"),
+    (MatmulConfig(eviction_policy="keep"), "eviction_policy"),
+])
+def test_bad_configs_are_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        plans.plan_matmul(16, 256, 256, config)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtypes, message", [
+    ((4, 256), (128, 64), (jnp.bfloat16, jnp.bfloat16), "x's last axis"),
+    ((4, 256), (256,), (jnp.bfloat16, jnp.bfloat16), r"w \[K, \*out\]"),
+    ((4, 256), (256, 64), (jnp.bfloat16, jnp.float16), "bfloat16, float16 or float32"),
+    ((4, 256), (256, 64), (jnp.int8, jnp.int8), "bfloat16, float16 or float32"),
+    ((129, 256), (256, 64), (jnp.bfloat16, jnp.bfloat16), "129 rows"),
+    ((4, 256), (256, 40), (jnp.bfloat16, jnp.bfloat16), "block_n"),
+    ((4, 200), (200, 64), (jnp.bfloat16, jnp.bfloat16), "block_k"),
+])
+def test_streaming_matmul_errors_name_the_argument(x_shape, w_shape, dtypes, message):
+    x, w = jnp.zeros(x_shape, dtypes[0]), jnp.zeros(w_shape, dtypes[1])
+    with pytest.raises(ValueError, match=message):
+        matmul.weight_streaming_matmul(x, w, interpret=True)
+
+
+def test_linear_rejects_unknown_implementation():
+    x, w = _operands((2,), 128, (64,))
+    with pytest.raises(ValueError, match="implementation"):
+        matmul.linear(x, w, implementation="cublas")
+
+
+def test_auto_choice_on_the_h200():
+    h200 = tuning.REFERENCE_DEVICE
+    assert tuning.matmul_config(32, 2048, 3072, h200) == tuning.MATMUL_TABLE[(2048, 3072, 32)]
+    assert tuning.matmul_config(2, 2048, 2048, h200) == tuning.MATMUL_TABLE[(2048, 2048, 16)]
+    assert tuning.matmul_config(64, 1024, 1024, h200) == MatmulConfig()  # small weights, no entry
+    assert tuning.matmul_config(32, 8192, 2048, h200) is None  # 16 Mi elements: XLA measured faster
+    assert tuning.matmul_config(256, 2048, 2048, h200) is None  # too many rows
+    other = tuning.device_from_properties("NVIDIA A100-SXM4-80GB", "8.0")
+    assert tuning.matmul_config(32, 2048, 2048, other) is None  # not measured there
+
+
+def test_auto_runs_xla_on_the_cpu_and_the_kernel_lowered_for_cuda():
+    x, w = _operands((32,), 2048, (3072,))
+    y = jax.jit(matmul.linear)(x, w)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(matmul.xla_matmul(x, w), np.float32))
+    assert TRITON_CALL in lower_for_cuda(matmul.linear, x, w)
+    big = jnp.zeros((32, 8192), jnp.bfloat16), jnp.zeros((8192, 2048), jnp.bfloat16)
+    assert TRITON_CALL not in lower_for_cuda(matmul.linear, *big)  # auto keeps XLA's dot there
+    assert TRITON_CALL not in lower_for_cuda(lambda a, b: matmul.linear(a, b, implementation="xla"), x, w)
+    f32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    assert TRITON_CALL not in lower_for_cuda(matmul.linear, *f32)  # float32: not measured, XLA's dot
+
+
+def test_the_kernel_lowers_for_cuda_with_split_k():
+    x, w = _operands((2,), 8192, (2048,))
+    text = lower_for_cuda(lambda a, b: matmul.weight_streaming_matmul(a, b, config=MatmulConfig(split_k=8)), x, w)
+    assert TRITON_CALL in text
+
+
+def _streaming_llama(matmul_implementation):
+    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                            implementation="xla", interpret=True, matmul_implementation=matmul_implementation)
+
+
+def test_llama_serving_forward_through_the_kernel_matches_xla():
+    ours, xla = _streaming_llama("weight_streaming"), _streaming_llama("xla")
+    tokens = jnp.array([[3, 17, 9, 100, 5]], jnp.int32)
+    # the dense forward is XLA's in both; the serving forward's projections differ
+    np.testing.assert_array_equal(np.asarray(ours.forward_dense(tokens)), np.asarray(xla.forward_dense(tokens)))
+    layer_ours, layer_xla = ours.model.layers[0], xla.model.layers[0]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 128)), jnp.bfloat16)
+    got = layer_ours.mlp(x, serving=True)
+    want = layer_xla.mlp(x, serving=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    positions = jnp.arange(4, dtype=jnp.int32)
+    for a, b in zip(layer_ours.self_attn.project_qkv(x, positions, serving=True),
+                    layer_xla.self_attn.project_qkv(x, positions, serving=True)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_llama_rejects_bad_matmul_implementation_and_kernel_with_a_mesh():
+    with pytest.raises(ValueError, match="matmul_implementation"):
+        LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), matmul_implementation="cublas")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    with pytest.raises(ValueError, match="matmul_implementation='weight_streaming'"):
+        LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), mesh=mesh, matmul_implementation="weight_streaming")
+
+
+GPU_PRODUCTS = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 32, 100, 128])
+@pytest.mark.parametrize("depth, cols", GPU_PRODUCTS)
+def test_compiled_kernel_matches_xla_on_the_gpu(rows, depth, cols):
+    assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
+    x, w = _operands((rows,), depth, (cols,), seed=rows)
+    config = tuning.matmul_config(rows, depth, cols) or MatmulConfig()
+    got = jax.jit(lambda a, b: matmul.weight_streaming_matmul(a, b, config=config))(x, w)
+    want = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                                    precision=jax.lax.Precision.HIGHEST,
+                                                    preferred_element_type=jnp.float32))(x, w)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2,
+                               atol=1e-2 * float(jnp.abs(want).max()))
+    assert TRITON_CALL in lower_for_cuda(matmul.linear, x, w) or tuning.matmul_config(rows, depth, cols) is None
+
+
+def test_engine_greedy_through_the_kernel_in_interpret_mode_matches_dense():
+    """The engine's decode windows and prefill steps with every decoder projection
+    through the kernel (float32, interpreted): the same tokens as the dense forward."""
+    from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+    from jax_paged_attn.models import dense_greedy_generate
+
+    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", interpret=True,
+                             matmul_implementation="weight_streaming")
+    prompts = [[5, 9, 33, 2], [7, 1, 120, 64, 3, 3, 8]]
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+                                           num_host_blocks=0, num_scheduler_steps=4))
+    assert "weight_streaming (chosen by the model's matmul_implementation argument)" in engine.start_report
+    with jax.default_matmul_precision("highest"):
+        outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+        expected = dense_greedy_generate(model, prompts, 10)
+    assert [o.output_token_ids for o in outputs] == expected
