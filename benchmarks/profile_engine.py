@@ -204,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--calls", type=int, default=20, help="timed windows (dense: timed steps / num_steps)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:XLA_OPTION=VALUE,...")
+    parser.add_argument("--matmul-implementation", default=None, choices=("auto", "xla", "weight_streaming"),
+                        help="the model's projections (jax_paged_attn.matmul.linear; default auto)")
     parser.add_argument("--no-dense", action="store_true")
     parser.add_argument("--out", default=None, help="keep traces and optimized HLO here")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
@@ -212,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config, dtype = (LlamaConfig.tiny(), jnp.float32) if args.quick else (LLAMA_1B, jnp.bfloat16)
     out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="profile_engine_"))
     out.mkdir(parents=True, exist_ok=True)
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
+                             matmul_implementation=args.matmul_implementation)
     variants = [("default", {})] + [parse_variant(v) for v in args.variant]
     print(f"# decode step profile: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{jnp.dtype(dtype).name}, context {args.context}, {args.num_steps}-step windows, "

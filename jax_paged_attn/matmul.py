@@ -1,11 +1,17 @@
-"""Linear layers of decode-sized batches: the weight-streaming matmul and its dispatch.
+"""Linear layers of decode-sized batches: the weight-streaming matmul and the choice of it.
 
 A decode step multiplies a few rows of activations by every weight of the model, so
-its matrix products are bound by reading the weights, and the small ones by how fast a
-kernel gets its reads going: XLA's GEMMs read a ~1B Llama's q/k/v and o weights at
-650-760 GB/s on an H200. `weight_streaming_matmul` runs a product through
-`jax_paged_attn.kernels.triton_matmul` (tiles planned by `plans.plan_matmul`); `linear`
-picks it or XLA's dot for each product (`tuning.matmul_config`).
+its matrix products are bound by reading the weights. `weight_streaming_matmul` runs a
+product through `jax_paged_attn.kernels.triton_matmul` (tiles planned by
+`plans.plan_matmul`, configs from `tuning.matmul_config`); `linear` is what a model's
+layer calls: XLA's dot unless the kernel is asked for.
+
+Measured on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul"): timed alone in
+chains of calls, the kernel ran 1.1-2.0x XLA's dot on the small projections of a ~1B
+Llama (q/k/v, o) at 2-128 rows; inside the engine's compiled decode step, where XLA's
+GEMMs run back to back in command buffers, both ran each product in the same time
+(within 0.3 us), so auto keeps XLA's dot. The kernel is the place for what XLA does
+not fuse into its GEMMs (the norm before a projection, the residual add after it).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_paged_attn import dispatch, plans, tuning
+from jax_paged_attn import plans, tuning
 from jax_paged_attn.kernels import triton_matmul
 
 Array = jax.Array
@@ -90,13 +96,11 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
     Args:
       x: ``[..., K]`` activations.
       w: ``[K, *out]`` weights (a `flax.nnx.Linear` / `LinearGeneral` kernel).
-      implementation: None / "auto": the weight-streaming kernel where
-        `tuning.matmul_config` chooses it (lowered for CUDA, measured GPU, few rows,
-        16-bit dtypes, shapes it tiles), XLA's dot otherwise (a CPU run included, and ``interpret``);
-        "xla": always
-        XLA's dot; "weight_streaming": always the kernel (ValueError where it cannot
-        run), with `tuning.matmul_config`'s config or the default one.
-      interpret: run a forced kernel in Pallas interpret mode.
+      implementation: None / "auto" / "xla": XLA's dot. Auto does not pick the
+        weight-streaming kernel: inside a decode step on the H200 it measured level with
+        XLA's GEMMs (`AUTO_CHOICE`). "weight_streaming": the kernel (ValueError where it
+        cannot run), with `tuning.matmul_config`'s config.
+      interpret: run the kernel in Pallas interpret mode.
 
     Returns:
       ``[..., *out]`` in x's dtype.
@@ -106,29 +110,12 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
                          f"got {implementation!r}")
     rows, depth, out = _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
-    if implementation == "xla":
+    if implementation != "weight_streaming":
         return xla_matmul(x, w)
     config = tuning.matmul_config(rows, depth, math.prod(out))
-    if implementation == "weight_streaming":
-        return weight_streaming_matmul(x, w, config=config, interpret=interpret)
-    if (config is None or interpret or jnp.dtype(x.dtype).itemsize != 2
-            or dispatch.lowering_unavailable_reason(dispatch.TRITON)
-            or streaming_unsupported_reason(x, w, config) is not None):
-        return xla_matmul(x, w)
-    # Per lowering platform, as the attention dispatch does: the kernel where the call is
-    # lowered for CUDA, XLA's dot elsewhere (a CPU run, or lowering for another platform).
-    return jax.lax.platform_dependent(
-        x, w, cuda=lambda a, b: weight_streaming_matmul(a, b, config=config), default=xla_matmul)
+    return weight_streaming_matmul(x, w, config=config, interpret=interpret)
 
 
-def describe_auto() -> str:
-    """What auto runs for linear layers on the default device, in words (engine start report)."""
-    if dispatch.default_platform() != "cuda":
-        return "XLA's dot (no weight-streaming kernel off CUDA)"
-    device = tuning.target_device()
-    if device.kind != tuning.REFERENCE_DEVICE_KIND:
-        return (f"XLA's dot (the weight-streaming matmul is measured on the {tuning.REFERENCE_DEVICE_KIND} "
-                f"only, not on {device.kind})")
-    return (f"the weight-streaming matmul for products of at most {tuning.MATMUL_MAX_ROWS} rows whose weights "
-            f"hold at most {tuning.MATMUL_AUTO_MAX_WEIGHT_ELEMENTS // 2**20} Mi elements or have a measured "
-            f"entry (measured faster than XLA's dot there), XLA's dot for the rest")
+AUTO_CHOICE = ("XLA's dot (the weight-streaming matmul ran level with XLA's GEMMs inside the decode step of a "
+               "~1B Llama on an H200, 2026-12-02; matmul_implementation='weight_streaming' opts in)")
+"""What auto runs for linear layers, and why, in words (the engine's start report)."""

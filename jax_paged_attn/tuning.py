@@ -336,7 +336,8 @@ def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = No
 
 def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
                           interpret: bool = False) -> MosaicPrefillConfig:
-    """The Mosaic GPU prefill kernel's config (one default until measured).
+    """The Mosaic GPU prefill kernel's config: the default, with the masked blocks'
+    non-finite check measured fastest for the head size (`MOSAIC_PREFILL_NONFINITE_CHECK`).
 
     In interpret mode the default is the single-warpgroup form
     (`MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP`): the Mosaic GPU interpreter compiles each
@@ -344,8 +345,18 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
     about ten times longer on a CPU; everything but the producer / consumer hand-off is
     the same code. An explicit ``config=`` interprets the specialized form.
     """
-    del head_size, dtype_name, paged
-    return MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else MOSAIC_PREFILL_CONFIG
+    del dtype_name, paged
+    if interpret:
+        return MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
+    check = MOSAIC_PREFILL_NONFINITE_CHECK.get(-(-head_size // 64) * 64)
+    return dataclasses.replace(MOSAIC_PREFILL_CONFIG, nonfinite_check=check) if check else MOSAIC_PREFILL_CONFIG
+
+
+MOSAIC_PREFILL_NONFINITE_CHECK = {64: "key_flags", 256: "key_flags"}
+"""Head size (rounded up to a multiple of 64) -> `MosaicPrefillConfig.nonfinite_check`
+where it differs from the default: the H200 sweep of 2026-12-02 (bench_attention.py,
+prefill suite) ran D256 (B4 S4096) in 1.76 ms with "key_flags" against 2.49 with
+"product", D64 (B16 S1024) in 0.76 against 0.81; at D128 "product" was 2-3 % faster."""
 
 
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.
@@ -443,18 +454,12 @@ MATMUL_MAX_ROWS = 128
 ``rows x block_n`` registers per program, and past a few hundred rows a product is no
 longer bound by its weight reads (XLA's GEMMs take it)."""
 
-MATMUL_AUTO_MAX_WEIGHT_ELEMENTS = 8 * 2**20
-"""Auto runs the weight-streaming matmul for weights of at most this many elements
-(16 MiB in bfloat16) on the H200, with the default config where `MATMUL_TABLE` has no
-entry. Measured there (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2): 1.14-1.96x
-XLA's dot on the 4 and 6 Mi-element projections of a ~1B Llama at 2-128 rows, whose
-GEMMs read weights at 650-760 GB/s; the 16 and 32 Mi-element ones ran as fast or
-faster through XLA (0.82-1.02x), except the entry below."""
-
-MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig | None] = {
-    # (K, N, rows rounded up to a power of 2 >= 16) -> config, None: XLA. The sweep's
-    # best on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul"); times in us,
-    # ours / XLA's dot.
+MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig] = {
+    # (K, N, rows rounded up to a power of 2 >= 16) -> the sweep's best config on an H200
+    # (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2). Comments: us per product
+    # in that benchmark's chains, ours / XLA's dot. Inside the engine's decode step the
+    # same products ran level with XLA's GEMMs (benchmarks/RESULTS.md, "Weight-streaming
+    # matmul"), so auto does not pick the kernel (`jax_paged_attn.matmul.linear`).
     (2048, 3072, 16): MatmulConfig(target_programs=512),  # 8.5 / 16.7
     (2048, 3072, 32): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 9.3 / 16.5
     (2048, 3072, 128): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 13.9 / 19.3
@@ -464,20 +469,15 @@ MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig | None] = {
 }
 
 
-def matmul_config(num_rows: int, depth: int, num_cols: int, device: TuningDevice | None = None
-                  ) -> MatmulConfig | None:
-    """Auto's choice for ``[num_rows, depth] @ [depth, num_cols]`` on ``device`` (default:
-    `target_device`): the weight-streaming matmul's config, or None for XLA's dot.
-
-    Only the H200 has measurements: other GPUs get None."""
+def matmul_config(num_rows: int, depth: int, num_cols: int, device: TuningDevice | None = None) -> MatmulConfig:
+    """The weight-streaming matmul's config for ``[num_rows, depth] @ [depth, num_cols]`` on
+    ``device`` (default: `target_device`): `MATMUL_TABLE`'s entry on the H200, else the
+    default config."""
     device = target_device() if device is None else device
     rows = max(16, next_power_of_2(num_rows))
-    if device.kind != REFERENCE_DEVICE_KIND or rows > MATMUL_MAX_ROWS:
-        return None
-    key = (depth, num_cols, rows)
-    if key in MATMUL_TABLE:
-        return MATMUL_TABLE[key]
-    return MatmulConfig() if depth * num_cols <= MATMUL_AUTO_MAX_WEIGHT_ELEMENTS else None
+    if device.kind == REFERENCE_DEVICE_KIND and (depth, num_cols, rows) in MATMUL_TABLE:
+        return MATMUL_TABLE[(depth, num_cols, rows)]
+    return MatmulConfig()
 
 
 # --------------------------------------------------------------------------- measured tables

@@ -356,3 +356,16 @@ def test_kernel_resources_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("XLA_FLAGS", "")
     assert resources.main(["--out", str(tmp_path)]) == 2
     assert "no GPU here" in capsys.readouterr().err
+
+
+def test_matmul_benchmark_dry_run_times_both_and_checks_the_kernel(tmp_path, monkeypatch, capsys):
+    bench_matmul = _load("bench_matmul")
+    monkeypatch.setattr(sys, "argv", ["bench_matmul.py", "--interpret", "--rows", "3", "--budget-s", "inf",
+                                      "--out", str(tmp_path)])
+    bench_matmul.main()
+    records = json.loads((tmp_path / "matmul.json").read_text())["records"]
+    assert [r["product"] for r in records] == [p[0] for p in bench_matmul.PRODUCTS]
+    for record in records:
+        assert record["xla_ms"] > 0 and record["ours_ms"] > 0, record
+        assert record["ours_rel_err"] < 1e-2, record
+    assert "| 3 |" in capsys.readouterr().out  # the per-step table

@@ -473,3 +473,13 @@ def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
     small = lower_for_cuda(fn, args[0], _stacked_fp8(64), *args[2:])
     assert MOSAIC_GPU_CALL in small and TRITON_CALL not in small
+
+
+def test_mosaic_prefill_default_takes_the_nonfinite_check_measured_fastest_per_head_size():
+    from jax_paged_attn import tuning
+
+    checks = {d: tuning.mosaic_prefill_config(d, "bfloat16").nonfinite_check for d in (32, 64, 80, 128, 192, 256)}
+    assert checks == {32: "key_flags", 64: "key_flags", 80: "product", 128: "product", 192: "product",
+                      256: "key_flags"}
+    assert tuning.mosaic_prefill_config(256, "bfloat16", interpret=True) == \
+        tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP  # interpret mode keeps its one form

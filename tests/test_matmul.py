@@ -110,27 +110,24 @@ def test_linear_rejects_unknown_implementation():
         matmul.linear(x, w, implementation="cublas")
 
 
-def test_auto_choice_on_the_h200():
+def test_configs_come_from_the_h200_table_else_the_default():
     h200 = tuning.REFERENCE_DEVICE
     assert tuning.matmul_config(32, 2048, 3072, h200) == tuning.MATMUL_TABLE[(2048, 3072, 32)]
-    assert tuning.matmul_config(2, 2048, 2048, h200) == tuning.MATMUL_TABLE[(2048, 2048, 16)]
-    assert tuning.matmul_config(64, 1024, 1024, h200) == MatmulConfig()  # small weights, no entry
-    assert tuning.matmul_config(32, 8192, 2048, h200) is None  # 16 Mi elements: XLA measured faster
-    assert tuning.matmul_config(256, 2048, 2048, h200) is None  # too many rows
+    assert tuning.matmul_config(2, 2048, 2048, h200) == tuning.MATMUL_TABLE[(2048, 2048, 16)]  # rows -> 16
+    assert tuning.matmul_config(64, 1024, 1024, h200) == MatmulConfig()
     other = tuning.device_from_properties("NVIDIA A100-SXM4-80GB", "8.0")
-    assert tuning.matmul_config(32, 2048, 2048, other) is None  # not measured there
+    assert tuning.matmul_config(32, 2048, 3072, other) == MatmulConfig()  # not measured there
 
 
-def test_auto_runs_xla_on_the_cpu_and_the_kernel_lowered_for_cuda():
+@pytest.mark.parametrize("implementation", [None, "auto", "xla"])
+def test_auto_and_xla_lower_to_xlas_dot_and_the_forced_kernel_to_triton(implementation):
     x, w = _operands((32,), 2048, (3072,))
-    y = jax.jit(matmul.linear)(x, w)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(matmul.xla_matmul(x, w), np.float32))
-    assert TRITON_CALL in lower_for_cuda(matmul.linear, x, w)
-    big = jnp.zeros((32, 8192), jnp.bfloat16), jnp.zeros((8192, 2048), jnp.bfloat16)
-    assert TRITON_CALL not in lower_for_cuda(matmul.linear, *big)  # auto keeps XLA's dot there
-    assert TRITON_CALL not in lower_for_cuda(lambda a, b: matmul.linear(a, b, implementation="xla"), x, w)
-    f32 = x.astype(jnp.float32), w.astype(jnp.float32)
-    assert TRITON_CALL not in lower_for_cuda(matmul.linear, *f32)  # float32: not measured, XLA's dot
+    text = lower_for_cuda(lambda a, b: matmul.linear(a, b, implementation=implementation), x, w)
+    assert TRITON_CALL not in text and "stablehlo.dot_general" in text
+    forced = lower_for_cuda(lambda a, b: matmul.linear(a, b, implementation="weight_streaming"), x, w)
+    assert TRITON_CALL in forced and "stablehlo.dot_general" not in forced
+    y = jax.jit(lambda a, b: matmul.linear(a, b, implementation=implementation))(x, w)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(matmul.xla_matmul(x, w), np.float32))
 
 
 def test_the_kernel_lowers_for_cuda_with_split_k():
@@ -178,14 +175,12 @@ GPU_PRODUCTS = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]
 def test_compiled_kernel_matches_xla_on_the_gpu(rows, depth, cols):
     assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
     x, w = _operands((rows,), depth, (cols,), seed=rows)
-    config = tuning.matmul_config(rows, depth, cols) or MatmulConfig()
-    got = jax.jit(lambda a, b: matmul.weight_streaming_matmul(a, b, config=config))(x, w)
+    got = jax.jit(lambda a, b: matmul.linear(a, b, implementation="weight_streaming"))(x, w)
     want = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
                                                     precision=jax.lax.Precision.HIGHEST,
                                                     preferred_element_type=jnp.float32))(x, w)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2,
                                atol=1e-2 * float(jnp.abs(want).max()))
-    assert TRITON_CALL in lower_for_cuda(matmul.linear, x, w) or tuning.matmul_config(rows, depth, cols) is None
 
 
 def test_engine_greedy_through_the_kernel_in_interpret_mode_matches_dense():

@@ -886,9 +886,7 @@ def _matmul_report(model: Any) -> str:
 
     impl = getattr(model, "matmul_implementation", None)
     if impl in (None, "auto"):
-        if getattr(model, "mesh", None) is not None:
-            return "XLA's dot (auto with tensor parallelism: the weight-streaming kernel is not partitioned)"
-        return f"auto: {matmul.describe_auto()}"
+        return f"auto: {matmul.AUTO_CHOICE}"
     return f"{impl} (chosen by the model's matmul_implementation argument)"
 
 

@@ -570,10 +570,10 @@ class LlamaForCausalLM(nnx.Module):
       implementation: attention implementation, None / "auto", "xla" or "triton"
         (see `jax_paged_attn.dispatch`).
       matmul_implementation: the decoder layers' projections in the serving forward
-        (`__call__`), None / "auto", "xla" or "weight_streaming" (see
-        `jax_paged_attn.matmul.linear`); with a mesh, auto is XLA's dot (GSPMD partitions
-        it; the kernel is not partitioned) and "weight_streaming" is refused. The dense
-        forward and the LM head always use XLA's dot.
+        (`__call__`): None / "auto" / "xla" (XLA's dot; `jax_paged_attn.matmul.linear`
+        says why auto is XLA) or "weight_streaming" (the Pallas kernel; refused with a
+        mesh, where the kernel is not partitioned over devices). The dense forward and the
+        LM head always use XLA's dot.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
         `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
@@ -612,7 +612,6 @@ class LlamaForCausalLM(nnx.Module):
             if matmul_implementation == "weight_streaming":
                 raise ValueError("matmul_implementation='weight_streaming' cannot run with a mesh: the kernel is "
                                  "not partitioned over devices; use None or 'xla'.")
-            matmul_implementation = "xla"  # GSPMD partitions XLA's dot; said in the engine's start report
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
