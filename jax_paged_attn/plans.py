@@ -9,7 +9,8 @@ K/V scales) done the same way for every kernel, and the size rule for refs the T
 lowering would address with too narrow offsets (`narrow_offsets_overflow`). The Mosaic
 GPU kernels reuse the tile plan and the optional inputs, with tilings of their own
 (`MosaicPrefillTiling`: warpgroups, a TMA ring, copies that never cross a cache page;
-`MosaicDecodeTiling`).
+`MosaicDecodeTiling`). The weight-streaming matmul's plan (`MatmulTiling`, `plan_matmul`)
+lives here too.
 
 Layering: `spec`, `kv_view` and `tuning` at the bottom, then this module; the kernels
 (`jax_paged_attn.kernels`) import only these, `reference`'s mask helpers and

@@ -241,6 +241,71 @@ def test_decode_windows_run_while_requests_wait_for_blocks(model):
     assert_all_blocks_free(engine)
 
 
+def test_admissions_join_the_running_batch_without_draining_it(model):
+    """A prompt admitted while the persistent batch decodes is prefilled beside it, with
+    the batch's windows still in flight, and takes a free row on the device: no drain,
+    no new batch. Tokens equal the dense ones."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
+    in_flight_at_prefill = []
+    run_step = engine.runner.run_step
+
+    def watching_step(*args, **kwargs):
+        in_flight_at_prefill.append(len(engine._batch.inflight) if engine._batch is not None else 0)
+        return run_step(*args, **kwargs)
+
+    engine.runner.run_step = watching_step
+    prompts = random_prompts(13, [9, 20, 4, 15, 7, 11])
+    max_tokens = [6, 30, 10, 12, 25, 8]  # 4 sequence slots: the last two wait for short ones to end
+    outs = engine.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    expected = dense_greedy_generate(model, prompts, max(max_tokens))
+    assert [o.output_token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
+    assert engine.stats.num_inserted_rows == 2 and engine.stats.num_decode_batches == 1
+    assert max(in_flight_at_prefill) > 0  # a prefill ran behind windows the host had not read
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_that_cannot_join_the_batch_rebuilds_it(model):
+    """A sampled request arriving while a greedy batch runs (whose window program is the
+    greedy one) cannot take a row: the batch is rebuilt with it. Its tokens are those it
+    samples alone, the greedy ones the dense ones."""
+    sampled = SamplingParams(temperature=0.9, top_k=40, max_tokens=10, seed=3)
+    prompts = random_prompts(14, [9, 20, 4, 15, 7])
+    alone = LLMEngine(model, BASE).generate([prompts[4]], sampled, use_tqdm=False)[0]
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
+    params = [greedy(5), greedy(20), greedy(12), greedy(16), sampled]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    expected = dense_greedy_generate(model, prompts[:4], 20)
+    assert [o.output_token_ids for o in outs[:4]] == [ref[:p.max_tokens] for ref, p in zip(expected, params)]
+    assert outs[4].output_token_ids == alone.output_token_ids
+    assert engine.stats.num_inserted_rows == 0 and engine.stats.num_decode_batches >= 2
+    assert_all_blocks_free(engine)
+
+
+def test_aborted_row_is_reused_after_the_windows_in_flight(model):
+    """Aborting a request in the running batch frees its row for the next admission; the
+    windows already dispatched still carry the aborted request's row, and their tokens
+    are not given to the newcomer."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
+    prompts = random_prompts(15, [9, 20, 4, 15, 7])
+    ids = [engine.add_request(p, greedy(24), request_id=f"r{i}") for i, p in enumerate(prompts)]
+    outputs, aborted = {}, False
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = engine.pop_output(out.request_id)
+        batch = engine._batch
+        if not aborted and batch is not None and batch.inflight:
+            engine.abort_request("r1")  # in the batch, with a window in flight
+            aborted = True
+    assert aborted and engine.stats.num_inserted_rows == 1
+    expected = dense_greedy_generate(model, prompts, 24)
+    for i, request_id in enumerate(ids):
+        if request_id != "r1":
+            assert outputs[request_id].output_token_ids == expected[i], request_id
+    assert_all_blocks_free(engine)
+
+
 def test_decode_window_program_has_no_conditional():
     """No data-dependent branch in the decode window lowered for CUDA (XLA would copy its
     predicate to the host, and the call would wait for the whole step), greedy or sampled."""

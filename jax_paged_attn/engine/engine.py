@@ -23,6 +23,14 @@ programs). Two kinds of step:
   the host. Rows that stop mid-window write nothing more; their blocks are freed when
   the host reads the window.
 
+* **admission beside the batch** (prefill-only steps, the default): when a prompt can
+  be admitted while the persistent batch runs, its prefill step is dispatched behind
+  the windows in flight (nothing is drained), and the requests that finish their prompt
+  take free rows of the batch (rows whose request ended, then padding rows) through one
+  small device update. Only when a request cannot join (no free row, a block table or
+  stop list wider than the batch's, a sampled request in a greedy batch, other logprobs)
+  are the windows read and the batch rebuilt with everyone.
+
 Compilation: each program is traced once per distinct *static* shape of its inputs.
 The builder pads every count to a bucket and the persistent batch rounds its rows, its
 block-table width and its stop-id columns up to powers of two, so a run compiles a
@@ -253,7 +261,9 @@ class EngineStats:
     any JAX compilation in the process, seen through `jax.monitoring`) are kept apart
     (``compile_steps``, ``compile_time_s``, their tokens in ``num_generated_tokens``
     only) so compilation does not distort the rates. ``num_compiled_programs`` counts
-    the model programs (step and decode window) only.
+    the model programs (step and decode window) only. ``num_decode_batches``: persistent
+    batches uploaded (each after reading every window in flight);
+    ``num_inserted_rows``: requests put into a running batch's free rows instead.
     """
 
     num_steps: int = 0
@@ -270,6 +280,8 @@ class EngineStats:
     num_recomputed_requests: int = 0
     num_prefix_cache_hit_tokens: int = 0
     num_copied_blocks: int = 0
+    num_decode_batches: int = 0
+    num_inserted_rows: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -529,6 +541,11 @@ class LLMEngine:
                 self._record(None, num_tokens, time.perf_counter() - start_time,
                              self.runner.num_traces - traces_before)
                 return [RequestOutput.of(r) for r in finished]
+        if self._can_prefill_beside_batch():
+            out = self.scheduler.schedule_prefills()
+            if not out.is_empty:
+                return self._run_scheduled(out, [], 0, start_time, traces_before, beside_batch=True)
+            self._run_block_ops(out)  # a prompt chunk found no blocks: its preemption's swap-outs
         finished, num_drained = self._drain()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -537,6 +554,13 @@ class LLMEngine:
             if num_drained:
                 self._record(None, num_drained, time.perf_counter() - start_time, 0)
             return [RequestOutput.of(r) for r in finished]
+        return self._run_scheduled(out, finished, num_drained, start_time, traces_before, beside_batch=False)
+
+    def _run_scheduled(self, out: SchedulerOutput, finished: list[Request], num_drained: int, start_time: float,
+                       traces_before: int, *, beside_batch: bool) -> list[RequestOutput]:
+        """Runs a scheduled step (block moves, forward, sampling) and records it; with
+        ``beside_batch`` (a prefill-only step while the decode windows stay in flight) the
+        requests that finished their prompt join the persistent batch's free rows."""
         self._run_block_ops(out)
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
         greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
@@ -549,6 +573,9 @@ class LLMEngine:
                 if item.samples:
                     _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
         finished += self.scheduler.update(out, sampled)
+        if beside_batch:
+            self._join_batch([item.request for item in out.scheduled
+                              if item.samples and not item.request.is_finished])
         compiled = self.runner.num_traces - traces_before
         self._record(out, len(sampled) + num_drained, time.perf_counter() - start_time, compiled)
         return [RequestOutput.of(r) for r in finished]
@@ -586,6 +613,65 @@ class LLMEngine:
         more_finished, more_tokens = self._read_window()
         return finished + more_finished, num_tokens + more_tokens
 
+    def _can_prefill_beside_batch(self) -> bool:
+        """Whether the next step may prefill while the persistent batch keeps its windows
+        in flight: prefill-only steps (no ``decode_during_prefill``), nobody swapped out,
+        a free row for a new request, and every decoding request already in the batch."""
+        batch, sched = self._batch, self.scheduler
+        if batch is None or self.config.decode_during_prefill or sched.swapped:
+            return False
+        if batch.needs_rebuild(self.config.batch_buckets) or not batch.free_rows():
+            return False
+        members = {r.request_id for r in batch.requests}
+        return all(r.in_prefill or r.request_id in members for r in sched.running)
+
+    def _join_batch(self, requests: list[Request]) -> None:
+        """Puts requests that start decoding into free rows of the persistent batch, on the
+        device after the windows in flight; when they do not all fit (rows, block-table
+        width, stop ids, the batch's static greedy / logprobs choice) the batch is rebuilt
+        before its next window instead."""
+        batch = self._batch
+        assert batch is not None
+        if not requests:
+            return
+        free = batch.free_rows()
+        fits = len(requests) <= len(free) and all(
+            len(r.block_table) <= batch.width
+            and (self.scheduler.final_length(r) - 2) // self.config.block_size + 1 <= batch.width
+            and len(self.scheduler.stop_token_ids(r)) <= batch.num_stop_ids
+            and (r.sampling_params.greedy or not batch.greedy)
+            and self._num_logprobs([r]) == batch.num_logprobs
+            for r in requests)
+        if not fits:
+            batch.missing_rows = True
+            return
+        values = DecodeState.empty(batch.num_rows, batch.width, batch.num_stop_ids)
+        row_index = np.full(batch.num_rows, batch.num_rows, np.int32)  # padding entries are dropped
+        for j, (row, request) in enumerate(zip(free, requests)):
+            self._fill_row(values, j, request)
+            row_index[j] = row
+            if row == len(batch.requests):  # free rows list the padding rows last, in order
+                batch.requests.append(request)
+            else:
+                batch.requests[row] = request
+            batch.next_position[row] = request.num_tokens - 1
+            batch.table_len[row] = len(request.block_table)
+        self.runner.insert_decode_rows(row_index, values)
+        self.stats.num_inserted_rows += len(requests)
+
+    def _fill_row(self, rows: DecodeState, i: int, request: Request) -> None:
+        """Host row ``i`` of a `DecodeState` from a decoding request."""
+        params = request.sampling_params
+        stops = self.scheduler.stop_token_ids(request)
+        rows.tokens[i] = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+        rows.positions[i] = request.num_tokens - 1
+        rows.active[i] = True
+        rows.block_tables[i, :len(request.block_table)] = request.block_table
+        rows.temperature[i], rows.top_p[i], rows.top_k[i] = params.temperature, params.top_p, params.top_k
+        rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids)
+        rows.max_tokens[i] = params.max_tokens
+        rows.stop_ids[i, :len(stops)] = stops
+
     def _start_batch(self) -> None:
         """Uploads the running requests as the rows of a new persistent batch."""
         running = list(self.scheduler.running)
@@ -596,21 +682,14 @@ class LLMEngine:
         longest = max(self.scheduler.final_length(r) for r in running)
         width = pad_to_bucket(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]),
                               cfg.block_table_width_buckets)
-        stop_lists = [self.scheduler.stop_token_ids(r) for r in running]
-        rows = DecodeState.empty(num_rows, width, next_power_of_2(max(1, max(len(s) for s in stop_lists))))
-        for i, (request, stops) in enumerate(zip(running, stop_lists)):
-            params = request.sampling_params
-            rows.tokens[i] = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
-            rows.positions[i] = request.num_tokens - 1
-            rows.active[i] = True
-            rows.block_tables[i, :len(request.block_table)] = request.block_table
-            rows.temperature[i], rows.top_p[i], rows.top_k[i] = params.temperature, params.top_p, params.top_k
-            rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids)
-            rows.max_tokens[i] = params.max_tokens
-            rows.stop_ids[i, :len(stops)] = stops
+        num_stop_ids = next_power_of_2(max(1, max(len(self.scheduler.stop_token_ids(r)) for r in running)))
+        rows = DecodeState.empty(num_rows, width, num_stop_ids)
+        for i, request in enumerate(running):
+            self._fill_row(rows, i, request)
         self.runner.start_decode(rows)
+        self.stats.num_decode_batches += 1
         self._batch = _DecodeBatch(
-            requests=running, num_rows=num_rows, width=width,
+            requests=running, num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
             next_position=rows.positions.copy(), table_len=np.array(
                 [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
             greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
@@ -652,7 +731,7 @@ class LLMEngine:
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
                                             max_model_len=self.config.max_model_len,
                                             num_logprobs=batch.num_logprobs)
-        batch.inflight.append(out)
+        batch.inflight.append((out, list(batch.requests)))  # the rows' requests when dispatched
         batch.next_position[live] += k
         return True
 
@@ -660,12 +739,13 @@ class LLMEngine:
         """Waits for the oldest window in flight and records its tokens."""
         batch = self._batch
         assert batch is not None and batch.inflight
-        tokens, logprobs = _to_host(batch.inflight.popleft())  # [K, R]; waits for that window only
+        result, requests = batch.inflight.popleft()
+        tokens, logprobs = _to_host(result)  # [K, R]; waits for that window only
         now = time.perf_counter()
         counts = (tokens != NO_TOKEN).sum(axis=0)
         finished, num_tokens = [], 0
-        for i in np.nonzero(counts[:len(batch.requests)])[0]:
-            request = batch.requests[i]
+        for i in np.nonzero(counts[:len(requests)])[0]:
+            request = requests[i]
             n = int(counts[i])
             if logprobs is not None:
                 _append_logprobs(request, tokens[:n, i], logprobs, np.s_[:n, i])
@@ -831,17 +911,28 @@ class _DecodeBatch:
     requests: list[Request]  # row i's request (rows past the list are padding)
     num_rows: int
     width: int  # block-table columns of a row
+    num_stop_ids: int  # stop-id columns of a row
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
     greedy: bool
     num_logprobs: int | None = None  # the window programs' static num_logprobs
+    # (window output, the rows' requests when it was dispatched), oldest first
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
+    missing_rows: bool = False  # a decoding request could not join (`LLMEngine._join_batch`)
+
+    def free_rows(self) -> list[int]:
+        """Rows a new request may take: those whose request finished as far as the host
+        knows (a row the device stopped is inactive; an aborted one is overwritten after
+        the windows in flight, which may still write into the freed blocks, before any
+        later program reuses them), then the padding rows in order."""
+        done = [i for i, r in enumerate(self.requests) if r.is_finished]
+        return done + list(range(len(self.requests), self.num_rows))
 
     def needs_rebuild(self, row_buckets: tuple[int, ...] | None) -> bool:
-        """A request outgrew its block-table row, or most rows stopped (a smaller batch
-        bucket runs faster)."""
-        if self.wants_wider_table:
+        """A request outgrew its block-table row, a decoding request is outside the batch,
+        or most rows stopped (a smaller batch bucket runs faster)."""
+        if self.wants_wider_table or self.missing_rows:
             return True
         live = sum(not r.is_finished for r in self.requests)
         return live > 0 and decode_batch_rows(live, row_buckets) < self.num_rows

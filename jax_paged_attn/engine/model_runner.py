@@ -264,6 +264,11 @@ class _Programs:
                                                               (state, list(kv_caches), out, lp_out))
             return out, lp_out, state, kv_caches
 
+        def insert(state: DecodeState, row_index: Array, rows: DecodeState) -> DecodeState:
+            # Row ``row_index[j]`` takes ``rows``' row j; an index of R (padding) is dropped.
+            return jax.tree_util.tree_map(lambda old, new: old.at[row_index].set(new, mode="drop"), state, rows)
+
+        self.insert = jax.jit(insert, donate_argnums=(0,))
         self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy", "num_logprobs"), compiler_options=options)
         self.window = jax.jit(window, donate_argnums=(1, 2),
                               static_argnames=("num_steps", "greedy", "block_size", "max_model_len", "num_logprobs"),
@@ -333,6 +338,14 @@ class ModelRunner:
 
     def drop_decode_state(self) -> None:
         self._decode_state = None
+
+    def insert_decode_rows(self, row_index: np.ndarray, rows: DecodeState) -> None:
+        """Overwrites rows of the persistent batch on the device, after the windows
+        already dispatched (programs run in order): row ``row_index[j]`` takes ``rows``'
+        row j (host rows from `DecodeState.empty` with the batch's row count, width and
+        stop-id columns; an index equal to the row count pads and is ignored)."""
+        assert self._decode_state is not None, "start_decode first"
+        self._decode_state = self._programs.insert(self._decode_state, row_index, rows)
 
     def run_decode_window(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, *,
                           num_steps: int, greedy: bool, max_model_len: int, num_logprobs: int | None = None

@@ -332,6 +332,15 @@ class Scheduler:
             # blocks) stays in `out`: its swap-outs must run before anything else.
         return self._schedule(out, prefill_only=False)
 
+    def schedule_prefills(self) -> SchedulerOutput:
+        """A step of prompt chunks only (those of running requests still in prefill, then
+        admissions), or an empty one; requests that decode are neither scheduled nor
+        preempted. Only without ``decode_during_prefill``: an engine runs such a step
+        while its decode windows are in flight (the decoding requests' host state then
+        lags the device's, so nothing may be decided from it)."""
+        assert not self.config.decode_during_prefill, "prefill-only steps need decode_during_prefill=False"
+        return self._schedule(SchedulerOutput([], [], [], [], [], 0, 0), prefill_only=True)
+
     def _schedule(self, out: SchedulerOutput, *, prefill_only: bool) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
