@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [resources]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources]
 # Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,6 +38,8 @@ for step in "${steps[@]}"; do
       timeout 330 python3 benchmarks/bench_matmul.py --out "$out" --budget-s "${MATMUL_BUDGET_S:-240}" 2>&1 | tee "$out/matmul.log" ;;
     engine)
       timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
+    serving)  # 1,000 mixed-length requests at once: total tok/s, TTFT / TPOT percentiles
+      timeout 420 python3 benchmarks/bench_engine.py --batches 1 --serving 1000 2>&1 | tee "$out/serving.log" ;;
     resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v)
       { for variant in "--kernel prefill" "--kernel prefill --config masked_block_k=16" "--kernel decode"; do
           # shellcheck disable=SC2086
