@@ -21,8 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_paged_attn import plans, tuning
-from jax_paged_attn.kernels import triton_matmul
+from jax_paged_attn import dispatch, plans, tuning
 
 Array = jax.Array
 
@@ -70,6 +69,13 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
     reason = streaming_unsupported_reason(x, w, config)
     if reason is not None:
         raise ValueError(f"weight_streaming_matmul: {reason}")
+    missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
+    if missing is not None:
+        raise NotImplementedError(f"weight_streaming_matmul cannot run: {missing}")
+    # Imported here, as the attention wrappers import their kernels: the package (and
+    # the models, whose default is XLA's dot) must import on a JAX without the lowering.
+    from jax_paged_attn.kernels import triton_matmul
+
     rows, depth, out = _flatten(x, w, "x", "w")
     cols = math.prod(out)
     tiling = plans.plan_matmul(rows, depth, cols, config, itemsize=jnp.dtype(x.dtype).itemsize,

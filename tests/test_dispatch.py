@@ -117,6 +117,15 @@ try:
 except NotImplementedError as error:
     print("explicit:", error)
 print("reason:", dispatch.lowering_unavailable_reason("triton"))
+from flax import nnx
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig.tiny(hidden_size=128, intermediate_size=256), rngs=nnx.Rngs(0))
+print("llama dense forward:", model.forward_dense(jnp.array([[1, 2, 3]])).shape)
+from jax_paged_attn import matmul
+try:
+    matmul.weight_streaming_matmul(jnp.ones((2, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16))
+except NotImplementedError as error:
+    print("matmul:", error)
 print("triton imported:", "jax.experimental.pallas.triton" in sys.modules)
 """
 
@@ -133,6 +142,8 @@ def test_a_jax_without_the_triton_lowering_still_imports_and_runs_the_reference(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "explicit: implementation='triton' cannot run this call: the installed jax" in result.stdout
     assert "has no Pallas triton lowering" in result.stdout
+    assert "llama dense forward: (1, 3, 128)" in result.stdout
+    assert "matmul: weight_streaming_matmul cannot run: the installed jax" in result.stdout
     assert "triton imported: False" in result.stdout
 
 
