@@ -193,7 +193,8 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
                   total_tok_s=(generated + int(prompt_lens.sum())) / wall,
                   ttft_ms=np.percentile(ttft, [50, 90, 99]).tolist(), tpot_ms=np.percentile(tpot, [50, 90, 99]).tolist(),
                   programs=compiled, recompiled=engine.num_compiled_programs - compiled,
-                  kv_cache=engine.start_report.splitlines()[-2])
+                  kv_cache=next(line for line in engine.start_report.splitlines() if line.startswith("KV cache")),
+                  decode_batches=engine.stats.num_decode_batches, joined_rows=engine.stats.num_inserted_rows)
     del engine, outputs
     gc.collect()
     return result
@@ -309,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
               f"(prompt + generated) in {serving['wall_s']:.1f} s; TTFT p50/p90/p99 "
               f"{'/'.join(f'{x:,.0f}' for x in serving['ttft_ms'])} ms; TPOT p50/p90/p99 "
               f"{'/'.join(f'{x:.2f}' for x in serving['tpot_ms'])} ms; {serving['programs']} programs "
-              f"(+{serving['recompiled']} in the timed run); {serving['kv_cache']}", flush=True)
+              f"(+{serving['recompiled']} in the timed run); {serving['decode_batches']} decode batches built, "
+              f"{serving['joined_rows']} requests joined a running one; {serving['kv_cache']}", flush=True)
         rows.append(dict(serving=serving))
     print()
     print(f"total time {time.perf_counter() - start:.1f} s (compilation included)")
