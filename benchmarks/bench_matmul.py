@@ -39,7 +39,6 @@ for path in (_HERE.parent, _HERE):
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench_attention import Timer, short_error  # noqa: E402
 from jax_paged_attn import matmul  # noqa: E402
