@@ -246,14 +246,19 @@ def test_admissions_join_the_running_batch_without_draining_it(model):
     the batch's windows still in flight, and takes a free row on the device: no drain,
     no new batch. Tokens equal the dense ones."""
     engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
-    in_flight_at_prefill = []
-    run_step = engine.runner.run_step
+    in_flight_at_prefill, events = [], []
+    run_step, dispatch = engine.runner.run_step, engine.runner.run_decode_window
 
     def watching_step(*args, **kwargs):
         in_flight_at_prefill.append(len(engine._batch.inflight) if engine._batch is not None else 0)
+        events.append("prefill" if engine._batch is not None else "prefill without a batch")
         return run_step(*args, **kwargs)
 
-    engine.runner.run_step = watching_step
+    def watching_dispatch(*args, **kwargs):
+        events.append("window")
+        return dispatch(*args, **kwargs)
+
+    engine.runner.run_step, engine.runner.run_decode_window = watching_step, watching_dispatch
     prompts = random_prompts(13, [9, 20, 4, 15, 7, 11])
     max_tokens = [6, 30, 10, 12, 25, 8]  # 4 sequence slots: the last two wait for short ones to end
     outs = engine.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
@@ -261,6 +266,8 @@ def test_admissions_join_the_running_batch_without_draining_it(model):
     assert [o.output_token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
     assert engine.stats.num_inserted_rows == 2 and engine.stats.num_decode_batches == 1
     assert max(in_flight_at_prefill) > 0  # a prefill ran behind windows the host had not read
+    # and the running rows got a window behind each such prefill, before the newcomer joined
+    assert all(events[i + 1] == "window" for i, e in enumerate(events) if e == "prefill"), events
     assert_all_blocks_free(engine)
 
 

@@ -25,9 +25,9 @@ programs). Two kinds of step:
 
 * **admission beside the batch** (prefill-only steps, the default): when a prompt can
   be admitted while the persistent batch runs, its prefill step is dispatched behind
-  the windows in flight (nothing is drained), and the requests that finish their prompt
-  take free rows of the batch (rows whose request ended, then padding rows) through one
-  small device update. Only when a request cannot join (no free row, a block table or
+  the windows in flight (nothing is drained), one more window of the running rows
+  behind it, and the requests that finish their prompt take free rows of the batch
+  (rows whose request ended, then padding rows) through one small device update. Only when a request cannot join (no free row, a block table or
   stop list wider than the batch's, a sampled request in a greedy batch, other logprobs)
   are the windows read and the batch rebuilt with everyone.
 
@@ -565,8 +565,13 @@ class LLMEngine:
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
         greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
         num_logprobs = self._num_logprobs([item.request for item in out.scheduled if item.samples])
-        tokens, logprobs = _to_host(self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy,
-                                                         num_logprobs=num_logprobs))  # waits
+        result = self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy,
+                                      num_logprobs=num_logprobs)
+        if beside_batch and self._batch is not None and len(self._batch.inflight) < 2:
+            # The batch's rows decode one more window behind the prefill while the host
+            # waits for the prompt's token, so the device does not idle until they join.
+            self._dispatch_window()
+        tokens, logprobs = _to_host(result)  # waits
         sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
         if logprobs is not None:
             for item, row in zip(out.scheduled, rows):
