@@ -27,9 +27,10 @@ programs). Two kinds of step:
   be admitted while the persistent batch runs, its prefill step is dispatched behind
   the windows in flight (nothing is drained), one more window of the running rows
   behind it, and the requests that finish their prompt take free rows of the batch
-  (rows whose request ended, then padding rows) through one small device update. Only when a request cannot join (no free row, a block table or
-  stop list wider than the batch's, a sampled request in a greedy batch, other logprobs)
-  are the windows read and the batch rebuilt with everyone.
+  (rows whose request ended, then padding rows) through one small device update. Only
+  when a request cannot join (no free row, a block table or stop list wider than the
+  batch's, a sampled request in a greedy batch, other logprobs) are the windows read
+  and the batch rebuilt with everyone.
 
 Compilation: each program is traced once per distinct *static* shape of its inputs.
 The builder pads every count to a bucket and the persistent batch rounds its rows, its
