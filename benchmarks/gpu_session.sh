@@ -17,8 +17,10 @@ for step in "${steps[@]}"; do
       paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
       # TESTS_WORKERS=N: N pytest-xdist workers sharing the GPU (compiles run in parallel;
       # each worker allocates GPU memory on demand instead of preallocating 75 %).
+      # --dist loadgroup: the cases marked xdist_group("gpu_memory") (GBs each) run on
+      # one worker, one after another.
       xdist=()
-      [ -n "${TESTS_WORKERS:-}" ] && xdist=(-n "$TESTS_WORKERS")
+      [ -n "${TESTS_WORKERS:-}" ] && xdist=(-n "$TESTS_WORKERS" --dist loadgroup)
       # -v: each result as it lands, so a run cut off by the time limit still says how far it
       # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run.
       per_test=()

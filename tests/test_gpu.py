@@ -145,9 +145,17 @@ PREFILL_CASES = [
 PREFILL_IMPLEMENTATIONS = ["triton", "mosaic_gpu"]
 
 
+BIG_MEMORY = pytest.mark.xdist_group("gpu_memory")
+"""Cases that take GBs of GPU memory: with ``pytest -n N --dist loadgroup`` (as
+`benchmarks/gpu_session.sh` runs the suite) they run one after another on one worker,
+so N workers sharing the GPU do not run out of memory together."""
+
+
 def _prefill_params(cases, dtype_of, ids):
-    """(implementation, case) pairs: every case with Triton, the 16-bit ones with Mosaic GPU."""
-    return [pytest.param(impl, case, id=f"{impl}-{ids(case)}") for case in cases for impl in PREFILL_IMPLEMENTATIONS
+    """(implementation, case) pairs: every case with Triton, the 16-bit ones with Mosaic GPU;
+    cases of 4,096 tokens and more in the `BIG_MEMORY` group."""
+    return [pytest.param(impl, case, id=f"{impl}-{ids(case)}", marks=[BIG_MEMORY] if sum(case[0]) >= 4096 else [])
+            for case in cases for impl in PREFILL_IMPLEMENTATIONS
             if impl == "triton" or jnp.dtype(dtype_of(case)) != jnp.float32]
 
 
@@ -206,6 +214,7 @@ def test_auto_implementation_runs_the_kernel_on_gpu():
     np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, cache, cache, lens, table), np.float32), 1.0, atol=1e-2)
 
 
+@BIG_MEMORY
 @pytest.mark.parametrize("kind", ["decode", "paged_prefill"])
 @pytest.mark.parametrize("layout", ["stacked_kv", "per_cache"])
 def test_kernels_read_an_fp8_cache_of_2_31_to_2_32_elements(layout, kind):
