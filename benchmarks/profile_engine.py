@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import LLAMA_1B, make_dense_decode_step  # noqa: E402
+from jax_paged_attn import tuning  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -206,10 +207,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variant", action="append", default=[], help="NAME:XLA_OPTION=VALUE,...")
     parser.add_argument("--matmul-implementation", default=None, choices=("auto", "xla", "weight_streaming"),
                         help="the model's projections (jax_paged_attn.matmul.linear; default auto)")
+    parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
+                        help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "
+                             "this run, e.g. pages_per_step=1,num_warps=4,num_stages=3")
     parser.add_argument("--no-dense", action="store_true")
     parser.add_argument("--out", default=None, help="keep traces and optimized HLO here")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
     args = parser.parse_args(argv)
+    if args.decode_config:
+        decode_config = tuning.DecodeConfig(**parse_variant(f"decode:{args.decode_config}")[1])
+        # Every decode call of this process takes it (the tables are looked up at trace time).
+        tuning.decode_config = lambda *_, **__: decode_config
+        print(f"decode kernel config for this run: {decode_config}")
 
     config, dtype = (LlamaConfig.tiny(), jnp.float32) if args.quick else (LLAMA_1B, jnp.bfloat16)
     out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="profile_engine_"))

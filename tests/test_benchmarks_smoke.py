@@ -325,6 +325,18 @@ def test_profile_engine_quick_smoke(capsys, tmp_path):
     assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
 
 
+def test_profile_engine_decode_config_replaces_the_table_for_the_run(capsys, monkeypatch):
+    from jax_paged_attn import tuning
+
+    monkeypatch.setattr(tuning, "decode_config", tuning.decode_config)  # restored after the test
+    profile = _load("profile_engine")
+    profile.main(["--quick", "--batches", "2", "--num-steps", "2", "--calls", "1", "--no-dense",
+                  "--decode-config", "pages_per_step=1,num_warps=2,prefetch_page_ids=true"])
+    assert "decode kernel config for this run: DecodeConfig(pages_per_step=1" in capsys.readouterr().out
+    chosen = tuning.decode_config(128, 16, 4)
+    assert (chosen.pages_per_step, chosen.num_warps, chosen.prefetch_page_ids) == (1, 2, True)
+
+
 PTXAS_VERBOSE = """\
 ptxas info    : 11 bytes gmem
 ptxas info    : Compiling entry function 'varlen_attention' for 'sm_90a'
