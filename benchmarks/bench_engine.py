@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jax_paged_attn import matmul  # noqa: E402
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation of the model: auto (default), xla, triton")
-    parser.add_argument("--matmul-implementation", default=None, choices=("auto", "xla", "weight_streaming"),
+    parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES,
                         help="the engine model's projections (jax_paged_attn.matmul.linear; default auto); the "
                              "dense loop always uses XLA's dot")
     parser.add_argument("--dense-impl", default="xla", choices=("xla", "cudnn", "auto"),

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import LLAMA_1B, make_dense_decode_step  # noqa: E402
-from jax_paged_attn import tuning  # noqa: E402
+from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--calls", type=int, default=20, help="timed windows (dense: timed steps / num_steps)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:XLA_OPTION=VALUE,...")
-    parser.add_argument("--matmul-implementation", default=None, choices=("auto", "xla", "weight_streaming"),
+    parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES,
                         help="the model's projections (jax_paged_attn.matmul.linear; default auto)")
     parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
                         help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "

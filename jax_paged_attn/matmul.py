@@ -15,7 +15,6 @@ not fuse into its GEMMs (the norm before a projection, the residual add after it
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import jax
@@ -25,10 +24,17 @@ from jax_paged_attn import dispatch, plans, tuning
 
 Array = jax.Array
 
-logger = logging.getLogger(__name__)
-
 MATMUL_IMPLEMENTATIONS = ("xla", "weight_streaming")
 """`linear`'s implementations; None picks (`linear`)."""
+
+IMPLEMENTATION_CHOICES = ("auto", *MATMUL_IMPLEMENTATIONS)
+"""Every name `linear` accepts (None too)."""
+
+
+def check_implementation(implementation: str | None, argument: str = "implementation") -> None:
+    """ValueError naming ``argument`` unless ``implementation`` is None or in `IMPLEMENTATION_CHOICES`."""
+    if implementation is not None and implementation not in IMPLEMENTATION_CHOICES:
+        raise ValueError(f"{argument} must be one of {IMPLEMENTATION_CHOICES} or None, got {implementation!r}.")
 
 _STREAMING_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -111,9 +117,7 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
     Returns:
       ``[..., *out]`` in x's dtype.
     """
-    if implementation not in (None, "auto", *MATMUL_IMPLEMENTATIONS):
-        raise ValueError(f"implementation must be one of {('auto', *MATMUL_IMPLEMENTATIONS)} or None, "
-                         f"got {implementation!r}")
+    check_implementation(implementation)
     rows, depth, out = _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
     if implementation != "weight_streaming":

@@ -643,7 +643,7 @@ class LLMEngine:
         free = batch.free_rows()
         fits = len(requests) <= len(free) and all(
             len(r.block_table) <= batch.width
-            and (self.scheduler.final_length(r) - 2) // self.config.block_size + 1 <= batch.width
+            and self.scheduler.last_input_position(r) // self.config.block_size + 1 <= batch.width
             and len(self.scheduler.stop_token_ids(r)) <= batch.num_stop_ids
             and (r.sampling_params.greedy or not batch.greedy)
             and self._num_logprobs([r]) == batch.num_logprobs
@@ -709,7 +709,7 @@ class LLMEngine:
                 and batch.next_position[i] + 2 <= self.scheduler.final_length(r)]
         if not live:
             return False
-        need = [min(int(batch.next_position[i]) + k - 1, self.scheduler.final_length(batch.requests[i]) - 2) // bs + 1
+        need = [min(int(batch.next_position[i]) + k - 1, self.scheduler.last_input_position(batch.requests[i])) // bs + 1
                 for i in live]
         if max(need) > batch.width:
             batch.wants_wider_table = True

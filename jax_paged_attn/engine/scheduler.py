@@ -480,11 +480,16 @@ class Scheduler:
         """Tokens ``request`` holds when it ends by length (``max_tokens`` or ``max_model_len``)."""
         return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
 
+    def last_input_position(self, request: Request) -> int:
+        """The position of the last token ``request`` feeds the model (the token before its
+        last one, at `final_length`): the last cache slot it may write."""
+        return self.final_length(request) - 2
+
     def reserve_decode_blocks(self, request: Request, last_position: int) -> int | None:
         """Appends the blocks ``request`` needs to write positions up to ``last_position``
         (capped at its last possible input position); returns how many, or None (nothing
         reserved) when the free blocks do not suffice. No preemption is done."""
-        last_position = min(last_position, self.final_length(request) - 2)
+        last_position = min(last_position, self.last_input_position(request))
         wanted = last_position // self.block_size + 1 - len(request.block_table)
         if wanted <= 0:
             return 0

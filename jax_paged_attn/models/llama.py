@@ -391,11 +391,13 @@ def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any
     return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def _serving_projection(module: nnx.Linear | nnx.LinearGeneral, x: Array, implementation: str | None,
-                        interpret: bool) -> Array:
-    """``module(x)`` in the serving forward: `jax_paged_attn.matmul.linear` over the module's
-    kernel (the weight-streaming matmul for decode-sized batches where auto picks it), in
+def _project(module: nnx.Linear | nnx.LinearGeneral, x: Array, *, serving: bool, implementation: str | None,
+             interpret: bool) -> Array:
+    """``module(x)``; in the serving forward through `jax_paged_attn.matmul.linear` over the
+    module's kernel (``implementation`` picks XLA's dot or the weight-streaming matmul), in
     the module's compute dtype as the module would."""
+    if not serving:
+        return module(x)
     dtype = module.dtype or x.dtype
     return matmul.linear(x.astype(dtype), module.kernel[...], implementation=implementation, interpret=interpret)
 
@@ -441,10 +443,8 @@ class LlamaAttention(nnx.Module):
         (``serving``: the product through `jax_paged_attn.matmul.linear`)."""
         cfg = self.config
         group = self.queries_per_kv_head
-        if serving:
-            qkv = _serving_projection(self.qkv_proj, x, self.matmul_implementation, self.interpret)
-        else:
-            qkv = self.qkv_proj(x)  # [..., Hk, group + 2, D]
+        qkv = _project(self.qkv_proj, x, serving=serving, implementation=self.matmul_implementation,
+                       interpret=self.interpret)  # [..., Hk, group + 2, D]
         # Merging (Hk, group) gives query head j * group + i; the merged axis keeps the Hk
         # axis's sharding (it is the major one), so this reshape moves no data across devices.
         q = qkv[..., :group, :].reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
@@ -460,7 +460,8 @@ class LlamaAttention(nnx.Module):
         out, kv_cache = self.attn(
             q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
         )
-        return _serving_projection(self.o_proj, out, self.matmul_implementation, self.interpret), kv_cache
+        return _project(self.o_proj, out, serving=True, implementation=self.matmul_implementation,
+                        interpret=self.interpret), kv_cache
 
     def dense(self, x: Array) -> Array:
         """``[B, S, hidden]`` -> ``[B, S, hidden]``: causal attention over the whole sequence, no cache."""
@@ -504,14 +505,9 @@ class LlamaMLP(nnx.Module):
     def __call__(self, x: Array, *, serving: bool = False) -> Array:
         """``[..., hidden]`` -> ``[..., hidden]`` (``serving``: products through
         `jax_paged_attn.matmul.linear`)."""
-        if serving:
-            def project(module, h):
-                return _serving_projection(module, h, self.matmul_implementation, self.interpret)
-        else:
-            def project(module, h):
-                return module(h)
-        gate_up = project(self.gate_up_proj, x)  # [..., 2, intermediate]
-        return project(self.down_proj, jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+        how = dict(serving=serving, implementation=self.matmul_implementation, interpret=self.interpret)
+        gate_up = _project(self.gate_up_proj, x, **how)  # [..., 2, intermediate]
+        return _project(self.down_proj, jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], **how)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -604,14 +600,11 @@ class LlamaForCausalLM(nnx.Module):
     ):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}.")
-        if matmul_implementation not in (None, "auto", *matmul.MATMUL_IMPLEMENTATIONS):
-            raise ValueError(f"matmul_implementation must be one of {('auto', *matmul.MATMUL_IMPLEMENTATIONS)} "
-                             f"or None, got {matmul_implementation!r}.")
+        matmul.check_implementation(matmul_implementation, "matmul_implementation")
+        if mesh is not None and matmul_implementation == "weight_streaming":
+            raise ValueError("matmul_implementation='weight_streaming' cannot run with a mesh: the kernel is "
+                             "not partitioned over devices; use None or 'xla'.")
         self.matmul_implementation = matmul_implementation
-        if mesh is not None:
-            if matmul_implementation == "weight_streaming":
-                raise ValueError("matmul_implementation='weight_streaming' cannot run with a mesh: the kernel is "
-                                 "not partitioned over devices; use None or 'xla'.")
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
