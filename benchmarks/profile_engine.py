@@ -121,7 +121,8 @@ def summarize(events: Sequence[dict[str, Any]], num_steps: int, top: int = 14) -
     return "\n".join(lines)
 
 
-def profile(run: Callable[[], Any], num_steps_per_call: int, calls: int, trace_dir: pathlib.Path) -> tuple[float, float, str]:
+def profile(run: Callable[[], Any], num_steps_per_call: int, calls: int, trace_dir: pathlib.Path,
+            top: int = 14) -> tuple[float, float, str]:
     """(wall ms/step, GPU-busy ms/step, kernel summary) of ``run`` (one call = that many steps)."""
     jax.block_until_ready(run())
     start = time.perf_counter()
@@ -140,7 +141,7 @@ def profile(run: Callable[[], Any], num_steps_per_call: int, calls: int, trace_d
         return wall_ms, float("nan"), "(no trace written)"
     events = device_kernel_events(traces[-1])
     steps = traced_calls * num_steps_per_call
-    return wall_ms, busy_us(events) / 1e3 / steps, summarize(events, steps)
+    return wall_ms, busy_us(events) / 1e3 / steps, summarize(events, steps, top)
 
 
 def window_runner(model: LlamaForCausalLM, batch: int, context: int, num_steps: int, block_size: int,
@@ -210,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
                         help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "
                              "this run, e.g. pages_per_step=1,num_warps=4,num_stages=3")
+    parser.add_argument("--top", type=int, default=14, help="kernels listed per program (by time per step)")
     parser.add_argument("--no-dense", action="store_true")
     parser.add_argument("--out", default=None, help="keep traces and optimized HLO here")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
@@ -234,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             runner, run = window_runner(model, batch, args.context, args.num_steps, args.block_size, options or None)
             label = f"b{batch}_{name}"
             try:
-                wall, busy, table = profile(run, args.num_steps, args.calls, out / f"trace_{label}")
+                wall, busy, table = profile(run, args.num_steps, args.calls, out / f"trace_{label}", args.top)
             except Exception as error:  # an option this XLA does not know: report it, go on
                 print(f"## batch {batch}, engine window, {name} {options}: failed: {error!r}\n")
                 continue
@@ -252,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             del runner, run
         if not args.no_dense:
             run = dense_runner(model, batch, args.context)
-            wall, busy, table = profile(run, 1, args.calls * args.num_steps, out / f"trace_b{batch}_dense")
+            wall, busy, table = profile(run, 1, args.calls * args.num_steps, out / f"trace_b{batch}_dense", args.top)
             print(f"## batch {batch}, dense XLA step: {wall:.3f} ms/step wall, {busy:.3f} ms/step GPU busy\n")
             print(table + "\n", flush=True)
     print(f"traces and HLO under {out}")

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged_attn import checks, dispatch, plans
+from jax_paged_attn import checks, dispatch, plans, reference
 from jax_paged_attn.spec import PAD_BLOCK_ID, PAD_SLOT_ID  # noqa: F401  (re-exported: they lived here)
 
 Array = jax.Array
@@ -200,7 +200,8 @@ def allocate_host_kv_cache(
 # --------------------------------------------------------------------------- reshape_and_cache_flash
 
 
-def _check_kv_cache_dtype(kv_cache_dtype: str, key_dtype: Any, cache_dtype: Any, cache_name: str) -> None:
+def check_kv_cache_dtype(kv_cache_dtype: str, key_dtype: Any, cache_dtype: Any, cache_name: str) -> None:
+    """Raises ValueError unless ``cache_name``'s dtype is what ``kv_cache_dtype`` makes of ``key_dtype``."""
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}.")
     expected = get_kv_cache_dtype(kv_cache_dtype, key_dtype)
@@ -256,14 +257,18 @@ def _check_token_args(key: Any, value: Any, slot_mapping: Any) -> None:
     if key.dtype != value.dtype:
         raise TypeError(f"key and value must have the same dtype, got {key.dtype} and {value.dtype}.")
     checks.check_head_size(key.shape[2], "head size of key (key.shape[2])")
+    _check_slot_mapping(slot_mapping, key.shape[0], "key")
+
+
+def _check_slot_mapping(slot_mapping: Any, num_tokens: int, tokens_name: str) -> None:
     if not hasattr(slot_mapping, "dtype") or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise TypeError(
             f"slot_mapping must be an integer array, got {getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}."
         )
-    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != key.shape[0]:
+    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != num_tokens:
         raise ValueError(
-            f"slot_mapping must have shape [num_tokens] = [{key.shape[0]}] (one slot per row of "
-            f"key), got {tuple(slot_mapping.shape)}."
+            f"slot_mapping must have shape [num_tokens] = [{num_tokens}] (one slot per row of "
+            f"{tokens_name}), got {tuple(slot_mapping.shape)}."
         )
 
 
@@ -330,8 +335,8 @@ def reshape_and_cache_flash(
         raise ValueError(
             f"key_cache and value_cache must have the same shape, got {key_cache.shape} and {value_cache.shape}."
         )
-    _check_kv_cache_dtype(kv_cache_dtype, key.dtype, key_cache.dtype, "key_cache")
-    _check_kv_cache_dtype(kv_cache_dtype, key.dtype, value_cache.dtype, "value_cache")
+    check_kv_cache_dtype(kv_cache_dtype, key.dtype, key_cache.dtype, "key_cache")
+    check_kv_cache_dtype(kv_cache_dtype, key.dtype, value_cache.dtype, "value_cache")
     k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
     num_blocks, block_size = key_cache.shape[:2]
     num_slots = num_blocks * block_size
@@ -365,7 +370,7 @@ def reshape_and_cache_flash_kv(
     _check_cache_matches_tokens(kv_cache, key, "kv_cache", 5)
     if kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must have 2 on its first axis (keys, values), got shape {kv_cache.shape}.")
-    _check_kv_cache_dtype(kv_cache_dtype, key.dtype, kv_cache.dtype, "kv_cache")
+    check_kv_cache_dtype(kv_cache_dtype, key.dtype, kv_cache.dtype, "kv_cache")
     k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
     num_blocks, block_size = kv_cache.shape[1:3]
     num_slots = num_blocks * block_size
@@ -441,6 +446,102 @@ def _dispatch_write(key: Array, value: Array, caches: tuple[Array, ...], slot_ma
         kernel_fn=functools.partial(_kernel_write, interpret=interpret),
         unsupported_reason=lambda: _kernel_unsupported_reason(caches),
     ))
+
+
+# --------------------------------------------------------------------------- rotary embedding + cache write
+
+
+def rotary_and_cache_flash_kv(
+    qkv: Array,  # [T, Hk, G + 2, D] f16 / bf16 / f32
+    cos: Array,  # [T, D] float
+    sin: Array,  # [T, D] float
+    kv_cache: Array,  # [2, num_blocks, block_size, Hk, D] qkv's dtype or fp8
+    slot_mapping: Array,  # int[T], PAD_SLOT_ID for tokens not written
+    kv_cache_dtype: str = "auto",
+    k_scale: Array | float = 1.0,
+    v_scale: Array | float = 1.0,
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[Array, Array]:
+    """The rotary embedding of queries and keys fused with `reshape_and_cache_flash_kv`.
+
+    vLLM runs ``rotary_embedding`` (in place on views of the projection's output) and
+    then ``reshape_and_cache_flash``; in JAX the views would be copies, so this op reads
+    the projection's output itself and returns the rotated queries beside the new cache.
+
+    Args:
+      qkv: ``[T, Hk, G + 2, D]`` float16 / bfloat16 / float32, one projection's output
+        grouped by KV head: along axis 2, KV head ``j``'s ``G`` query heads (query heads
+        ``j * G + i``), then its key, then its value. ``G >= 1``, ``D`` even and a
+        supported head size.
+      cos, sin: ``[T, D]`` float, each token's rotary angles' cosines / sines with the
+        two halves equal (``concat([a, a])``; any rope scaling is the caller's).
+      kv_cache: the layer's stacked cache (`get_kv_cache_shape`), dtype
+        ``get_kv_cache_dtype(kv_cache_dtype, qkv.dtype)``.
+      slot_mapping, kv_cache_dtype, k_scale, v_scale, implementation, interpret: as in
+        `reshape_and_cache_flash_kv` (``implementation="xla"``: the rotation in
+        `jax_paged_attn.reference.rotary_embedding` and the scatter).
+
+    Returns:
+      ``(query [T, G * Hk, D] in qkv's dtype, kv_cache)``: queries rotated
+      (`jax_paged_attn.reference.rotary_embedding`, rotate-half layout, float32 math
+      rounded once), the cache holding each token's rotated key and its value at its
+      slot. In place under ``jax.jit(..., donate_argnums=3, static_argnames="kv_cache_dtype")``.
+    """
+    checks.check_ndim(qkv, 4, "qkv ([num_tokens, num_kv_heads, queries_per_kv_head + 2, head_size])")
+    checks.check_query_dtype(qkv, "qkv")
+    num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
+    if heads_per_kv < 3:
+        raise ValueError(f"qkv.shape[2] must be queries_per_kv_head + 2 >= 3 (queries, key, value), got {heads_per_kv}.")
+    checks.check_head_size(head_size, "head size of qkv (qkv.shape[3])")  # a multiple of 16: even
+    for name, table in (("cos", cos), ("sin", sin)):
+        checks.check_ndim(table, 2, f"{name} ([num_tokens, head_size])")
+        if tuple(table.shape) != (num_tokens, head_size):
+            raise ValueError(f"{name} must have shape [num_tokens, head_size] = [{num_tokens}, {head_size}], "
+                             f"got {tuple(table.shape)}.")
+        if not jnp.issubdtype(table.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got {table.dtype}.")
+    _check_slot_mapping(slot_mapping, num_tokens, "qkv")
+    _check_cache_matches_tokens(kv_cache, jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_size), qkv.dtype),
+                                "kv_cache", 5)
+    if kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must have 2 on its first axis (keys, values), got shape {kv_cache.shape}.")
+    check_kv_cache_dtype(kv_cache_dtype, qkv.dtype, kv_cache.dtype, "kv_cache")
+    k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
+    _check_slot_mapping_values(slot_mapping, kv_cache.shape[1] * kv_cache.shape[2])
+
+    args = (qkv, cos, sin, jnp.asarray(slot_mapping), k_scale, v_scale, kv_cache)
+    if num_tokens == 0:
+        dispatch.normalize_implementation(implementation)
+        return _xla_rotary_write(*args)
+    return tuple(dispatch.run_implementation(
+        implementation, args, reference_fn=_xla_rotary_write,
+        kernel_fn=functools.partial(_kernel_rotary_write, interpret=interpret),
+        unsupported_reason=lambda: _kernel_unsupported_reason((kv_cache,)),
+    ))
+
+
+def _xla_rotary_write(qkv: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
+                      kv_cache: Array) -> tuple[Array, Array]:
+    """The XLA path (and the fused kernel's reference): rotate, then `_xla_write`."""
+    num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
+    group = heads_per_kv - 2
+    query = reference.rotary_embedding(qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_size),
+                                       cos, sin)
+    key = reference.rotary_embedding(qkv[:, :, group], cos, sin)
+    (kv_cache,) = _xla_write(key, qkv[:, :, group + 1], slot_mapping, k_scale, v_scale, kv_cache)
+    return query, kv_cache
+
+
+def _kernel_rotary_write(qkv: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
+                         kv_cache: Array, *, interpret: bool) -> tuple[Array, Array]:
+    from jax_paged_attn.kernels import triton_cache
+
+    scales = plans.kv_scales(kv_cache.dtype, kv_cache.dtype, k_scale, v_scale)
+    tiling = plans.plan_rotary_cache_write(qkv.shape[0], qkv.shape[2] - 2, qkv.shape[3])
+    return triton_cache.rotary_cache_write_call(qkv, cos, sin, slot_mapping, scales, kv_cache, tiling=tiling,
+                                                interpret=interpret)
 
 
 # --------------------------------------------------------------------------- block mappings

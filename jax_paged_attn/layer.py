@@ -85,8 +85,8 @@ def _check_tokens(x: Any, name: str, num_heads: int, head_size: int, num_tokens:
 
 def paged_attention(
     query: Array,  # [T, Hq * D]
-    key: Array,  # [T, Hk * D]
-    value: Array,  # [T, Hk * D]
+    key: Array | None,  # [T, Hk * D], or None: already in kv_cache
+    value: Array | None,  # [T, Hk * D], or None: already in kv_cache
     kv_cache: Array,  # [2, num_blocks, block_size, Hk, D] (cache dtype), or size 0
     metadata: FlashAttentionMetadata,
     *,
@@ -110,7 +110,10 @@ def paged_attention(
       query: ``[T, num_heads * head_size]`` float16 / bfloat16 / float32, rows laid out
         as ``metadata`` says (``T == metadata.num_tokens``).
       key, value: ``[T, num_kv_heads * head_size]``, query's dtype: the new tokens' keys
-        and values (rotary embedding already applied).
+        and values (rotary embedding already applied); or both None when ``kv_cache``
+        already holds them at ``metadata.slot_mapping`` (written by
+        `jax_paged_attn.cache.rotary_and_cache_flash_kv`): nothing is written then, and
+        every prefill must read its keys through the block tables.
       kv_cache: the layer's cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``
         (`jax_paged_attn.cache.get_kv_cache_shape`; index 0 keys, 1 values) in
         ``get_kv_cache_dtype(kv_cache_dtype, query.dtype)``; or an empty array (size 0)
@@ -150,10 +153,16 @@ def paged_attention(
     checks.check_heads(num_heads, num_kv_heads, "num_heads", "num_kv_heads")
     _check_tokens(query, "query", num_heads, head_size, None)
     num_tokens = query.shape[0]
-    _check_tokens(key, "key", num_kv_heads, head_size, num_tokens)
-    _check_tokens(value, "value", num_kv_heads, head_size, num_tokens)
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"key and value must have query's dtype {query.dtype}, got {key.dtype} and {value.dtype}.")
+    cache_written = key is None and value is None
+    if not cache_written:
+        if key is None or value is None:
+            raise ValueError("key and value must both be arrays, or both None (the cache already holds them); "
+                             f"got key {'None' if key is None else 'an array'} and value "
+                             f"{'None' if value is None else 'an array'}.")
+        _check_tokens(key, "key", num_kv_heads, head_size, num_tokens)
+        _check_tokens(value, "value", num_kv_heads, head_size, num_tokens)
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            raise TypeError(f"key and value must have query's dtype {query.dtype}, got {key.dtype} and {value.dtype}.")
     if num_tokens != metadata.num_tokens:
         raise ValueError(
             f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens} "
@@ -174,8 +183,18 @@ def paged_attention(
                   implementation=implementation, interpret=interpret)
 
     q = query.reshape(num_tokens, num_heads, head_size)
-    k = key.reshape(num_tokens, num_kv_heads, head_size)
-    v = value.reshape(num_tokens, num_kv_heads, head_size)
+    if cache_written:
+        k = v = None
+        if attn_type == ENCODER_ONLY or kv_cache.size == 0 or (
+                metadata.num_prefill_tokens and not metadata.has_block_tables):
+            raise ValueError(
+                "key=None and value=None (the cache already holds them) need a decoder layer with a KV cache "
+                "and block tables for every prefill: here the new keys themselves would be attended "
+                f"(attn_type={attn_type!r}, kv_cache size {kv_cache.size}, has_block_tables="
+                f"{metadata.has_block_tables}).")
+    else:
+        k = key.reshape(num_tokens, num_kv_heads, head_size)
+        v = value.reshape(num_tokens, num_kv_heads, head_size)
 
     if attn_type == ENCODER_ONLY:
         if metadata.num_decode_tokens:
@@ -197,10 +216,13 @@ def paged_attention(
                 f"kv_cache must have shape [2, num_blocks, block_size, {num_kv_heads}, {head_size}], "
                 f"got {tuple(kv_cache.shape)}."
             )
-        # Also checks that kv_cache's dtype is what kv_cache_dtype makes of query.dtype.
-        kv_cache = cache_ops.reshape_and_cache_flash_kv(
-            k, v, kv_cache, metadata.slot_mapping, kv_cache_dtype, k_scale, v_scale,
-            implementation=implementation, interpret=interpret)
+        if cache_written:
+            cache_ops.check_kv_cache_dtype(kv_cache_dtype, query.dtype, kv_cache.dtype, "kv_cache")
+        else:
+            # Also checks that kv_cache's dtype is what kv_cache_dtype makes of query.dtype.
+            kv_cache = cache_ops.reshape_and_cache_flash_kv(
+                k, v, kv_cache, metadata.slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                implementation=implementation, interpret=interpret)
     elif metadata.num_decode_tokens:
         raise ValueError("decode tokens need a KV cache, but kv_cache is empty (size 0, a profiling run).")
     cache_scales = dict(k_scale=k_scale, v_scale=v_scale)

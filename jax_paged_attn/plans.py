@@ -781,6 +781,33 @@ def plan_cache_write(num_tokens: int, num_kv_heads: int, head_size: int,
     return tuning.cache_write_config(num_tokens, num_kv_heads * head_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class RotaryCacheTiling:
+    """Static launch plan of the fused rotary + cache-write kernel, from `plan_rotary_cache_write`.
+
+    Attributes:
+      tokens_per_program: tokens one program handles (a power of 2), for one KV head.
+      padded_group: the KV head's query heads (``G``) padded to a power of 2.
+      padded_head_size: ``D`` padded to a power of 2 (masked inside the kernel).
+      num_warps: Triton launch parameter.
+    """
+
+    tokens_per_program: int
+    padded_group: int
+    padded_head_size: int
+    num_warps: int = 4
+
+
+def plan_rotary_cache_write(num_tokens: int, group: int, head_size: int) -> RotaryCacheTiling:
+    """The fused kernel's tiling: one KV head's ``group`` query heads, key and value per
+    program, over about `tuning.ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM` query elements
+    (at least one token, at most the batch's tokens rounded up to a power of 2)."""
+    padded_group, padded_head = next_power_of_2(group), next_power_of_2(head_size)
+    tokens = max(1, tuning.ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM // (padded_group * padded_head))
+    tokens = min(next_power_of_2(tokens), next_power_of_2(max(num_tokens, 1)))
+    return RotaryCacheTiling(tokens_per_program=tokens, padded_group=padded_group, padded_head_size=padded_head)
+
+
 # =========================================================================== weight-streaming matmul
 
 

@@ -31,6 +31,23 @@ def dequantize(cache_or_tokens: Array, scale: Array | float) -> Array:
     return x
 
 
+def rotary_embedding(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half (GPT-NeoX) rotary embedding: ``x * cos + rotate_half(x) * sin``.
+
+    ``x`` ``[..., H, D]`` (any float dtype); ``cos`` / ``sin`` ``[..., D]``, each
+    token's angles with the two halves equal (``concat([a, a])``), in any float dtype.
+    ``rotate_half(x) = concat([-x[..., D/2:], x[..., :D/2]])``. Computed in float32
+    and rounded once to x's dtype, as the fused kernel
+    (`jax_paged_attn.kernels.triton_cache`) does.
+    """
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    c = cos.astype(jnp.float32)[..., None, :]
+    s = sin.astype(jnp.float32)[..., None, :]
+    return (x32 * c + rotated * s).astype(x.dtype)
+
+
 def key_visible(q_pos: Array, k_pos: Array, q_len: Array, k_len: Array, spec: AttentionSpec) -> Array:
     """bool: key ``k_pos`` is visible to query ``q_pos`` under `spec` (all arguments broadcast).
 

@@ -426,6 +426,12 @@ def cache_write_config(num_tokens: int, row_size: int) -> CacheWriteConfig:
     return CacheWriteConfig(tokens_per_program=tokens, cols_per_program=cols)
 
 
+ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM = 1024
+"""Query elements (tokens x padded group x padded head size) one program of the fused
+rotary + cache-write kernel rotates: a decode step's few dozen tokens spread over tens
+of programs, so the step's latency is one program's loads, not a queue of them."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
     """Tiling of the weight-streaming matmul (`jax_paged_attn.matmul`).

@@ -644,6 +644,10 @@ def test_decode_step_lowers_to_four_matmuls_per_layer():
             return nnx.merge(graphdef, state)(ids, positions, caches, md, logits_indices=last_token_indices(md))
 
         text = lower_for_cuda(step, state, ids, ids, caches, md)
+        # The rotation of q / k and the cache write are one fused kernel per layer
+        # (cache.rotary_and_cache_flash_kv), not XLA rotations and a separate write.
+        assert text.count('"rotary_and_cache_flash"') == num_layers
+        assert '"reshape_and_cache_flash"' not in text
         return text.count("stablehlo.dot_general")
 
     one_layer, two_layers = dot_count(1), dot_count(2)

@@ -1,4 +1,5 @@
-"""Cache write (vLLM's ``reshape_and_cache_flash``): the Pallas kernel and its `pallas_call`.
+"""Cache write (vLLM's ``reshape_and_cache_flash``), alone or fused with the rotary
+embedding: the Pallas kernels and their `pallas_call`s.
 
 Only the kernel lives here; `jax_paged_attn.cache` checks the arguments, picks the
 implementation and keeps the XLA scatter as the reference. Semantics are those of
@@ -32,10 +33,20 @@ Pallas' Triton lowering turns that into a flat element offset, in 64 bits for a 
 elements, which the lowering alone would address with wrapping 32-bit offsets). So
 every cache size is written here; only where that widening could not be installed does
 such an fp8 cache stay on the scatter (`jax_paged_attn.cache`, which says so). The tiling comes from `jax_paged_attn.plans.plan_cache_write`.
+
+The fused kernel (`rotary_cache_write_call`, `jax_paged_attn.cache.rotary_and_cache_flash_kv`)
+starts from one projection's output ``qkv [T, Hk, G + 2, D]`` (per KV head: its ``G``
+query heads, its key, its value): it rotates the queries and the key (rotate-half
+layout, per-token ``cos`` / ``sin`` rows), writes the rotated key and the value to their
+slot, and returns the rotated queries ``[T, Hq, D]``. A decode step then runs one
+kernel where XLA ran four (the value slice, two rotations, the write). One program is
+``tokens_per_program`` tokens of one KV head; each half of a head is rotated against
+the other half, loaded a second time with the columns swapped (the same cache lines).
 """
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_paged_attn.kernels import common
-from jax_paged_attn.plans import CacheWriteConfig
+from jax_paged_attn.plans import CacheWriteConfig, RotaryCacheTiling
 
 Array = jax.Array
 
@@ -200,3 +211,139 @@ def cache_write_call(
         name="reshape_and_cache_flash",
     )(*inputs)
     return tuple(out.reshape(c.shape) for out, c in zip(outs, caches))
+
+
+def _rotate_half_partner(dim: Array, head_size: int) -> tuple[Array, Array]:
+    """``(partner, sign)`` ``[Dp]``: column ``c`` of ``rotate_half(x)`` is
+    ``sign[c] * x[partner[c]]`` (``-x[c + D/2]`` in the first half, ``x[c - D/2]`` in the
+    second; padded columns point at themselves)."""
+    half = head_size // 2
+    first = dim < half
+    partner = jnp.where(first, dim + half, jnp.where(dim < head_size, dim - half, dim))
+    return partner, jnp.where(first, -1.0, 1.0).astype(jnp.float32)
+
+
+def _masked_load(ref: Any, mask: Array | None) -> Array:
+    """``ref``'s elements, 0 where ``mask`` is False (Triton takes a fill value only with a mask)."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _rotary_cache_write_kernel(
+    *refs,
+    tiling: RotaryCacheTiling,
+    num_tokens: int,
+    group: int,
+    head_size: int,
+    num_kv_heads: int,
+    num_slots: int,
+    fp8: bool,
+    interpret: bool,
+):
+    (
+        # inputs
+        qkv_ref,  # [T, Hk, G + 2, D] f16 / bf16 / f32: queries, key, value of each KV head
+        cos_ref,  # [T, D] any float: cos of each token's angles (both halves)
+        sin_ref,  # [T, D] like cos_ref
+        slots_ref,  # i32[T], PAD_SLOT_ID (-1) or out-of-range: not written
+        *rest,  # optional inputs (`common.pop_optional`), the aliased cache, then the outputs
+    ) = refs
+    scales_ref = common.pop_optional(rest, fp8)  # f32[2]: k_scale, v_scale
+    # rest[0] is the aliased cache input (the output's buffer); only the output is written.
+    q_out_ref, kv_out_ref = rest[1:]  # [T, Hq, D] qkv dtype; [2, num_slots, Hk * D] cache dtype
+    cache_dtype, dtype = kv_out_ref.dtype, qkv_ref.dtype
+
+    tokens, groups, padded_head = tiling.tokens_per_program, tiling.padded_group, tiling.padded_head_size
+    kv_head = pl.program_id(1)
+    token = pl.program_id(0) * tokens + lax.iota(jnp.int32, tokens)  # [TT]
+    token_ok = token < num_tokens if num_tokens % tokens else None
+    dim, dim_ok = common.col_mask(padded_head, head_size)  # [Dp], [Dp] or None
+    partner, sign = _rotate_half_partner(dim, head_size)
+
+    def rotated(row_tokens: Array, head: Array | int, row_mask: Array | None, rows: int) -> Array:
+        """f32 ``[rows, Dp]``: rows (token, head of this KV head's G + 2) rotated."""
+        mask = common.rows_and_cols(row_mask, dim_ok, rows, padded_head)
+        head = head if isinstance(head, int) else head[:, None]
+        x = _masked_load(qkv_ref.at[row_tokens[:, None], kv_head, head, dim[None, :]], mask)
+        x_partner = _masked_load(qkv_ref.at[row_tokens[:, None], kv_head, head, partner[None, :]], mask)
+        cos = _masked_load(cos_ref.at[row_tokens[:, None], dim[None, :]], mask)
+        sin = _masked_load(sin_ref.at[row_tokens[:, None], dim[None, :]], mask)
+        return (x.astype(jnp.float32) * cos.astype(jnp.float32)
+                + sign[None, :] * x_partner.astype(jnp.float32) * sin.astype(jnp.float32))
+
+    # Queries: rows (token, query head of this KV head), G padded to a power of 2.
+    row = lax.iota(jnp.int32, tokens * groups)
+    row_token = pl.program_id(0) * tokens + common.div(row, groups)
+    row_head = common.rem(row, groups)
+    row_ok = row_head < group if groups != group else None
+    if num_tokens % tokens:
+        in_range = row_token < num_tokens
+        row_ok = in_range if row_ok is None else row_ok & in_range
+    q = rotated(row_token, row_head, row_ok, tokens * groups).astype(dtype)
+    q_mask = common.rows_and_cols(row_ok, dim_ok, tokens * groups, padded_head)
+    plgpu.store(q_out_ref.at[row_token[:, None], kv_head * group + row_head[:, None], dim[None, :]], q,
+                mask=q_mask)
+
+    # Key (rotated, rounded to qkv's dtype first, as the unfused path writes it) and value.
+    if token_ok is None:
+        slot = plgpu.load(slots_ref.at[token])
+    else:
+        slot = plgpu.load(slots_ref.at[token], mask=token_ok, other=-1)
+    slot_ok = (slot >= 0) & (slot < num_slots)  # [TT]
+    target = jnp.where(slot_ok, slot, num_slots)  # past the end: masked, and dropped by the interpreter
+    k_scale = v_scale = None
+    if scales_ref is not None:
+        k_scale, v_scale = scales_ref[0], scales_ref[1]
+    key = rotated(token, group, token_ok, tokens).astype(dtype)
+    load_mask = common.rows_and_cols(token_ok, dim_ok, tokens, padded_head)
+    value = _masked_load(qkv_ref.at[token[:, None], kv_head, group + 1, dim[None, :]], load_mask)
+    key = _quantize(key, cache_dtype, k_scale, interpret=interpret)
+    value = _quantize(value, cache_dtype, v_scale, interpret=interpret)
+    write_mask = common.rows_and_cols(slot_ok, dim_ok, tokens, padded_head)
+    col = kv_head * head_size + dim  # [Dp] within the slot's Hk * D row
+    plgpu.store(kv_out_ref.at[0, target[:, None], col[None, :]], key, mask=write_mask)
+    plgpu.store(kv_out_ref.at[1, target[:, None], col[None, :]], value, mask=write_mask)
+
+
+def rotary_cache_write_call(
+    qkv: Array,  # [T, Hk, G + 2, D] f16 / bf16 / f32
+    cos: Array,  # [T, D] float
+    sin: Array,  # [T, D] float
+    slots: Array,  # i32[T]: PAD_SLOT_ID or out-of-range entries are dropped
+    scales: Array | None,  # f32[2] (k_scale, v_scale) for an fp8 cache (plans.kv_scales), else None
+    kv_cache: Array,  # [2, num_blocks, block_size, Hk, D] qkv's dtype or fp8
+    *,
+    tiling: RotaryCacheTiling,
+    interpret: bool = False,
+) -> tuple[Array, Array]:
+    """Rotates the queries and keys of ``qkv``, writes keys and values into their slots.
+
+    Returns ``(query [T, G * Hk, D] rotated, in qkv's dtype, kv_cache)``; the cache
+    output aliases ``kv_cache`` (updated in place when donated). No argument checks here
+    (see `jax_paged_attn.cache.rotary_and_cache_flash_kv`); ``tiling`` comes from
+    `plans.plan_rotary_cache_write`.
+    """
+    num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
+    group = heads_per_kv - 2
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    fp8 = jnp.dtype(kv_cache.dtype).itemsize == 1
+    if fp8 and scales is None:
+        raise ValueError("scales (k_scale, v_scale) are required with an fp8 cache.")
+    flat_cache = kv_cache.reshape(2, num_slots, num_kv_heads * head_size)  # a bitcast: aliasing survives it
+    inputs = [qkv, cos, sin, slots.astype(jnp.int32)]
+    common.append_optional(inputs, scales.astype(jnp.float32).reshape(2) if fp8 else None)
+    cache_index = len(inputs)
+    inputs.append(flat_cache)
+    kernel = functools.partial(
+        _rotary_cache_write_kernel, tiling=tiling, num_tokens=num_tokens, group=group, head_size=head_size,
+        num_kv_heads=num_kv_heads, num_slots=num_slots, fp8=fp8, interpret=interpret)
+    query, flat_cache = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_size), qkv.dtype),
+                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
+        grid=(pl.cdiv(num_tokens, tiling.tokens_per_program), num_kv_heads),
+        input_output_aliases={cache_index: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
+        interpret=interpret,
+        name="rotary_and_cache_flash",
+    )(*inputs)
+    return query, flat_cache.reshape(kv_cache.shape)

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn import cache as cache_ops
-from jax_paged_attn import matmul
+from jax_paged_attn import matmul, reference
 from jax_paged_attn.layer import PagedAttention
 
 Array = jax.Array
@@ -358,19 +358,25 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: Any) -> tuple[Array, Array]:
+    """``(cos, sin)`` ``[..., D]`` in ``dtype`` of each token's rotary angles
+    (``positions`` ``[...]`` int), both halves equal; angles computed in float32 and, like
+    Hugging Face, cast to the activations' dtype."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., D]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
 def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     """Rotates ``x`` ``[..., H, D]`` by its token's position ``positions`` ``[...]`` (int).
 
-    Rotate-half layout: channel ``c < D/2`` pairs with ``c + D/2``. Angles are computed
-    in float32; like Hugging Face, cos / sin are cast to x's dtype before rotating.
+    Rotate-half layout: channel ``c < D/2`` pairs with ``c + D/2``
+    (`jax_paged_attn.reference.rotary_embedding`: float32 math over x and the cos / sin
+    of `rope_cos_sin`, rounded once to x's dtype, as the fused rotary + cache-write
+    kernel computes it).
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., 1, D]
-    cos = jnp.cos(angles).astype(x.dtype)
-    sin = jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    return reference.rotary_embedding(x, cos, sin)
 
 
 class RMSNorm(nnx.Module):
@@ -453,13 +459,31 @@ class LlamaAttention(nnx.Module):
         inv_freq = rope_inverse_frequencies(cfg)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
+    def fuses_rotary_and_cache(self, kv_cache: Array, metadata: Any) -> bool:
+        """Whether the serving forward rotates q / k and writes the cache in one op
+        (`jax_paged_attn.cache.rotary_and_cache_flash_kv`): with a cache, on one device,
+        when every token's attention reads its keys from the cache (decodes, and
+        prefills through block tables). Static: shapes and metadata's static fields."""
+        return (self.attn.mesh is None and kv_cache.size > 0
+                and (metadata.num_prefill_tokens == 0 or metadata.has_block_tables))
+
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
         num_tokens = x.shape[0]
-        q, k, v = self.project_qkv(x, positions, serving=True)
-        out, kv_cache = self.attn(
-            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
-        )
+        if self.fuses_rotary_and_cache(kv_cache, metadata):
+            qkv = _project(self.qkv_proj, x, serving=True, implementation=self.matmul_implementation,
+                           interpret=self.interpret)  # [T, Hk, group + 2, D]
+            cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), qkv.dtype)
+            attn = self.attn
+            q, kv_cache = cache_ops.rotary_and_cache_flash_kv(
+                qkv, cos, sin, kv_cache, metadata.slot_mapping, attn.kv_cache_dtype, attn.k_scale, attn.v_scale,
+                implementation=attn.implementation, interpret=self.interpret)
+            out, kv_cache = attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
+        else:
+            q, k, v = self.project_qkv(x, positions, serving=True)
+            out, kv_cache = self.attn(
+                q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
+            )
         return _project(self.o_proj, out, serving=True, implementation=self.matmul_implementation,
                         interpret=self.interpret), kv_cache
 
