@@ -175,7 +175,7 @@ def paged_decode_attention(
         plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
         spec=spec, tiling=tiling, interpret=interpret,
     )
-    if tiling.num_splits == 1 or tiling.merge_splits_in_kernel:
+    if tiling.num_splits == 1:
         return result
     partial_out, lse = result
     return combine_splits(partial_out, lse, q.dtype)

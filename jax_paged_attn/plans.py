@@ -546,9 +546,6 @@ class DecodeTiling:
       num_warps, num_stages: Triton launch parameters.
       prefetch_page_ids: read each tile's block-table entries one step ahead (a
         loop-carried id vector) instead of in the step that uses them.
-      merge_splits_in_kernel: with several splits, the last split of each (sequence,
-        row block) to finish merges them and writes the final output (an arrival
-        counter per program row); False leaves the merge to the caller.
     """
 
     rows_per_program: int
@@ -559,7 +556,6 @@ class DecodeTiling:
     num_warps: int
     num_stages: int
     prefetch_page_ids: bool = False
-    merge_splits_in_kernel: bool = False
 
 
 def estimate_shared_memory(tile_keys: int, padded_head_size: int, cache_itemsize: int,
@@ -642,7 +638,6 @@ def plan_decode_tiling(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         prefetch_page_ids=config.prefetch_page_ids,
-        merge_splits_in_kernel=config.merge_splits_in_kernel and num_splits > 1,
     )
 
 

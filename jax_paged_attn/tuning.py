@@ -98,9 +98,6 @@ class DecodeConfig:
     only for the oldest: ``num_stages - 2`` tiles stay in flight during the math
     (sm_90 TTGIR: num_stages 3 -> 2 buffers, ``async_wait num=2``; 4 -> 3 buffers,
     ``num=4``), and the id load of a step is consumed only by the next one.
-    merge_splits_in_kernel: with several splits, the last split program of a (sequence,
-    KV head) to finish merges the splits' partial outputs itself (an atomic arrival
-    count), instead of two XLA kernels after the call.
     """
 
     pages_per_step: int = 4
@@ -111,7 +108,6 @@ class DecodeConfig:
     target_programs: int = 1024
     min_tiles_per_split: int = 4
     prefetch_page_ids: bool = False
-    merge_splits_in_kernel: bool = True
 
 
 REFERENCE_DEVICE_KIND = "NVIDIA H200"

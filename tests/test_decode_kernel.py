@@ -184,19 +184,17 @@ def test_public_api_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatc
     assert_matches_reference(case, inputs, out)
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False], ids=["kernel-merge", "xla-merge"])
 @pytest.mark.parametrize("num_splits,pages_per_step,prefetch",
                          [(1, 1, False), (2, 4, False), (5, 2, False), (16, 1, False), (5, 2, True), (16, 1, True)])
-def test_split_counts_agree(num_splits: int, pages_per_step: int, prefetch: bool, merge_in_kernel: bool) -> None:
+def test_split_counts_agree(num_splits: int, pages_per_step: int, prefetch: bool) -> None:
     """Splits divide each sequence's tiles; more splits than tiles leave some empty.
 
     Non-causal two-sided window with 2 query tokens: both window edges need masking.
-    Prefetched ids: each split starts its id vector at its own first tile. The splits
-    merged by the kernel's last arriving program, or by `decode.combine_splits`."""
+    Prefetched ids: each split starts its id vector at its own first tile."""
     case = Case(f"splits{num_splits}-pps{pages_per_step}", num_q_heads=4, num_kv_heads=1, head_size=64,
                 num_q_tokens=2, seqlens=(127, 5, 64, 0), causal=False, window=(70, 5),
                 config=DecodeConfig(pages_per_step=pages_per_step, num_splits=num_splits,
-                                    prefetch_page_ids=prefetch, merge_splits_in_kernel=merge_in_kernel))
+                                    prefetch_page_ids=prefetch))
     inputs = make_inputs(case, seed=1)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
@@ -276,9 +274,8 @@ def _assert_poisoned_rows_match(cache_dtype: str | None, **kernel: Any) -> None:
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("config", [DecodeConfig(pages_per_step=1, num_splits=3),
-                                    DecodeConfig(pages_per_step=1, num_splits=3, merge_splits_in_kernel=False),
                                     DecodeConfig(pages_per_step=1, num_splits=2, prefetch_page_ids=True)],
-                         ids=["3-splits", "3-splits-xla-merge", "2-splits-prefetched-ids"])
+                         ids=["3-splits", "2-splits-prefetched-ids"])
 def test_nonfinite_values_reach_only_the_rows_that_see_them(config: DecodeConfig, interpret: bool) -> None:
     """3 query tokens, causal window of 20: NaN / inf in K and V at keys that some query
     rows of the tile see and others do not, and a stale NaN page left of every window.
@@ -315,11 +312,6 @@ def test_jit_with_traced_lengths() -> None:
          config=DecodeConfig(pages_per_step=1, num_splits=1)),
     Case("gpu-h200-shape-splits", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
          max_blocks=256, num_blocks=1300, config=DecodeConfig(pages_per_step=8, num_splits=7, num_stages=5)),
-    Case("gpu-h200-shape-xla-merge", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
-         max_blocks=256, num_blocks=1300,
-         config=DecodeConfig(pages_per_step=8, num_splits=7, num_stages=5, merge_splits_in_kernel=False)),
-    Case("gpu-many-programs-kernel-merge", num_q_heads=32, num_kv_heads=8, seqlens=tuple(range(1, 2000, 23)),
-         max_blocks=128, num_blocks=1300, config=DecodeConfig(pages_per_step=4, num_splits=16)),
 ], ids=str)
 def test_compiled_on_gpu_matches_reference(case: Case) -> None:
     """The same scenarios compiled by Triton on an NVIDIA GPU (run with ``pytest -m gpu``)."""
@@ -356,29 +348,6 @@ def test_lowers_to_triton_for_cuda(dtype, cache_dtype, head_size, block_size, q_
 
     text = lower_for_cuda(fn, q, cache, cache, lens, table, slopes, scale, scale)
     assert "__gpu$xla.gpu.triton" in text
-
-
-@pytest.mark.parametrize("merge_in_kernel", [True, False], ids=["kernel-merge", "xla-merge"])
-def test_split_merge_lowers_into_the_kernel_for_cuda(merge_in_kernel: bool, monkeypatch) -> None:
-    """With KV splits (batch 4 x 8 KV heads: 8 splits of a 1024-key table) the CUDA
-    module is one Triton call whose outputs include the arrival counters, aliased to a
-    zeroed operand, and no exp / reduce of XLA's merge after it; without the in-kernel
-    merge, XLA's merge follows the call."""
-    config = DecodeConfig(merge_splits_in_kernel=merge_in_kernel)
-    monkeypatch.setattr(tuning, "decode_config", lambda *args, **kwargs: config)
-    q = jax.ShapeDtypeStruct((4, 1, 32, 64), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((512, 16, 8, 64), jnp.bfloat16)
-    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
-    table = jax.ShapeDtypeStruct((4, 64), jnp.int32)
-    assert plans.plan_decode_tiling(q.shape, cache.shape, 64, q.dtype, cache.dtype, config).num_splits > 1
-
-    def fn(q, k, v, lens, table):
-        return jax_paged_attn.flash_attn_with_kvcache(q, k, v, lens, table, causal=True, implementation="triton")
-
-    text = lower_for_cuda(fn, q, cache, cache, lens, table)
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert ("stablehlo.exponential" not in text) == merge_in_kernel
-    assert ("output_operand_aliases" in text) == merge_in_kernel
 
 
 def test_auto_picks_kernel_on_cuda_only() -> None:

@@ -28,12 +28,7 @@ One program handles one (row block of one KV head, sequence, KV split):
   stores; the caller's cache is never copied.
 
 With one split the program writes the normalized output in q's dtype; with several
-it writes its normalized partial output and log-sum-exp, and then either the caller
-merges them or (``merge_splits_in_kernel``) the kernel does: each program counts its
-arrival on a per-(sequence, row block) counter (an atomic add, acquire-release at GPU
-scope, after a barrier so every thread's stores precede it), and the program that
-arrives last reads every split's partials and writes the merged output. A decode step
-then runs one kernel instead of three.
+it writes its normalized partial output and log-sum-exp, merged by the caller.
 """
 from __future__ import annotations
 
@@ -65,7 +60,6 @@ def _decode_kernel(
     has_alibi: bool,
     k_dequant: bool,
     v_dequant: bool,
-    interpret: bool,
 ):
     (
         # inputs
@@ -79,16 +73,11 @@ def _decode_kernel(
     alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
     scales_ref = common.pop_optional(rest, k_dequant or v_dequant)  # f32[2]: k_scale, v_scale
     # outputs
-    final_ref = arrivals_ref = None
     if tiling.num_splits == 1:
         (o_ref,) = rest  # [B, Sq, Hq, D] q dtype
         lse_ref = None
-    elif not tiling.merge_splits_in_kernel:
-        o_ref, lse_ref = rest  # f32[splits, B, Sq, Hq, D], f32[splits, B, Sq, Hq]
     else:
-        # rest[0]: the zeroed arrival counters' input, aliased to arrivals_ref (only that is written).
-        # final [B, Sq, Hq, D] q dtype; partials and lse as above; i32[B, Hk * row_blocks]
-        final_ref, o_ref, lse_ref, arrivals_ref = rest[1:]
+        o_ref, lse_ref = rest  # f32[splits, B, Sq, Hq, D], f32[splits, B, Sq, Hq]
 
     num_rows, tile_keys = tiling.rows_per_program, tiling.tile_keys
     padded_head = tiling.padded_head_size
@@ -261,36 +250,6 @@ def _decode_kernel(
         # Natural-log log-sum-exp of the split's scores; -inf when it saw no key.
         lse = jnp.where(seen, (row_max + jnp.log2(jnp.where(seen, row_sum, 1.0))) * LN_2, -jnp.inf)
         plgpu.store(lse_ref.at[split, seq, q_tok, q_head], lse, mask=row_ok)
-        if final_ref is not None:
-            # Every thread's stores are issued before one thread's release (the atomic,
-            # acq_rel at GPU scope); the last split to arrive acquires them all.
-            if not interpret:
-                plgpu.debug_barrier()
-            arrived = plgpu.atomic_add(arrivals_ref, (seq, head_block), jnp.ones((), jnp.int32))
-
-            @pl.when(arrived == tiling.num_splits - 1)
-            def _merge_splits():
-                def add_split(s, carry):
-                    """Online merge (as `jax_paged_attn.decode.combine_splits`): weights
-                    exp(lse - running max), rescaled as the max grows."""
-                    merged, lse_max, total = carry
-                    split_lse = plgpu.load(lse_ref.at[s, seq, q_tok, q_head], mask=row_ok, other=-jnp.inf)
-                    rows = o_ref.at[s, seq, q_tok[:, None], q_head[:, None], dim[None, :]]
-                    part = plgpu.load(rows) if out_mask is None else plgpu.load(rows, mask=out_mask, other=0.0)
-                    new_max = jnp.maximum(lse_max, split_lse)
-                    rescale = jnp.exp(lse_max - new_max)
-                    weight = jnp.exp(split_lse - new_max)  # a split that saw no key: exp(-inf) = 0
-                    return (merged * rescale[:, None] + weight[:, None] * part, new_max,
-                            total * rescale + weight)
-
-                merged, _, total = lax.fori_loop(0, tiling.num_splits, add_split, (
-                    jnp.zeros((num_rows, padded_head), jnp.float32),
-                    jnp.full((num_rows,), RUNNING_MAX_INIT, jnp.float32),
-                    jnp.zeros((num_rows,), jnp.float32),
-                ))
-                final = merged / jnp.where(total > 0, total, 1.0)[:, None]
-                plgpu.store(final_ref.at[seq, q_tok[:, None], q_head[:, None], dim[None, :]],
-                            final.astype(final_ref.dtype), mask=out_mask)
 
 
 def paged_decode_call(
@@ -312,8 +271,7 @@ def paged_decode_call(
     whole stacked array is passed and a BlockSpec selects the plane, so XLA copies
     nothing (K and V may be two planes of one buffer).
 
-    Returns the output ``[B, Sq, Hq, D]`` in q's dtype when ``tiling.num_splits == 1``
-    or the kernel merges its splits (``tiling.merge_splits_in_kernel``),
+    Returns the output ``[B, Sq, Hq, D]`` in q's dtype when ``tiling.num_splits == 1``,
     else ``(partial_out f32[splits, B, Sq, Hq, D], lse f32[splits, B, Sq, Hq])`` where
     each split's output is normalized over its own keys and ``lse`` is the natural
     log-sum-exp of its scores (-inf for a split that saw no key).
@@ -339,7 +297,6 @@ def paged_decode_call(
     in_specs = [whole, k_spec, v_spec, whole, whole]
     common.append_optional(inputs, alibi_slopes_log2, in_specs, whole)
     common.append_optional(inputs, scales if (k_dequant or v_dequant) else None, in_specs, whole)
-    aliases = {}
     if tiling.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -347,14 +304,6 @@ def paged_decode_call(
             jax.ShapeDtypeStruct((tiling.num_splits, *q.shape), jnp.float32),
             jax.ShapeDtypeStruct((tiling.num_splits, *q.shape[:3]), jnp.float32),
         )
-        if tiling.merge_splits_in_kernel:
-            # Outputs start uninitialized: the counters come in zeroed and aliased.
-            arrivals = jnp.zeros((batch, num_kv_heads * tiling.row_blocks), jnp.int32)
-            aliases = {len(inputs): len(out_shape) + 1}
-            inputs.append(arrivals)
-            in_specs.append(whole)
-            out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), *out_shape,
-                         jax.ShapeDtypeStruct(arrivals.shape, arrivals.dtype))
     kernel = functools.partial(
         _decode_kernel,
         spec=spec,
@@ -366,18 +315,13 @@ def paged_decode_call(
         has_alibi=alibi_slopes_log2 is not None,
         k_dequant=k_dequant,
         v_dequant=v_dequant,
-        interpret=interpret,
     )
-    result = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_kv_heads * tiling.row_blocks, batch, tiling.num_splits),
         in_specs=in_specs,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(*inputs)
-    if tiling.num_splits > 1 and tiling.merge_splits_in_kernel:
-        return result[0]
-    return result
