@@ -2,7 +2,8 @@
 
 Public API (vLLM names):
   attention  flash_attn_varlen_func, flash_attn_with_kvcache, get_supported_head_sizes
-  cache      reshape_and_cache_flash(_kv), copy_blocks, copy_kv_cache_blocks, swap_blocks,
+  cache      reshape_and_cache_flash(_kv), rotary_and_cache_flash_kv, copy_blocks,
+             copy_kv_cache_blocks, swap_blocks,
              get_kv_cache_shape, get_kv_cache_dtype, allocate_kv_cache, allocate_host_kv_cache,
              PAD_SLOT_ID
   metadata   FlashAttentionMetadata, prefill_metadata, decode_metadata, advance_step,
@@ -28,6 +29,7 @@ from jax_paged_attn.cache import (
     get_kv_cache_shape,
     reshape_and_cache_flash,
     reshape_and_cache_flash_kv,
+    rotary_and_cache_flash_kv,
     swap_blocks,
 )
 from jax_paged_attn.layer import PagedAttention, paged_attention
