@@ -25,7 +25,15 @@ for step in "${steps[@]}"; do
       # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run.
       per_test=()
       python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT_S:-200}")
-      ( [ -n "${TESTS_WORKERS:-}" ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      # Each worker's memory pool is capped at its share of 90 % of the GPU (a pool keeps
+      # its peak, and 8 uncapped peaks of multi-GB cases exhausted the GPU); failures print
+      # their tracebacks as they happen (a run cut by the time limit still says why).
+      ( if [ -n "${TESTS_WORKERS:-}" ]; then
+          export XLA_PYTHON_CLIENT_PREALLOCATE=false
+          XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / ${TESTS_WORKERS}, 3))")
+          export XLA_PYTHON_CLIENT_MEM_FRACTION
+        fi
+        export JPA_REPORT_FAILURES_AT_ONCE=1
         timeout "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider --durations=5 \
           "${per_test[@]}" "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
     bench|bench=*)

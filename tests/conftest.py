@@ -30,11 +30,17 @@ flash-attention kernel does in the input dtype (`oracle` module docstring).
 
 Hypothesis profiles: ``ci`` (default; derandomized, no example database, no deadline)
 and ``explore`` (random, more examples): ``pytest --hypothesis-profile=explore``.
+
+``JPA_REPORT_FAILURES_AT_ONCE=1`` prints each failure's traceback when it happens, not
+in the summary at the end, so a run stopped by a time limit still says why its
+failures failed (`benchmarks/gpu_session.sh` sets it).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 from typing import Any, Sequence
 
 import hypothesis
@@ -46,6 +52,14 @@ import pytest
 import jax_paged_attn
 import mosaic_interpret_compat
 import oracle
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``JPA_REPORT_FAILURES_AT_ONCE`` set: a failure's traceback, printed at once
+    (under pytest-xdist the controller receives every worker's reports)."""
+    if report.failed and os.environ.get("JPA_REPORT_FAILURES_AT_ONCE") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(f"\n--- FAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-4000:]}\n---\n")
+        sys.stderr.flush()
+
 
 hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, database=None,
                                      print_blob=True)
