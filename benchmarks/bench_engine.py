@@ -38,6 +38,7 @@ Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import pathlib
@@ -157,14 +158,17 @@ def bench_engine(model: LlamaForCausalLM, batch: int, prompt_len: int, new_token
 
 def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int, max_num_seqs: int,
                   max_num_batched_tokens: int, num_scheduler_steps: int, compiler_options: dict[str, Any] | None,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, prompt_lens: tuple[int, int] = (32, 2048),
+                  output_lens: tuple[int, int] = (16, 512)) -> dict[str, Any]:
     """``num_requests`` requests with prompts of 32-2,048 and outputs of 16-512 tokens
-    (uniform), all submitted at once: total generated tok/s, time to first token and time
-    per output token percentiles. A first run of 64 of them compiles most programs (the
-    timed run reports how many more it compiled)."""
+    (uniform; ``prompt_lens`` / ``output_lens`` change the ranges), all submitted at once: total generated tok/s, time to first token and time
+    per output token percentiles. A first run compiles the programs: ``max_num_seqs + 16``
+    of the prompts with outputs of at most 48 tokens, enough to fill every batch bucket's
+    rows and to make later prompts join a running batch (the timed run reports how many
+    more programs it compiled)."""
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(32, 2049, size=num_requests)
-    output_lens = rng.integers(16, 513, size=num_requests)
+    prompt_lens = rng.integers(prompt_lens[0], prompt_lens[1] + 1, size=num_requests)
+    output_lens = rng.integers(output_lens[0], output_lens[1] + 1, size=num_requests)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in prompt_lens]
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
@@ -179,8 +183,9 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
                           token_buckets=tuple(sorted({min(256, max_num_batched_tokens), max_num_batched_tokens})),
                           block_table_width_buckets=(-(-max_model_len // block_size),))
     engine = LLMEngine(model, config)
-    warm = min(num_requests, 64)
-    engine.generate(prompts[:warm], params[:warm], use_tqdm=False)
+    warm = min(num_requests, max_num_seqs + 16)
+    engine.generate(prompts[:warm], [dataclasses.replace(p, max_tokens=min(p.max_tokens, 48)) for p in params[:warm]],
+                    use_tqdm=False)
     compiled = engine.num_compiled_programs
     engine.reset_stats()
     start = time.perf_counter()
