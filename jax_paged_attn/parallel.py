@@ -19,7 +19,8 @@ Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``t
   heads ``[i*Hq/tp, (i+1)*Hq/tp)`` (GQA groups never straddle devices);
 * the attention call itself (`jax_paged_attn.layer.paged_attention`, whose Pallas
   kernels XLA cannot partition) runs under `jax.shard_map` on each device's heads
-  (`head_parallel`); the attention metadata is replicated.
+  (`head_parallel`), and so does the fused rotary embedding + cache write on each
+  device's KV heads (`kv_head_parallel`); the attention metadata is replicated.
 
 The matmuls are partitioned by XLA's SPMD partitioner from the parameter shardings
 (`shard_model`), inside or outside `jax.jit`; only attention is manually partitioned.
@@ -145,6 +146,39 @@ def check_head_divisibility(num_heads: int, num_kv_heads: int, tp_size: int) -> 
             f"tensor parallelism over {tp_size} devices needs num_heads ({num_heads}) and num_kv_heads "
             f"({num_kv_heads}) divisible by {tp_size}."
         )
+
+
+def kv_head_parallel(
+    write_fn: Callable[..., tuple[Array, Array]],
+    *,
+    mesh: Mesh,
+    axis_name: str = TENSOR_PARALLEL_AXIS,
+) -> Callable[..., tuple[Array, Array]]:
+    """Runs ``write_fn`` on each device's KV heads under `jax.shard_map`.
+
+    ``write_fn(qkv, cos, sin, kv_cache, slot_mapping, k_scale, v_scale) -> (query,
+    kv_cache)`` (`jax_paged_attn.cache.rotary_and_cache_flash_kv` with its
+    ``kv_cache_dtype`` bound) is called per device with its slice of ``qkv [T, Hk, G + 2, D]`` along
+    the KV heads and its KV heads of the cache; ``cos`` / ``sin`` / ``slot_mapping`` and
+    the fp8 scales are replicated. The queries ``[T, Hq, D]`` come back split by head:
+    a device's KV heads own a contiguous run of query heads, so nothing moves between
+    devices. The returned function takes the same positional arguments with global shapes.
+    """
+    _axis_size(mesh, axis_name)
+    heads = P(None, axis_name)
+    cache = kv_cache_spec(axis_name)
+
+    def sharded(qkv: Array, cos: Array, sin: Array, kv_cache: Array, slot_mapping: Array, k_scale: Any,
+                v_scale: Any) -> tuple[Array, Array]:
+        def local(qkv, cos, sin, kv_cache, slot_mapping, scales):
+            return write_fn(qkv, cos, sin, kv_cache, slot_mapping, scales[0], scales[1])
+
+        scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, P(), P(), cache, P(), P()),
+                             out_specs=(heads, cache), check_vma=False)(qkv, cos, sin, kv_cache, slot_mapping,
+                                                                        scales)
+
+    return sharded
 
 
 def head_parallel(

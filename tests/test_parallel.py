@@ -79,6 +79,25 @@ def test_one_device_mesh_runs_attention_under_shard_map():
     assert cache.shape == (2, 1, 16, 2, 32)
 
 
+def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
+    # kv_head_parallel's plumbing in-process (1 device): the fused op's result is unchanged.
+    from jax_paged_attn import cache
+
+    mesh = parallel.tensor_parallel_mesh(1)
+    rng = np.random.default_rng(0)
+    qkv = jnp.asarray(rng.standard_normal((5, 2, 4, 32)), jnp.float32)
+    cos, sin = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
+    kv = jnp.zeros((2, 2, 16, 2, 32), jnp.float32)
+    slots = jnp.asarray([0, 3, -1, 17, 30], jnp.int32)
+    def write(qkv, cos, sin, kv, slots, k_scale, v_scale):
+        return cache.rotary_and_cache_flash_kv(qkv, cos, sin, kv, slots, "auto", k_scale, v_scale)
+
+    want = jax.jit(write)(qkv, cos, sin, kv, slots, 1.0, 1.0)
+    got = jax.jit(parallel.kv_head_parallel(write, mesh=mesh))(qkv, cos, sin, kv, slots, 1.0, 1.0)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_sharded_model_matches_single_device():
     env = dict(os.environ)
     force_devices = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"

@@ -461,11 +461,27 @@ class LlamaAttention(nnx.Module):
 
     def fuses_rotary_and_cache(self, kv_cache: Array, metadata: Any) -> bool:
         """Whether the serving forward rotates q / k and writes the cache in one op
-        (`jax_paged_attn.cache.rotary_and_cache_flash_kv`): with a cache, on one device,
-        when every token's attention reads its keys from the cache (decodes, and
-        prefills through block tables). Static: shapes and metadata's static fields."""
-        return (self.attn.mesh is None and kv_cache.size > 0
-                and (metadata.num_prefill_tokens == 0 or metadata.has_block_tables))
+        (`jax_paged_attn.cache.rotary_and_cache_flash_kv`): with a cache, when every
+        token's attention reads its keys from the cache (decodes, and prefills through
+        block tables). Static: shapes and metadata's static fields."""
+        return kv_cache.size > 0 and (metadata.num_prefill_tokens == 0 or metadata.has_block_tables)
+
+    def _rotary_and_cache(self, qkv: Array, cos: Array, sin: Array, kv_cache: Array,
+                          slot_mapping: Array) -> tuple[Array, Array]:
+        """`jax_paged_attn.cache.rotary_and_cache_flash_kv` with the layer's cache settings;
+        with a mesh, on each device's KV heads (`jax_paged_attn.parallel.kv_head_parallel`)."""
+        attn = self.attn
+
+        def write(qkv, cos, sin, kv_cache, slot_mapping, k_scale, v_scale):
+            return cache_ops.rotary_and_cache_flash_kv(
+                qkv, cos, sin, kv_cache, slot_mapping, attn.kv_cache_dtype, k_scale, v_scale,
+                implementation=attn.implementation, interpret=self.interpret)
+
+        if attn.mesh is not None:
+            from jax_paged_attn import parallel
+
+            write = parallel.kv_head_parallel(write, mesh=attn.mesh, axis_name=attn.tensor_parallel_axis)
+        return write(qkv, cos, sin, kv_cache, slot_mapping, attn.k_scale, attn.v_scale)
 
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
@@ -474,11 +490,8 @@ class LlamaAttention(nnx.Module):
             qkv = _project(self.qkv_proj, x, serving=True, implementation=self.matmul_implementation,
                            interpret=self.interpret)  # [T, Hk, group + 2, D]
             cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), qkv.dtype)
-            attn = self.attn
-            q, kv_cache = cache_ops.rotary_and_cache_flash_kv(
-                qkv, cos, sin, kv_cache, metadata.slot_mapping, attn.kv_cache_dtype, attn.k_scale, attn.v_scale,
-                implementation=attn.implementation, interpret=self.interpret)
-            out, kv_cache = attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
+            q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping)
+            out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
         else:
             q, k, v = self.project_qkv(x, positions, serving=True)
             out, kv_cache = self.attn(
