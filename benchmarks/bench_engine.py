@@ -5,6 +5,7 @@ Hugging Face transformers on the same GPU.
     python benchmarks/bench_engine.py [--batches 1,32,64,128,256] [--prompt-len 128]
                                       [--new-tokens 128] [--num-scheduler-steps 16]
                                       [--implementation auto] [--dense-impl xla]
+                                      [--decode-config FIELD=VALUE,...]
                                       [--hf] [--serving 1000] [--quick]
 
 Model: a random-weight ~1B-parameter Llama (hidden 2048, 16 layers, 32 query heads,
@@ -56,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_paged_attn import matmul  # noqa: E402
+from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -206,6 +207,18 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
     return result
 
 
+def parse_decode_config(text: str) -> tuning.DecodeConfig:
+    """``"FIELD=VALUE,..."`` -> a `tuning.DecodeConfig` (ints, true / false, else strings)."""
+    fields: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if value.lower() in ("true", "false"):
+            fields[key] = value.lower() == "true"
+        else:
+            fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    return tuning.DecodeConfig(**fields)
+
+
 def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:
     """ms per decode step to read every weight once plus the batch's K/V, at ``copy_rate``
     bytes/s (the H200's measured device-copy rate)."""
@@ -255,10 +268,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                              "dense loop always uses XLA's dot")
     parser.add_argument("--dense-impl", default="xla", choices=("xla", "cudnn", "auto"),
                         help="jax.nn.dot_product_attention implementation of the dense baseline")
+    parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
+                        help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "
+                             "this run, e.g. pages_per_step=16,num_splits=1,num_warps=8")
     parser.add_argument("--hf", action="store_true", help="also run bench_hf.py (torch) in a subprocess first")
     parser.add_argument("--serving", type=int, default=0, help="requests of the mixed-length serving run (0: none)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
     args = parser.parse_args(argv)
+    if args.decode_config:
+        decode_config = parse_decode_config(args.decode_config)
+        # Every decode call of this process takes it (the tables are looked up at trace time).
+        tuning.decode_config = lambda *_, **__: decode_config
+        print(f"decode kernel config for this run: {decode_config}")
 
     if args.quick:
         config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32  # the serving run's lengths

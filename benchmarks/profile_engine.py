@@ -3,12 +3,16 @@
 step, kernel by kernel, from a JAX profiler trace.
 
     python benchmarks/profile_engine.py [--batches 1,32,256] [--context 192]
-                                        [--num-steps 16] [--out DIR]
+                                        [--num-steps 16] [--table-keys 256] [--out DIR]
                                         [--variant NAME:OPTION=VALUE[,OPTION=VALUE...]]
+                                        [--decode-config FIELD=VALUE,...] [--top N]
 
 For each batch size it builds the 1.1B Llama of `bench_engine.py` (random weights,
-bfloat16), a persistent decode batch of that many rows at position ``--context``, and
-compiles `ModelRunner`'s decode window (rows padded as the engine pads them) (``--num-steps`` steps per call). It prints:
+bfloat16), a persistent decode batch of that many rows at position ``--context`` whose
+block tables cover ``--table-keys`` keys (as the engine sizes them for requests ending
+there; 256 in `bench_engine.py`; runs before 2026-12-02 03:40 UTC used 2,112), and
+compiles `ModelRunner`'s decode window (rows padded as the engine pads them)
+(``--num-steps`` steps per call). It prints:
 
 * ms per step (wall, 20 windows back to back) and the GPU's busy time per step (the
   union of kernel intervals), so launch gaps show as the difference;
@@ -43,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_engine import LLAMA_1B, make_dense_decode_step  # noqa: E402
+from bench_engine import LLAMA_1B, make_dense_decode_step, parse_decode_config  # noqa: E402
 from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -145,8 +149,12 @@ def profile(run: Callable[[], Any], num_steps_per_call: int, calls: int, trace_d
 
 
 def window_runner(model: LlamaForCausalLM, batch: int, context: int, num_steps: int, block_size: int,
-                  compiler_options: dict[str, Any] | None) -> tuple[ModelRunner, Callable[[], Any]]:
-    width = -(-(context + 4 * num_steps * 30) // block_size)
+                  compiler_options: dict[str, Any] | None,
+                  table_keys: int = 256) -> tuple[ModelRunner, Callable[[], Any]]:
+    # Block-table columns as the engine sizes them: every row's last position (here
+    # ``table_keys``, at least the window's end), so the decode kernel is planned as in
+    # `bench_engine.py` (whose requests end at 128 + 128 = 256 tokens).
+    width = -(-max(table_keys, context + num_steps) // block_size)
     runner = ModelRunner(model, num_blocks=batch * width + 1, block_size=block_size,
                          compiler_options=compiler_options)
     num_rows = decode_batch_rows(batch)  # as the engine pads its persistent batch
@@ -203,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--context", type=int, default=192, help="position of every row's token")
     parser.add_argument("--num-steps", type=int, default=16, help="decode steps per window")
+    parser.add_argument("--table-keys", type=int, default=256,
+                        help="keys the rows' block tables cover (the engine: each request's final length; "
+                             "bench_engine.py: 256); the decode kernel's splits are planned from it")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--calls", type=int, default=20, help="timed windows (dense: timed steps / num_steps)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:XLA_OPTION=VALUE,...")
@@ -217,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
     args = parser.parse_args(argv)
     if args.decode_config:
-        decode_config = tuning.DecodeConfig(**parse_variant(f"decode:{args.decode_config}")[1])
+        decode_config = parse_decode_config(args.decode_config)
         # Every decode call of this process takes it (the tables are looked up at trace time).
         tuning.decode_config = lambda *_, **__: decode_config
         print(f"decode kernel config for this run: {decode_config}")
@@ -233,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}\n")
     for batch in [int(b) for b in args.batches.split(",")]:
         for name, options in variants:
-            runner, run = window_runner(model, batch, args.context, args.num_steps, args.block_size, options or None)
+            runner, run = window_runner(model, batch, args.context, args.num_steps, args.block_size, options or None,
+                                        args.table_keys)
             label = f"b{batch}_{name}"
             try:
                 wall, busy, table = profile(run, args.num_steps, args.calls, out / f"trace_{label}", args.top)

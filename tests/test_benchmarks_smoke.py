@@ -337,6 +337,31 @@ def test_profile_engine_decode_config_replaces_the_table_for_the_run(capsys, mon
     assert (chosen.pages_per_step, chosen.num_warps, chosen.prefetch_page_ids) == (1, 2, True)
 
 
+def test_bench_engine_decode_config_parses_fields():
+    from jax_paged_attn import tuning
+
+    bench = _load("bench_engine")
+    config = bench.parse_decode_config("pages_per_step=16,num_splits=1,num_warps=8,prefetch_page_ids=false")
+    assert config == tuning.DecodeConfig(pages_per_step=16, num_splits=1, num_warps=8, prefetch_page_ids=False)
+    with pytest.raises(TypeError):
+        bench.parse_decode_config("pages_per_stepp=16")
+
+
+def test_profile_engine_tables_cover_table_keys():
+    """The profiled batch's block tables are as wide as the engine makes them for requests
+    ending at ``--table-keys`` (the decode kernel's splits are planned from the width)."""
+    from flax import nnx
+
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+
+    profile = _load("profile_engine")
+    model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    runner, _ = profile.window_runner(model, 2, 40, 4, 16, None, table_keys=256)
+    assert runner.kv_caches[0].shape[1] == 2 * 16 + 1
+    runner, _ = profile.window_runner(model, 2, 300, 4, 16, None, table_keys=256)
+    assert runner.kv_caches[0].shape[1] == 2 * 19 + 1  # at least the window's end: ceil(304 / 16)
+
+
 PTXAS_VERBOSE = """\
 ptxas info    : 11 bytes gmem
 ptxas info    : Compiling entry function 'varlen_attention' for 'sm_90a'
