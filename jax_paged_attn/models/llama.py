@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, Mistral) in Flax NNX on the paged attention layer.
 
 The model follows Hugging Face's ``LlamaForCausalLM`` numerics: RMSNorm in float32
-then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout, grouped-query
+then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout (cos / sin cast to
+the activations' dtype as Hugging Face does, the rotation then computed in float32 and
+rounded once, where Hugging Face rounds each product: the fused rotary + cache-write
+kernel's arithmetic, shared by every forward), grouped-query
 attention, a SwiGLU MLP, tied or separate input / output embeddings. Parameter
 paths mirror the Hugging Face names (``model.layers[i].self_attn.o_proj.kernel`` is
 ``model.layers.{i}.self_attn.o_proj.weight`` transposed), except two fused projections
