@@ -194,6 +194,22 @@ def dense_runner(model: LlamaForCausalLM, batch: int, context: int) -> Callable[
     return run
 
 
+def decode_plan_line(config: LlamaConfig, num_rows: int, width: int, block_size: int, dtype: Any) -> str:
+    """The Triton decode kernel's plan for the window's attention calls (what the splits
+    and tile sizes are planned from: the rows and the block table's width)."""
+    from jax_paged_attn import plans
+
+    device = tuning.target_device()
+    head_size, group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    decode_config = tuning.decode_config(head_size, block_size, group, device=device)
+    tiling = plans.plan_decode_tiling(
+        (num_rows, 1, config.num_attention_heads, head_size), (1, block_size, config.num_key_value_heads, head_size),
+        width, dtype, dtype, decode_config, shared_memory_budget=device.shared_memory_budget)
+    return (f"decode plan: {num_rows} rows, block tables of {width} blocks ({width * block_size} keys): "
+            f"{tiling.tile_keys} keys per step, {tiling.num_splits} split(s), {tiling.num_warps} warps, "
+            f"{tiling.num_stages} stages")
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     name, _, options = text.partition(":")
     parsed: dict[str, Any] = {}
@@ -255,8 +271,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"## batch {batch}, engine window, {name} {options or ''}: {wall:.3f} ms/step wall, "
                   f"{busy:.3f} ms/step GPU busy\n")
             if name == "default":
-                print(table + "\n")
                 num_rows, width = runner._decode_state.block_tables.shape
+                print(decode_plan_line(config, num_rows, width, args.block_size, dtype) + "\n")
+                print(table + "\n")
                 compiled = runner.window_program.lower(
                     runner.params, runner.kv_caches, runner._decode_state, np.ones(num_rows, bool),
                     np.full(num_rows, num_rows, np.int32), np.zeros((num_rows, width), np.int32),

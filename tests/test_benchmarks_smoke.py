@@ -322,6 +322,7 @@ def test_profile_engine_quick_smoke(capsys, tmp_path):
                   "--variant", "noopt:xla_backend_optimization_level=0"])
     text = capsys.readouterr().out
     assert "batch 2, engine window, default" in text and "noopt" in text and "dense XLA step" in text
+    assert "decode plan: 2 rows, block tables of 16 blocks (256 keys)" in text
     assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
 
 
