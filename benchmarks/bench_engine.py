@@ -207,16 +207,21 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
     return result
 
 
-def parse_decode_config(text: str) -> tuning.DecodeConfig:
-    """``"FIELD=VALUE,..."`` -> a `tuning.DecodeConfig` (ints, true / false, else strings)."""
-    fields: dict[str, Any] = {}
+def parse_options(text: str) -> dict[str, Any]:
+    """``"NAME=VALUE,..."`` -> a dict: ints, true / false as bools, anything else a string."""
+    options: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if value.lower() in ("true", "false"):
-            fields[key] = value.lower() == "true"
+            options[key] = value.lower() == "true"
         else:
-            fields[key] = int(value) if value.lstrip("-").isdigit() else value
-    return tuning.DecodeConfig(**fields)
+            options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return options
+
+
+def parse_decode_config(text: str) -> tuning.DecodeConfig:
+    """``"FIELD=VALUE,..."`` -> a `tuning.DecodeConfig` (`parse_options`)."""
+    return tuning.DecodeConfig(**parse_options(text))
 
 
 def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:

@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_engine import LLAMA_1B, make_dense_decode_step, parse_decode_config  # noqa: E402
+from bench_engine import LLAMA_1B, make_dense_decode_step, parse_decode_config, parse_options  # noqa: E402
 from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -197,28 +197,20 @@ def dense_runner(model: LlamaForCausalLM, batch: int, context: int) -> Callable[
 def decode_plan_line(config: LlamaConfig, num_rows: int, width: int, block_size: int, dtype: Any) -> str:
     """The Triton decode kernel's plan for the window's attention calls (what the splits
     and tile sizes are planned from: the rows and the block table's width)."""
-    from jax_paged_attn import plans
+    from jax_paged_attn import decode
 
-    device = tuning.target_device()
-    head_size, group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
-    decode_config = tuning.decode_config(head_size, block_size, group, device=device)
-    tiling = plans.plan_decode_tiling(
-        (num_rows, 1, config.num_attention_heads, head_size), (1, block_size, config.num_key_value_heads, head_size),
-        width, dtype, dtype, decode_config, shared_memory_budget=device.shared_memory_budget)
+    tiling = decode.triton_tiling(
+        (num_rows, 1, config.num_attention_heads, config.head_dim),
+        (1, block_size, config.num_key_value_heads, config.head_dim), width, dtype, dtype)
     return (f"decode plan: {num_rows} rows, block tables of {width} blocks ({width * block_size} keys): "
             f"{tiling.tile_keys} keys per step, {tiling.num_splits} split(s), {tiling.num_warps} warps, "
             f"{tiling.num_stages} stages")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME:OPTION=VALUE,..."`` -> (name, options) (`bench_engine.parse_options`)."""
     name, _, options = text.partition(":")
-    parsed: dict[str, Any] = {}
-    for item in filter(None, options.split(",")):
-        key, _, value = item.partition("=")
-        parsed[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if isinstance(parsed[key], str) and re.fullmatch(r"-?\d+", value):
-            parsed[key] = int(value)
-    return name, parsed
+    return name, parse_options(options)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

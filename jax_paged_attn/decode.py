@@ -102,6 +102,19 @@ def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array) -> str 
     return None
 
 
+def triton_tiling(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype, cache_dtype,
+                  config: DecodeConfig | None = None) -> DecodeTiling:
+    """The Triton decode kernel's plan for a call on the target GPU: ``config``, or the
+    tuning table's (`tuning.decode_config`), tiled by `plans.plan_decode_tiling` within
+    the GPU's shared memory. ``q_shape`` ``[B, Sq, Hq, D]``, ``cache_shape``
+    ``[num_blocks, block_size, Hk, D]``, ``max_blocks`` the block table's columns."""
+    device = tuning.target_device()
+    if config is None:
+        config = tuning.decode_config(q_shape[-1], cache_shape[1], q_shape[2] // cache_shape[2], device=device)
+    return plans.plan_decode_tiling(q_shape, cache_shape, max_blocks, q_dtype, cache_dtype, config,
+                                    shared_memory_budget=device.shared_memory_budget)
+
+
 def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
     """Merges per-split attention outputs (flash-decoding's final reduction).
 
@@ -163,13 +176,7 @@ def paged_decode_attention(
         return _mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), cache_seqlens, block_table, alibi_slopes,
                               k_scale, v_scale, spec=spec, interpret=interpret, config=config)
     from jax_paged_attn.kernels import triton_decode
-    head_size, block_size = q.shape[-1], k_cache.shape[1]
-    group_size = q.shape[2] // k_cache.shape[2]
-    device = tuning.target_device()
-    if config is None:
-        config = tuning.decode_config(head_size, block_size, group_size, device=device)
-    tiling = plans.plan_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype,
-                                      config, shared_memory_budget=device.shared_memory_budget)
+    tiling = triton_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype, config)
     result = triton_decode.paged_decode_call(
         q, as_plane(k_cache), as_plane(v_cache), cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),

@@ -803,8 +803,9 @@ def plan_rotary_cache_write(num_tokens: int, group: int, head_size: int) -> Rota
     program, over about `tuning.ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM` query elements
     (at least one token, at most the batch's tokens rounded up to a power of 2)."""
     padded_group, padded_head = next_power_of_2(group), next_power_of_2(head_size)
+    # A power of 2 over powers of 2: a power of 2 (or 0, then one token).
     tokens = max(1, tuning.ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM // (padded_group * padded_head))
-    tokens = min(next_power_of_2(tokens), next_power_of_2(max(num_tokens, 1)))
+    tokens = min(tokens, next_power_of_2(max(num_tokens, 1)))
     return RotaryCacheTiling(tokens_per_program=tokens, padded_group=padded_group, padded_head_size=padded_head)
 
 

@@ -23,6 +23,7 @@ from jax_paged_attn import cache, layer, plans, reference
 from jax_paged_attn.cache import PAD_SLOT_ID
 from jax_paged_attn.kernels import triton_cache
 from conftest import cuda_lowering_target
+from test_cache import numpy_fp8
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = ["xla", "triton"]
@@ -43,11 +44,6 @@ def numpy_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos.astype(np.float64)[:, None] + rotated * sin.astype(np.float64)[:, None]
-
-
-def numpy_fp8(x: np.ndarray, scale: float, fp8_dtype) -> np.ndarray:
-    largest = float(ml_dtypes.finfo(fp8_dtype).max)
-    return np.clip(x.astype(np.float32) / np.float32(scale), -largest, largest).astype(fp8_dtype)
 
 
 def make_case(rng, dtype, cache_dtype, num_kv_heads, group, head_size, num_tokens=21, num_blocks=4):
@@ -78,7 +74,7 @@ def assert_rotated_close(got, want64: np.ndarray, dtype) -> None:
     np.testing.assert_allclose(got, want64, rtol=eps, atol=eps)
 
 
-def expected_cache(qkv, cos, sin, kv, slots, k_scale, v_scale):
+def expected_cache(qkv, cos, sin, kv, slots):
     """(rotated keys float64 [T, Hk, D] per written token, the cache with values written
     and key rows marked, the written (token, slot) pairs)."""
     group = qkv.shape[2] - 2
@@ -109,7 +105,7 @@ def test_rotates_queries_and_writes_rotated_keys_and_values(implementation, dtyp
     assert_rotated_close(query, numpy_rotate(queries, np.asarray(cos.astype(jnp.float32)),
                                              np.asarray(sin.astype(jnp.float32))), dtype)
 
-    keys, values, written = expected_cache(qkv, cos, sin, kv, slots, k_scale, v_scale)
+    keys, values, written = expected_cache(qkv, cos, sin, kv, slots)
     got = np.asarray(new_kv).reshape(2, -1, num_kv_heads, head_size)
     untouched = np.ones(got.shape[1], bool)
     fp8 = jnp.dtype(cache_dtype).itemsize == 1

@@ -234,7 +234,6 @@ def _rotary_cache_write_kernel(
     num_tokens: int,
     group: int,
     head_size: int,
-    num_kv_heads: int,
     num_slots: int,
     fp8: bool,
     interpret: bool,
@@ -335,7 +334,7 @@ def rotary_cache_write_call(
     inputs.append(flat_cache)
     kernel = functools.partial(
         _rotary_cache_write_kernel, tiling=tiling, num_tokens=num_tokens, group=group, head_size=head_size,
-        num_kv_heads=num_kv_heads, num_slots=num_slots, fp8=fp8, interpret=interpret)
+        num_slots=num_slots, fp8=fp8, interpret=interpret)
     query, flat_cache = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_size), qkv.dtype),

@@ -447,20 +447,27 @@ class LlamaAttention(nnx.Module):
         """``group = Hq // Hk``: the query heads that share one KV head."""
         return self.config.num_attention_heads // self.config.num_key_value_heads
 
+    def _qkv(self, x: Array, positions: Array, *, serving: bool) -> tuple[Array, Array, Array]:
+        """``x`` ``[..., hidden]`` -> (the fused projection ``[..., Hk, group + 2, D]``, and
+        cos / sin ``[..., D]`` of the tokens' rotary angles in its dtype) (``serving``: the
+        product through `jax_paged_attn.matmul.linear`)."""
+        qkv = _project(self.qkv_proj, x, serving=serving, implementation=self.matmul_implementation,
+                       interpret=self.interpret)
+        cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), qkv.dtype)
+        return qkv, cos, sin
+
     def project_qkv(self, x: Array, positions: Array, *, serving: bool = False) -> tuple[Array, Array, Array]:
         """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``
         (``serving``: the product through `jax_paged_attn.matmul.linear`)."""
         cfg = self.config
         group = self.queries_per_kv_head
-        qkv = _project(self.qkv_proj, x, serving=serving, implementation=self.matmul_implementation,
-                       interpret=self.interpret)  # [..., Hk, group + 2, D]
+        qkv, cos, sin = self._qkv(x, positions, serving=serving)
         # Merging (Hk, group) gives query head j * group + i; the merged axis keeps the Hk
         # axis's sharding (it is the major one), so this reshape moves no data across devices.
         q = qkv[..., :group, :].reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
         k = qkv[..., group, :]
         v = qkv[..., group + 1, :]
-        inv_freq = rope_inverse_frequencies(cfg)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return reference.rotary_embedding(q, cos, sin), reference.rotary_embedding(k, cos, sin), v
 
     def fuses_rotary_and_cache(self, kv_cache: Array, metadata: Any) -> bool:
         """Whether the serving forward rotates q / k and writes the cache in one op
@@ -490,9 +497,7 @@ class LlamaAttention(nnx.Module):
         """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
         num_tokens = x.shape[0]
         if self.fuses_rotary_and_cache(kv_cache, metadata):
-            qkv = _project(self.qkv_proj, x, serving=True, implementation=self.matmul_implementation,
-                           interpret=self.interpret)  # [T, Hk, group + 2, D]
-            cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), qkv.dtype)
+            qkv, cos, sin = self._qkv(x, positions, serving=True)  # [T, Hk, group + 2, D], [T, D] x 2
             q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping)
             out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
         else:
