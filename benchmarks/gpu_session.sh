@@ -15,27 +15,29 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests|tests=*)
       paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
-      # TESTS_WORKERS=N: N pytest-xdist workers sharing the GPU (compiles run in parallel;
-      # each worker allocates GPU memory on demand instead of preallocating 75 %).
-      # --dist loadgroup: the cases marked xdist_group("gpu_memory") (GBs each) run on
-      # one worker, one after another.
-      xdist=()
-      [ -n "${TESTS_WORKERS:-}" ] && xdist=(-n "$TESTS_WORKERS" --dist loadgroup)
       # -v: each result as it lands, so a run cut off by the time limit still says how far it
-      # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run.
+      # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run;
+      # failures print their tracebacks as they happen.
       per_test=()
       python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT_S:-200}")
-      # Each worker's memory pool is capped at its share of 90 % of the GPU (a pool keeps
-      # its peak, and 8 uncapped peaks of multi-GB cases exhausted the GPU); failures print
-      # their tracebacks as they happen (a run cut by the time limit still says why).
-      ( if [ -n "${TESTS_WORKERS:-}" ]; then
-          export XLA_PYTHON_CLIENT_PREALLOCATE=false
-          XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / ${TESTS_WORKERS}, 3))")
-          export XLA_PYTHON_CLIENT_MEM_FRACTION
-        fi
-        export JPA_REPORT_FAILURES_AT_ONCE=1
-        timeout "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider --durations=5 \
-          "${per_test[@]}" "${xdist[@]}" ${paths:-tests} ) 2>&1 | tee "$out/gpu_tests.log" ;;
+      run_pytest() {  # $1: time limit (s), $2: marker expression, then pytest options
+        local limit="$1" marks="$2"; shift 2
+        JPA_REPORT_FAILURES_AT_ONCE=1 timeout "$limit" python3 -m pytest -m "$marks" -v --tb=short -p no:cacheprovider \
+          --durations=5 "${per_test[@]}" "$@" ${paths:-tests}
+      }
+      if [ -n "${TESTS_WORKERS:-}" ]; then
+        # TESTS_WORKERS=N: N pytest-xdist workers share the GPU (compiles run in parallel),
+        # each allocating on demand with its pool capped at its share of 90 % of the GPU (a
+        # pool keeps its peak; 8 uncapped peaks exhausted the GPU). The gpu_memory cases
+        # (GBs each) then run one at a time in one process with the whole GPU.
+        limit="${TESTS_TIMEOUT_S:-480}"
+        ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+          XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / ${TESTS_WORKERS}, 3))") \
+            run_pytest "$(( limit * 3 / 4 ))" "gpu and not gpu_memory" -n "$TESTS_WORKERS"
+          run_pytest "$(( limit / 4 ))" "gpu and gpu_memory" ) 2>&1 | tee "$out/gpu_tests.log"
+      else
+        run_pytest "${TESTS_TIMEOUT_S:-480}" gpu 2>&1 | tee "$out/gpu_tests.log"
+      fi ;;
     bench|bench=*)
       suites="${step#bench}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --out "$out" --stem results --budget-s "$budget" ${suites:+--suite "$suites"} 2>&1 | tee "$out/bench.log" ;;

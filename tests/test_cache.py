@@ -933,6 +933,7 @@ def test_gpu_triton_kernel_matches_xla_and_updates_in_place(kv_cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("layout,num_blocks", [("stacked_kv", 2**16 + 16), ("per_cache", 2**17 + 16)])
 def test_gpu_kernel_writes_a_cache_of_more_than_2_31_elements(layout, num_blocks):
     """Compiled on a CUDA device: bf16 caches of 2**31 + 2**21 elements each (4.3 GB; one
@@ -970,6 +971,7 @@ def test_gpu_kernel_writes_a_cache_of_more_than_2_31_elements(layout, num_blocks
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout,num_blocks", [("stacked_kv", 2**16 + 16), ("per_cache", 2**18 - 32)])
 def test_gpu_kernel_writes_an_fp8_cache_of_2_31_to_2_32_elements(layout, num_blocks, kv_cache_dtype):

@@ -145,10 +145,10 @@ PREFILL_CASES = [
 PREFILL_IMPLEMENTATIONS = ["triton", "mosaic_gpu"]
 
 
-BIG_MEMORY = pytest.mark.xdist_group("gpu_memory")
-"""Cases that take GBs of GPU memory: with ``pytest -n N --dist loadgroup`` (as
-`benchmarks/gpu_session.sh` runs the suite) they run one after another on one worker,
-so N workers sharing the GPU do not run out of memory together."""
+BIG_MEMORY = pytest.mark.gpu_memory
+"""Cases that take GBs of GPU memory: `benchmarks/gpu_session.sh` runs them after the
+other gpu cases, one at a time in one process with the whole GPU, since N workers
+sharing the GPU each get only a share of its memory."""
 
 
 def _prefill_params(cases, dtype_of, ids):
