@@ -56,7 +56,7 @@ def streaming_unsupported_reason(x: Array, w: Array, config: tuning.MatmulConfig
 
 
 def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig | None = None,
-                            interpret: bool = False) -> Array:
+                            interpret: bool = False, keep_partials: bool = False) -> Array:
     """``x @ w`` through the weight-streaming kernel.
 
     Args:
@@ -68,9 +68,13 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
         ``config.block_n`` and ``K`` of ``config.block_k``.
       config: tiling (`tuning.MatmulConfig`; None: the default).
       interpret: run the kernel in Pallas interpret mode (CPU).
+      keep_partials: return the split-K partial products unsummed (for a consumer that
+        sums them itself, `jax_paged_attn.norm.add_rms_norm`).
 
     Returns:
-      ``[..., *out]`` in x's dtype, accumulated in float32.
+      ``[..., *out]`` in x's dtype, accumulated in float32; with ``keep_partials``,
+      ``[S, ..., *out]`` whose sum over axis 0 is the product: float32 partials, or
+      the product itself (x's dtype) as ``S = 1`` when the plan does not split ``K``.
     """
     reason = streaming_unsupported_reason(x, w, config)
     if reason is not None:
@@ -90,9 +94,47 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
     if tiling.rows != rows:
         x2 = jnp.pad(x2, ((0, tiling.rows - rows), (0, 0)))
     y = triton_matmul.matmul_call(x2, w.reshape(depth, cols), tiling, out_dtype=x.dtype, interpret=interpret)
-    if tiling.split_k > 1:
-        y = y.sum(axis=0).astype(x.dtype)
-    return y[:rows].reshape(*x.shape[:-1], *out)
+    if tiling.split_k == 1:
+        y = y[None]
+    if not keep_partials:
+        y = y.sum(axis=0).astype(x.dtype) if tiling.split_k > 1 else y[0]
+        return y[:rows].reshape(*x.shape[:-1], *out)
+    return y[:, :rows].reshape(y.shape[0], *x.shape[:-1], *out)
+
+
+def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig | None = None,
+                                  interpret: bool = False) -> Array:
+    """A SwiGLU's ``silu(x @ w[:, 0]) * (x @ w[:, 1])`` through the kernel's gated form:
+    the gate and up products stay in registers.
+
+    Args:
+      x: ``[..., K]`` activations, as `weight_streaming_matmul`'s.
+      w: ``[K, 2, I]`` gate (index 0) and up (1) weights of x's dtype (a fused
+        gate/up `flax.nnx.LinearGeneral` kernel), ``I`` a multiple of ``config.block_n``.
+      config: tiling (`tuning.MatmulConfig`; its ``split_k`` is ignored: never split).
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      ``[..., I]`` in x's dtype (the activation and product in float32, rounded once).
+    """
+    if w.ndim != 3 or w.shape[1] != 2:
+        raise ValueError(f"w must be [K, 2, I] (gate, up), got shape {w.shape}")
+    reason = streaming_unsupported_reason(x, w[:, 0], config)
+    if reason is not None:
+        raise ValueError(f"gated_weight_streaming_matmul: {reason}")
+    missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
+    if missing is not None:
+        raise NotImplementedError(f"gated_weight_streaming_matmul cannot run: {missing}")
+    from jax_paged_attn.kernels import triton_matmul
+
+    rows, depth, (_, width) = _flatten(x, w, "x", "w")
+    tiling = plans.plan_matmul(rows, depth, width, config, itemsize=jnp.dtype(x.dtype).itemsize,
+                               budget=tuning.target_device().shared_memory_budget, gated=True)
+    x2 = x.reshape(rows, depth)
+    if tiling.rows != rows:
+        x2 = jnp.pad(x2, ((0, tiling.rows - rows), (0, 0)))
+    y = triton_matmul.matmul_call(x2, w.reshape(depth, 2 * width), tiling, out_dtype=x.dtype, interpret=interpret)
+    return y[:rows].reshape(*x.shape[:-1], width)
 
 
 def xla_matmul(x: Array, w: Array) -> Array:
@@ -110,20 +152,56 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
       w: ``[K, *out]`` weights (a `flax.nnx.Linear` / `LinearGeneral` kernel).
       implementation: None / "auto" / "xla": XLA's dot. Auto does not pick the
         weight-streaming kernel: inside a decode step on the H200 it measured level with
-        XLA's GEMMs (`AUTO_CHOICE`). "weight_streaming": the kernel (ValueError where it
-        cannot run), with `tuning.matmul_config`'s config.
+        XLA's GEMMs (`AUTO_CHOICE`). "weight_streaming": the kernel, with
+        `tuning.matmul_config`'s config, for products of at most
+        `tuning.MATMUL_MAX_ROWS` rows (`streams`; ValueError where such a product's
+        shape does not tile), XLA's dot for larger ones.
       interpret: run the kernel in Pallas interpret mode.
 
     Returns:
       ``[..., *out]`` in x's dtype.
     """
-    check_implementation(implementation)
     rows, depth, out = _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
-    if implementation != "weight_streaming":
+    if not streams(x, implementation):
         return xla_matmul(x, w)
     config = tuning.matmul_config(rows, depth, math.prod(out))
     return weight_streaming_matmul(x, w, config=config, interpret=interpret)
+
+
+def streams(x: Array, implementation: str | None) -> bool:
+    """Whether `linear` / `linear_partials` / `gated_linear` run ``x``'s products through
+    the kernel: ``implementation="weight_streaming"`` and at most
+    `tuning.MATMUL_MAX_ROWS` rows (larger products, a prefill's, are XLA's: no longer
+    bound by their weight reads)."""
+    check_implementation(implementation)
+    return implementation == "weight_streaming" and math.prod(x.shape[:-1]) <= tuning.MATMUL_MAX_ROWS
+
+
+def linear_partials(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
+    """`linear`'s product as partial products ``[S, ..., *out]`` whose sum over axis 0 is
+    ``x @ w``: the kernel's float32 split-K partials where `streams` says so, else the
+    product itself as ``S = 1`` (x's dtype). For a consumer that sums them with other
+    work (`jax_paged_attn.norm.add_rms_norm`), saving the sum's own kernel."""
+    _flatten(x, w, "x", "w")
+    w = w.astype(x.dtype)
+    if not streams(x, implementation):
+        return xla_matmul(x, w)[None]
+    config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
+    return weight_streaming_matmul(x, w, config=config, interpret=interpret, keep_partials=True)
+
+
+def gated_linear(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
+    """A SwiGLU's ``silu(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``: the
+    gated kernel where `streams` says so, else XLA's dot then the activation (both
+    products rounded to x's dtype first, as the unfused model computes them)."""
+    _flatten(x, w, "x", "w")
+    w = w.astype(x.dtype)
+    if not streams(x, implementation):
+        gate_up = xla_matmul(x, w)
+        return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
+    return gated_weight_streaming_matmul(x, w, config=config, interpret=interpret)
 
 
 AUTO_CHOICE = ("XLA's dot (the weight-streaming matmul ran level with XLA's GEMMs inside the decode step of a "

@@ -46,6 +46,7 @@ __all__ = [
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
+    "AddRmsNormTiling", "plan_add_rms_norm",
 ]
 
 LOG2E = math.log2(math.e)
@@ -821,6 +822,8 @@ class MatmulTiling:
       block_n, block_k: output columns per program, weight rows per loop step.
       split_k: programs along ``K`` (1: the kernel writes the output dtype).
       num_warps, num_stages, eviction_policy: Triton launch parameters and load hint.
+      gated: the SwiGLU form: ``w`` holds gate then up columns, the output is
+        ``silu(gate) * up`` (one split; ``block_n`` columns of each half per program).
     """
 
     rows: int
@@ -830,6 +833,7 @@ class MatmulTiling:
     num_warps: int
     num_stages: int
     eviction_policy: str | None
+    gated: bool = False
 
 
 def matmul_unsupported_reason(num_rows: int, depth: int, num_cols: int,
@@ -860,16 +864,19 @@ def check_matmul_config(config: tuning.MatmulConfig) -> None:
 
 
 def plan_matmul(num_rows: int, depth: int, num_cols: int, config: tuning.MatmulConfig | None = None, *,
-                itemsize: int = 2, budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET) -> MatmulTiling:
+                itemsize: int = 2, budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET,
+                gated: bool = False) -> MatmulTiling:
     """The weight-streaming matmul's tiling for ``[num_rows, depth] @ [depth, num_cols]``
     (`matmul_unsupported_reason` must be None); ``num_stages`` drops (to 2 at least)
-    until `matmul_shared_memory` fits ``budget``."""
+    until `matmul_shared_memory` fits ``budget``. ``gated``: the SwiGLU form, ``num_cols``
+    output columns from ``2 * num_cols`` weight columns, never split along ``K`` (the
+    activation needs whole sums)."""
     config = config or tuning.MatmulConfig()
     check_matmul_config(config)
     reason = matmul_unsupported_reason(num_rows, depth, num_cols, config)
     if reason is not None:
         raise ValueError(f"the weight-streaming matmul cannot tile this product: {reason}")
-    split = config.split_k
+    split = 1 if gated else config.split_k
     if not split:
         split = 1
         col_blocks = num_cols // config.block_n
@@ -879,19 +886,52 @@ def plan_matmul(num_rows: int, depth: int, num_cols: int, config: tuning.MatmulC
             split *= 2
     rows = max(MIN_DOT_ROWS, next_power_of_2(num_rows))
     stages = config.num_stages
-    while stages > 2 and matmul_shared_memory(rows, config.block_k, config.block_n, stages, itemsize) > budget:
+    weight_tiles = 2 if gated else 1
+    while stages > 2 and matmul_shared_memory(rows, config.block_k, config.block_n, stages, itemsize,
+                                              weight_tiles) > budget:
         stages -= 1
     return MatmulTiling(
         rows=rows, block_n=config.block_n, block_k=config.block_k, split_k=split,
         num_warps=config.num_warps, num_stages=stages,
-        eviction_policy=config.eviction_policy or None,
+        eviction_policy=config.eviction_policy or None, gated=gated,
     )
 
 
-def matmul_shared_memory(rows: int, block_k: int, block_n: int, num_stages: int, itemsize: int) -> int:
+def matmul_shared_memory(rows: int, block_k: int, block_n: int, num_stages: int, itemsize: int,
+                         weight_tiles: int = 1) -> int:
     """Bytes of shared memory the Triton pipeliner gives the matmul's loop: ``num_stages``
-    buffers of an x tile and a w tile (as compiled on the H200)."""
-    return num_stages * (rows * block_k + block_k * block_n) * itemsize
+    buffers of an x tile and ``weight_tiles`` w tiles (2 in the gated form; as compiled
+    on the H200)."""
+    return num_stages * (rows * block_k + weight_tiles * block_k * block_n) * itemsize
+
+
+# =========================================================================== residual add + RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class AddRmsNormTiling:
+    """Static launch plan of the fused residual add + RMSNorm, from `plan_add_rms_norm`.
+
+    Attributes:
+      rows_per_program: whole rows one program adds and normalizes (a power of 2).
+      padded_cols: the row length padded to a power of 2 (masked inside the kernel).
+      num_warps: Triton launch parameter.
+    """
+
+    rows_per_program: int
+    padded_cols: int
+    num_warps: int
+
+
+def plan_add_rms_norm(num_rows: int, num_cols: int) -> AddRmsNormTiling:
+    """Whole rows per program: about `tuning.ADD_RMS_NORM_ELEMENTS_PER_PROGRAM` elements
+    (at least one row, at most the rows rounded up to a power of 2); 8 warps for rows of
+    more than 4,096 elements."""
+    padded_cols = next_power_of_2(num_cols)
+    rows = max(1, tuning.ADD_RMS_NORM_ELEMENTS_PER_PROGRAM // padded_cols)
+    rows = min(rows, next_power_of_2(max(num_rows, 1)))
+    return AddRmsNormTiling(rows_per_program=rows, padded_cols=padded_cols,
+                            num_warps=8 if rows * padded_cols > 4096 else 4)
 
 
 # =========================================================================== element offsets

@@ -431,6 +431,12 @@ ROTARY_CACHE_WRITE_ELEMENTS_PER_PROGRAM = 1024
 rotary + cache-write kernel rotates: a decode step's few dozen tokens spread over tens
 of programs, so the step's latency is one program's loads, not a queue of them."""
 
+ADD_RMS_NORM_ELEMENTS_PER_PROGRAM = 2048
+"""Row elements one program of the fused residual add + RMSNorm handles (whole rows, at
+least one): a decode step normalizes a few dozen rows of a few thousand elements, so
+one row per program keeps every row's latency to one program's loads."""
+
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:

@@ -19,7 +19,8 @@ import pytest
 PACKAGE = "jax_paged_attn"
 _ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 
-WRAPPERS = tuple(f"{PACKAGE}.{name}" for name in ("prefill", "decode", "cache", "api", "layer", "dispatch", "matmul"))
+WRAPPERS = tuple(f"{PACKAGE}.{name}" for name in ("prefill", "decode", "cache", "api", "layer", "dispatch", "matmul",
+                                                   "norm"))
 
 BOTTOM = {  # module -> the package modules it may import
     f"{PACKAGE}.spec": set(),

@@ -62,6 +62,65 @@ def test_split_k_partials_sum_to_the_unsplit_product():
     np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(eight, np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows, config", [((1,), MatmulConfig(block_n=32, block_k=64, split_k=4)),
+                                          ((3, 7), MatmulConfig(block_n=64, block_k=128))])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gated_product_matches_silu_gate_times_up(implementation, rows, config, dtype):
+    """``silu(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``: the kernel's gated
+    form (one split whatever the config asks: the activation needs whole sums) against
+    float32 math rounded once; XLA's path rounds both products first, as the unfused
+    model does."""
+    x, w = _operands(rows, 256, (2, 128), dtype, seed=5)
+    if implementation == "weight_streaming":
+        y = matmul.gated_weight_streaming_matmul(x, w, config=config, interpret=True)
+    else:
+        y = matmul.gated_linear(x, w, implementation="xla")
+    assert y.shape == (*rows, 128) and y.dtype == dtype
+    products = _exact(x, w).reshape(-1, 2, 128)
+    gate, up = products[:, 0], products[:, 1]
+    expected = gate / (1 + np.exp(-gate)) * up
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(y, np.float32).reshape(expected.shape), expected, rtol=tol,
+                               atol=tol * np.abs(expected).max())
+    assert plans.plan_matmul(16, 256, 128, config, gated=True).split_k == 1
+
+
+def test_gated_product_refuses_a_weight_without_gate_and_up():
+    x, w = _operands((2,), 256, (128,))
+    with pytest.raises(ValueError, match=r"w must be \[K, 2, I\]"):
+        matmul.gated_weight_streaming_matmul(x, w, interpret=True)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_partials_sum_to_the_product(split_k):
+    """``keep_partials``: float32 split-K partials ``[S, ..., N]`` (the product itself as
+    ``S = 1`` when the plan does not split); `linear_partials` through XLA is ``[1, ..., N]``."""
+    x, w = _operands((3, 5), 512, (64,))
+    config = MatmulConfig(block_k=64, split_k=split_k)
+    parts = matmul.weight_streaming_matmul(x, w, config=config, interpret=True, keep_partials=True)
+    assert parts.shape == (split_k, 3, 5, 64)
+    assert parts.dtype == (jnp.float32 if split_k > 1 else jnp.bfloat16)
+    whole = matmul.weight_streaming_matmul(x, w, config=config, interpret=True)
+    np.testing.assert_allclose(np.asarray(parts.astype(jnp.float32).sum(0)), np.asarray(whole, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    xla = matmul.linear_partials(x, w, implementation="xla")
+    assert xla.shape == (1, 3, 5, 64)
+    np.testing.assert_array_equal(np.asarray(xla[0], np.float32), np.asarray(matmul.xla_matmul(x, w), np.float32))
+
+
+def test_products_of_more_rows_than_the_kernel_takes_run_through_xla():
+    """"weight_streaming" is for decode-sized products: a prefill's (more than
+    `tuning.MATMUL_MAX_ROWS` rows) is XLA's dot, in every entry point."""
+    big, small = _operands((tuning.MATMUL_MAX_ROWS + 1,), 256, (2, 64)), _operands((4,), 256, (2, 64))
+    assert not matmul.streams(big[0], "weight_streaming") and matmul.streams(small[0], "weight_streaming")
+    assert not matmul.streams(small[0], None)
+    for fn in (matmul.linear, matmul.linear_partials, matmul.gated_linear):
+        text = lower_for_cuda(lambda a, b, f=fn: f(a, b, implementation="weight_streaming"), *big)
+        assert TRITON_CALL not in text and "stablehlo.dot_general" in text
+        assert TRITON_CALL in lower_for_cuda(lambda a, b, f=fn: f(a, b, implementation="weight_streaming"), *small)
+
+
 def test_plan_splits_k_until_enough_programs():
     config = MatmulConfig(block_n=64, block_k=128, target_programs=256, min_k_steps=2)
     tiling = plans.plan_matmul(32, 2048, 2048, config)
@@ -136,10 +195,11 @@ def test_the_kernel_lowers_for_cuda_with_split_k():
     assert TRITON_CALL in text
 
 
-def _streaming_llama(matmul_implementation):
-    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
+def _streaming_llama(matmul_implementation, implementation="xla", **overrides):
+    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256, **overrides)
     return LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                            implementation="xla", interpret=True, matmul_implementation=matmul_implementation)
+                            implementation=implementation, interpret=True,
+                            matmul_implementation=matmul_implementation)
 
 
 def test_llama_serving_forward_through_the_kernel_matches_xla():
@@ -156,6 +216,64 @@ def test_llama_serving_forward_through_the_kernel_matches_xla():
     for a, b in zip(layer_ours.self_attn.project_qkv(x, positions, serving=True),
                     layer_xla.self_attn.project_qkv(x, positions, serving=True)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("attention", ["xla", "triton"])
+def test_llama_fused_decoder_layers_match_dense(attention):
+    """With the kernel, a serving forward of decode-sized batches fuses each residual add
+    into the next RMSNorm (`jax_paged_attn.norm`) and the SwiGLU into the gate/up product
+    (float32 model, kernels interpreted; attention="triton": the norm kernel too): chunked
+    prefill beside decodes, every step's logits equal the dense forward's within 1e-4."""
+    from test_llama import Runner, greedy
+    from jax_paged_attn.models import jit_forward, jit_forward_dense
+
+    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation=attention, interpret=True,
+                             matmul_implementation="weight_streaming")
+    assert model._norm_implementation() == attention
+    assert model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS, 128)))
+    assert not model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS + 1, 128)))
+    runner = Runner(model, jit_forward(model), jit_forward_dense(model), chunked_prefill=True)
+    rng = np.random.default_rng(2)
+    long_prompt, short_prompt = rng.integers(0, 128, 35).tolist(), rng.integers(0, 128, 12).tolist()
+    _, short_rows = runner.step([(0, long_prompt, 0, 20), (1, short_prompt, 0, 12)])
+    short_prompt.append(greedy(short_rows))
+    long_rows, short_rows = runner.step([(0, long_prompt, 20, 15), (1, short_prompt, 12, 1)])
+    long_prompt.append(greedy(long_rows))
+    short_prompt.append(greedy(short_rows))
+    runner.step([(0, long_prompt, len(long_prompt) - 1, 1), (1, short_prompt, len(short_prompt) - 1, 1)])
+
+
+def test_fused_decode_step_lowers_to_norm_and_gated_kernels():
+    """The fused decode step for CUDA: per layer two residual add + norm kernels and four
+    kernel products (q/k/v, o, gated gate/up, down), one more norm for the final one;
+    no XLA dot but the LM head's."""
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
+    from jax_paged_attn.models import last_token_indices
+
+    def lowered(num_layers):
+        config = LlamaConfig.tiny(num_hidden_layers=num_layers, head_dim=64, hidden_size=128,
+                                  intermediate_size=256)
+        model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                        param_dtype=jnp.bfloat16,
+                                                        matmul_implementation="weight_streaming"))
+        graphdef, state = nnx.split(model)
+        scheduled = [ScheduledSequence(is_prompt=False, seq_len=9, context_len=8, query_len=1, block_table=[i])
+                     for i in range(2)]
+        md = FlashAttentionMetadataBuilder(block_size=16, num_blocks=4).build(scheduled)
+        caches = [jax.ShapeDtypeStruct(model.kv_cache_shape(4, 16), jnp.bfloat16)] * num_layers
+        ids = jax.ShapeDtypeStruct((md.num_tokens,), jnp.int32)
+
+        def step(state, ids, positions, caches, md):
+            return nnx.merge(graphdef, state)(ids, positions, caches, md, logits_indices=last_token_indices(md))
+
+        return lower_for_cuda(step, state, ids, ids, caches, md)
+
+    one, two = lowered(1), lowered(2)
+    assert one.count('"add_rms_norm"') == 2  # the first layer's input norm adds nothing: XLA's
+    assert two.count('"add_rms_norm"') - one.count('"add_rms_norm"') == 2
+    assert two.count('"weight_streaming_matmul"') - one.count('"weight_streaming_matmul"') == 4
+    assert one.count("stablehlo.dot_general") == two.count("stablehlo.dot_general") == 1  # the LM head
 
 
 def test_llama_rejects_bad_matmul_implementation_and_kernel_with_a_mesh():
@@ -181,6 +299,19 @@ def test_compiled_kernel_matches_xla_on_the_gpu(rows, depth, cols):
                                                     preferred_element_type=jnp.float32))(x, w)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2,
                                atol=1e-2 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_compiled_gated_kernel_matches_float32_on_the_gpu(rows):
+    """The gated gate/up product of the benchmark model's MLP (2048 x 2 x 8192), compiled."""
+    assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
+    x, w = _operands((rows,), 2048, (2, 8192), seed=rows)
+    got = jax.jit(lambda a, b: matmul.gated_linear(a, b, implementation="weight_streaming"))(x, w)
+    products = jax.jit(lambda a, b: jnp.einsum("mk,kgn->mgn", a, b, precision=jax.lax.Precision.HIGHEST,
+                                               preferred_element_type=jnp.float32))(x, w)
+    want = np.asarray(jax.nn.silu(products[:, 0]) * products[:, 1])
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=1e-2 * np.abs(want).max())
 
 
 def test_engine_greedy_through_the_kernel_in_interpret_mode_matches_dense():

@@ -17,6 +17,11 @@ byte, so it runs at the pace of its weight reads; the kernel is laid out for tha
 
 With one split the program writes ``y`` in the output dtype; with several it writes
 its float32 partial product, summed by the caller.
+
+The gated form (``tiling.gated``, a SwiGLU's gate/up projection) multiplies by
+``w[K, 2, I]``: a program reads the same ``block_n`` columns of the gate half and of
+the up half and writes ``silu(x @ w_gate) * (x @ w_up)`` (one split: the activation
+needs the whole sum), so the product's ``[M, 2, I]`` output never goes to memory.
 """
 from __future__ import annotations
 
@@ -34,35 +39,47 @@ Array = jax.Array
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, k_per_split: int):
-    # x_ref: [M, K] whole; w_ref: [K, N] whole; o_ref: [M, block_n] (split 1, output dtype)
-    # or [M, block_n] of the f32[split_k, M, N] partials.
+    # x_ref: [M, K] whole; w_ref: [K, N] whole (gated: [K, 2 * I], gate columns then up
+    # columns); o_ref: [M, block_n] (split 1, output dtype) or [M, block_n] of the
+    # f32[split_k, M, N] partials.
     rows = x_ref.shape[0]
     block_k, block_n = tiling.block_k, tiling.block_n
     col0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
     k0 = pl.program_id(1) * k_per_split
-    cols = pl.ds(col0, block_n)
+    halves = [pl.ds(col0, block_n)]
+    if tiling.gated:
+        halves.append(pl.ds(col0 + w_ref.shape[1] // 2, block_n))
 
     # float32 operands: full-precision products, not TF32 (a float32 model asks for that)
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
-    def step(i, acc):
+    def step(i, accs):
         k = pl.multiple_of(k0 + i * block_k, block_k)
         x = x_ref[:, pl.ds(k, block_k)]
-        w = plgpu.load(w_ref.at[pl.ds(k, block_k), cols], eviction_policy=tiling.eviction_policy)
-        return acc + plgpu.dot(x, w, precision=precision)
+        return tuple(
+            acc + plgpu.dot(x, plgpu.load(w_ref.at[pl.ds(k, block_k), cols], eviction_policy=tiling.eviction_policy),
+                            precision=precision)
+            for acc, cols in zip(accs, halves))
 
-    acc = lax.fori_loop(0, k_per_split // block_k, step, jnp.zeros((rows, block_n), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    zeros = tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in halves)
+    accs = lax.fori_loop(0, k_per_split // block_k, step, zeros)
+    if tiling.gated:
+        gate, up = accs
+        o_ref[...] = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
+    else:
+        o_ref[...] = accs[0].astype(o_ref.dtype)
 
 
 def matmul_call(x: Array, w: Array, tiling: MatmulTiling, *, out_dtype, interpret: bool = False) -> Array:
     """``x`` ``[M, K]`` (``M`` a power of 2 >= 16), ``w`` ``[K, N]`` -> ``[M, N]`` in
-    ``out_dtype`` (one split) or the float32 partials ``[split_k, M, N]``.
+    ``out_dtype`` (one split) or the float32 partials ``[split_k, M, N]``; gated
+    (``tiling.gated``, one split): ``w`` ``[K, 2 * I]`` -> ``silu(x @ w[:, :I]) * (x @
+    w[:, I:])`` ``[M, I]``.
 
-    The wrapper (`jax_paged_attn.matmul`) has checked that ``block_n`` divides ``N`` and
-    ``split_k * block_k`` divides ``K``."""
+    The wrapper (`jax_paged_attn.matmul`) has checked that ``block_n`` divides ``N``
+    (gated: ``I``) and ``split_k * block_k`` divides ``K``."""
     rows, depth = x.shape
-    cols = w.shape[1]
+    cols = w.shape[1] // 2 if tiling.gated else w.shape[1]
     whole = pl.BlockSpec()  # the whole array: the kernel addresses it itself
     if tiling.split_k == 1:
         out_shape = jax.ShapeDtypeStruct((rows, cols), out_dtype)

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn import cache as cache_ops
-from jax_paged_attn import matmul, reference
+from jax_paged_attn import matmul, norm, reference
 from jax_paged_attn.layer import PagedAttention
 
 Array = jax.Array
@@ -395,6 +395,13 @@ class RMSNorm(nnx.Module):
         out = self.weight[...] * normed.astype(x.dtype)
         return out.astype(x.dtype)
 
+    def add_and_norm(self, partials: Array, residual: Array, *, implementation: str | None,
+                     interpret: bool) -> tuple[Array, Array]:
+        """``(hidden, self(hidden))`` for ``hidden = residual + partials.sum(0)`` (the sum
+        rounded once to the residual's dtype), in one kernel (`jax_paged_attn.norm.add_rms_norm`)."""
+        return norm.add_rms_norm(partials, residual, self.weight[...], eps=self.eps, partials=True,
+                                 implementation=implementation, interpret=interpret)
+
 
 def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -493,8 +500,11 @@ class LlamaAttention(nnx.Module):
             write = parallel.kv_head_parallel(write, mesh=attn.mesh, axis_name=attn.tensor_parallel_axis)
         return write(qkv, cos, sin, kv_cache, slot_mapping, attn.k_scale, attn.v_scale)
 
-    def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
-        """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache)."""
+    def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any, *,
+                 partials: bool = False) -> tuple[Array, Array]:
+        """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache);
+        ``partials``: the o projection as `jax_paged_attn.matmul.linear_partials`'
+        ``[S, T, hidden]``."""
         num_tokens = x.shape[0]
         if self.fuses_rotary_and_cache(kv_cache, metadata):
             qkv, cos, sin = self._qkv(x, positions, serving=True)  # [T, Hk, group + 2, D], [T, D] x 2
@@ -505,6 +515,10 @@ class LlamaAttention(nnx.Module):
             out, kv_cache = self.attn(
                 q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
             )
+        if partials:
+            return matmul.linear_partials(out.astype(self.o_proj.dtype or out.dtype), self.o_proj.kernel[...],
+                                          implementation=self.matmul_implementation,
+                                          interpret=self.interpret), kv_cache
         return _project(self.o_proj, out, serving=True, implementation=self.matmul_implementation,
                         interpret=self.interpret), kv_cache
 
@@ -554,6 +568,15 @@ class LlamaMLP(nnx.Module):
         gate_up = _project(self.gate_up_proj, x, **how)  # [..., 2, intermediate]
         return _project(self.down_proj, jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], **how)
 
+    def partials(self, x: Array) -> Array:
+        """The serving forward as `jax_paged_attn.matmul.linear_partials`' ``[S, ..., hidden]``,
+        the activation inside the gate/up product (`jax_paged_attn.matmul.gated_linear`)."""
+        how = dict(implementation=self.matmul_implementation, interpret=self.interpret)
+        x = x.astype(self.gate_up_proj.dtype or x.dtype)
+        hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], **how)
+        return matmul.linear_partials(hidden.astype(self.down_proj.dtype or hidden.dtype),
+                                      self.down_proj.kernel[...], **how)
+
 
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP. Arguments as `LlamaForCausalLM`'s."""
@@ -574,6 +597,22 @@ class LlamaDecoderLayer(nnx.Module):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x), serving=True), kv_cache
+
+    def fused(self, x: Array, pending: Array | None, positions: Array, kv_cache: Array, metadata: Any, *,
+              norm_implementation: str | None) -> tuple[Array, Array, Array]:
+        """The serving forward with each residual add fused into the next norm
+        (`RMSNorm.add_and_norm`): ``x`` ``[T, hidden]`` is the residual stream before
+        ``pending``, the previous layer's MLP output as partial products ``[S, T, hidden]``
+        (None for the first layer). Returns (the residual stream after attention, this
+        layer's MLP output as partials, the updated kv_cache)."""
+        how = dict(implementation=norm_implementation, interpret=self.self_attn.interpret)
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(pending, x, **how)
+        attn_partials, kv_cache = self.self_attn(h, positions, kv_cache, metadata, partials=True)
+        x, h = self.post_attention_layernorm.add_and_norm(attn_partials, x, **how)
+        return x, self.mlp.partials(h), kv_cache
 
     def dense(self, x: Array) -> Array:
         x = x + self.self_attn.dense(self.input_layernorm(x))
@@ -613,8 +652,11 @@ class LlamaForCausalLM(nnx.Module):
       matmul_implementation: the decoder layers' projections in the serving forward
         (`__call__`): None / "auto" / "xla" (XLA's dot; `jax_paged_attn.matmul.linear`
         says why auto is XLA) or "weight_streaming" (the Pallas kernel; refused with a
-        mesh, where the kernel is not partitioned over devices). The dense forward and the
-        LM head always use XLA's dot.
+        mesh, where the kernel is not partitioned over devices). With the kernel, a
+        forward of at most `tuning.MATMUL_MAX_ROWS` tokens also fuses each residual add
+        into the next RMSNorm and the SwiGLU into the gate/up product
+        (`LlamaDecoderLayer.fused`); larger forwards (prefills) use XLA's dot. The dense
+        forward and the LM head always use XLA's dot.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
         `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
@@ -732,12 +774,37 @@ class LlamaForCausalLM(nnx.Module):
             )
         x = self.model.embed_tokens(input_ids)
         new_caches = []
+        if self.fuses_residual_norms(x):
+            pending = None
+            how = dict(norm_implementation=self._norm_implementation())
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, pending, kv_cache = layer.fused(x, pending, positions, kv_cache, metadata, **how)
+                new_caches.append(kv_cache)
+            if logits_indices is not None:
+                x, pending = x[logits_indices], pending[:, logits_indices]
+            _, h = self.model.norm.add_and_norm(pending, x, implementation=how["norm_implementation"],
+                                                interpret=self.model.layers[0].self_attn.interpret)
+            return self.compute_logits(h), new_caches
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, kv_cache = layer(x, positions, kv_cache, metadata)
             new_caches.append(kv_cache)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.compute_logits(self.model.norm(x)), new_caches
+
+    def fuses_residual_norms(self, x: Array) -> bool:
+        """Whether the serving forward of these ``[T, hidden]`` tokens runs the fused
+        decoder layers (`LlamaDecoderLayer.fused`): when the weight-streaming kernel takes
+        its products (`jax_paged_attn.matmul.streams`: ``matmul_implementation=
+        "weight_streaming"``, at most `tuning.MATMUL_MAX_ROWS` tokens), whose split-K
+        partials the fused residual add + norm sums. Static: x's shape."""
+        return bool(self.config.num_hidden_layers) and matmul.streams(x, self.matmul_implementation)
+
+    def _norm_implementation(self) -> str | None:
+        """The fused norm's implementation from the attention's: XLA with XLA, the Triton
+        kernel with Triton, else auto (the Triton kernel on CUDA: it has no Mosaic GPU form)."""
+        attention = self.model.layers[0].self_attn.attn.implementation
+        return attention if attention in ("xla", "triton") else None
 
     def compute_logits(self, hidden: Array) -> Array:
         """Final hidden states ``[..., hidden]`` (already normed) -> float32 logits ``[..., vocab]``."""

@@ -1,0 +1,105 @@
+"""The residual add + RMSNorm between a decoder layer's blocks, fused.
+
+A pre-norm transformer block ends with ``hidden = residual + block(...)`` and the next
+one starts with ``RMSNorm(hidden)``. `add_rms_norm` does both in one kernel
+(`jax_paged_attn.kernels.triton_norm`), and also sums a split-K product's float32
+partials (`jax_paged_attn.matmul.linear_partials`), so a decode step runs one small
+kernel where XLA runs two or three. The XLA path (`add_rms_norm_reference`) is the
+kernel's reference and the CPU's implementation.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_paged_attn import dispatch, plans
+
+Array = jax.Array
+
+NORM_IMPLEMENTATIONS = (None, dispatch.AUTO, dispatch.XLA, dispatch.TRITON)
+"""`add_rms_norm`'s implementations (the kernel has a Triton lowering only)."""
+
+
+def add_rms_norm_reference(update: Array, residual: Array | None, weight: Array, *, eps: float,
+                           dtype: Any) -> tuple[Array, Array]:
+    """`add_rms_norm`'s arithmetic in XLA: ``update`` ``[S, M, N]`` summed over ``S`` in
+    float32 with the residual, rounded once to ``dtype`` (the new residual stream); the
+    norm as `jax_paged_attn.models.llama.RMSNorm` computes it from those rounded rows."""
+    total = jnp.sum(update.astype(jnp.float32), axis=0)
+    if residual is not None:
+        total = total + residual.astype(jnp.float32)
+    hidden = total.astype(dtype)
+    h32 = hidden.astype(jnp.float32)
+    normed = (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)).astype(dtype)
+    return hidden, (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+
+
+def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: float, partials: bool = False,
+                 dtype: Any = None, implementation: str | None = None,
+                 interpret: bool = False) -> tuple[Array, Array]:
+    """``hidden = residual + update`` and ``RMSNorm(hidden) * weight``, in one kernel.
+
+    Args:
+      update: the block's output ``[..., N]``; with ``partials=True``, ``[S, ..., N]``:
+        partial products summed over the leading axis (float32 split-K partials of
+        `jax_paged_attn.matmul.linear_partials`).
+      residual: ``[..., N]``, the residual stream, or None (``hidden`` is the sum alone).
+      weight: ``[N]``, the norm's scale (any float dtype; multiplied in float32).
+      eps: added to the mean square.
+      partials: whether ``update`` has the leading partials axis.
+      dtype: of both outputs; default the residual's dtype, else update's (float32
+        partials without a residual need it).
+      implementation: None / "auto": the Triton kernel on CUDA, XLA elsewhere; "xla";
+        "triton" (NotImplementedError where the lowering is missing).
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      ``(hidden, normed)``, each ``[..., N]`` in ``dtype``: the new residual stream
+      (the sum rounded once) and its normalized, scaled rows.
+    """
+    if implementation not in NORM_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {NORM_IMPLEMENTATIONS}, got {implementation!r}.")
+    if update.ndim < (2 if partials else 1):
+        raise ValueError(f"update must be {'[S, ..., N]' if partials else '[..., N]'}, got shape {update.shape}.")
+    parts = update if partials else update[None]
+    lead, num_cols = parts.shape[1:-1], parts.shape[-1]
+    if not jnp.issubdtype(update.dtype, jnp.floating):
+        raise TypeError(f"update must be a float array, got {update.dtype}.")
+    if residual is not None and tuple(residual.shape) != tuple(parts.shape[1:]):
+        raise ValueError(f"residual must have update's shape {tuple(parts.shape[1:])}, got {tuple(residual.shape)}.")
+    if tuple(weight.shape) != (num_cols,):
+        raise ValueError(f"weight must have shape [N] = [{num_cols}], got {tuple(weight.shape)}.")
+    if dtype is None:
+        if residual is None and partials:
+            raise ValueError("dtype is required for partials without a residual.")
+        dtype = residual.dtype if residual is not None else update.dtype
+    dtype = jnp.dtype(dtype)
+    if residual is not None and residual.dtype != dtype:
+        raise TypeError(f"residual must be {dtype} (the outputs' dtype), got {residual.dtype}.")
+    num_rows = 1
+    for size in lead:
+        num_rows *= size
+    flat = parts.reshape(parts.shape[0], num_rows, num_cols)
+    flat_residual = None if residual is None else residual.reshape(num_rows, num_cols)
+
+    # (update, weight[, residual]): no None among platform_dependent's operands
+    args = (flat, weight) if flat_residual is None else (flat, weight, flat_residual)
+
+    def reference(flat, weight, flat_residual=None):
+        return add_rms_norm_reference(flat, flat_residual, weight, eps=eps, dtype=dtype)
+
+    def kernel(flat, weight, flat_residual=None):
+        from jax_paged_attn.kernels import triton_norm
+
+        return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype,
+                                             tiling=plans.plan_add_rms_norm(num_rows, num_cols),
+                                             interpret=interpret)
+
+    if num_rows == 0:
+        hidden, normed = reference(*args)
+    else:
+        hidden, normed = dispatch.run_implementation(implementation, args, reference_fn=reference,
+                                                     kernel_fn=kernel, unsupported_reason=lambda: None)
+    return hidden.reshape(*lead, num_cols), normed.reshape(*lead, num_cols)
