@@ -90,16 +90,14 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
     cols = math.prod(out)
     tiling = plans.plan_matmul(rows, depth, cols, config, itemsize=jnp.dtype(x.dtype).itemsize,
                                budget=tuning.target_device().shared_memory_budget)
-    x2 = x.reshape(rows, depth)
-    if tiling.rows != rows:
-        x2 = jnp.pad(x2, ((0, tiling.rows - rows), (0, 0)))
-    y = triton_matmul.matmul_call(x2, w.reshape(depth, cols), tiling, out_dtype=x.dtype, interpret=interpret)
+    y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, cols), tiling, out_dtype=x.dtype,
+                                  interpret=interpret)
     if tiling.split_k == 1:
         y = y[None]
     if not keep_partials:
         y = y.sum(axis=0).astype(x.dtype) if tiling.split_k > 1 else y[0]
-        return y[:rows].reshape(*x.shape[:-1], *out)
-    return y[:, :rows].reshape(y.shape[0], *x.shape[:-1], *out)
+        return y.reshape(*x.shape[:-1], *out)
+    return y.reshape(y.shape[0], *x.shape[:-1], *out)
 
 
 def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig | None = None,
@@ -130,11 +128,9 @@ def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulCo
     rows, depth, (_, width) = _flatten(x, w, "x", "w")
     tiling = plans.plan_matmul(rows, depth, width, config, itemsize=jnp.dtype(x.dtype).itemsize,
                                budget=tuning.target_device().shared_memory_budget, gated=True)
-    x2 = x.reshape(rows, depth)
-    if tiling.rows != rows:
-        x2 = jnp.pad(x2, ((0, tiling.rows - rows), (0, 0)))
-    y = triton_matmul.matmul_call(x2, w.reshape(depth, 2 * width), tiling, out_dtype=x.dtype, interpret=interpret)
-    return y[:rows].reshape(*x.shape[:-1], width)
+    y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, 2 * width), tiling, out_dtype=x.dtype,
+                                  interpret=interpret)
+    return y.reshape(*x.shape[:-1], width)
 
 
 def xla_matmul(x: Array, w: Array) -> Array:

@@ -94,7 +94,7 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
         from jax_paged_attn.kernels import triton_norm
 
         return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype,
-                                             tiling=plans.plan_add_rms_norm(num_rows, num_cols),
+                                             tiling=plans.plan_add_rms_norm(num_rows, num_cols, flat.shape[0]),
                                              interpret=interpret)
 
     if num_rows == 0:

@@ -923,15 +923,18 @@ class AddRmsNormTiling:
     num_warps: int
 
 
-def plan_add_rms_norm(num_rows: int, num_cols: int) -> AddRmsNormTiling:
+def plan_add_rms_norm(num_rows: int, num_cols: int, num_partials: int = 1) -> AddRmsNormTiling:
     """Whole rows per program: about `tuning.ADD_RMS_NORM_ELEMENTS_PER_PROGRAM` elements
-    (at least one row, at most the rows rounded up to a power of 2); 8 warps for rows of
-    more than 4,096 elements."""
+    (at least one row, at most the rows rounded up to a power of 2); a warp (4 to 16) per
+    `tuning.ADD_RMS_NORM_LOADS_PER_WARP` elements it loads from the ``num_partials``
+    partial products."""
     padded_cols = next_power_of_2(num_cols)
     rows = max(1, tuning.ADD_RMS_NORM_ELEMENTS_PER_PROGRAM // padded_cols)
     rows = min(rows, next_power_of_2(max(num_rows, 1)))
-    return AddRmsNormTiling(rows_per_program=rows, padded_cols=padded_cols,
-                            num_warps=8 if rows * padded_cols > 4096 else 4)
+    # A program's time is its loads' latency: more warps keep more of them in flight.
+    loads = num_partials * rows * padded_cols
+    warps = min(16, max(4, next_power_of_2(-(-loads // tuning.ADD_RMS_NORM_LOADS_PER_WARP))))
+    return AddRmsNormTiling(rows_per_program=rows, padded_cols=padded_cols, num_warps=warps)
 
 
 # =========================================================================== element offsets

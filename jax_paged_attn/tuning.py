@@ -436,6 +436,10 @@ ADD_RMS_NORM_ELEMENTS_PER_PROGRAM = 2048
 least one): a decode step normalizes a few dozen rows of a few thousand elements, so
 one row per program keeps every row's latency to one program's loads."""
 
+ADD_RMS_NORM_LOADS_PER_WARP = 1024
+"""Elements of the partial products each warp of the fused residual add + RMSNorm loads
+(32 per thread): a decode row of 2,048 summed over 8 split-K partials takes 16 warps."""
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,10 +97,13 @@ def test_equals_the_models_residual_add_then_rms_norm(implementation):
     assert ulp_diff(normed, layer_norm(x + update), jnp.bfloat16) <= 1.0
 
 
-def test_plan_takes_whole_rows_per_program():
+def test_plan_takes_whole_rows_and_a_warp_per_1024_loads():
     per_program = tuning.ADD_RMS_NORM_ELEMENTS_PER_PROGRAM
     assert plans.plan_add_rms_norm(32, 2048) == plans.AddRmsNormTiling(
         rows_per_program=max(1, per_program // 2048), padded_cols=2048, num_warps=4)
+    assert plans.plan_add_rms_norm(1, 2048, num_partials=4).num_warps == 8
+    assert plans.plan_add_rms_norm(1, 2048, num_partials=8).num_warps == 16
+    assert plans.plan_add_rms_norm(1, 2048, num_partials=64).num_warps == 16  # at most 16
     wide = plans.plan_add_rms_norm(4, 5000)  # padded to 8192: one row, 8 warps
     assert (wide.rows_per_program, wide.padded_cols, wide.num_warps) == (1, 8192, 8)
     assert plans.plan_add_rms_norm(3, 96).rows_per_program == 4  # at most the rows, rounded up

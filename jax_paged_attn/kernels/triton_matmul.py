@@ -1,8 +1,9 @@
 """Weight-streaming matmul for decode-sized batches: the Pallas kernel and its
 `pallas_call` (Triton lowering).
 
-``y[M, N] = x[M, K] @ w[K, N]`` for a few rows (``M`` <= 128, padded to a power of 2
->= 16 by the wrapper). Such a product reads each weight once and does little math per
+``y[M, N] = x[M, K] @ w[K, N]`` for a few rows (``M`` <= 128; the dot's rows are ``M``
+rounded up to a power of 2 >= 16, the missing ones masked in the kernel, as a separate
+pad and slice cost two kernel launches per product in a decode step). Such a product reads each weight once and does little math per
 byte, so it runs at the pace of its weight reads; the kernel is laid out for that:
 
 * one program computes ``block_n`` output columns over one of ``split_k`` equal
@@ -40,38 +41,49 @@ Array = jax.Array
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, k_per_split: int):
     # x_ref: [M, K] whole; w_ref: [K, N] whole (gated: [K, 2 * I], gate columns then up
-    # columns); o_ref: [M, block_n] (split 1, output dtype) or [M, block_n] of the
-    # f32[split_k, M, N] partials.
-    rows = x_ref.shape[0]
+    # columns); o_ref: [M, N] whole in the output dtype (one split), or the f32
+    # [split_k, M, N] partials. M may be below tiling.rows: the dot's missing rows are
+    # loaded as zeros and never stored, so the caller neither pads x nor slices the output.
+    num_rows = x_ref.shape[0]
     block_k, block_n = tiling.block_k, tiling.block_n
     col0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
     k0 = pl.program_id(1) * k_per_split
     halves = [pl.ds(col0, block_n)]
     if tiling.gated:
         halves.append(pl.ds(col0 + w_ref.shape[1] // 2, block_n))
+    row = lax.iota(jnp.int32, tiling.rows)
+    row_ok = (row < num_rows)[:, None] if num_rows < tiling.rows else None
+    k_offsets = lax.iota(jnp.int32, block_k)
 
     # float32 operands: full-precision products, not TF32 (a float32 model asks for that)
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
     def step(i, accs):
         k = pl.multiple_of(k0 + i * block_k, block_k)
-        x = x_ref[:, pl.ds(k, block_k)]
+        if row_ok is None:
+            x = x_ref[:, pl.ds(k, block_k)]
+        else:
+            x = plgpu.load(x_ref.at[row[:, None], (k + k_offsets)[None, :]], mask=row_ok, other=0)
         return tuple(
             acc + plgpu.dot(x, plgpu.load(w_ref.at[pl.ds(k, block_k), cols], eviction_policy=tiling.eviction_policy),
                             precision=precision)
             for acc, cols in zip(accs, halves))
 
-    zeros = tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in halves)
+    zeros = tuple(jnp.zeros((tiling.rows, block_n), jnp.float32) for _ in halves)
     accs = lax.fori_loop(0, k_per_split // block_k, step, zeros)
     if tiling.gated:
         gate, up = accs
-        o_ref[...] = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
+        out = gate * jax.nn.sigmoid(gate) * up
     else:
-        o_ref[...] = accs[0].astype(o_ref.dtype)
+        out = accs[0]
+    col = col0 + lax.iota(jnp.int32, block_n)
+    index = (row[:, None], col[None, :])
+    target = o_ref.at[index] if tiling.split_k == 1 else o_ref.at[(pl.program_id(1), *index)]
+    plgpu.store(target, out.astype(o_ref.dtype), mask=None if row_ok is None else jnp.broadcast_to(row_ok, out.shape))
 
 
 def matmul_call(x: Array, w: Array, tiling: MatmulTiling, *, out_dtype, interpret: bool = False) -> Array:
-    """``x`` ``[M, K]`` (``M`` a power of 2 >= 16), ``w`` ``[K, N]`` -> ``[M, N]`` in
+    """``x`` ``[M, K]`` (``M`` at most ``tiling.rows``), ``w`` ``[K, N]`` -> ``[M, N]`` in
     ``out_dtype`` (one split) or the float32 partials ``[split_k, M, N]``; gated
     (``tiling.gated``, one split): ``w`` ``[K, 2 * I]`` -> ``silu(x @ w[:, :I]) * (x @
     w[:, I:])`` ``[M, I]``.
@@ -80,20 +92,15 @@ def matmul_call(x: Array, w: Array, tiling: MatmulTiling, *, out_dtype, interpre
     (gated: ``I``) and ``split_k * block_k`` divides ``K``."""
     rows, depth = x.shape
     cols = w.shape[1] // 2 if tiling.gated else w.shape[1]
-    whole = pl.BlockSpec()  # the whole array: the kernel addresses it itself
     if tiling.split_k == 1:
         out_shape = jax.ShapeDtypeStruct((rows, cols), out_dtype)
-        out_spec = pl.BlockSpec((rows, tiling.block_n), lambda j, s: (0, j))
     else:
         out_shape = jax.ShapeDtypeStruct((tiling.split_k, rows, cols), jnp.float32)
-        out_spec = pl.BlockSpec((None, rows, tiling.block_n), lambda j, s: (s, 0, j))
     kernel = functools.partial(_matmul_kernel, tiling=tiling, k_per_split=depth // tiling.split_k)
-    return pl.pallas_call(
+    return pl.pallas_call(  # whole-array refs: the kernel addresses them itself
         kernel,
         out_shape=out_shape,
         grid=(cols // tiling.block_n, tiling.split_k),
-        in_specs=[whole, whole],
-        out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="weight_streaming_matmul",
