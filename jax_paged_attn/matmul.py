@@ -4,14 +4,16 @@ A decode step multiplies a few rows of activations by every weight of the model,
 its matrix products are bound by reading the weights. `weight_streaming_matmul` runs a
 product through `jax_paged_attn.kernels.triton_matmul` (tiles planned by
 `plans.plan_matmul`, configs from `tuning.matmul_config`); `linear` is what a model's
-layer calls: XLA's dot unless the kernel is asked for.
+layer calls. `linear_partials` keeps a split-K product's partials for a consumer that
+sums them with its own work (`jax_paged_attn.norm.add_rms_norm`), and `gated_linear`
+computes a SwiGLU inside the gate/up product.
 
-Measured on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul"): timed alone in
-chains of calls, the kernel ran 1.1-2.0x XLA's dot on the small projections of a ~1B
-Llama (q/k/v, o) at 2-128 rows; inside the engine's compiled decode step, where XLA's
-GEMMs run back to back in command buffers, both ran each product in the same time
-(within 0.3 us), so auto keeps XLA's dot. The kernel is the place for what XLA does
-not fuse into its GEMMs (the norm before a projection, the residual add after it).
+Measured on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul" and "Fused
+decoder layers"): inside the engine's compiled decode step the kernel ran each product
+in XLA's time, but with the work XLA does not fuse into its GEMMs folded in (the
+residual add and norm after a product, the SwiGLU) a step took 0.88 / 1.01 ms at batch
+1 / 32 against 0.89 / 1.07 with XLA's dot; so auto takes the kernel there
+(`auto_takes_kernel`).
 """
 from __future__ import annotations
 
@@ -146,12 +148,12 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
     Args:
       x: ``[..., K]`` activations.
       w: ``[K, *out]`` weights (a `flax.nnx.Linear` / `LinearGeneral` kernel).
-      implementation: None / "auto" / "xla": XLA's dot. Auto does not pick the
-        weight-streaming kernel: inside a decode step on the H200 it measured level with
-        XLA's GEMMs (`AUTO_CHOICE`). "weight_streaming": the kernel, with
+      implementation: "xla": XLA's dot. "weight_streaming": the kernel, with
         `tuning.matmul_config`'s config, for products of at most
         `tuning.MATMUL_MAX_ROWS` rows (`streams`; ValueError where such a product's
-        shape does not tile), XLA's dot for larger ones.
+        shape does not tile), XLA's dot for larger ones. None / "auto": the kernel for
+        such products of 16-bit activations that tile, on the H200 through CUDA
+        (`auto_takes_kernel`, `AUTO_CHOICE`); XLA's dot otherwise.
       interpret: run the kernel in Pallas interpret mode.
 
     Returns:
@@ -159,19 +161,38 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
     """
     rows, depth, out = _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
-    if not streams(x, implementation):
+    if not streams(x, implementation, w):
         return xla_matmul(x, w)
     config = tuning.matmul_config(rows, depth, math.prod(out))
     return weight_streaming_matmul(x, w, config=config, interpret=interpret)
 
 
-def streams(x: Array, implementation: str | None) -> bool:
+def auto_takes_kernel() -> bool:
+    """Auto's choice on JAX's default device: the kernel on the GPU it was measured on
+    (`tuning.REFERENCE_DEVICE_KIND`, through CUDA, with the Triton lowering installed),
+    XLA's dot elsewhere (`AUTO_CHOICE`)."""
+    return (dispatch.default_platform() == "cuda" and dispatch.lowering_unavailable_reason(dispatch.TRITON) is None
+            and tuning.target_device().kind == tuning.REFERENCE_DEVICE_KIND)
+
+
+def streams(x: Array, implementation: str | None, w: Array | None = None) -> bool:
     """Whether `linear` / `linear_partials` / `gated_linear` run ``x``'s products through
-    the kernel: ``implementation="weight_streaming"`` and at most
-    `tuning.MATMUL_MAX_ROWS` rows (larger products, a prefill's, are XLA's: no longer
-    bound by their weight reads)."""
+    the kernel: at most `tuning.MATMUL_MAX_ROWS` rows (larger products, a prefill's, are
+    XLA's: no longer bound by their weight reads), and ``implementation=
+    "weight_streaming"``, or auto with 16-bit ``x`` where `auto_takes_kernel` and (given
+    the weight ``w`` ``[K, N]``) the product tiles."""
     check_implementation(implementation)
-    return implementation == "weight_streaming" and math.prod(x.shape[:-1]) <= tuning.MATMUL_MAX_ROWS
+    if math.prod(x.shape[:-1]) > tuning.MATMUL_MAX_ROWS:
+        return False
+    if implementation in (None, "auto"):
+        if jnp.dtype(x.dtype).itemsize != 2 or not auto_takes_kernel():
+            return False
+        if w is None:
+            return True
+        rows, depth, out = _flatten(x, w, "x", "w")
+        config = tuning.matmul_config(rows, depth, math.prod(out))
+        return streaming_unsupported_reason(x, w.astype(x.dtype), config) is None
+    return implementation == "weight_streaming"
 
 
 def linear_partials(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
@@ -181,7 +202,7 @@ def linear_partials(x: Array, w: Array, *, implementation: str | None = None, in
     work (`jax_paged_attn.norm.add_rms_norm`), saving the sum's own kernel."""
     _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
-    if not streams(x, implementation):
+    if not streams(x, implementation, w):
         return xla_matmul(x, w)[None]
     config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
     return weight_streaming_matmul(x, w, config=config, interpret=interpret, keep_partials=True)
@@ -193,13 +214,16 @@ def gated_linear(x: Array, w: Array, *, implementation: str | None = None, inter
     products rounded to x's dtype first, as the unfused model computes them)."""
     _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
-    if not streams(x, implementation):
+    if w.ndim != 3 or not streams(x, implementation, w[:, 0]):
         gate_up = xla_matmul(x, w)
         return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
     config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
     return gated_weight_streaming_matmul(x, w, config=config, interpret=interpret)
 
 
-AUTO_CHOICE = ("XLA's dot (the weight-streaming matmul ran level with XLA's GEMMs inside the decode step of a "
-               "~1B Llama on an H200, 2026-12-02; matmul_implementation='weight_streaming' opts in)")
+AUTO_CHOICE = ("on the H200 through CUDA, products of at most 128 rows of 16-bit activations through the "
+               "weight-streaming kernel, with the fused decoder layers (residual add + RMSNorm in one kernel, "
+               "SwiGLU inside the gate/up product): 0.88 / 1.01 ms per decode step at batch 1 / 32 against "
+               "0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products, "
+               "float32, with a mesh and on other GPUs (not measured there)")
 """What auto runs for linear layers, and why, in words (the engine's start report)."""

@@ -178,6 +178,32 @@ def test_configs_come_from_the_h200_table_else_the_default():
     assert tuning.matmul_config(32, 2048, 3072, other) == MatmulConfig()  # not measured there
 
 
+def test_auto_takes_the_kernel_for_16_bit_decode_products_on_the_h200_only(monkeypatch):
+    from jax_paged_attn import dispatch
+
+    x, w = _operands((32,), 2048, (3072,))
+    assert not matmul.auto_takes_kernel()  # this CPU host: XLA's dot
+    assert not matmul.streams(x, None, w)
+    monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
+    monkeypatch.setattr(tuning, "target_device", lambda: tuning.REFERENCE_DEVICE)
+    assert matmul.auto_takes_kernel()
+    assert matmul.streams(x, None, w) and matmul.streams(x, "auto", w)
+    assert not matmul.streams(x.astype(jnp.float32), None, w)  # float32: not measured
+    assert not matmul.streams(x[:, :2000], None, w[:2000])  # does not tile: XLA's, no error
+    assert not matmul.streams(jnp.zeros((129, 2048), jnp.bfloat16), None, w)
+    assert not matmul.streams(x, "xla", w)
+    other = tuning.device_from_properties("NVIDIA A100-SXM4-80GB", "8.0")
+    monkeypatch.setattr(tuning, "target_device", lambda: other)
+    assert not matmul.auto_takes_kernel()
+
+
+def test_auto_with_a_mesh_keeps_xlas_dot():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), mesh=mesh)
+    assert model.matmul_implementation is None
+    assert {layer.mlp.matmul_implementation for layer in model.model.layers} == {"xla"}
+
+
 @pytest.mark.parametrize("implementation", [None, "auto", "xla"])
 def test_auto_and_xla_lower_to_xlas_dot_and_the_forced_kernel_to_triton(implementation):
     x, w = _operands((32,), 2048, (3072,))

@@ -650,9 +650,10 @@ class LlamaForCausalLM(nnx.Module):
       implementation: attention implementation, None / "auto", "xla" or "triton"
         (see `jax_paged_attn.dispatch`).
       matmul_implementation: the decoder layers' projections in the serving forward
-        (`__call__`): None / "auto" / "xla" (XLA's dot; `jax_paged_attn.matmul.linear`
-        says why auto is XLA) or "weight_streaming" (the Pallas kernel; refused with a
-        mesh, where the kernel is not partitioned over devices). With the kernel, a
+        (`__call__`): "xla" (XLA's dot), "weight_streaming" (the Pallas kernel; refused
+        with a mesh, where the kernel is not partitioned over devices) or None / "auto"
+        (the kernel for 16-bit decode-sized products on the H200 without a mesh, else
+        XLA's dot: `jax_paged_attn.matmul.AUTO_CHOICE`). With the kernel, a
         forward of at most `tuning.MATMUL_MAX_ROWS` tokens also fuses each residual add
         into the next RMSNorm and the SwiGLU into the gate/up product
         (`LlamaDecoderLayer.fused`); larger forwards (prefills) use XLA's dot. The dense
@@ -692,6 +693,9 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError("matmul_implementation='weight_streaming' cannot run with a mesh: the kernel is "
                              "not partitioned over devices; use None or 'xla'.")
         self.matmul_implementation = matmul_implementation
+        # Auto never takes the kernel with a mesh: it is not partitioned over devices.
+        layers_matmul = "xla" if mesh is not None and matmul_implementation in (None, "auto") \
+            else matmul_implementation
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
@@ -702,7 +706,7 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(
             config, dtype=self.dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
             implementation=implementation, interpret=interpret, mesh=mesh,
-            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=matmul_implementation,
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=layers_matmul,
         )
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -798,7 +802,8 @@ class LlamaForCausalLM(nnx.Module):
         its products (`jax_paged_attn.matmul.streams`: ``matmul_implementation=
         "weight_streaming"``, at most `tuning.MATMUL_MAX_ROWS` tokens), whose split-K
         partials the fused residual add + norm sums. Static: x's shape."""
-        return bool(self.config.num_hidden_layers) and matmul.streams(x, self.matmul_implementation)
+        layers = self.model.layers
+        return bool(layers) and matmul.streams(x, layers[0].mlp.matmul_implementation)
 
     def _norm_implementation(self) -> str | None:
         """The fused norm's implementation from the attention's: XLA with XLA, the Triton
