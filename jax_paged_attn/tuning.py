@@ -474,8 +474,9 @@ MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig] = {
     # (K, N, rows rounded up to a power of 2 >= 16) -> the sweep's best config on an H200
     # (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2). Comments: us per product
     # in that benchmark's chains, ours / XLA's dot. Inside the engine's decode step the
-    # same products ran level with XLA's GEMMs (benchmarks/RESULTS.md, "Weight-streaming
-    # matmul"), so auto does not pick the kernel (`jax_paged_attn.matmul.linear`).
+    # same products ran level with XLA's GEMMs; auto takes the kernel there for the work
+    # it folds in (the fused decoder layers: benchmarks/RESULTS.md, "Fused decoder
+    # layers"; `jax_paged_attn.matmul.auto_takes_kernel`).
     (2048, 3072, 16): MatmulConfig(target_programs=512),  # 8.5 / 16.7
     (2048, 3072, 32): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 9.3 / 16.5
     (2048, 3072, 128): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 13.9 / 19.3
