@@ -461,6 +461,8 @@ def rotary_and_cache_flash_kv(
     k_scale: Array | float = 1.0,
     v_scale: Array | float = 1.0,
     *,
+    partials: bool = False,
+    dtype: Any = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
@@ -482,16 +484,34 @@ def rotary_and_cache_flash_kv(
       slot_mapping, kv_cache_dtype, k_scale, v_scale, implementation, interpret: as in
         `reshape_and_cache_flash_kv` (``implementation="xla"``: the rotation in
         `jax_paged_attn.reference.rotary_embedding` and the scatter).
+      partials: ``qkv`` is ``[S, T, Hk, G + 2, D]``, a split-K product's float32 partials
+        (`jax_paged_attn.matmul.linear_partials`), summed and rounded to ``dtype`` before
+        the rotation: the product's own rounding, without a kernel of its own.
+      dtype: with ``partials``, the projection's dtype (float16 / bfloat16 / float32):
+        the queries' and, unless fp8, the cache's; else it must be qkv's, or None.
 
     Returns:
-      ``(query [T, G * Hk, D] in qkv's dtype, kv_cache)``: queries rotated
+      ``(query [T, G * Hk, D] in qkv's dtype (``dtype``), kv_cache)``: queries rotated
       (`jax_paged_attn.reference.rotary_embedding`, rotate-half layout, float32 math
       rounded once), the cache holding each token's rotated key and its value at its
       slot. In place under ``jax.jit(..., donate_argnums=3, static_argnames="kv_cache_dtype")``.
     """
-    checks.check_ndim(qkv, 4, "qkv ([num_tokens, num_kv_heads, queries_per_kv_head + 2, head_size])")
-    checks.check_query_dtype(qkv, "qkv")
-    num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
+    if partials:
+        checks.check_ndim(qkv, 5, "qkv partials ([splits, num_tokens, num_kv_heads, queries_per_kv_head + 2, "
+                                  "head_size])")
+        if not jnp.issubdtype(qkv.dtype, jnp.floating):
+            raise TypeError(f"qkv partials must be a float array, got {qkv.dtype}.")
+        if dtype is None:
+            raise ValueError("dtype (the projection's dtype) is required with partials=True.")
+        parts = qkv
+    else:
+        checks.check_ndim(qkv, 4, "qkv ([num_tokens, num_kv_heads, queries_per_kv_head + 2, head_size])")
+        if dtype is not None and jnp.dtype(dtype) != qkv.dtype:
+            raise TypeError(f"dtype must be qkv's ({qkv.dtype}) or None without partials, got {jnp.dtype(dtype)}.")
+        dtype, parts = qkv.dtype, qkv[None]
+    checks.check_query_dtype(jax.ShapeDtypeStruct((), dtype), "qkv" if not partials else "dtype")
+    dtype = jnp.dtype(dtype)
+    num_tokens, num_kv_heads, heads_per_kv, head_size = parts.shape[1:]
     if heads_per_kv < 3:
         raise ValueError(f"qkv.shape[2] must be queries_per_kv_head + 2 >= 3 (queries, key, value), got {heads_per_kv}.")
     checks.check_head_size(head_size, "head size of qkv (qkv.shape[3])")  # a multiple of 16: even
@@ -503,28 +523,32 @@ def rotary_and_cache_flash_kv(
         if not jnp.issubdtype(table.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {table.dtype}.")
     _check_slot_mapping(slot_mapping, num_tokens, "qkv")
-    _check_cache_matches_tokens(kv_cache, jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_size), qkv.dtype),
+    _check_cache_matches_tokens(kv_cache, jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_size), dtype),
                                 "kv_cache", 5)
     if kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must have 2 on its first axis (keys, values), got shape {kv_cache.shape}.")
-    check_kv_cache_dtype(kv_cache_dtype, qkv.dtype, kv_cache.dtype, "kv_cache")
+    check_kv_cache_dtype(kv_cache_dtype, dtype, kv_cache.dtype, "kv_cache")
     k_scale, v_scale = checks.scale_array(k_scale, "k_scale"), checks.scale_array(v_scale, "v_scale")
     _check_slot_mapping_values(slot_mapping, kv_cache.shape[1] * kv_cache.shape[2])
 
-    args = (qkv, cos, sin, jnp.asarray(slot_mapping), k_scale, v_scale, kv_cache)
+    args = (parts, cos, sin, jnp.asarray(slot_mapping), k_scale, v_scale, kv_cache)
+    xla = functools.partial(_xla_rotary_write, dtype=dtype)
     if num_tokens == 0:
         dispatch.normalize_implementation(implementation)
-        return _xla_rotary_write(*args)
+        return xla(*args)
     return tuple(dispatch.run_implementation(
-        implementation, args, reference_fn=_xla_rotary_write,
-        kernel_fn=functools.partial(_kernel_rotary_write, interpret=interpret),
+        implementation, args, reference_fn=xla,
+        kernel_fn=functools.partial(_kernel_rotary_write, dtype=dtype, interpret=interpret),
         unsupported_reason=lambda: _kernel_unsupported_reason((kv_cache,)),
     ))
 
 
-def _xla_rotary_write(qkv: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
-                      kv_cache: Array) -> tuple[Array, Array]:
-    """The XLA path (and the fused kernel's reference): rotate, then `_xla_write`."""
+def _xla_rotary_write(parts: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
+                      kv_cache: Array, *, dtype: Any) -> tuple[Array, Array]:
+    """The XLA path (and the fused kernel's reference): sum the partials ``[S, T, Hk, G +
+    2, D]`` to ``dtype``, rotate, then `_xla_write`."""
+    qkv = parts[0] if parts.shape[0] == 1 and parts.dtype == dtype else \
+        jnp.sum(parts.astype(jnp.float32), axis=0).astype(dtype)
     num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
     group = heads_per_kv - 2
     query = reference.rotary_embedding(qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_size),
@@ -534,14 +558,14 @@ def _xla_rotary_write(qkv: Array, cos: Array, sin: Array, slot_mapping: Array, k
     return query, kv_cache
 
 
-def _kernel_rotary_write(qkv: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array, v_scale: Array,
-                         kv_cache: Array, *, interpret: bool) -> tuple[Array, Array]:
+def _kernel_rotary_write(parts: Array, cos: Array, sin: Array, slot_mapping: Array, k_scale: Array,
+                         v_scale: Array, kv_cache: Array, *, dtype: Any, interpret: bool) -> tuple[Array, Array]:
     from jax_paged_attn.kernels import triton_cache
 
     scales = plans.kv_scales(kv_cache.dtype, kv_cache.dtype, k_scale, v_scale)
-    tiling = plans.plan_rotary_cache_write(qkv.shape[0], qkv.shape[2] - 2, qkv.shape[3])
-    return triton_cache.rotary_cache_write_call(qkv, cos, sin, slot_mapping, scales, kv_cache, tiling=tiling,
-                                                interpret=interpret)
+    tiling = plans.plan_rotary_cache_write(parts.shape[1], parts.shape[3] - 2, parts.shape[4])
+    return triton_cache.rotary_cache_write_call(parts, cos, sin, slot_mapping, scales, kv_cache, tiling=tiling,
+                                                dtype=dtype, interpret=interpret)
 
 
 # --------------------------------------------------------------------------- block mappings

@@ -271,15 +271,17 @@ def test_llama_fused_decoder_layers_match_dense(attention):
 
 
 def test_fused_decode_step_lowers_to_norm_and_gated_kernels():
-    """The fused decode step for CUDA: per layer two residual add + norm kernels and four
-    kernel products (q/k/v, o, gated gate/up, down), one more norm for the final one;
-    no XLA dot but the LM head's."""
+    """The fused decode step for CUDA: per layer two residual add + norm kernels, four
+    kernel products (q/k/v, o, gated gate/up, down) and the rotary + cache write summing
+    q/k/v's partials, one more norm for the final one; no XLA dot but the LM head's, no
+    XLA reduction per layer."""
     from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
     from jax_paged_attn.models import last_token_indices
 
     def lowered(num_layers):
-        config = LlamaConfig.tiny(num_hidden_layers=num_layers, head_dim=64, hidden_size=128,
-                                  intermediate_size=256)
+        # hidden 1024: the q/k/v and down products split K in two (float32 partials)
+        config = LlamaConfig.tiny(num_hidden_layers=num_layers, head_dim=64, hidden_size=1024,
+                                  intermediate_size=1024)
         model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                         param_dtype=jnp.bfloat16,
                                                         matmul_implementation="weight_streaming"))
@@ -300,6 +302,10 @@ def test_fused_decode_step_lowers_to_norm_and_gated_kernels():
     assert two.count('"add_rms_norm"') - one.count('"add_rms_norm"') == 2
     assert two.count('"weight_streaming_matmul"') - one.count('"weight_streaming_matmul"') == 4
     assert one.count("stablehlo.dot_general") == two.count("stablehlo.dot_general") == 1  # the LM head
+    # No XLA reduction per layer: every split-K sum is inside a kernel (the norm's, or
+    # the fused rotary + cache write's for q/k/v).
+    assert two.count("stablehlo.reduce") == one.count("stablehlo.reduce")
+    assert two.count('"rotary_and_cache_flash"') - one.count('"rotary_and_cache_flash"') == 1
 
 
 def test_llama_rejects_bad_matmul_implementation_and_kernel_with_a_mesh():

@@ -133,14 +133,37 @@ def test_kernel_matches_the_xla_path_over_a_multi_program_grid():
     valid = jnp.where((slots >= 0) & (slots < 3 * BLOCK_SIZE), slots, PAD_SLOT_ID)
     want_q, want_kv = cache.rotary_and_cache_flash_kv(qkv, cos, sin, kv, valid, implementation="xla")
     tiling = plans.RotaryCacheTiling(tokens_per_program=4, padded_group=4, padded_head_size=64)
-    got_q, got_kv = triton_cache.rotary_cache_write_call(qkv, cos, sin, slots, None, kv, tiling=tiling,
-                                                         interpret=True)
+    got_q, got_kv = triton_cache.rotary_cache_write_call(qkv[None], cos, sin, slots, None, kv, tiling=tiling,
+                                                         dtype=qkv.dtype, interpret=True)
     assert_rotated_close(got_q, np.asarray(want_q.astype(jnp.float32), np.float64), jnp.bfloat16)
     assert_rotated_close(got_kv, np.asarray(want_kv.astype(jnp.float32), np.float64), jnp.bfloat16)
     eager_q, eager_kv = cache.rotary_and_cache_flash_kv(qkv, cos, sin, kv, valid, implementation="triton",
                                                         interpret=True)
     np.testing.assert_array_equal(np.asarray(eager_q), np.asarray(got_q))
     np.testing.assert_array_equal(np.asarray(eager_kv), np.asarray(got_kv))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("splits, kv_cache_dtype", [(4, "auto"), (1, "fp8"), (3, "auto")])
+def test_split_k_partials_give_what_their_rounded_sum_gives(implementation, splits, kv_cache_dtype):
+    """``partials=True``: float32 partial products ``[S, T, Hk, G + 2, D]`` summed and
+    rounded to ``dtype`` as the op loads them, the same queries and cache bits as the
+    op on the rounded sum (partials on a 1/256 grid: their float32 sums are exact in any order)."""
+    rng = np.random.default_rng(35)
+    dtype = jnp.bfloat16
+    cache_dtype = cache.get_kv_cache_dtype(kv_cache_dtype, dtype)
+    qkv, cos, sin, kv, slots = make_case(rng, dtype, cache_dtype, 2, 3, 64)
+    parts = np.round(rng.standard_normal((splits, *qkv.shape)) * 256) / 256 + 0.0  # no -0.0: sums give +0.0
+    rounded = jnp.asarray(parts.astype(np.float32).sum(axis=0), jnp.float32).astype(dtype)
+    static = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=2.0, implementation=implementation,
+                  interpret=True)
+    valid = jnp.where((slots >= 0) & (slots < kv.shape[1] * BLOCK_SIZE), slots, PAD_SLOT_ID)
+    want_q, want_kv = cache.rotary_and_cache_flash_kv(rounded, cos, sin, jnp.array(kv, copy=True), valid, **static)
+    got_q, got_kv = cache.rotary_and_cache_flash_kv(jnp.asarray(parts, jnp.float32), cos, sin, kv, valid,
+                                                    partials=True, dtype=dtype, **static)
+    assert got_q.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got_q).view(np.uint16), np.asarray(want_q).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got_kv).view(np.uint8), np.asarray(want_kv).view(np.uint8))
 
 
 def test_plan_covers_one_kv_head_group_per_program():
@@ -225,6 +248,12 @@ def _args(**overrides):
     (dict(kv_cache=jnp.zeros((2, 3, BLOCK_SIZE, 3, 64), jnp.bfloat16)), ValueError, "kv_cache holds"),
     (dict(kv_cache=jnp.zeros((3, 3, BLOCK_SIZE, 2, 64), jnp.bfloat16)), ValueError, "kv_cache must have 2"),
     (dict(kv_cache=jnp.zeros((2, 3, BLOCK_SIZE, 2, 64), jnp.float16)), ValueError, "kv_cache has dtype"),
+    (dict(dtype=jnp.float16), TypeError, "dtype must be qkv's"),
+    (dict(partials=True), ValueError, r"qkv partials \(\[splits"),
+    (dict(partials=True, qkv=jnp.zeros((2, 4, 2, 6, 64), jnp.float32)), ValueError, "dtype .* is required"),
+    (dict(partials=True, qkv=jnp.zeros((2, 4, 2, 6, 64), jnp.int32), dtype=jnp.bfloat16), TypeError,
+     "qkv partials must be a float"),
+    (dict(partials=True, qkv=jnp.zeros((2, 4, 2, 6, 64), jnp.float32), dtype=jnp.int8), TypeError, "dtype must be"),
 ])
 def test_errors_name_the_argument(overrides, error, match):
     with pytest.raises(error, match=match):

@@ -39,7 +39,9 @@ starts from one projection's output ``qkv [T, Hk, G + 2, D]`` (per KV head: its 
 query heads, its key, its value): it rotates the queries and the key (rotate-half
 layout, per-token ``cos`` / ``sin`` rows), writes the rotated key and the value to their
 slot, and returns the rotated queries ``[T, Hq, D]``. A decode step then runs one
-kernel where XLA ran four (the value slice, two rotations, the write). One program is
+kernel where XLA ran four (the value slice, two rotations, the write). It also takes
+the projection as a split-K product's float32 partials ``[S, T, Hk, G + 2, D]``, summed
+and rounded to the model's dtype as it loads them: one kernel less again. One program is
 ``tokens_per_program`` tokens of one KV head; each half of a head is rotated against
 the other half, loaded a second time with the columns swapped (the same cache lines).
 """
@@ -236,11 +238,13 @@ def _rotary_cache_write_kernel(
     head_size: int,
     num_slots: int,
     fp8: bool,
+    dtype,
     interpret: bool,
 ):
     (
         # inputs
-        qkv_ref,  # [T, Hk, G + 2, D] f16 / bf16 / f32: queries, key, value of each KV head
+        qkv_ref,  # [S, T, Hk, G + 2, D]: queries, key, value of each KV head; summed over S
+        # (a split-K product's float32 partials, S = 1: the product in `dtype`) and rounded to dtype
         cos_ref,  # [T, D] any float: cos of each token's angles (both halves)
         sin_ref,  # [T, D] like cos_ref
         slots_ref,  # i32[T], PAD_SLOT_ID (-1) or out-of-range: not written
@@ -248,8 +252,8 @@ def _rotary_cache_write_kernel(
     ) = refs
     scales_ref = common.pop_optional(rest, fp8)  # f32[2]: k_scale, v_scale
     # rest[0] is the aliased cache input (the output's buffer); only the output is written.
-    q_out_ref, kv_out_ref = rest[1:]  # [T, Hq, D] qkv dtype; [2, num_slots, Hk * D] cache dtype
-    cache_dtype, dtype = kv_out_ref.dtype, qkv_ref.dtype
+    q_out_ref, kv_out_ref = rest[1:]  # [T, Hq, D] dtype; [2, num_slots, Hk * D] cache dtype
+    cache_dtype = kv_out_ref.dtype
 
     tokens, groups, padded_head = tiling.tokens_per_program, tiling.padded_group, tiling.padded_head_size
     kv_head = pl.program_id(1)
@@ -258,12 +262,20 @@ def _rotary_cache_write_kernel(
     dim, dim_ok = common.col_mask(padded_head, head_size)  # [Dp], [Dp] or None
     partner, sign = _rotate_half_partner(dim, head_size)
 
+    def projection(row_tokens: Array, head: Array | int, cols: Array, mask: Array | None) -> Array:
+        """``[rows, Dp]`` of the projection in dtype: the partials summed in float32, rounded once."""
+        total = None
+        for split in range(qkv_ref.shape[0]):
+            part = _masked_load(qkv_ref.at[split, row_tokens[:, None], kv_head, head, cols[None, :]], mask)
+            total = part.astype(jnp.float32) if total is None else total + part.astype(jnp.float32)
+        return total.astype(dtype)
+
     def rotated(row_tokens: Array, head: Array | int, row_mask: Array | None, rows: int) -> Array:
         """f32 ``[rows, Dp]``: rows (token, head of this KV head's G + 2) rotated."""
         mask = common.rows_and_cols(row_mask, dim_ok, rows, padded_head)
         head = head if isinstance(head, int) else head[:, None]
-        x = _masked_load(qkv_ref.at[row_tokens[:, None], kv_head, head, dim[None, :]], mask)
-        x_partner = _masked_load(qkv_ref.at[row_tokens[:, None], kv_head, head, partner[None, :]], mask)
+        x = projection(row_tokens, head, dim, mask)
+        x_partner = projection(row_tokens, head, partner, mask)
         cos = _masked_load(cos_ref.at[row_tokens[:, None], dim[None, :]], mask)
         sin = _masked_load(sin_ref.at[row_tokens[:, None], dim[None, :]], mask)
         return (x.astype(jnp.float32) * cos.astype(jnp.float32)
@@ -294,7 +306,7 @@ def _rotary_cache_write_kernel(
         k_scale, v_scale = scales_ref[0], scales_ref[1]
     key = rotated(token, group, token_ok, tokens).astype(dtype)
     load_mask = common.rows_and_cols(token_ok, dim_ok, tokens, padded_head)
-    value = _masked_load(qkv_ref.at[token[:, None], kv_head, group + 1, dim[None, :]], load_mask)
+    value = projection(token, group + 1, dim, load_mask)
     key = _quantize(key, cache_dtype, k_scale, interpret=interpret)
     value = _quantize(value, cache_dtype, v_scale, interpret=interpret)
     write_mask = common.rows_and_cols(slot_ok, dim_ok, tokens, padded_head)
@@ -304,7 +316,7 @@ def _rotary_cache_write_kernel(
 
 
 def rotary_cache_write_call(
-    qkv: Array,  # [T, Hk, G + 2, D] f16 / bf16 / f32
+    qkv: Array,  # [S, T, Hk, G + 2, D]: partial products summed over S (S = 1: the product)
     cos: Array,  # [T, D] float
     sin: Array,  # [T, D] float
     slots: Array,  # i32[T]: PAD_SLOT_ID or out-of-range entries are dropped
@@ -312,16 +324,18 @@ def rotary_cache_write_call(
     kv_cache: Array,  # [2, num_blocks, block_size, Hk, D] qkv's dtype or fp8
     *,
     tiling: RotaryCacheTiling,
+    dtype,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
-    """Rotates the queries and keys of ``qkv``, writes keys and values into their slots.
+    """Rotates the queries and keys of ``qkv`` (summed over its first axis and rounded to
+    ``dtype``), writes keys and values into their slots.
 
-    Returns ``(query [T, G * Hk, D] rotated, in qkv's dtype, kv_cache)``; the cache
+    Returns ``(query [T, G * Hk, D] rotated, in dtype, kv_cache)``; the cache
     output aliases ``kv_cache`` (updated in place when donated). No argument checks here
     (see `jax_paged_attn.cache.rotary_and_cache_flash_kv`); ``tiling`` comes from
     `plans.plan_rotary_cache_write`.
     """
-    num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
+    _, num_tokens, num_kv_heads, heads_per_kv, head_size = qkv.shape
     group = heads_per_kv - 2
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     fp8 = jnp.dtype(kv_cache.dtype).itemsize == 1
@@ -334,10 +348,10 @@ def rotary_cache_write_call(
     inputs.append(flat_cache)
     kernel = functools.partial(
         _rotary_cache_write_kernel, tiling=tiling, num_tokens=num_tokens, group=group, head_size=head_size,
-        num_slots=num_slots, fp8=fp8, interpret=interpret)
+        num_slots=num_slots, fp8=fp8, dtype=jnp.dtype(dtype), interpret=interpret)
     query, flat_cache = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_size), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_size), dtype),
                    jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
         grid=(pl.cdiv(num_tokens, tiling.tokens_per_program), num_kv_heads),
         input_output_aliases={cache_index: 1},

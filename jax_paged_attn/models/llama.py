@@ -484,17 +484,21 @@ class LlamaAttention(nnx.Module):
         return kv_cache.size > 0 and (metadata.num_prefill_tokens == 0 or metadata.has_block_tables)
 
     def _rotary_and_cache(self, qkv: Array, cos: Array, sin: Array, kv_cache: Array,
-                          slot_mapping: Array) -> tuple[Array, Array]:
+                          slot_mapping: Array, *, partials: bool = False) -> tuple[Array, Array]:
         """`jax_paged_attn.cache.rotary_and_cache_flash_kv` with the layer's cache settings;
-        with a mesh, on each device's KV heads (`jax_paged_attn.parallel.kv_head_parallel`)."""
+        with a mesh, on each device's KV heads (`jax_paged_attn.parallel.kv_head_parallel`).
+        ``partials``: ``qkv`` is the projection's split-K partials (no mesh: the kernel
+        that makes them is not partitioned)."""
         attn = self.attn
+        extra = dict(partials=True, dtype=cos.dtype) if partials else {}
 
         def write(qkv, cos, sin, kv_cache, slot_mapping, k_scale, v_scale):
             return cache_ops.rotary_and_cache_flash_kv(
                 qkv, cos, sin, kv_cache, slot_mapping, attn.kv_cache_dtype, k_scale, v_scale,
-                implementation=attn.implementation, interpret=self.interpret)
+                implementation=attn.implementation, interpret=self.interpret, **extra)
 
         if attn.mesh is not None:
+            assert not partials, "split-K partials come from the weight-streaming kernel, never with a mesh"
             from jax_paged_attn import parallel
 
             write = parallel.kv_head_parallel(write, mesh=attn.mesh, axis_name=attn.tensor_parallel_axis)
@@ -503,10 +507,19 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any, *,
                  partials: bool = False) -> tuple[Array, Array]:
         """Packed tokens ``x`` ``[T, hidden]`` -> (``[T, hidden]``, the updated kv_cache);
-        ``partials``: the o projection as `jax_paged_attn.matmul.linear_partials`'
-        ``[S, T, hidden]``."""
+        ``partials`` (the fused decoder layers): the o projection as
+        `jax_paged_attn.matmul.linear_partials`' ``[S, T, hidden]``, and the q/k/v
+        projection's partials summed by the fused rotary + cache write."""
         num_tokens = x.shape[0]
-        if self.fuses_rotary_and_cache(kv_cache, metadata):
+        if self.fuses_rotary_and_cache(kv_cache, metadata) and partials:
+            # The projection's split-K partials go straight to the fused op, which sums them.
+            x = x.astype(self.qkv_proj.dtype or x.dtype)
+            parts = matmul.linear_partials(x, self.qkv_proj.kernel[...], implementation=self.matmul_implementation,
+                                           interpret=self.interpret)  # [S, T, Hk, group + 2, D]
+            cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), x.dtype)
+            q, kv_cache = self._rotary_and_cache(parts, cos, sin, kv_cache, metadata.slot_mapping, partials=True)
+            out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
+        elif self.fuses_rotary_and_cache(kv_cache, metadata):
             qkv, cos, sin = self._qkv(x, positions, serving=True)  # [T, Hk, group + 2, D], [T, D] x 2
             q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping)
             out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
