@@ -126,6 +126,13 @@ try:
     matmul.weight_streaming_matmul(jnp.ones((2, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16))
 except NotImplementedError as error:
     print("matmul:", error)
+from jax_paged_attn import norm
+x = jnp.ones((2, 128), jnp.bfloat16)
+print("norm auto:", norm.add_rms_norm(x, x, jnp.ones(128), eps=1e-5)[1].shape)
+try:
+    norm.add_rms_norm(x, x, jnp.ones(128), eps=1e-5, implementation="triton")
+except NotImplementedError as error:
+    print("norm:", error)
 print("triton imported:", "jax.experimental.pallas.triton" in sys.modules)
 """
 
@@ -144,6 +151,8 @@ def test_a_jax_without_the_triton_lowering_still_imports_and_runs_the_reference(
     assert "has no Pallas triton lowering" in result.stdout
     assert "llama dense forward: (1, 3, 128)" in result.stdout
     assert "matmul: weight_streaming_matmul cannot run: the installed jax" in result.stdout
+    assert "norm auto: (2, 128)" in result.stdout
+    assert "norm: implementation='triton' cannot run this call: the installed jax" in result.stdout
     assert "triton imported: False" in result.stdout
 
 

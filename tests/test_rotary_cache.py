@@ -307,3 +307,23 @@ def test_gpu_kernel_matches_the_xla_path_and_updates_in_place(kv_cache_dtype):
             assert_rotated_close(got[0], want[0].astype(np.float64), dtype)
         else:  # a key one ulp apart before quantization may land one fp8 step apart
             np.testing.assert_allclose(got[0], want[0], rtol=0.13, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_sums_split_k_partials():
+    """Compiled: the decode step's q/k/v partials (4 splits, 32 tokens, 8 KV heads of a
+    group of 4, D 64) give the bits the op gives on their rounded sum."""
+    if jax.default_backend() != "gpu":
+        pytest.fail("needs a CUDA device; deselect with -m 'not gpu' on CPU hosts")
+    rng = np.random.default_rng(36)
+    qkv, cos, sin, kv, slots = make_case(rng, jnp.bfloat16, jnp.bfloat16, 8, 4, 64, num_tokens=32, num_blocks=64)
+    parts = np.round(rng.standard_normal((4, *qkv.shape)) * 256) / 256 + 0.0
+    rounded = jnp.asarray(parts.astype(np.float32).sum(axis=0)).astype(jnp.bfloat16)
+    valid = jnp.where((slots >= 0) & (slots < 64 * BLOCK_SIZE), slots, PAD_SLOT_ID)
+    fused = jax.jit(functools.partial(cache.rotary_and_cache_flash_kv, implementation="triton"))
+    want_q, want_kv = fused(rounded, cos, sin, jnp.array(kv, copy=True), valid)
+    with_parts = jax.jit(functools.partial(cache.rotary_and_cache_flash_kv, implementation="triton", partials=True,
+                                           dtype=jnp.bfloat16))
+    got_q, got_kv = with_parts(jnp.asarray(parts, jnp.float32), cos, sin, kv, valid)
+    np.testing.assert_array_equal(np.asarray(got_q).view(np.uint16), np.asarray(want_q).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got_kv).view(np.uint16), np.asarray(want_kv).view(np.uint16))
