@@ -376,6 +376,14 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=True),
         dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
         dict(causal=True, window_size=(100, 0)), marks=pytest.mark.gpu),
+    # Causal without a window: the second warpgroup sees the first one's diagonal block
+    # whole, and runs it unmasked (the tile's plan has it masked); a NaN behind the mask
+    # of the first warpgroup's rows must still reach only the rows that see it.
+    pytest.param(
+        "specialized-2wg-causal-whole-blocks",
+        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
+        dict(q_lens=[256, 100], k_lens=[256, 164], num_q_heads=2, num_kv_heads=1, head_size=64),
+        dict(causal=True), marks=pytest.mark.gpu),
     ("specialized-1wg-paged-bs48-ring3-fp8",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
      dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,

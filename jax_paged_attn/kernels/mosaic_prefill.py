@@ -31,7 +31,9 @@ share K/V in L2); a program is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
 from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
 slot is released by all of them) and computes those its own rows can see, with the
-tile's masked / unmasked split.
+tile's masked / unmasked split, except that blocks of the tile's masked tail that its
+own rows see whole run unmasked (with causal masking, the second warpgroup sees the
+first one's diagonal block whole).
 
 Memory layout (all TMA; a copy into a swizzled buffer reads whole 8-row tiles of the
 global array, so every copy starts on a multiple of 8 rows, `plans.MOSAIC_TMA_ROW_ALIGN`;
@@ -496,6 +498,16 @@ def _prefill_kernel(
             mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
             tail_split = jnp.where(
                 has_rows, jnp.clip(common.cdiv(my_hi + k_lead, block_k), kb_full_hi, kb_hi), kb_full_hi)
+            # The tile's masked tail starts where a block stops being visible to *every*
+            # row of the tile; this warpgroup's own rows may see more of it whole (the
+            # second warpgroup sees the first one's diagonal block whole): those blocks
+            # take the unmasked path. A block [a, a + block_k) is whole to the rows
+            # [my_first, my_last] when a >= lo(my_last) and a + block_k <= hi(my_first).
+            _, first_hi = plans.visible_key_interval(my_first, q_len, k_len, spec)
+            last_lo, _ = plans.visible_key_interval(my_last, q_len, k_len, spec)
+            whole_hi = lax.div(jnp.maximum(first_hi + k_lead, 0), jnp.int32(block_k))
+            extends = has_rows & (kb_full_hi * block_k - k_lead >= last_lo)
+            my_full_hi = jnp.where(extends, jnp.clip(whole_hi, kb_full_hi, tail_split), kb_full_hi)
             masked_visit = functools.partial(visit, masked=True)
             unmasked_visit = functools.partial(visit, masked=False)
             skip = functools.partial(visit, masked=True, compute=False)
@@ -506,7 +518,8 @@ def _prefill_kernel(
                 carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
             carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
             carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
-            carry = lax.fori_loop(kb_full_hi, tail_split, masked_visit, carry)
+            carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
+            carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
             acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
             if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
                 pl.when(wg == 0)(pingpong.meet)
