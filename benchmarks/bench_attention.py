@@ -887,16 +887,16 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
 
 def mosaic_prefill_grid(quick: bool) -> list[Any]:
     """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (block_k, num_stages, pingpong, nonfinite_check) of the warp-specialized form with 2
+    (block_k, num_stages, pingpong, nonfinite_check, fence_softmax) of the warp-specialized form with 2
     compute warpgroups (block_k is shrunk to fit shared memory at large head sizes)."""
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
-    choices = ((64, 2, True, "key_flags"),) if quick else (
-        (64, 2, True, "key_flags"), (64, 3, True, "product"), (64, 4, True, "product"),
-        (64, 3, True, "key_flags"), (64, 2, False, "product"), (128, 2, True, "product"),
+    choices = ((64, 2, True, "key_flags", False),) if quick else (
+        (64, 2, True, "key_flags", False), (64, 3, True, "product", False), (64, 2, True, "product", True),
+        (64, 2, True, "key_flags", True), (64, 3, True, "product", True), (128, 2, True, "product", False),
     )
-    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp, nonfinite_check=check)
-            for bk, st, pp, check in choices]
+    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp, nonfinite_check=check, fence_softmax=fence)
+            for bk, st, pp, check, fence in choices]
     return list(dict.fromkeys([MosaicPrefillConfig()] + grid))
 
 

@@ -445,6 +445,8 @@ class MosaicPrefillTiling:
       key_flags: masked blocks flag non-finite values per key
         (`tuning.MosaicPrefillConfig.nonfinite_check` ``"key_flags"``) instead of
         finding the rows that see one by a matrix product.
+      fence_softmax: the softmax's row sums and 16-bit probabilities are computed and
+        fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
     """
 
     compute_warpgroups: int
@@ -455,6 +457,7 @@ class MosaicPrefillTiling:
     pingpong: bool = True
     longest_first: bool = True
     key_flags: bool = False
+    fence_softmax: bool = False
 
     @property
     def block_q(self) -> int:
@@ -475,7 +478,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
     if config.compute_warpgroups not in (1, 2):
         raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
-    for name in ("warp_specialized", "pingpong", "longest_first"):
+    for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if config.nonfinite_check not in tuning.MOSAIC_NONFINITE_CHECKS:
@@ -528,7 +531,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
-                               key_flags=config.nonfinite_check == "key_flags")
+                               key_flags=config.nonfinite_check == "key_flags",
+                               fence_softmax=config.fence_softmax)
 
 # =========================================================================== paged decode
 

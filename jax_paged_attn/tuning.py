@@ -293,7 +293,11 @@ class MosaicPrefillConfig:
     flags finds the rows that see one: a second wgmma and two shared-memory passes of
     the value tile per masked block) or ``"key_flags"`` (one flag per key, through shared
     memory to the score tile's columns, and a row reduction: one pass, no second wgmma;
-    not yet measured on a GPU).
+    measured on the H200: the default at head sizes 64 and 256); fence_softmax: in
+    unmasked blocks, compute the row sums and the 16-bit probabilities before the
+    barriers that wait for the values and (ping-pong) hand the tensor cores to the other
+    warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's
+    order at head sizes up to 128, which it reports to matter; not yet measured here).
 
     The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
     warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
@@ -307,6 +311,7 @@ class MosaicPrefillConfig:
     pingpong: bool = True
     longest_first: bool = True
     nonfinite_check: str = "product"
+    fence_softmax: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")

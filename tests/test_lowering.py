@@ -384,17 +384,19 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("form", ["single-warpgroup", "key-flags"])
+@pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax"])
 def test_other_mosaic_forms_lower(paged, form):
-    """The single-warpgroup form (the CPU tests' interpret default) and the default form
-    with per-key non-finite flags in its masked blocks lower too."""
+    """The single-warpgroup form (the CPU tests' interpret default), the default form
+    with per-key non-finite flags in its masked blocks, and the default form with the
+    softmax fenced before the ping-pong barrier lower too."""
     import dataclasses
 
     from jax_paged_attn import prefill, tuning
     from jax_paged_attn.spec import AttentionSpec
 
-    config = (tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if form == "single-warpgroup"
-              else dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="key_flags"))
+    config = {"single-warpgroup": tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP,
+              "key-flags": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="key_flags"),
+              "fence-softmax": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, fence_softmax=True)}[form]
 
     sds = jax.ShapeDtypeStruct
     q = sds((40, 8, 128), jnp.bfloat16)

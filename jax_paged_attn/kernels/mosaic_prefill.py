@@ -411,6 +411,12 @@ def _prefill_kernel(
                 p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
                 l_next = l_prev * correction + p.sum(axis=1)
                 acc = acc * ops.row_bcast(correction, out_shape)
+                p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
+                if tiling.fence_softmax and not masked and not v_fp8:
+                    # The stock kernel's order: everything of the softmax, the 16-bit
+                    # probabilities included, before the barrier (no reordering past it).
+                    p_in = p.astype(dtype)
+                    acc, l_next, m_next, p_in = lax.optimization_barrier((acc, l_next, m_next, p_in))
                 if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
                     pingpong.arrive()
                     plgpu.barrier_wait(v_bars.at[slot])
@@ -444,7 +450,7 @@ def _prefill_kernel(
                         my_work[...] = _convert(ops.load(v_tile), dtype)
                         plgpu.commit_smem()
                         v_tile = my_work
-                    acc = ops.mma_acc(acc, p.astype(dtype), v_tile)
+                    acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
                 release_v(kb, slot)
                 return acc, m_next, l_next
 
