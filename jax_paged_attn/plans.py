@@ -447,6 +447,8 @@ class MosaicPrefillTiling:
         finding the rows that see one by a matrix product.
       fence_softmax: the softmax's row sums and 16-bit probabilities are computed and
         fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
+      persistent_programs: 0 for a program per (tile, head); else that many programs
+        walk the work items in turn (`tuning.MosaicPrefillConfig.persistent_programs`).
     """
 
     compute_warpgroups: int
@@ -458,6 +460,7 @@ class MosaicPrefillTiling:
     longest_first: bool = True
     key_flags: bool = False
     fence_softmax: bool = False
+    persistent_programs: int = 0
 
     @property
     def block_q(self) -> int:
@@ -481,6 +484,9 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
+    if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
+        raise ValueError(f"config.persistent_programs must be an int >= 0 (0: a program per work item), got "
+                         f"{config.persistent_programs!r}.")
     if config.nonfinite_check not in tuning.MOSAIC_NONFINITE_CHECKS:
         raise ValueError(f"config.nonfinite_check must be one of {tuning.MOSAIC_NONFINITE_CHECKS}, got "
                          f"{config.nonfinite_check!r}.")
@@ -532,7 +538,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
                                key_flags=config.nonfinite_check == "key_flags",
-                               fence_softmax=config.fence_softmax)
+                               fence_softmax=config.fence_softmax,
+                               persistent_programs=config.persistent_programs)
 
 # =========================================================================== paged decode
 

@@ -132,11 +132,13 @@ class TuningDevice:
     """The GPU a call's kernels are planned for.
 
     kind: JAX's ``device_kind`` (``"NVIDIA H200"``), the key of the measured tables;
-    shared_memory_per_block: bytes of shared memory one program (thread block) may use.
+    shared_memory_per_block: bytes of shared memory one program (thread block) may use;
+    multiprocessors: its SMs (the H200's 132 where the runtime does not say).
     """
 
     kind: str
     shared_memory_per_block: int
+    multiprocessors: int = 132
 
     @property
     def shared_memory_budget(self) -> int:
@@ -171,7 +173,9 @@ def target_device() -> TuningDevice:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return REFERENCE_DEVICE
-    return device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
+    found = device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
+    cores = getattr(device, "core_count", None)
+    return dataclasses.replace(found, multiprocessors=int(cores)) if isinstance(cores, int) and cores > 0 else found
 
 
 class UntunedDeviceWarning(UserWarning):
@@ -297,7 +301,12 @@ class MosaicPrefillConfig:
     unmasked blocks, compute the row sums and the 16-bit probabilities before the
     barriers that wait for the values and (ping-pong) hand the tensor cores to the other
     warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's
-    order at head sizes up to 128, which it reports to matter; not yet measured here).
+    order at head sizes up to 128, which it reports to matter; not yet measured here);
+    persistent_programs: 0 for a program per (tile, head) work item; N > 0 for N
+    programs (one per SM: `TuningDevice.multiprocessors`) that walk the items in turn,
+    so the producer fetches the next item's first blocks while the compute warpgroups
+    finish the current one (short sequences pay the ring's fill once per SM, not per
+    tile; not yet measured).
 
     The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
     warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
@@ -312,6 +321,7 @@ class MosaicPrefillConfig:
     longest_first: bool = True
     nonfinite_check: str = "product"
     fence_softmax: bool = False
+    persistent_programs: int = 0
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")

@@ -17,17 +17,24 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 With two compute warpgroups a shared barrier staggers them (ping-pong,
 `tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
 
+Optional forms, in the benchmark's sweep until measured (`tuning.MosaicPrefillConfig`):
+``persistent_programs`` (one program per SM walks the (tile, head) work items, the
+producer fetching the next item's blocks while the compute warpgroups finish the
+current one) and ``fence_softmax`` (the stock kernel's softmax order before the P·V
+barriers).
+
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
-into one tile (K/V are read once per query head, the reuse left to L2), a persistent
-grid, and the masked blocks' non-finite handling in fewer registers.
+into one tile (K/V are read once per query head, the reuse left to L2), and the masked
+blocks' non-finite handling in fewer registers.
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
 the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
-share K/V in L2); a program is one query head's ``block_q`` rows (64 per compute
+share K/V in L2), or persistent programs walking those items in the same order; a work
+item is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
 from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
 slot is released by all of them) and computes those its own rows can see, with the
@@ -224,6 +231,8 @@ def _prefill_kernel(
     has_alibi: bool,
     k_fp8: bool,
     v_fp8: bool,
+    num_tiles: int,
+    num_heads: int,
     interpret: bool,
 ):
     (
@@ -267,297 +276,317 @@ def _prefill_kernel(
     k_plane, v_plane = planes
     score_shape, out_shape = (rows, block_k), (rows, head_size)
 
-    t = lax.axis_index("tile")
-    h = lax.axis_index("head")
     wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(group))
 
-    def field(f: TileField) -> Array:
-        return plan_ref[t, int(f)]
+    def work_item(t: Array, h: Array) -> None:
+        """Query tile ``t`` of the plan for query head ``h``."""
+        kv_head = lax.div(h, jnp.int32(group))
 
-    q_rows = field(TileField.Q_ROWS)
+        def field(f: TileField) -> Array:
+            return plan_ref[t, int(f)]
 
-    @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
-    def _():
-        seq = field(TileField.SEQ)
-        q_row0 = field(TileField.Q_ROW0)
-        q_pos0 = field(TileField.Q_POS0)
-        q_len = field(TileField.Q_LEN)
-        k_len = field(TileField.K_LEN)
-        k_row0 = field(TileField.K_ROW0)
-        kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
-        kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
-        k_lead = field(TileField.K_LEAD)  # block kb holds keys kb * block_k - k_lead ..
-        num_blocks = kb_hi - kb_lo
+        q_rows = field(TileField.Q_ROWS)
 
-        def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
-            """Issues the TMA copies of KV block ``kb`` of ``src`` into ``ring[slot]``."""
-            for c in range(block_k // copy_rows):
-                key0 = kb * block_k + c * copy_rows
-                if paged:
-                    logical = jnp.minimum(lax.div(key0, jnp.int32(page_rows)), max_pages_per_seq - 1)
-                    # A bad page id reads a real page, never outside the cache.
-                    page = jnp.clip(table_ref[seq, logical], 0, num_pages - 1)
-                    row = lax.rem(key0, jnp.int32(page_rows))
-                else:
-                    page, row = 0, k_row0 + key0
-                # A TMA copy into a tiled buffer starts on a whole tile: the plan aligns
-                # packed rows, and a copy of a page starts at a multiple of copy_rows.
-                row = pl.multiple_of(row, TMA_ROW_ALIGN)
-                dst = ring.at[slot]
-                if copy_rows < block_k:
-                    dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
-                plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
+        @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
+        def _():
+            seq = field(TileField.SEQ)
+            q_row0 = field(TileField.Q_ROW0)
+            q_pos0 = field(TileField.Q_POS0)
+            q_len = field(TileField.Q_LEN)
+            k_len = field(TileField.K_LEN)
+            k_row0 = field(TileField.K_ROW0)
+            kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
+            kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
+            k_lead = field(TileField.K_LEAD)  # block kb holds keys kb * block_k - k_lead ..
+            num_blocks = kb_hi - kb_lo
 
-        def fetch_block(i: int | Array, slot: Array) -> None:  # the tile's i-th block, K and V
-            fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
-            fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+            def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
+                """Issues the TMA copies of KV block ``kb`` of ``src`` into ``ring[slot]``."""
+                for c in range(block_k // copy_rows):
+                    key0 = kb * block_k + c * copy_rows
+                    if paged:
+                        logical = jnp.minimum(lax.div(key0, jnp.int32(page_rows)), max_pages_per_seq - 1)
+                        # A bad page id reads a real page, never outside the cache.
+                        page = jnp.clip(table_ref[seq, logical], 0, num_pages - 1)
+                        row = lax.rem(key0, jnp.int32(page_rows))
+                    else:
+                        page, row = 0, k_row0 + key0
+                    # A TMA copy into a tiled buffer starts on a whole tile: the plan aligns
+                    # packed rows, and a copy of a page starts at a multiple of copy_rows.
+                    row = pl.multiple_of(row, TMA_ROW_ALIGN)
+                    dst = ring.at[slot]
+                    if copy_rows < block_k:
+                        dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
+                    plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
 
-        @pl.when(wg == (workers if specialized else 0))
-        def _fill_the_ring():
-            for i in range(stages):
-                @pl.when(i < num_blocks)
-                def _():
-                    fetch_block(i, jnp.int32(i))
+            def fetch_block(i: int | Array, slot: Array) -> None:  # the tile's i-th block, K and V
+                fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+                fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
 
-        if specialized:
-            @pl.when(wg == workers)
-            def _producer():
-                """Refills each slot of the ring as soon as every compute warpgroup has
-                released it."""
-                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-                def refill(i, _):
-                    slot = lax.rem(i, jnp.int32(stages))
-                    plgpu.barrier_wait(k_free.at[slot])
-                    fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
-                    plgpu.barrier_wait(v_free.at[slot])
-                    fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
-
-                lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
-
-                def drain(i, _):  # the last blocks' releases, refilled by nothing
-                    slot = lax.rem(i, jnp.int32(stages))
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                # Every completed phase of a barrier is waited for by the thread that
-                # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
-                # producer is idle here anyway).
-                lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
-
-        @pl.when(wg < workers)
-        def _compute():
-            """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
-            if specialized:
-                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
-            row0 = wg * rows
-            my_pos0 = q_pos0 + row0
-            q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
-
-            if scale_ref is not None:
-                k_scale, v_scale = scale_ref[0], scale_ref[1]
-            else:
-                k_scale = v_scale = None
-            # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
-            if spec.softcap > 0:
-                pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
-            else:
-                pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
-            if k_fp8:
-                pre_tanh = k_scale * pre_tanh
-            slope = alibi_ref[h] if alibi_ref is not None else None
-
-            def visit(kb, carry, *, masked: bool, compute: bool = True):
-                """KV block ``kb``: its barrier protocol always (wait for it, release it,
-                meet the other warpgroup), its attention only with ``compute``."""
-                slot = lax.rem(kb - kb_lo, jnp.int32(stages))
-                plgpu.barrier_wait(k_bars.at[slot])
-                if not compute:
-                    if pingpong:
-                        pingpong.meet()
-                    if specialized:
-                        plgpu.barrier_arrive(k_free.at[slot])
-                    if pingpong:
-                        pingpong.arrive()
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    if pingpong:
-                        pingpong.wait()
-                    release_v(kb, slot)
-                    return carry
-                acc, m_prev, l_prev = carry
-                k_tile = k_ring.at[slot]
-                if k_fp8:
-                    my_conv[...] = _convert(ops.load(k_tile), dtype)
-                    plgpu.commit_smem()  # register stores -> visible to wgmma
-                    k_tile = my_conv
-                s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape,
-                            while_running=pingpong.meet if pingpong else None)  # [64, block_k]
-                if specialized:
-                    plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
-                s = s * pre_tanh
-                if post_tanh is not None:
-                    s = jnp.tanh(s) * post_tanh
-                if slope is not None or masked:
-                    q_pos = my_pos0 + ops.iota(score_shape, 0)
-                    k_pos = kb * block_k - k_lead + ops.iota(score_shape, 1)
-                if slope is not None:
-                    s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
-                if masked:
-                    visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
-                    if not paged:  # the lead keys of a block 0 are the previous sequence's
-                        visible &= k_pos >= 0
-                    s = jnp.where(visible, s, -jnp.inf)
-                m_next = jnp.maximum(m_prev, s.max(axis=1))
-                correction = jnp.exp2(m_prev - m_next)
-                p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
-                l_next = l_prev * correction + p.sum(axis=1)
-                acc = acc * ops.row_bcast(correction, out_shape)
-                p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
-                if tiling.fence_softmax and not masked and not v_fp8:
-                    # The stock kernel's order: everything of the softmax, the 16-bit
-                    # probabilities included, before the barrier (no reordering past it).
-                    p_in = p.astype(dtype)
-                    acc, l_next, m_next, p_in = lax.optimization_barrier((acc, l_next, m_next, p_in))
-                if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
-                    pingpong.arrive()
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    pingpong.wait()
-                else:
-                    plgpu.barrier_wait(v_bars.at[slot])
-                v_tile = v_ring.at[slot]
-                if masked:
-                    # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
-                    # future): a 0/1 product first finds the (row, column) pairs that see a
-                    # non-finite value, then P·V runs over the finite values (one work tile,
-                    # reused: each wgmma has completed before the tile is rewritten).
-                    # In the query dtype (fp8 converts exactly; half the registers of f32).
-                    v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
-                    if tiling.key_flags:
-                        acc = masked_pv_with_key_flags(acc, p, v, visible)
-                        release_v(kb, slot)
-                        return acc, m_next, l_next
-                    # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
-                    finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
-                    my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
-                    plgpu.commit_smem()
-                    seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
-                                   shape=out_shape)
-                    my_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
-                    plgpu.commit_smem()
-                    acc = ops.mma_acc(acc, p.astype(dtype), my_work)
-                    acc = jnp.where(seen > 0, jnp.nan, acc)
-                else:
-                    if v_fp8:
-                        my_work[...] = _convert(ops.load(v_tile), dtype)
-                        plgpu.commit_smem()
-                        v_tile = my_work
-                    acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
-                release_v(kb, slot)
-                return acc, m_next, l_next
-
-            def masked_pv_with_key_flags(acc, p, v, visible):
-                """P·V of a masked block whose values may hold NaN / inf behind the mask
-                (`tuning.MosaicPrefillConfig.nonfinite_check` "key_flags"): a key with a
-                non-finite value is flagged and its row of V zeroed (one pass to this
-                warpgroup's work tile); the flags reach the score tile's columns through
-                shared memory, and a row that sees a flagged key becomes NaN, as in the
-                reference. The values of keys no row sees are zeroed too: 0 * NaN would
-                reach every row."""
-                bad = common.nonfinite_rows(v)  # [block_k], one per key (a row of the V tile)
-                my_bad[...] = jnp.where(bad, 1.0, 0.0)
-                my_work[...] = jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0.0, v).astype(dtype)
-                plgpu.commit_smem()  # flags and values, written by every thread, read in other layouts
-                bad_key = ops.layout(my_bad[...], plgpu.Layout.WGMMA.reduce(0))  # one per score column
-                flagged = lax.broadcast_in_dim(bad_key, score_shape, [1]) > 0
-                sees_bad = jnp.where(visible & flagged, 1.0, 0.0).max(axis=1) > 0
-                acc = ops.mma_acc(acc, p.astype(dtype), my_work)
-                return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
-
-            def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
-                if specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])
-                else:  # no producer: refill the slot ourselves
-                    @pl.when(kb - kb_lo + stages < num_blocks)
+            @pl.when(wg == (workers if specialized else 0))
+            def _fill_the_ring():
+                for i in range(stages):
+                    @pl.when(i < num_blocks)
                     def _():
-                        fetch_block(kb - kb_lo + stages, slot)
+                        fetch_block(i, jnp.int32(i))
 
-            carry = (
-                ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
-                ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            )
-            plgpu.barrier_wait(q_bars.at[wg])
-            if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
-                pl.when(wg == 1)(pingpong.meet)
-            # Every compute warpgroup goes through every block of the tile, in order (the
-            # ring's slots are released by all of them), but computes only the blocks its
-            # own rows can see: the plan's masked / unmasked split is the whole tile's,
-            # and a warpgroup of rows past the sequence's end sees none.
-            # (Rows at negative positions, an aligned tile's lead, are the previous
-            # segment's: computed with the others, never stored.)
-            has_rows = (row0 < q_rows) & (my_pos0 < q_len) & (my_pos0 + rows > 0)
-            my_first = jnp.maximum(my_pos0, 0)
-            my_last = jnp.minimum(jnp.minimum(my_pos0 + rows, q_pos0 + q_rows), q_len) - 1
-            my_lo, _ = plans.visible_key_interval(my_first, q_len, k_len, spec)
-            _, my_hi = plans.visible_key_interval(my_last, q_len, k_len, spec)
-            lead_split = jnp.where(
-                has_rows, jnp.clip(lax.div(my_lo + k_lead, jnp.int32(block_k)), kb_lo, kb_full_lo), kb_full_lo)
-            mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
-            tail_split = jnp.where(
-                has_rows, jnp.clip(common.cdiv(my_hi + k_lead, block_k), kb_full_hi, kb_hi), kb_full_hi)
-            # The tile's masked tail starts where a block stops being visible to *every*
-            # row of the tile; this warpgroup's own rows may see more of it whole (the
-            # second warpgroup sees the first one's diagonal block whole): those blocks
-            # take the unmasked path. A block [a, a + block_k) is whole to the rows
-            # [my_first, my_last] when a >= lo(my_last) and a + block_k <= hi(my_first).
-            _, first_hi = plans.visible_key_interval(my_first, q_len, k_len, spec)
-            last_lo, _ = plans.visible_key_interval(my_last, q_len, k_len, spec)
-            whole_hi = lax.div(jnp.maximum(first_hi + k_lead, 0), jnp.int32(block_k))
-            extends = has_rows & (kb_full_hi * block_k - k_lead >= last_lo)
-            my_full_hi = jnp.where(extends, jnp.clip(whole_hi, kb_full_hi, tail_split), kb_full_hi)
-            masked_visit = functools.partial(visit, masked=True)
-            unmasked_visit = functools.partial(visit, masked=False)
-            skip = functools.partial(visit, masked=True, compute=False)
-            # Blocks before the full ones: a left window edge, or packed keys' block 0
-            # holding the previous sequence's lead keys.
-            if spec.window_left >= 0 or not paged:
-                carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
-                carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
-            carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
-            carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
-            carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
-            carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
-            acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
-            if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
-                pl.when(wg == 0)(pingpong.meet)
+            if specialized:
+                @pl.when(wg == workers)
+                def _producer():
+                    """Refills each slot of the ring as soon as every compute warpgroup has
+                    released it."""
+                    if not tiling.persistent_programs:  # (persistent: once, before the items)
+                        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-            # One reciprocal per row; a row that sees no key -> 0.
-            inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
-            if v_fp8:
-                inv_sum = inv_sum * v_scale
-            out = acc * ops.row_bcast(inv_sum, out_shape)
-            row = row0 + ops.iota(out_shape, 0)
-            attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
-            my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
-            plgpu.commit_smem()
-            # A warpgroup whose 64 rows are all this tile's goes straight to its packed
-            # rows (8-aligned: the plan aligns q_row0); one holding an aligned tile's lead
-            # rows or a sequence's end goes to the tile's slab (a TMA store writes whole
-            # rows, some of them another tile's), from which the wrapper copies its rows.
-            whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)
+                    def refill(i, _):
+                        slot = lax.rem(i, jnp.int32(stages))
+                        plgpu.barrier_wait(k_free.at[slot])
+                        fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+                        plgpu.barrier_wait(v_free.at[slot])
+                        fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
 
-            @pl.when(whole)
-            def _():
-                plgpu.copy_smem_to_gmem(my_q, out_ref.at[pl.ds(q_row, rows), h])
+                    lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
 
-            @pl.when(jnp.logical_not(whole) & (row0 < q_rows))
-            def _():
-                plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+                    def drain(i, _):  # the last blocks' releases, refilled by nothing
+                        slot = lax.rem(i, jnp.int32(stages))
+                        plgpu.barrier_wait(k_free.at[slot])
+                        plgpu.barrier_wait(v_free.at[slot])
 
-            plgpu.wait_smem_to_gmem(0)
+                    # Every completed phase of a barrier is waited for by the thread that
+                    # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
+                    # producer is idle here anyway).
+                    lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+
+            @pl.when(wg < workers)
+            def _compute():
+                """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
+                if specialized and not tiling.persistent_programs:
+                    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
+                row0 = wg * rows
+                my_pos0 = q_pos0 + row0
+                q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
+
+                if scale_ref is not None:
+                    k_scale, v_scale = scale_ref[0], scale_ref[1]
+                else:
+                    k_scale = v_scale = None
+                # Scores in log2 units: s2 = log2(e) * softcap(scale * q.k).
+                if spec.softcap > 0:
+                    pre_tanh, post_tanh = spec.softmax_scale / spec.softcap, spec.softcap * LOG2E
+                else:
+                    pre_tanh, post_tanh = spec.softmax_scale * LOG2E, None
+                if k_fp8:
+                    pre_tanh = k_scale * pre_tanh
+                slope = alibi_ref[h] if alibi_ref is not None else None
+
+                def visit(kb, carry, *, masked: bool, compute: bool = True):
+                    """KV block ``kb``: its barrier protocol always (wait for it, release it,
+                    meet the other warpgroup), its attention only with ``compute``."""
+                    slot = lax.rem(kb - kb_lo, jnp.int32(stages))
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    if not compute:
+                        if pingpong:
+                            pingpong.meet()
+                        if specialized:
+                            plgpu.barrier_arrive(k_free.at[slot])
+                        if pingpong:
+                            pingpong.arrive()
+                        plgpu.barrier_wait(v_bars.at[slot])
+                        if pingpong:
+                            pingpong.wait()
+                        release_v(kb, slot)
+                        return carry
+                    acc, m_prev, l_prev = carry
+                    k_tile = k_ring.at[slot]
+                    if k_fp8:
+                        my_conv[...] = _convert(ops.load(k_tile), dtype)
+                        plgpu.commit_smem()  # register stores -> visible to wgmma
+                        k_tile = my_conv
+                    s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape,
+                                while_running=pingpong.meet if pingpong else None)  # [64, block_k]
+                    if specialized:
+                        plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
+                    s = s * pre_tanh
+                    if post_tanh is not None:
+                        s = jnp.tanh(s) * post_tanh
+                    if slope is not None or masked:
+                        q_pos = my_pos0 + ops.iota(score_shape, 0)
+                        k_pos = kb * block_k - k_lead + ops.iota(score_shape, 1)
+                    if slope is not None:
+                        s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
+                    if masked:
+                        visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                        if not paged:  # the lead keys of a block 0 are the previous sequence's
+                            visible &= k_pos >= 0
+                        s = jnp.where(visible, s, -jnp.inf)
+                    m_next = jnp.maximum(m_prev, s.max(axis=1))
+                    correction = jnp.exp2(m_prev - m_next)
+                    p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
+                    l_next = l_prev * correction + p.sum(axis=1)
+                    acc = acc * ops.row_bcast(correction, out_shape)
+                    p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
+                    if tiling.fence_softmax and not masked and not v_fp8:
+                        # The stock kernel's order: everything of the softmax, the 16-bit
+                        # probabilities included, before the barrier (no reordering past it).
+                        p_in = p.astype(dtype)
+                        acc, l_next, m_next, p_in = lax.optimization_barrier((acc, l_next, m_next, p_in))
+                    if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
+                        pingpong.arrive()
+                        plgpu.barrier_wait(v_bars.at[slot])
+                        pingpong.wait()
+                    else:
+                        plgpu.barrier_wait(v_bars.at[slot])
+                    v_tile = v_ring.at[slot]
+                    if masked:
+                        # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
+                        # future): a 0/1 product first finds the (row, column) pairs that see a
+                        # non-finite value, then P·V runs over the finite values (one work tile,
+                        # reused: each wgmma has completed before the tile is rewritten).
+                        # In the query dtype (fp8 converts exactly; half the registers of f32).
+                        v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
+                        if tiling.key_flags:
+                            acc = masked_pv_with_key_flags(acc, p, v, visible)
+                            release_v(kb, slot)
+                            return acc, m_next, l_next
+                        # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
+                        finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
+                        my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                        plgpu.commit_smem()
+                        seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
+                                       shape=out_shape)
+                        my_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                        plgpu.commit_smem()
+                        acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                        acc = jnp.where(seen > 0, jnp.nan, acc)
+                    else:
+                        if v_fp8:
+                            my_work[...] = _convert(ops.load(v_tile), dtype)
+                            plgpu.commit_smem()
+                            v_tile = my_work
+                        acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
+                    release_v(kb, slot)
+                    return acc, m_next, l_next
+
+                def masked_pv_with_key_flags(acc, p, v, visible):
+                    """P·V of a masked block whose values may hold NaN / inf behind the mask
+                    (`tuning.MosaicPrefillConfig.nonfinite_check` "key_flags"): a key with a
+                    non-finite value is flagged and its row of V zeroed (one pass to this
+                    warpgroup's work tile); the flags reach the score tile's columns through
+                    shared memory, and a row that sees a flagged key becomes NaN, as in the
+                    reference. The values of keys no row sees are zeroed too: 0 * NaN would
+                    reach every row."""
+                    bad = common.nonfinite_rows(v)  # [block_k], one per key (a row of the V tile)
+                    my_bad[...] = jnp.where(bad, 1.0, 0.0)
+                    my_work[...] = jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0.0, v).astype(dtype)
+                    plgpu.commit_smem()  # flags and values, written by every thread, read in other layouts
+                    bad_key = ops.layout(my_bad[...], plgpu.Layout.WGMMA.reduce(0))  # one per score column
+                    flagged = lax.broadcast_in_dim(bad_key, score_shape, [1]) > 0
+                    sees_bad = jnp.where(visible & flagged, 1.0, 0.0).max(axis=1) > 0
+                    acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                    return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
+
+                def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
+                    if specialized:
+                        plgpu.barrier_arrive(v_free.at[slot])
+                    else:  # no producer: refill the slot ourselves
+                        @pl.when(kb - kb_lo + stages < num_blocks)
+                        def _():
+                            fetch_block(kb - kb_lo + stages, slot)
+
+                carry = (
+                    ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
+                    ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                    ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                )
+                plgpu.barrier_wait(q_bars.at[wg])
+                if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
+                    pl.when(wg == 1)(pingpong.meet)
+                # Every compute warpgroup goes through every block of the tile, in order (the
+                # ring's slots are released by all of them), but computes only the blocks its
+                # own rows can see: the plan's masked / unmasked split is the whole tile's,
+                # and a warpgroup of rows past the sequence's end sees none.
+                # (Rows at negative positions, an aligned tile's lead, are the previous
+                # segment's: computed with the others, never stored.)
+                has_rows = (row0 < q_rows) & (my_pos0 < q_len) & (my_pos0 + rows > 0)
+                my_first = jnp.maximum(my_pos0, 0)
+                my_last = jnp.minimum(jnp.minimum(my_pos0 + rows, q_pos0 + q_rows), q_len) - 1
+                my_lo, _ = plans.visible_key_interval(my_first, q_len, k_len, spec)
+                _, my_hi = plans.visible_key_interval(my_last, q_len, k_len, spec)
+                lead_split = jnp.where(
+                    has_rows, jnp.clip(lax.div(my_lo + k_lead, jnp.int32(block_k)), kb_lo, kb_full_lo), kb_full_lo)
+                mid_split = jnp.where(has_rows, kb_full_hi, kb_full_lo)
+                tail_split = jnp.where(
+                    has_rows, jnp.clip(common.cdiv(my_hi + k_lead, block_k), kb_full_hi, kb_hi), kb_full_hi)
+                # The tile's masked tail starts where a block stops being visible to *every*
+                # row of the tile; this warpgroup's own rows may see more of it whole (the
+                # second warpgroup sees the first one's diagonal block whole): those blocks
+                # take the unmasked path. A block [a, a + block_k) is whole to the rows
+                # [my_first, my_last] when a >= lo(my_last) and a + block_k <= hi(my_first).
+                _, first_hi = plans.visible_key_interval(my_first, q_len, k_len, spec)
+                last_lo, _ = plans.visible_key_interval(my_last, q_len, k_len, spec)
+                whole_hi = lax.div(jnp.maximum(first_hi + k_lead, 0), jnp.int32(block_k))
+                extends = has_rows & (kb_full_hi * block_k - k_lead >= last_lo)
+                my_full_hi = jnp.where(extends, jnp.clip(whole_hi, kb_full_hi, tail_split), kb_full_hi)
+                masked_visit = functools.partial(visit, masked=True)
+                unmasked_visit = functools.partial(visit, masked=False)
+                skip = functools.partial(visit, masked=True, compute=False)
+                # Blocks before the full ones: a left window edge, or packed keys' block 0
+                # holding the previous sequence's lead keys.
+                if spec.window_left >= 0 or not paged:
+                    carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
+                    carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
+                carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
+                carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
+                carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
+                carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
+                acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
+                if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                    pl.when(wg == 0)(pingpong.meet)
+
+                # One reciprocal per row; a row that sees no key -> 0.
+                inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+                if v_fp8:
+                    inv_sum = inv_sum * v_scale
+                out = acc * ops.row_bcast(inv_sum, out_shape)
+                row = row0 + ops.iota(out_shape, 0)
+                attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
+                my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
+                plgpu.commit_smem()
+                # A warpgroup whose 64 rows are all this tile's goes straight to its packed
+                # rows (8-aligned: the plan aligns q_row0); one holding an aligned tile's lead
+                # rows or a sequence's end goes to the tile's slab (a TMA store writes whole
+                # rows, some of them another tile's), from which the wrapper copies its rows.
+                whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)
+
+                @pl.when(whole)
+                def _():
+                    plgpu.copy_smem_to_gmem(my_q, out_ref.at[pl.ds(q_row, rows), h])
+
+                @pl.when(jnp.logical_not(whole) & (row0 < q_rows))
+                def _():
+                    plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+
+                plgpu.wait_smem_to_gmem(0)
+
+    if tiling.persistent_programs:
+        # One program per SM walks the items, tile fastest (as the grid orders them);
+        # every barrier's phases stay matched across items (each item waits for what it
+        # arrives on; the producer drains the ring before it fills it for the next).
+        num_items = num_tiles * num_heads
+        program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
+        if specialized:  # the register split, once for all the items
+            pl.when(wg == workers)(lambda: plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease"))
+            pl.when(wg < workers)(lambda: plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase"))
+
+        def next_item(i, _):
+            item = program + i * step
+            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)))
+
+        lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
+    else:
+        work_item(lax.axis_index("tile"), lax.axis_index("head"))
 
 
 def varlen_attention_call(
@@ -630,15 +659,21 @@ def varlen_attention_call(
         has_alibi=alibi_slopes_log2 is not None,
         k_fp8=k_fp8,
         v_fp8=v_fp8,
+        num_tiles=num_tiles,
+        num_heads=num_q_heads,
         interpret=interpret,
     )
+    if tiling.persistent_programs:
+        grid, grid_names = (min(tiling.persistent_programs, num_tiles * num_q_heads),), ("program",)
+    else:
+        grid, grid_names = (num_tiles, num_q_heads), ("tile", "head")
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                   jax.ShapeDtypeStruct((num_tiles, tiling.block_q, num_q_heads, head_size), dtype)),
         scratch_types=scratch,
-        grid=(num_tiles, num_q_heads),
-        grid_names=("tile", "head"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=workers + 1 if tiling.warp_specialized else 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
