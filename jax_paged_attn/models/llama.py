@@ -813,8 +813,9 @@ class LlamaForCausalLM(nnx.Module):
         """Whether the serving forward of these ``[T, hidden]`` tokens runs the fused
         decoder layers (`LlamaDecoderLayer.fused`): when the weight-streaming kernel takes
         its products (`jax_paged_attn.matmul.streams`: ``matmul_implementation=
-        "weight_streaming"``, at most `tuning.MATMUL_MAX_ROWS` tokens), whose split-K
-        partials the fused residual add + norm sums. Static: x's shape."""
+        "weight_streaming"`` or auto's choice, at most `tuning.MATMUL_MAX_ROWS` tokens),
+        whose split-K partials the fused residual add + norm sums. Static: x's shape
+        and dtype."""
         layers = self.model.layers
         return bool(layers) and matmul.streams(x, layers[0].mlp.matmul_implementation)
 
