@@ -32,7 +32,7 @@ Array = jax.Array
 def _add_rms_norm_kernel(*refs, tiling: AddRmsNormTiling, num_rows: int, num_cols: int, has_residual: bool,
                          eps: float):
     update_ref, *rest = refs  # [S, M, N]: partial products (float32) or one product (S = 1)
-    residual_ref = rest.pop(0) if has_residual else None  # [M, N] in the output dtype
+    residual_ref = common.pop_optional(rest, has_residual)  # [M, N] in the output dtype
     weight_ref, hidden_ref, normed_ref = rest  # [N] any float; outputs [M, N]
     block_rows, padded_cols = tiling.rows_per_program, tiling.padded_cols
     row = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)
