@@ -408,7 +408,12 @@ def _prefill_kernel(
                                 while_running=pingpong.meet if pingpong else None)  # [64, block_k]
                     if specialized:
                         plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
-                    s = s * pre_tanh
+                    # Without soft-cap or ALiBi the scale goes into the exponent's FMA (and
+                    # the row max, scaled once: a positive scale keeps the max), not a pass
+                    # of its own over the score tile (the stock kernel's form).
+                    folded = post_tanh is None and slope is None and isinstance(pre_tanh, float) and pre_tanh > 0
+                    if not folded:
+                        s = s * pre_tanh
                     if post_tanh is not None:
                         s = jnp.tanh(s) * post_tanh
                     if slope is not None or masked:
@@ -421,9 +426,10 @@ def _prefill_kernel(
                         if not paged:  # the lead keys of a block 0 are the previous sequence's
                             visible &= k_pos >= 0
                         s = jnp.where(visible, s, -jnp.inf)
-                    m_next = jnp.maximum(m_prev, s.max(axis=1))
+                    row_max = s.max(axis=1)
+                    m_next = jnp.maximum(m_prev, row_max * pre_tanh if folded else row_max)
                     correction = jnp.exp2(m_prev - m_next)
-                    p = jnp.exp2(s - ops.row_bcast(m_next, score_shape))
+                    p = jnp.exp2((s * pre_tanh if folded else s) - ops.row_bcast(m_next, score_shape))
                     l_next = l_prev * correction + p.sum(axis=1)
                     acc = acc * ops.row_bcast(correction, out_shape)
                     p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
