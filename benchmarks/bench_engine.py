@@ -224,6 +224,16 @@ def parse_decode_config(text: str) -> tuning.DecodeConfig:
     return tuning.DecodeConfig(**parse_options(text))
 
 
+def use_decode_config(text: str | None) -> None:
+    """``--decode-config``: every Triton decode call of this process takes the parsed
+    config (the tables are looked up at trace time), said on stdout; None: nothing."""
+    if not text:
+        return
+    decode_config = parse_decode_config(text)
+    tuning.decode_config = lambda *_, **__: decode_config
+    print(f"decode kernel config for this run: {decode_config}")
+
+
 def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:
     """ms per decode step to read every weight once plus the batch's K/V, at ``copy_rate``
     bytes/s (the H200's measured device-copy rate)."""
@@ -280,11 +290,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--serving", type=int, default=0, help="requests of the mixed-length serving run (0: none)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
     args = parser.parse_args(argv)
-    if args.decode_config:
-        decode_config = parse_decode_config(args.decode_config)
-        # Every decode call of this process takes it (the tables are looked up at trace time).
-        tuning.decode_config = lambda *_, **__: decode_config
-        print(f"decode kernel config for this run: {decode_config}")
+    use_decode_config(args.decode_config)
 
     if args.quick:
         config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32  # the serving run's lengths

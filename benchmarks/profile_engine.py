@@ -47,8 +47,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_engine import LLAMA_1B, make_dense_decode_step, parse_decode_config, parse_options  # noqa: E402
-from jax_paged_attn import matmul, tuning  # noqa: E402
+from bench_engine import LLAMA_1B, make_dense_decode_step, parse_options, use_decode_config  # noqa: E402
+from jax_paged_attn import matmul  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -235,11 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="keep traces and optimized HLO here")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model (a CPU smoke run)")
     args = parser.parse_args(argv)
-    if args.decode_config:
-        decode_config = parse_decode_config(args.decode_config)
-        # Every decode call of this process takes it (the tables are looked up at trace time).
-        tuning.decode_config = lambda *_, **__: decode_config
-        print(f"decode kernel config for this run: {decode_config}")
+    use_decode_config(args.decode_config)
 
     config, dtype = (LlamaConfig.tiny(), jnp.float32) if args.quick else (LLAMA_1B, jnp.bfloat16)
     out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="profile_engine_"))

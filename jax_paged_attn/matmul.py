@@ -81,25 +81,33 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
     reason = streaming_unsupported_reason(x, w, config)
     if reason is not None:
         raise ValueError(f"weight_streaming_matmul: {reason}")
-    missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
-    if missing is not None:
-        raise NotImplementedError(f"weight_streaming_matmul cannot run: {missing}")
-    # Imported here, as the attention wrappers import their kernels: the package (and
-    # the models, whose default is XLA's dot) must import on a JAX without the lowering.
-    from jax_paged_attn.kernels import triton_matmul
-
-    rows, depth, out = _flatten(x, w, "x", "w")
-    cols = math.prod(out)
-    tiling = plans.plan_matmul(rows, depth, cols, config, itemsize=jnp.dtype(x.dtype).itemsize,
-                               budget=tuning.target_device().shared_memory_budget)
-    y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, cols), tiling, out_dtype=x.dtype,
-                                  interpret=interpret)
+    out = w.shape[1:]
+    y, tiling = _run_kernel("weight_streaming_matmul", x, w, math.prod(out), config, interpret, gated=False)
     if tiling.split_k == 1:
         y = y[None]
     if not keep_partials:
         y = y.sum(axis=0).astype(x.dtype) if tiling.split_k > 1 else y[0]
         return y.reshape(*x.shape[:-1], *out)
     return y.reshape(y.shape[0], *x.shape[:-1], *out)
+
+
+def _run_kernel(name: str, x: Array, w: Array, width: int, config: tuning.MatmulConfig | None, interpret: bool,
+                *, gated: bool) -> tuple[Array, plans.MatmulTiling]:
+    """The kernel's output for ``x`` ``[..., K]`` and ``w`` ``[K, ...]`` (already checked),
+    ``width`` output columns (gated: ``w`` holds twice as many), and its plan."""
+    missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
+    if missing is not None:
+        raise NotImplementedError(f"{name} cannot run: {missing}")
+    # Imported here, as the attention wrappers import their kernels: the package (and
+    # the models, whose default is XLA's dot) must import on a JAX without the lowering.
+    from jax_paged_attn.kernels import triton_matmul
+
+    rows, depth = math.prod(x.shape[:-1]), x.shape[-1]
+    tiling = plans.plan_matmul(rows, depth, width, config, itemsize=jnp.dtype(x.dtype).itemsize,
+                               budget=tuning.target_device().shared_memory_budget, gated=gated)
+    y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, -1), tiling, out_dtype=x.dtype,
+                                  interpret=interpret)
+    return y, tiling
 
 
 def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig | None = None,
@@ -122,16 +130,8 @@ def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulCo
     reason = streaming_unsupported_reason(x, w[:, 0], config)
     if reason is not None:
         raise ValueError(f"gated_weight_streaming_matmul: {reason}")
-    missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
-    if missing is not None:
-        raise NotImplementedError(f"gated_weight_streaming_matmul cannot run: {missing}")
-    from jax_paged_attn.kernels import triton_matmul
-
-    rows, depth, (_, width) = _flatten(x, w, "x", "w")
-    tiling = plans.plan_matmul(rows, depth, width, config, itemsize=jnp.dtype(x.dtype).itemsize,
-                               budget=tuning.target_device().shared_memory_budget, gated=True)
-    y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, 2 * width), tiling, out_dtype=x.dtype,
-                                  interpret=interpret)
+    width = w.shape[2]
+    y, _ = _run_kernel("gated_weight_streaming_matmul", x, w, width, config, interpret, gated=True)
     return y.reshape(*x.shape[:-1], width)
 
 
@@ -159,12 +159,17 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
     Returns:
       ``[..., *out]`` in x's dtype.
     """
-    rows, depth, out = _flatten(x, w, "x", "w")
+    _flatten(x, w, "x", "w")
     w = w.astype(x.dtype)
     if not streams(x, implementation, w):
         return xla_matmul(x, w)
-    config = tuning.matmul_config(rows, depth, math.prod(out))
-    return weight_streaming_matmul(x, w, config=config, interpret=interpret)
+    return weight_streaming_matmul(x, w, config=_table_config(x, w), interpret=interpret)
+
+
+def _table_config(x: Array, w: Array) -> tuning.MatmulConfig:
+    """`tuning.matmul_config`'s config for ``x @ w`` (``w`` ``[K, *out]``)."""
+    rows, depth, out = _flatten(x, w, "x", "w")
+    return tuning.matmul_config(rows, depth, math.prod(out))
 
 
 def auto_takes_kernel() -> bool:
@@ -187,11 +192,7 @@ def streams(x: Array, implementation: str | None, w: Array | None = None) -> boo
     if implementation in (None, "auto"):
         if jnp.dtype(x.dtype).itemsize != 2 or not auto_takes_kernel():
             return False
-        if w is None:
-            return True
-        rows, depth, out = _flatten(x, w, "x", "w")
-        config = tuning.matmul_config(rows, depth, math.prod(out))
-        return streaming_unsupported_reason(x, w.astype(x.dtype), config) is None
+        return w is None or streaming_unsupported_reason(x, w.astype(x.dtype), _table_config(x, w)) is None
     return implementation == "weight_streaming"
 
 
@@ -204,8 +205,7 @@ def linear_partials(x: Array, w: Array, *, implementation: str | None = None, in
     w = w.astype(x.dtype)
     if not streams(x, implementation, w):
         return xla_matmul(x, w)[None]
-    config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
-    return weight_streaming_matmul(x, w, config=config, interpret=interpret, keep_partials=True)
+    return weight_streaming_matmul(x, w, config=_table_config(x, w), interpret=interpret, keep_partials=True)
 
 
 def gated_linear(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
@@ -217,8 +217,7 @@ def gated_linear(x: Array, w: Array, *, implementation: str | None = None, inter
     if w.ndim != 3 or not streams(x, implementation, w[:, 0]):
         gate_up = xla_matmul(x, w)
         return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    config = tuning.matmul_config(math.prod(x.shape[:-1]), w.shape[0], math.prod(w.shape[1:]))
-    return gated_weight_streaming_matmul(x, w, config=config, interpret=interpret)
+    return gated_weight_streaming_matmul(x, w, config=_table_config(x, w), interpret=interpret)
 
 
 AUTO_CHOICE = ("on the H200 through CUDA, products of at most 128 rows of 16-bit activations through the "

@@ -9,6 +9,7 @@ kernel's reference and the CPU's implementation.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -78,9 +79,7 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
     dtype = jnp.dtype(dtype)
     if residual is not None and residual.dtype != dtype:
         raise TypeError(f"residual must be {dtype} (the outputs' dtype), got {residual.dtype}.")
-    num_rows = 1
-    for size in lead:
-        num_rows *= size
+    num_rows = math.prod(lead)
     flat = parts.reshape(parts.shape[0], num_rows, num_cols)
     flat_residual = None if residual is None else residual.reshape(num_rows, num_cols)
 

@@ -331,8 +331,7 @@ def _copy_partial_warpgroups(out: Array, slabs: Array, plan: Array, num_sequence
     q_rows = plan[:, int(TileField.Q_ROWS)]
     q_pos0 = plan[:, int(TileField.Q_POS0)]
     row0 = jnp.arange(warpgroups, dtype=jnp.int32) * rows
-    whole = (row0[None, :] + rows <= q_rows[:, None]) & (q_pos0[:, None] + row0[None, :] >= 0)
-    partial = jnp.logical_not(whole) & (row0[None, :] < q_rows[:, None])  # [num_tiles, W], as the kernel decides
+    _, partial = plans.mosaic_warpgroup_output(q_rows[:, None], q_pos0[:, None], row0[None, :])  # [num_tiles, W]
     count = num_tiles * warpgroups
     (ids,) = jnp.nonzero(partial.reshape(-1), size=min(count, 2 * (num_sequences + 2)), fill_value=count)
     tile = jnp.minimum(ids // warpgroups, num_tiles - 1)

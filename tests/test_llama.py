@@ -119,7 +119,13 @@ def test_prefill_then_decode_matches_dense(model, forwards):
 
 
 def test_chunked_prefill_mixed_with_decodes_matches_dense(model, forwards):
-    runner = Runner(model, *forwards, chunked_prefill=True)
+    chunked_prefill_beside_decodes(Runner(model, *forwards, chunked_prefill=True), decode_steps=2)
+
+
+def chunked_prefill_beside_decodes(runner: Runner, decode_steps: int) -> None:
+    """A long prompt in two chunks (the second reading the first from the cache) beside a
+    short prompt that then decodes, then ``decode_steps`` steps decoding both; the runner
+    checks every step's logits against the dense forward."""
     rng = np.random.default_rng(2)
     long_prompt, short_prompt = rng.integers(0, 128, 35).tolist(), rng.integers(0, 128, 12).tolist()
     # Step 1: the short prompt whole, the first chunk of the long one.
@@ -129,7 +135,7 @@ def test_chunked_prefill_mixed_with_decodes_matches_dense(model, forwards):
     long_rows, short_rows = runner.step([(0, long_prompt, 20, 15), (1, short_prompt, 12, 1)])
     long_prompt.append(greedy(long_rows))
     short_prompt.append(greedy(short_rows))
-    for _ in range(2):
+    for _ in range(decode_steps):
         long_rows, short_rows = runner.step([(0, long_prompt, len(long_prompt) - 1, 1),
                                              (1, short_prompt, len(short_prompt) - 1, 1)])
         long_prompt.append(greedy(long_rows))

@@ -250,7 +250,7 @@ def test_llama_fused_decoder_layers_match_dense(attention):
     into the next RMSNorm (`jax_paged_attn.norm`) and the SwiGLU into the gate/up product
     (float32 model, kernels interpreted; attention="triton": the norm kernel too): chunked
     prefill beside decodes, every step's logits equal the dense forward's within 1e-4."""
-    from test_llama import Runner, greedy
+    from test_llama import Runner, chunked_prefill_beside_decodes
     from jax_paged_attn.models import jit_forward, jit_forward_dense
 
     config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
@@ -260,14 +260,7 @@ def test_llama_fused_decoder_layers_match_dense(attention):
     assert model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS, 128)))
     assert not model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS + 1, 128)))
     runner = Runner(model, jit_forward(model), jit_forward_dense(model), chunked_prefill=True)
-    rng = np.random.default_rng(2)
-    long_prompt, short_prompt = rng.integers(0, 128, 35).tolist(), rng.integers(0, 128, 12).tolist()
-    _, short_rows = runner.step([(0, long_prompt, 0, 20), (1, short_prompt, 0, 12)])
-    short_prompt.append(greedy(short_rows))
-    long_rows, short_rows = runner.step([(0, long_prompt, 20, 15), (1, short_prompt, 12, 1)])
-    long_prompt.append(greedy(long_rows))
-    short_prompt.append(greedy(short_rows))
-    runner.step([(0, long_prompt, len(long_prompt) - 1, 1), (1, short_prompt, len(short_prompt) - 1, 1)])
+    chunked_prefill_beside_decodes(runner, decode_steps=1)
 
 
 def test_fused_decode_step_lowers_to_norm_and_gated_kernels():

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from conftest import lower_for_cuda
 from jax_paged_attn import norm, plans, tuning

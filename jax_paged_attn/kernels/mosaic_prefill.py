@@ -564,13 +564,13 @@ def _prefill_kernel(
                 # rows (8-aligned: the plan aligns q_row0); one holding an aligned tile's lead
                 # rows or a sequence's end goes to the tile's slab (a TMA store writes whole
                 # rows, some of them another tile's), from which the wrapper copies its rows.
-                whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)
+                whole, partial = plans.mosaic_warpgroup_output(q_rows, q_pos0, row0)
 
                 @pl.when(whole)
                 def _():
                     plgpu.copy_smem_to_gmem(my_q, out_ref.at[pl.ds(q_row, rows), h])
 
-                @pl.when(jnp.logical_not(whole) & (row0 < q_rows))
+                @pl.when(partial)
                 def _():
                     plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
 

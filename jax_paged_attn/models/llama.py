@@ -408,14 +408,16 @@ def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any
 
 
 def _project(module: nnx.Linear | nnx.LinearGeneral, x: Array, *, serving: bool, implementation: str | None,
-             interpret: bool) -> Array:
+             interpret: bool, partials: bool = False) -> Array:
     """``module(x)``; in the serving forward through `jax_paged_attn.matmul.linear` over the
     module's kernel (``implementation`` picks XLA's dot or the weight-streaming matmul), in
-    the module's compute dtype as the module would."""
+    the module's compute dtype as the module would; ``partials``: as
+    `jax_paged_attn.matmul.linear_partials`' ``[S, ..., *out]``."""
     if not serving:
         return module(x)
-    dtype = module.dtype or x.dtype
-    return matmul.linear(x.astype(dtype), module.kernel[...], implementation=implementation, interpret=interpret)
+    product = matmul.linear_partials if partials else matmul.linear
+    return product(x.astype(module.dtype or x.dtype), module.kernel[...], implementation=implementation,
+                   interpret=interpret)
 
 
 class LlamaAttention(nnx.Module):
@@ -454,13 +456,16 @@ class LlamaAttention(nnx.Module):
         """``group = Hq // Hk``: the query heads that share one KV head."""
         return self.config.num_attention_heads // self.config.num_key_value_heads
 
-    def _qkv(self, x: Array, positions: Array, *, serving: bool) -> tuple[Array, Array, Array]:
+    def _qkv(self, x: Array, positions: Array, *, serving: bool, partials: bool = False
+             ) -> tuple[Array, Array, Array]:
         """``x`` ``[..., hidden]`` -> (the fused projection ``[..., Hk, group + 2, D]``, and
         cos / sin ``[..., D]`` of the tokens' rotary angles in its dtype) (``serving``: the
-        product through `jax_paged_attn.matmul.linear`)."""
+        product through `jax_paged_attn.matmul.linear`; ``partials``: as its split-K
+        partials ``[S, ..., Hk, group + 2, D]``)."""
         qkv = _project(self.qkv_proj, x, serving=serving, implementation=self.matmul_implementation,
-                       interpret=self.interpret)
-        cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), qkv.dtype)
+                       interpret=self.interpret, partials=partials)
+        dtype = self.qkv_proj.dtype or x.dtype
+        cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), dtype)
         return qkv, cos, sin
 
     def project_qkv(self, x: Array, positions: Array, *, serving: bool = False) -> tuple[Array, Array, Array]:
@@ -511,29 +516,18 @@ class LlamaAttention(nnx.Module):
         `jax_paged_attn.matmul.linear_partials`' ``[S, T, hidden]``, and the q/k/v
         projection's partials summed by the fused rotary + cache write."""
         num_tokens = x.shape[0]
-        if self.fuses_rotary_and_cache(kv_cache, metadata) and partials:
-            # The projection's split-K partials go straight to the fused op, which sums them.
-            x = x.astype(self.qkv_proj.dtype or x.dtype)
-            parts = matmul.linear_partials(x, self.qkv_proj.kernel[...], implementation=self.matmul_implementation,
-                                           interpret=self.interpret)  # [S, T, Hk, group + 2, D]
-            cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), x.dtype)
-            q, kv_cache = self._rotary_and_cache(parts, cos, sin, kv_cache, metadata.slot_mapping, partials=True)
-            out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
-        elif self.fuses_rotary_and_cache(kv_cache, metadata):
-            qkv, cos, sin = self._qkv(x, positions, serving=True)  # [T, Hk, group + 2, D], [T, D] x 2
-            q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping)
+        if self.fuses_rotary_and_cache(kv_cache, metadata):
+            # [T, Hk, group + 2, D] (partials: [S, T, ...], summed by the fused op), [T, D] x 2
+            qkv, cos, sin = self._qkv(x, positions, serving=True, partials=partials)
+            q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping, partials=partials)
             out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
         else:
             q, k, v = self.project_qkv(x, positions, serving=True)
             out, kv_cache = self.attn(
                 q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
             )
-        if partials:
-            return matmul.linear_partials(out.astype(self.o_proj.dtype or out.dtype), self.o_proj.kernel[...],
-                                          implementation=self.matmul_implementation,
-                                          interpret=self.interpret), kv_cache
         return _project(self.o_proj, out, serving=True, implementation=self.matmul_implementation,
-                        interpret=self.interpret), kv_cache
+                        interpret=self.interpret, partials=partials), kv_cache
 
     def dense(self, x: Array) -> Array:
         """``[B, S, hidden]`` -> ``[B, S, hidden]``: causal attention over the whole sequence, no cache."""
@@ -587,8 +581,7 @@ class LlamaMLP(nnx.Module):
         how = dict(implementation=self.matmul_implementation, interpret=self.interpret)
         x = x.astype(self.gate_up_proj.dtype or x.dtype)
         hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], **how)
-        return matmul.linear_partials(hidden.astype(self.down_proj.dtype or hidden.dtype),
-                                      self.down_proj.kernel[...], **how)
+        return _project(self.down_proj, hidden, serving=True, partials=True, **how)
 
 
 class LlamaDecoderLayer(nnx.Module):
