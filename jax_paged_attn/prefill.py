@@ -258,10 +258,8 @@ def _mosaic_varlen_attention(
     (`plans.MOSAIC_TMA_ROW_ALIGN`), rows past an array's end read as zeros, and only a
     row count that is not a multiple of 8 is padded (a copy). The Mosaic GPU
     interpreter of jax 0.10 cannot read past an array's end, so in interpret mode q
-    and packed k / v are padded by a tile as well. The kernel writes the packed output
-    itself, but for the warpgroups holding an aligned tile's lead rows or a sequence's
-    end, whose rows it writes to per-tile slabs; those rows are copied in here
-    (`_copy_partial_warpgroups`).
+    and packed k / v are padded by a tile as well. The kernel writes one output slab
+    per tile, from which each packed row is gathered here.
     """
     from jax_paged_attn.kernels import mosaic_prefill
 
@@ -289,11 +287,11 @@ def _mosaic_varlen_attention(
         positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first,
         align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
     q_in = _pad_rows(q, _tma_rows(num_q_tokens, tiling.block_q, interpret))
-    out, slabs = mosaic_prefill.varlen_attention_call(
+    tiles = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
         interpret=interpret)
-    return _copy_partial_warpgroups(out, slabs, plan, cu_seqlens_q.shape[0] - 1)[:num_q_tokens]
+    return _gather_tile_rows(tiles, plan, num_q_tokens)
 
 
 
@@ -312,30 +310,15 @@ def _pad_rows(x: Array, rows: int) -> Array:
     return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _copy_partial_warpgroups(out: Array, slabs: Array, plan: Array, num_sequences: int) -> Array:
-    """``out`` ``[Tq, Hq, D]`` with the rows of the Mosaic GPU kernel's partial warpgroups
-    copied in from their tiles' slabs ``[num_tiles, block_q, Hq, D]``.
-
-    A warpgroup (64 rows of a tile, `plans.MOSAIC_ROWS_PER_WARPGROUP`) is partial when
-    some of its rows are not its tile's: an aligned tile's lead rows (``q_pos0 + i < 0``:
-    the previous segment's, only in a segment's first tile) or rows past the tile's
-    ``q_rows`` (only in a segment's last tile). So each of the ``num_sequences + 2``
-    segments of the plan (`plans.plan_tiles`: the sequences and the padding before and
-    after them) has at most two, and only their owned rows are copied: a scatter of at
-    most ``2 * (num_sequences + 2) * 64`` rows instead of a gather of the whole output.
-    """
-    num_tiles, block_q = slabs.shape[:2]
-    rows = plans.MOSAIC_ROWS_PER_WARPGROUP
-    warpgroups = block_q // rows
-    q_row0 = plan[:, int(TileField.Q_ROW0)]
-    q_rows = plan[:, int(TileField.Q_ROWS)]
-    q_pos0 = plan[:, int(TileField.Q_POS0)]
-    row0 = jnp.arange(warpgroups, dtype=jnp.int32) * rows
-    _, partial = plans.mosaic_warpgroup_output(q_rows[:, None], q_pos0[:, None], row0[None, :])  # [num_tiles, W]
-    count = num_tiles * warpgroups
-    (ids,) = jnp.nonzero(partial.reshape(-1), size=min(count, 2 * (num_sequences + 2)), fill_value=count)
-    tile = jnp.minimum(ids // warpgroups, num_tiles - 1)
-    offset = row0[ids % warpgroups][:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # row within the tile
-    owned = ((ids < count)[:, None] & (offset < q_rows[tile][:, None]) & (q_pos0[tile][:, None] + offset >= 0))
-    target = jnp.where(owned, q_row0[tile][:, None] + offset, out.shape[0])  # out of range: dropped
-    return out.at[target].set(slabs[tile[:, None], offset], mode="drop")
+def _gather_tile_rows(tiles: Array, plan: Array, num_q_tokens: int) -> Array:
+    """``[Tq, Hq, D]`` from per-tile slabs ``[num_tiles, block_q, Hq, D]``: packed row
+    ``q_row0[t] + i`` (``i < q_rows[t]``, ``q_pos0[t] + i >= 0``: an aligned tile's lead
+    rows are the previous segment's) is row ``i`` of tile ``t``'s slab."""
+    num_tiles, block_q = tiles.shape[:2]
+    offset = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    rows = plan[:, int(TileField.Q_ROW0)][:, None] + offset
+    owned = (offset < plan[:, int(TileField.Q_ROWS)][:, None]) & (plan[:, int(TileField.Q_POS0)][:, None] + offset >= 0)
+    source = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * block_q + offset
+    index = jnp.zeros((num_q_tokens,), jnp.int32).at[jnp.where(owned, rows, num_q_tokens)].set(
+        source, mode="drop")
+    return tiles.reshape(num_tiles * block_q, *tiles.shape[2:])[index]
