@@ -887,21 +887,19 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
 
 def mosaic_prefill_grid(quick: bool) -> list[Any]:
     """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (block_k, num_stages, pingpong, nonfinite_check, fence_softmax) of the warp-specialized form with 2
-    compute warpgroups (block_k is shrunk to fit shared memory at large head sizes)."""
-    from jax_paged_attn import tuning
+    (block_k, num_stages, pingpong, nonfinite_check, fence_softmax, direct_output) of the
+    warp-specialized form with 2 compute warpgroups (block_k is shrunk to fit shared
+    memory at large head sizes)."""
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
-    choices = ((64, 2, True, "key_flags", False),) if quick else (
-        (64, 2, True, "key_flags", False), (64, 3, True, "product", False), (64, 2, True, "product", True),
-        (64, 2, True, "key_flags", True), (64, 3, True, "product", True), (128, 2, True, "product", False),
+    choices = ((64, 2, True, "key_flags", False, True),) if quick else (
+        (64, 2, True, "product", False, True), (64, 2, True, "key_flags", False, True),
+        (64, 2, True, "key_flags", False, False), (64, 3, True, "product", False, False),
+        (64, 2, True, "product", True, False), (64, 2, True, "key_flags", True, True),
     )
-    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp, nonfinite_check=check, fence_softmax=fence)
-            for bk, st, pp, check, fence in choices]
-    if not quick:  # one program per SM walking the work items, with and without the fence
-        sms = tuning.target_device().multiprocessors
-        grid += [MosaicPrefillConfig(persistent_programs=sms),
-                 MosaicPrefillConfig(persistent_programs=sms, fence_softmax=True)]
+    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp, nonfinite_check=check, fence_softmax=fence,
+                                direct_output=direct)
+            for bk, st, pp, check, fence, direct in choices]
     return list(dict.fromkeys([MosaicPrefillConfig()] + grid))
 
 

@@ -43,7 +43,7 @@ __all__ = [
     "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
-    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
+    "MOSAIC_ROWS_PER_WARPGROUP", "mosaic_warpgroup_output", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
@@ -416,6 +416,17 @@ MOSAIC_ROWS_PER_WARPGROUP = 64
 """Query rows of one Mosaic GPU compute warpgroup: its wgmma M."""
 
 
+def mosaic_warpgroup_output(q_rows: Array, q_pos0: Array, row0: Array) -> tuple[Array, Array]:
+    """How a Mosaic GPU compute warpgroup stores its rows ``row0 ..`` of a tile whose plan
+    has ``q_rows`` / ``q_pos0`` (`TileField`): ``(whole, partial)``. Whole: all
+    `MOSAIC_ROWS_PER_WARPGROUP` rows are the tile's (none of an aligned tile's lead rows,
+    at negative positions, and none past ``q_rows``): one TMA copy. Partial: only some
+    are: a copy per owned row."""
+    has_rows = row0 < q_rows
+    whole = (row0 + MOSAIC_ROWS_PER_WARPGROUP <= q_rows) & (q_pos0 + row0 >= 0)
+    return whole, has_rows & jnp.logical_not(whole)
+
+
 MOSAIC_TMA_ROW_ALIGN = 8
 """Rows of one tile of a swizzled shared-memory buffer. A TMA copy into it reads whole
 8-row tiles of the global array (which Mosaic GPU views tiled the same way), so every
@@ -450,6 +461,9 @@ class MosaicPrefillTiling:
         fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
       persistent_programs: 0 for a program per (tile, head); else that many programs
         walk the work items in turn (`tuning.MosaicPrefillConfig.persistent_programs`).
+      direct_output: the kernel writes the packed output ``[Tq, Hq, D]`` itself;
+        otherwise one slab per tile ``[num_tiles, block_q, Hq, D]`` that the wrapper
+        gathers from (`tuning.MosaicPrefillConfig.direct_output`).
     """
 
     compute_warpgroups: int
@@ -462,6 +476,7 @@ class MosaicPrefillTiling:
     key_flags: bool = False
     fence_softmax: bool = False
     persistent_programs: int = 0
+    direct_output: bool = False
 
     @property
     def block_q(self) -> int:
@@ -482,7 +497,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
     if config.compute_warpgroups not in (1, 2):
         raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
-    for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax"):
+    for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
@@ -540,7 +555,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                pingpong=config.pingpong, longest_first=config.longest_first,
                                key_flags=config.nonfinite_check == "key_flags",
                                fence_softmax=config.fence_softmax,
-                               persistent_programs=config.persistent_programs)
+                               persistent_programs=config.persistent_programs,
+                               direct_output=config.direct_output)
 
 # =========================================================================== paged decode
 

@@ -259,7 +259,8 @@ def _mosaic_varlen_attention(
     row count that is not a multiple of 8 is padded (a copy). The Mosaic GPU
     interpreter of jax 0.10 cannot read past an array's end, so in interpret mode q
     and packed k / v are padded by a tile as well. The kernel writes one output slab
-    per tile, from which each packed row is gathered here.
+    per tile, from which each packed row is gathered here, or (``direct_output``) the
+    packed output itself.
     """
     from jax_paged_attn.kernels import mosaic_prefill
 
@@ -287,11 +288,13 @@ def _mosaic_varlen_attention(
         positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first,
         align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
     q_in = _pad_rows(q, _tma_rows(num_q_tokens, tiling.block_q, interpret))
-    tiles = mosaic_prefill.varlen_attention_call(
+    out = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
         interpret=interpret)
-    return _gather_tile_rows(tiles, plan, num_q_tokens)
+    if tiling.direct_output:
+        return out[:num_q_tokens]
+    return _gather_tile_rows(out, plan, num_q_tokens)
 
 
 

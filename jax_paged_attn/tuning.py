@@ -306,7 +306,11 @@ class MosaicPrefillConfig:
     programs (one per SM: `TuningDevice.multiprocessors`) that walk the items in turn,
     so the producer fetches the next item's first blocks while the compute warpgroups
     finish the current one (short sequences pay the ring's fill once per SM, not per
-    tile; not yet measured).
+    tile; measured slower on the H200 at one program per SM, 2026-12-02);
+    direct_output: the kernel writes the packed output itself (a whole warpgroup's rows
+    with one TMA copy, a partial one's own rows one copy each) instead of one slab per
+    tile from which the wrapper gathers every row (about 0.15 ms at B8 S2048 D128 on the
+    H200; not yet measured on a GPU).
 
     The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
     warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
@@ -322,6 +326,7 @@ class MosaicPrefillConfig:
     nonfinite_check: str = "product"
     fence_softmax: bool = False
     persistent_programs: int = 0
+    direct_output: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")

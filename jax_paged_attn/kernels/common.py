@@ -101,6 +101,18 @@ def nonfinite_rows(v: Array) -> Array:
     return (total - total) != 0
 
 
+def mosaic_smem_union(*groups: tuple, interpret: bool) -> object:
+    """Scratch entry for shared-memory ref groups with disjoint lifetimes: a
+    ``plgpu.RefUnion`` (the groups share memory), but separate buffers in the Mosaic GPU
+    interpreter of jax 0.10, which rejects the aliasing transform (the interpreter has
+    no shared-memory limit to respect). Either way the kernel unpacks it as ``groups``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpret and tuple(int(part) for part in jax.__version__.split(".")[:2]) < (0, 11):
+        return groups
+    return plgpu.RefUnion(*groups)
+
+
 def mosaic_interpret_params() -> object:
     """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
     ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""

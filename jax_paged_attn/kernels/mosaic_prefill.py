@@ -57,12 +57,16 @@ rows past an array's end read as zeros):
   block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
   (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
   arriving on the slot's barrier.
-* output: ``[num_tiles, block_q, Hq, D]``, one slab per tile (a TMA store writes whole
-  rows, and a tile's lead rows and rows past its sequence are other tiles'); the
-  wrapper gathers each packed row from its tile. (Storing whole warpgroups straight
-  into the packed output, with only the partial ones' rows copied in by an XLA
-  scatter, measured slower on the H200: the scatter cost 0.9 ms at 8 sequences of
-  2,048 where the gather costs about 0.15.)
+* output: one slab per tile ``[num_tiles, block_q, Hq, D]`` (a TMA copy from a swizzled
+  tile writes whole 8-row tiles, and a tile's lead rows and rows past its sequence are
+  other tiles'), from which the wrapper gathers each packed row; or, with
+  ``direct_output`` (`tuning.MosaicPrefillConfig`, off until measured), the packed
+  ``[Tq, Hq, D]`` written by the kernel: a compute warpgroup whose 64 rows all belong to
+  its tile stores them with one TMA copy; one whose rows include an aligned tile's lead
+  rows or run past its sequence stores only its own rows, a one-row TMA copy each from
+  a plain-layout buffer. (Whole warpgroups stored straight and partial ones copied in
+  by an XLA scatter measured slower on the H200: the scatter alone 0.9 ms at B8 S2048,
+  where the gather costs about 0.15.)
 
 Numerics as the Triton kernel: f32 scores and accumulator, base-2 online softmax with
 ``log2(e)`` folded into the score scale and the ALiBi slopes, running max starting at
@@ -248,13 +252,16 @@ def _prefill_kernel(
     alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq] slopes * log2(e)
     scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
     (
-        o_ref,  # output: [num_tiles, block_q, Hq, D] q dtype: tile t's rows
+        o_ref,  # output: [Tq (a multiple of 8), Hq, D] q dtype, the packed rows (tiling.direct_output);
+        #   else [num_tiles, block_q, Hq, D], tile t's rows
         # scratch (SMEM), W = compute warpgroups
         q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output
         k_ring,  # [num_stages, block_k, D] K dtype
         v_ring,  # [num_stages, block_k, D] V dtype
         v_work,  # [W, block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
-        #   blocks), or converted values (fp8)
+        #   blocks), or converted values (fp8). With tiling.direct_output, a union
+        #   (common.mosaic_smem_union) of it and out_rows [W, block_k, D] q dtype (plain
+        #   rows): after the KV loop, a partial warpgroup's output, stored row by row
         k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (tiling.key_flags)
         # barriers
@@ -265,6 +272,8 @@ def _prefill_kernel(
         v_free,  # [num_stages]: every compute warpgroup is done with the slot's V block
         schedule,  # [1], 2 arrivals: the compute warpgroups' ping-pong (see _PingPong)
     ) = rest  # (k_free / v_free unused without warp specialization, schedule without ping-pong)
+    if tiling.direct_output:
+        (v_work,), (out_rows,) = v_work
     ops = _Ops(interpret)
     rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
     workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
@@ -557,9 +566,40 @@ def _prefill_kernel(
                 out = acc * ops.row_bcast(inv_sum, out_shape)
                 row = row0 + ops.iota(out_shape, 0)
                 attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
-                my_q[...] = jnp.where(attends, out, 0.0).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+                out = jnp.where(attends, out, 0.0).astype(dtype)
+                if not tiling.direct_output:
+                    my_q[...] = out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+                    plgpu.wait_smem_to_gmem(0)
+                    return
+                my_out_rows = out_rows.at[wg]  # my_work's memory (its first 64 rows)
+                # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
+                # (8-aligned: the plan aligns q_row0). One holding an aligned tile's lead
+                # rows or a sequence's end shares rows with a neighbouring tile, and a TMA
+                # copy from a swizzled tile writes whole 8-row tiles: it stores only its own
+                # rows, one TMA copy each, from a plain-layout buffer (my_work's memory, free
+                # after the KV loop). At most two such warpgroups per sequence and head.
+                whole, partial = plans.mosaic_warpgroup_output(q_rows, q_pos0, row0)
+
+                @pl.when(whole)
+                def _():
+                    my_q[...] = out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(my_q, o_ref.at[pl.ds(q_row, rows), h])
+
+                @pl.when(partial)
+                def _():
+                    my_out_rows[pl.ds(0, rows)] = out
+                    plgpu.commit_smem()
+
+                    def store_row(i, _):
+                        plgpu.copy_smem_to_gmem(my_out_rows.at[pl.ds(i, 1)], o_ref.at[pl.ds(q_row + i, 1), h])
+
+                    own_lo = jnp.maximum(-my_pos0, 0)  # lead rows: the previous segment's
+                    own_hi = jnp.minimum(q_rows - row0, rows)  # rows past the tile: the next one's
+                    lax.fori_loop(own_lo, own_hi, store_row, None)
+
                 plgpu.wait_smem_to_gmem(0)
 
     if tiling.persistent_programs:
@@ -593,14 +633,16 @@ def varlen_attention_call(
     spec: AttentionSpec,
     tiling: MosaicPrefillTiling,
     interpret: bool = False,
-) -> Array:  # [num_tiles, block_q, Hq, D] q.dtype: tile t's rows (see the module docstring)
+) -> Array:  # q.dtype: [Tq, Hq, D] (tiling.direct_output) or [num_tiles, block_q, Hq, D]
     """Builds and runs the Mosaic GPU kernel over the plan's tiles.
 
     ``tiling`` (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`) gives the compute
     warpgroups (64 query rows each; ``block_q`` = 64 x their number), block_k, the ring
     depth and the rows per TMA copy (block_k for packed keys, ``gcd(block_k,
-    block_size)`` for a paged cache). Rows of a tile past its sequence, and an aligned
-    tile's lead rows, hold garbage or zeros: the caller gathers only each tile's own rows.
+    block_size)`` for a paged cache). With ``tiling.direct_output`` the packed
+    output, every row the plan's tiles own written by the one tile that owns it; else
+    one slab per tile, whose rows past its sequence and lead rows (an aligned tile's)
+    hold garbage or zeros: the caller gathers only each tile's own rows.
     """
     _, num_q_heads, head_size = q.shape
     (k_arr, k_plane), (v_arr, v_plane) = k, v
@@ -623,7 +665,9 @@ def varlen_attention_call(
         tile(ROWS_PER_WARPGROUP, dtype, workers),
         tile(block_k, k_arr.dtype, stages),
         tile(block_k, v_arr.dtype, stages),
-        tile(block_k, dtype, workers),
+        common.mosaic_smem_union((tile(block_k, dtype, workers),),
+                                 (plgpu.SMEM((workers, block_k, head_size), dtype),), interpret=interpret)
+        if tiling.direct_output else tile(block_k, dtype, workers),
         tile(block_k if k_fp8 else 8, dtype, workers),
         plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.Barrier(num_barriers=workers),
@@ -660,7 +704,8 @@ def varlen_attention_call(
         grid, grid_names = (num_tiles, num_q_heads), ("tile", "head")
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_tiles, tiling.block_q, num_q_heads, head_size), dtype),
+        out_type=jax.ShapeDtypeStruct(
+            q.shape if tiling.direct_output else (num_tiles, tiling.block_q, num_q_heads, head_size), dtype),
         scratch_types=scratch,
         grid=grid,
         grid_names=grid_names,
