@@ -301,7 +301,8 @@ class MosaicPrefillConfig:
     unmasked blocks, compute the row sums and the 16-bit probabilities before the
     barriers that wait for the values and (ping-pong) hand the tensor cores to the other
     warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's
-    order at head sizes up to 128, which it reports to matter; not yet measured here);
+    order at head sizes up to 128, which it reports to matter; on the H200 within 2 % either
+    way, 2026-12-02);
     persistent_programs: 0 for a program per (tile, head) work item; N > 0 for N
     programs (one per SM: `TuningDevice.multiprocessors`) that walk the items in turn,
     so the producer fetches the next item's first blocks while the compute warpgroups
