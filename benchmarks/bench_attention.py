@@ -887,19 +887,21 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
 
 def mosaic_prefill_grid(quick: bool) -> list[Any]:
     """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (block_k, num_stages, pingpong, nonfinite_check, fence_softmax, direct_output) of the
-    warp-specialized form with 2 compute warpgroups (block_k is shrunk to fit shared
+    the warp-specialized form with 2 ping-ponged compute warpgroups, varying the masked
+    blocks' non-finite check, ``fence_softmax``, ``direct_output``, the ring depth and
+    128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
     memory at large head sizes)."""
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
-    choices = ((64, 2, True, "key_flags", False, True),) if quick else (
-        (64, 2, True, "product", False, True), (64, 2, True, "key_flags", False, True),
-        (64, 2, True, "key_flags", False, False), (64, 3, True, "product", False, False),
-        (64, 2, True, "product", True, False), (64, 2, True, "key_flags", True, True),
-    )
-    grid = [MosaicPrefillConfig(block_k=bk, num_stages=st, pingpong=pp, nonfinite_check=check, fence_softmax=fence,
-                                direct_output=direct)
-            for bk, st, pp, check, fence, direct in choices]
+    bk128 = dict(block_k=128, masked_block_k=64)
+    choices = [dict(nonfinite_check="key_flags", direct_output=True)] if quick else [
+        dict(direct_output=True), dict(nonfinite_check="key_flags", direct_output=True),
+        dict(nonfinite_check="key_flags"), dict(num_stages=3),
+        dict(fence_softmax=True, direct_output=True),
+        dict(bk128, direct_output=True), dict(bk128, fence_softmax=True, direct_output=True),
+        dict(bk128, nonfinite_check="key_flags", fence_softmax=True, direct_output=True),
+    ]
+    grid = [MosaicPrefillConfig(**fields) for fields in choices]
     return list(dict.fromkeys([MosaicPrefillConfig()] + grid))
 
 

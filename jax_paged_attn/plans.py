@@ -461,6 +461,8 @@ class MosaicPrefillTiling:
         fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
       persistent_programs: 0 for a program per (tile, head); else that many programs
         walk the work items in turn (`tuning.MosaicPrefillConfig.persistent_programs`).
+      masked_block_k: keys per part of a masked block (a multiple of 64 dividing
+        block_k; `tuning.MosaicPrefillConfig.masked_block_k`).
       direct_output: the kernel writes the packed output ``[Tq, Hq, D]`` itself;
         otherwise one slab per tile ``[num_tiles, block_q, Hq, D]`` that the wrapper
         gathers from (`tuning.MosaicPrefillConfig.direct_output`).
@@ -476,6 +478,7 @@ class MosaicPrefillTiling:
     key_flags: bool = False
     fence_softmax: bool = False
     persistent_programs: int = 0
+    masked_block_k: int = 64
     direct_output: bool = False
 
     @property
@@ -493,6 +496,10 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
             and config.block_k % MOSAIC_MIN_BLOCK_K == 0 and config.block_k <= 256):
         raise ValueError(f"config.block_k must be a multiple of {MOSAIC_MIN_BLOCK_K} up to 256 (a wgmma N), "
                          f"got {config.block_k!r}.")
+    if not (isinstance(config.masked_block_k, int) and config.masked_block_k >= MOSAIC_MIN_BLOCK_K
+            and config.masked_block_k % MOSAIC_MIN_BLOCK_K == 0):
+        raise ValueError(f"config.masked_block_k must be a multiple of {MOSAIC_MIN_BLOCK_K}, got "
+                         f"{config.masked_block_k!r}.")
     if not (isinstance(config.num_stages, int) and config.num_stages >= 2):
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
     if config.compute_warpgroups not in (1, 2):
@@ -556,6 +563,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                key_flags=config.nonfinite_check == "key_flags",
                                fence_softmax=config.fence_softmax,
                                persistent_programs=config.persistent_programs,
+                               masked_block_k=math.gcd(block_k, config.masked_block_k),
                                direct_output=config.direct_output)
 
 # =========================================================================== paged decode

@@ -308,6 +308,11 @@ class MosaicPrefillConfig:
     so the producer fetches the next item's first blocks while the compute warpgroups
     finish the current one (short sequences pay the ring's fill once per SM, not per
     tile; measured slower on the H200 at one program per SM, 2026-12-02);
+    masked_block_k: keys per step of a masked block (a multiple of 64 dividing block_k;
+    capped at block_k): a masked block (the causal diagonal, window edges, sequence
+    ends) runs in parts of that many keys, each keeping non-finite values from the rows
+    the mask hides them from, so 128-key blocks elsewhere do not pay that work's
+    registers (the Triton tier's `PrefillConfig.masked_block_k`; not yet measured);
     direct_output: the kernel writes the packed output itself (a whole warpgroup's rows
     with one TMA copy, a partial one's own rows one copy each) instead of one slab per
     tile from which the wrapper gathers every row (about 0.15 ms at B8 S2048 D128 on the
@@ -327,6 +332,7 @@ class MosaicPrefillConfig:
     nonfinite_check: str = "product"
     fence_softmax: bool = False
     persistent_programs: int = 0
+    masked_block_k: int = 64
     direct_output: bool = False
 
 

@@ -380,6 +380,16 @@ MOSAIC_TILINGS = [
      dict(q_lens=[70, 9, 64], k_lens=[100, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=32, paged=True,
           block_size=16, extra_blocks=2),
      dict(causal=True)),
+    # 128-key blocks whose masked ones run in two 64-key parts (masked_block_k).
+    ("single-bk128-masked-parts-packed-window",
+     dataclasses.replace(_SINGLE, block_k=128, num_stages=2, masked_block_k=64),
+     dict(q_lens=[150, 9], k_lens=[260, 30], num_q_heads=2, num_kv_heads=1, head_size=64),
+     dict(causal=True, window_size=(100, 0))),
+    ("specialized-1wg-bk128-masked-parts-paged-fp8-keys",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=1, masked_block_k=64),
+     dict(q_lens=[20, 3], k_lens=[150, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
+          block_size=32, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
+     dict(causal=True)),
     ("single-bk128-paged-bs16-eight-copies-softcap-alibi",
      dataclasses.replace(_SINGLE, block_k=128, num_stages=2),
      dict(q_lens=[20], k_lens=[300], num_q_heads=2, num_kv_heads=2, head_size=64, paged=True,
@@ -454,18 +464,34 @@ def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
     _assert_matches_reference(out, problem, attention)
 
 
+def _poisoned_long_problem(paged: bool) -> VarlenProblem:
+    """`_poisoned_problem` with a sequence of 100: its 128-key blocks' masked parts."""
+    problem = make_varlen_problem(np.random.default_rng(4), q_lens=[100, 9], k_lens=[100, 30],
+                                  num_q_heads=4, num_kv_heads=2, head_size=32, paged=paged,
+                                  q_padding_rows=3)
+    nan, inf = float("nan"), float("inf")
+    # Sequence 0 (window 12): key 70 seen by rows 70..82 (rows 64..69 share its 64-key part),
+    # key 90 by rows 90..99 and key 99 by row 99 (the second part of block 0).
+    return poison_keys(problem, {0: [(70, "v", nan), (90, "k", nan), (99, "v", inf)],
+                                 1: [(25, "v", inf)]})
+
+
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
                                        pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("nonfinite_check", tuning.MOSAIC_NONFINITE_CHECKS)
 @pytest.mark.parametrize("paged", [False, True])
-def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(paged, nonfinite_check, interpret):
+@pytest.mark.parametrize("masked_parts", [pytest.param(False, id="bk64"), pytest.param(True, id="bk128-parts")])
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts, paged, nonfinite_check, interpret):
     """The Mosaic GPU kernel's masked blocks on the same poisoned keys as the Triton
     test, both ways of finding the rows that see a non-finite value (a 0/1 matrix
-    product; per-key flags through shared memory): the single-warpgroup form in the
-    interpreter, the default (warp-specialized, ping-pong) form compiled on a GPU."""
-    problem = _poisoned_problem(paged)
+    product; per-key flags through shared memory), and 128-key blocks whose masked ones
+    run in 64-key parts: the single-warpgroup form in the interpreter, the default
+    (warp-specialized, ping-pong) form compiled on a GPU."""
+    problem = _poisoned_long_problem(paged) if masked_parts else _poisoned_problem(paged)
     base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
     config = dataclasses.replace(base, nonfinite_check=nonfinite_check)
+    if masked_parts:
+        config = dataclasses.replace(config, block_k=128, masked_block_k=64)
     out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
                               lowering=prefill.MOSAIC_GPU)
     _assert_nonfinite_rows_match(out, problem)

@@ -1,5 +1,6 @@
 """The measured tuning tables: the package data loads into valid configs, the sweep
 output turns into table entries, and calls look up the entry of their own kind."""
+import dataclasses
 import json
 import pathlib
 import sys
@@ -180,3 +181,28 @@ def test_the_tables_in_use_are_described_in_words():
     assert tuning.describe_tables(tuning.REFERENCE_DEVICE) == "tile configs measured on the NVIDIA H200"
     assert tuning.describe_tables(L4) == ("no tile configs measured on the NVIDIA L4: defaults fitted to its "
                                           "99 KiB of shared memory per block")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 3), ("masked_block_k", 32),
+    ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
+    ("nonfinite_check", "none")])
+def test_mosaic_prefill_config_rejects_bad_fields(field, value):
+    """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
+    config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
+    with pytest.raises(ValueError, match=f"config.{field}"):
+        plans.check_mosaic_prefill_config(config)
+
+
+@pytest.mark.parametrize("block_k, masked_block_k, max_seqlen_k, expected", [
+    (64, 64, 4096, (64, 64)),  # the default: masked blocks whole
+    (128, 64, 4096, (128, 64)),  # two 64-key parts per masked block
+    (128, 128, 4096, (128, 128)),
+    (192, 128, 4096, (192, 64)),  # parts divide the block
+    (128, 64, 64, (64, 64)),  # block_k shrinks to the keys, and the parts with it
+])
+def test_mosaic_prefill_masked_parts_divide_the_block(block_k, masked_block_k, max_seqlen_k, expected):
+    config = tuning.MosaicPrefillConfig(block_k=block_k, masked_block_k=masked_block_k)
+    tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, max_seqlen_q=4096, max_seqlen_k=max_seqlen_k,
+                                              block_size=None, config=config)
+    assert (tiling.block_k, tiling.masked_block_k) == expected

@@ -17,11 +17,13 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 With two compute warpgroups a shared barrier staggers them (ping-pong,
 `tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
 
-Optional forms, in the benchmark's sweep until measured (`tuning.MosaicPrefillConfig`):
-``persistent_programs`` (one program per SM walks the (tile, head) work items, the
-producer fetching the next item's blocks while the compute warpgroups finish the
-current one) and ``fence_softmax`` (the stock kernel's softmax order before the P·V
-barriers).
+Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
+SM walks the (tile, head) work items, the producer fetching the next item's blocks while
+the compute warpgroups finish the current one; measured slower), ``fence_softmax`` (the
+stock kernel's softmax order before the P·V barriers; measured level), and, in the
+benchmark's sweep until measured, ``direct_output`` (below) and ``masked_block_k``: a
+masked block runs in parts of that many keys, so that 128-key blocks (the stock kernel's
+best at D 128) do not carry the masked blocks' non-finite handling at full width.
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
@@ -282,7 +284,7 @@ def _prefill_kernel(
     head_size = q_smem.shape[-1]
     dtype = q_smem.dtype
     k_plane, v_plane = planes
-    score_shape, out_shape = (rows, block_k), (rows, head_size)
+    out_shape = (rows, head_size)
 
     wg = lax.axis_index("wg")
 
@@ -391,7 +393,8 @@ def _prefill_kernel(
 
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
-                    meet the other warpgroup), its attention only with ``compute``."""
+                    meet the other warpgroup), its attention only with ``compute``. A masked
+                    block runs in parts of ``tiling.masked_block_k`` keys."""
                     slot = lax.rem(kb - kb_lo, jnp.int32(stages))
                     plgpu.barrier_wait(k_bars.at[slot])
                     if not compute:
@@ -406,16 +409,35 @@ def _prefill_kernel(
                             pingpong.wait()
                         release_v(kb, slot)
                         return carry
+                    width = tiling.masked_block_k if masked else block_k
+                    parts = block_k // width
+                    for part in range(parts):
+                        carry = attend(kb, slot, carry, part * width, width, masked=masked,
+                                       first=part == 0, last=part == parts - 1)
+                    release_v(kb, slot)
+                    return carry
+
+                def attend(kb, slot, carry, key0: int, width: int, *, masked: bool, first: bool, last: bool):
+                    """Keys ``key0 .. key0 + width`` of KV block ``kb`` (in ring ``slot``).
+                    The block's first part meets the other warpgroup while its Q·K^T runs and
+                    waits for the values; its last part releases the keys."""
                     acc, m_prev, l_prev = carry
+                    score_shape = (rows, width)
                     k_tile = k_ring.at[slot]
+                    v_tile = v_ring.at[slot]
+                    work, bad_flags = my_work, my_bad
+                    if width < block_k:
+                        k_tile, v_tile = k_tile.at[pl.ds(key0, width)], v_tile.at[pl.ds(key0, width)]
+                        work, bad_flags = my_work.at[pl.ds(0, width)], my_bad.at[pl.ds(0, width)]
                     if k_fp8:
-                        my_conv[...] = _convert(ops.load(k_tile), dtype)
+                        conv = my_conv if width == block_k else my_conv.at[pl.ds(0, width)]
+                        conv[...] = _convert(ops.load(k_tile), dtype)
                         plgpu.commit_smem()  # register stores -> visible to wgmma
-                        k_tile = my_conv
+                        k_tile = conv
                     s = ops.mma(my_q, k_tile, transpose_b=True, shape=score_shape,
-                                while_running=pingpong.meet if pingpong else None)  # [64, block_k]
-                    if specialized:
-                        plgpu.barrier_arrive(k_free.at[slot])  # the wgmma has completed
+                                while_running=pingpong.meet if pingpong and first else None)  # [64, width]
+                    if specialized and last:
+                        plgpu.barrier_arrive(k_free.at[slot])  # the block's wgmmas have completed
                     # Without soft-cap or ALiBi the scale goes into the exponent's FMA (and
                     # the row max, scaled once: a positive scale keeps the max), not a pass
                     # of its own over the score tile (the stock kernel's form).
@@ -426,7 +448,7 @@ def _prefill_kernel(
                         s = jnp.tanh(s) * post_tanh
                     if slope is not None or masked:
                         q_pos = my_pos0 + ops.iota(score_shape, 0)
-                        k_pos = kb * block_k - k_lead + ops.iota(score_shape, 1)
+                        k_pos = kb * block_k + key0 - k_lead + ops.iota(score_shape, 1)
                     if slope is not None:
                         s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
                     if masked:
@@ -446,13 +468,13 @@ def _prefill_kernel(
                         # probabilities included, before the barrier (no reordering past it).
                         p_in = p.astype(dtype)
                         acc, l_next, m_next, p_in = lax.optimization_barrier((acc, l_next, m_next, p_in))
-                    if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
-                        pingpong.arrive()
-                        plgpu.barrier_wait(v_bars.at[slot])
-                        pingpong.wait()
-                    else:
-                        plgpu.barrier_wait(v_bars.at[slot])
-                    v_tile = v_ring.at[slot]
+                    if first:
+                        if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
+                            pingpong.arrive()
+                            plgpu.barrier_wait(v_bars.at[slot])
+                            pingpong.wait()
+                        else:
+                            plgpu.barrier_wait(v_bars.at[slot])
                     if masked:
                         # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
                         # future): a 0/1 product first finds the (row, column) pairs that see a
@@ -461,18 +483,17 @@ def _prefill_kernel(
                         # In the query dtype (fp8 converts exactly; half the registers of f32).
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
                         if tiling.key_flags:
-                            acc = masked_pv_with_key_flags(acc, p, v, visible)
-                            release_v(kb, slot)
+                            acc = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
                             return acc, m_next, l_next
                         # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
                         finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
-                        my_work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                        work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
                         plgpu.commit_smem()
-                        seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), my_work, transpose_b=False,
+                        seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), work, transpose_b=False,
                                        shape=out_shape)
-                        my_work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                        work[...] = jnp.where(finite, v, 0.0).astype(dtype)
                         plgpu.commit_smem()
-                        acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                        acc = ops.mma_acc(acc, p.astype(dtype), work)
                         acc = jnp.where(seen > 0, jnp.nan, acc)
                     else:
                         if v_fp8:
@@ -480,25 +501,24 @@ def _prefill_kernel(
                             plgpu.commit_smem()
                             v_tile = my_work
                         acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
-                    release_v(kb, slot)
                     return acc, m_next, l_next
 
-                def masked_pv_with_key_flags(acc, p, v, visible):
-                    """P·V of a masked block whose values may hold NaN / inf behind the mask
-                    (`tuning.MosaicPrefillConfig.nonfinite_check` "key_flags"): a key with a
-                    non-finite value is flagged and its row of V zeroed (one pass to this
-                    warpgroup's work tile); the flags reach the score tile's columns through
-                    shared memory, and a row that sees a flagged key becomes NaN, as in the
-                    reference. The values of keys no row sees are zeroed too: 0 * NaN would
-                    reach every row."""
-                    bad = common.nonfinite_rows(v)  # [block_k], one per key (a row of the V tile)
-                    my_bad[...] = jnp.where(bad, 1.0, 0.0)
-                    my_work[...] = jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0.0, v).astype(dtype)
+                def masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags):
+                    """P·V of a masked block (or part) whose values may hold NaN / inf behind
+                    the mask (`tuning.MosaicPrefillConfig.nonfinite_check` "key_flags"): a key
+                    with a non-finite value is flagged and its row of V zeroed (one pass to
+                    the work tile ``work``); the flags reach the score tile's columns through
+                    shared memory (``bad_flags``), and a row that sees a flagged key becomes
+                    NaN, as in the reference. The values of keys no row sees are zeroed too:
+                    0 * NaN would reach every row."""
+                    bad = common.nonfinite_rows(v)  # [width], one per key (a row of the V tile)
+                    bad_flags[...] = jnp.where(bad, 1.0, 0.0)
+                    work[...] = jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0.0, v).astype(dtype)
                     plgpu.commit_smem()  # flags and values, written by every thread, read in other layouts
-                    bad_key = ops.layout(my_bad[...], plgpu.Layout.WGMMA.reduce(0))  # one per score column
-                    flagged = lax.broadcast_in_dim(bad_key, score_shape, [1]) > 0
+                    bad_key = ops.layout(bad_flags[...], plgpu.Layout.WGMMA.reduce(0))  # one per score column
+                    flagged = lax.broadcast_in_dim(bad_key, p.shape, [1]) > 0
                     sees_bad = jnp.where(visible & flagged, 1.0, 0.0).max(axis=1) > 0
-                    acc = ops.mma_acc(acc, p.astype(dtype), my_work)
+                    acc = ops.mma_acc(acc, p.astype(dtype), work)
                     return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
 
                 def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
