@@ -43,7 +43,7 @@ __all__ = [
     "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
-    "MOSAIC_ROWS_PER_WARPGROUP", "mosaic_warpgroup_output", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
+    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
@@ -414,17 +414,6 @@ def plan_prefill_tiling(num_q_heads: int, num_kv_heads: int, head_size: int, *, 
 
 MOSAIC_ROWS_PER_WARPGROUP = 64
 """Query rows of one Mosaic GPU compute warpgroup: its wgmma M."""
-
-
-def mosaic_warpgroup_output(q_rows: Array, q_pos0: Array, row0: Array) -> tuple[Array, Array]:
-    """How a Mosaic GPU compute warpgroup stores its rows ``row0 ..`` of a tile whose plan
-    has ``q_rows`` / ``q_pos0`` (`TileField`): ``(whole, partial)``. Whole: all
-    `MOSAIC_ROWS_PER_WARPGROUP` rows are the tile's (none of an aligned tile's lead rows,
-    at negative positions, and none past ``q_rows``): one TMA copy. Partial: only some
-    are: a copy per owned row."""
-    has_rows = row0 < q_rows
-    whole = (row0 + MOSAIC_ROWS_PER_WARPGROUP <= q_rows) & (q_pos0 + row0 >= 0)
-    return whole, has_rows & jnp.logical_not(whole)
 
 
 MOSAIC_TMA_ROW_ALIGN = 8

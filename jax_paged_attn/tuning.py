@@ -132,13 +132,11 @@ class TuningDevice:
     """The GPU a call's kernels are planned for.
 
     kind: JAX's ``device_kind`` (``"NVIDIA H200"``), the key of the measured tables;
-    shared_memory_per_block: bytes of shared memory one program (thread block) may use;
-    multiprocessors: its SMs (the H200's 132 where the runtime does not say).
+    shared_memory_per_block: bytes of shared memory one program (thread block) may use.
     """
 
     kind: str
     shared_memory_per_block: int
-    multiprocessors: int = 132
 
     @property
     def shared_memory_budget(self) -> int:
@@ -173,9 +171,7 @@ def target_device() -> TuningDevice:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return REFERENCE_DEVICE
-    found = device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
-    cores = getattr(device, "core_count", None)
-    return dataclasses.replace(found, multiprocessors=int(cores)) if isinstance(cores, int) and cores > 0 else found
+    return device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
 
 
 class UntunedDeviceWarning(UserWarning):
@@ -304,7 +300,7 @@ class MosaicPrefillConfig:
     order at head sizes up to 128, which it reports to matter; on the H200 within 2 % either
     way, 2026-12-02);
     persistent_programs: 0 for a program per (tile, head) work item; N > 0 for N
-    programs (one per SM: `TuningDevice.multiprocessors`) that walk the items in turn,
+    programs (e.g. one per SM) that walk the items in turn,
     so the producer fetches the next item's first blocks while the compute warpgroups
     finish the current one (short sequences pay the ring's fill once per SM, not per
     tile; measured slower on the H200 at one program per SM, 2026-12-02);

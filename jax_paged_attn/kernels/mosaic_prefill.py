@@ -390,6 +390,10 @@ def _prefill_kernel(
                 if k_fp8:
                     pre_tanh = k_scale * pre_tanh
                 slope = alibi_ref[h] if alibi_ref is not None else None
+                # Without soft-cap or ALiBi the scale goes into the exponent's FMA (and the
+                # row max, scaled once: a positive scale keeps the max), not a pass of its
+                # own over the score tile (the stock kernel's form).
+                folded = post_tanh is None and slope is None and isinstance(pre_tanh, float) and pre_tanh > 0
 
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
@@ -438,10 +442,6 @@ def _prefill_kernel(
                                 while_running=pingpong.meet if pingpong and first else None)  # [64, width]
                     if specialized and last:
                         plgpu.barrier_arrive(k_free.at[slot])  # the block's wgmmas have completed
-                    # Without soft-cap or ALiBi the scale goes into the exponent's FMA (and
-                    # the row max, scaled once: a positive scale keeps the max), not a pass
-                    # of its own over the score tile (the stock kernel's form).
-                    folded = post_tanh is None and slope is None and isinstance(pre_tanh, float) and pre_tanh > 0
                     if not folded:
                         s = s * pre_tanh
                     if post_tanh is not None:
@@ -600,7 +600,8 @@ def _prefill_kernel(
                 # copy from a swizzled tile writes whole 8-row tiles: it stores only its own
                 # rows, one TMA copy each, from a plain-layout buffer (my_work's memory, free
                 # after the KV loop). At most two such warpgroups per sequence and head.
-                whole, partial = plans.mosaic_warpgroup_output(q_rows, q_pos0, row0)
+                whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)  # no lead rows, none past the tile
+                partial = (row0 < q_rows) & jnp.logical_not(whole)
 
                 @pl.when(whole)
                 def _():
