@@ -43,7 +43,7 @@ __all__ = [
     "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
-    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
+    "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
     "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
@@ -422,6 +422,11 @@ MOSAIC_TMA_ROW_ALIGN = 8
 copy starts at a multiple of 8 rows, and an array read in tiles has a multiple of 8
 rows: the Mosaic GPU prefill plans are aligned to it (`plan_tiles(align_rows=...)`)."""
 
+MOSAIC_TMA_SMEM_ALIGN = 128
+"""Bytes a TMA copy's shared-memory address is aligned to: the Mosaic GPU prefill
+kernel copies single output rows from a plain buffer only where a row is a multiple
+of it (`MosaicPrefillTiling.direct_output`)."""
+
 MOSAIC_MIN_BLOCK_K = 64
 """Least keys per Mosaic GPU KV block: masked blocks load the V tile into registers in
 the wgmma layout, whose tiles have 64 rows."""
@@ -454,7 +459,8 @@ class MosaicPrefillTiling:
         block_k; `tuning.MosaicPrefillConfig.masked_block_k`).
       direct_output: the kernel writes the packed output ``[Tq, Hq, D]`` itself;
         otherwise one slab per tile ``[num_tiles, block_q, Hq, D]`` that the wrapper
-        gathers from (`tuning.MosaicPrefillConfig.direct_output`).
+        gathers from (`tuning.MosaicPrefillConfig.direct_output`, where an output row
+        is a multiple of `MOSAIC_TMA_SMEM_ALIGN` bytes).
     """
 
     compute_warpgroups: int
@@ -468,7 +474,7 @@ class MosaicPrefillTiling:
     fence_softmax: bool = False
     persistent_programs: int = 0
     masked_block_k: int = 64
-    direct_output: bool = False
+    direct_output: bool = True
 
     @property
     def block_q(self) -> int:
@@ -529,6 +535,10 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     run a warpgroup of idle rows). Then, until the tiles fit
     `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, the compute
     warpgroups to 1, block_k halves (to 64; the least tiling fits at every head size).
+    ``config.direct_output`` holds where an output row is a multiple of
+    `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
+    memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
+    misaligned address); other head sizes keep the slab per tile.
     """
     block_k = max(MOSAIC_MIN_BLOCK_K, min(config.block_k, next_power_of_2(max_seqlen_k)))
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
@@ -553,7 +563,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                fence_softmax=config.fence_softmax,
                                persistent_programs=config.persistent_programs,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),
-                               direct_output=config.direct_output)
+                               direct_output=config.direct_output
+                               and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0)
 
 # =========================================================================== paged decode
 

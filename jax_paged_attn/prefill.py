@@ -4,7 +4,7 @@
 (packed or paged keys, cu_seqlens, bottom-right causal, window, ALiBi, soft-cap, fp8
 cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill` (``lowering=
 "triton"``) or of `jax_paged_attn.kernels.mosaic_prefill` (``lowering="mosaic_gpu"``,
-Hopper; a first cut, measured faster at head size 128 on the H200: the same plan and semantics, its own tiling
+Hopper; measured faster at head sizes 128 and 256 on the H200: the same plan and semantics, its own tiling
 `plans.MosaicPrefillTiling`, and TMA's whole-tile reads and writes, see
 `_mosaic_varlen_attention`). The rest of this docstring describes the Triton kernel's
 tiling; the Mosaic kernel's is in its module. This module
@@ -89,7 +89,7 @@ TRITON = "triton"
 MOSAIC_GPU = "mosaic_gpu"
 LOWERINGS = (TRITON, MOSAIC_GPU)
 """Lowerings with a varlen kernel: Pallas Triton (any CUDA GPU) and Pallas Mosaic GPU
-(Hopper, `jax_paged_attn.kernels.mosaic_prefill`: a first cut; auto runs it where
+(Hopper, `jax_paged_attn.kernels.mosaic_prefill`; auto runs it where
 `tuning.MOSAIC_PREFILL_HEAD_SIZES` says it was measured faster)."""
 
 
@@ -258,9 +258,9 @@ def _mosaic_varlen_attention(
     (`plans.MOSAIC_TMA_ROW_ALIGN`), rows past an array's end read as zeros, and only a
     row count that is not a multiple of 8 is padded (a copy). The Mosaic GPU
     interpreter of jax 0.10 cannot read past an array's end, so in interpret mode q
-    and packed k / v are padded by a tile as well. The kernel writes one output slab
-    per tile, from which each packed row is gathered here, or (``direct_output``) the
-    packed output itself.
+    and packed k / v are padded by a tile as well. The kernel writes the packed output
+    itself (``direct_output``, where the head size allows), or one output slab per
+    tile, from which each packed row is gathered here.
     """
     from jax_paged_attn.kernels import mosaic_prefill
 

@@ -311,8 +311,12 @@ class MosaicPrefillConfig:
     registers (the Triton tier's `PrefillConfig.masked_block_k`; not yet measured);
     direct_output: the kernel writes the packed output itself (a whole warpgroup's rows
     with one TMA copy, a partial one's own rows one copy each) instead of one slab per
-    tile from which the wrapper gathers every row (about 0.15 ms at B8 S2048 D128 on the
-    H200; not yet measured on a GPU).
+    tile from which the wrapper gathers every row (measured on the H200, 2026-12-02:
+    faster or level on every prefill, varlen and prefix shape of the benchmark, 12 % at
+    B8 S2048 D128, 16 % at B16 S1024 D64; the default). Only where an output row is a
+    multiple of 128 bytes (head sizes that are multiples of 64 at 16 bits): a one-row
+    TMA copy reads shared memory from a 128-byte boundary; other head sizes keep the
+    slab (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
 
     The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
     warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
@@ -329,7 +333,7 @@ class MosaicPrefillConfig:
     fence_softmax: bool = False
     persistent_programs: int = 0
     masked_block_k: int = 64
-    direct_output: bool = False
+    direct_output: bool = True
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")
@@ -342,12 +346,13 @@ MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
 MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP = MosaicPrefillConfig(compute_warpgroups=1, warp_specialized=False)
 
 
-MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128})}
+MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128, 256})}
 """Head sizes at which auto runs prefill through the Mosaic GPU kernel instead of the
-Triton one, per GPU model: where it was measured faster (benchmarks/RESULTS.md,
-2026-12-01, H200, jax 0.11.2: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1
-S16384, 1.12x on 16 mixed lengths, 2.0x on a cached prefix; at D 64 0.82x and D 256
-0.67x, which stay on Triton, as every unmeasured head size and GPU does)."""
+Triton one, per GPU model: where it was measured faster (benchmarks/RESULTS.md, H200,
+jax 0.11.2; 2026-12-01: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1 S16384,
+1.12x on 16 mixed lengths, 2.0x on a cached prefix; 2026-12-02, with the kernel's
+direct output store: 1.41x / 1.84x at D 128, 1.04x at D 256 (B4 S4096), 0.80x at D 64,
+which stays on Triton, as every unmeasured head size and GPU does)."""
 
 
 def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:

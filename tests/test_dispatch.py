@@ -221,7 +221,7 @@ def test_kernel_implementations_and_their_lowerings():
     assert dispatch.IMPLEMENTATIONS == ("auto", "xla", "triton", "mosaic_gpu")
     assert dispatch.kernel_lowering("mosaic_gpu") == "mosaic_gpu"
     # auto's kernel is Triton's, except where `varlen_attention` takes the Mosaic GPU one
-    # (`test_lowering.test_auto_prefills_at_head_size_128_through_the_mosaic_gpu_kernel`).
+    # (`test_lowering.test_auto_prefills_at_head_sizes_128_and_256_through_the_mosaic_gpu_kernel`).
     for implementation in (None, "auto", "triton"):
         assert dispatch.kernel_lowering(implementation) == "triton"
     with pytest.raises(ValueError, match="implementation must be one of"):

@@ -285,7 +285,7 @@ MOSAIC_FORMS = {
     "specialized-2wg-pingpong-key-flags": dict(compute_warpgroups=2, nonfinite_check="key_flags"),
     "specialized-2wg-pingpong-fence-softmax": dict(compute_warpgroups=2, fence_softmax=True),
     "specialized-2wg-pingpong-persistent": dict(compute_warpgroups=2, persistent_programs=132),
-    "specialized-2wg-pingpong-direct-output": dict(compute_warpgroups=2, direct_output=True),
+    "specialized-2wg-pingpong-slab-output": dict(compute_warpgroups=2, direct_output=False),
     "specialized-2wg-pingpong-bk128-masked-parts": dict(compute_warpgroups=2, block_k=128, masked_block_k=64),
 }
 

@@ -1,6 +1,6 @@
 """Cross-lowering on a CPU host: the public functions, with the default (auto)
 implementation, lower for CUDA to a module that contains the Pallas Triton kernel, or
-the Mosaic GPU prefill kernel where auto prefers it on the H200 (head size 128);
+the Mosaic GPU prefill kernel where auto prefers it on the H200 (head sizes 128 and 256);
 with ``implementation="mosaic_gpu"``, varlen attention lowers to the Mosaic GPU kernel.
 
 This is what keeps the GPU path from silently being the reference: on a CPU the
@@ -384,7 +384,7 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax", "persistent", "direct-output",
+@pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax", "persistent", "slab-output",
                                   "masked-parts"])
 def test_other_mosaic_forms_lower(paged, form):
     """The single-warpgroup form (the CPU tests' interpret default), and the default form
@@ -401,7 +401,7 @@ def test_other_mosaic_forms_lower(paged, form):
               "key-flags": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="key_flags"),
               "fence-softmax": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, fence_softmax=True),
               "persistent": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, persistent_programs=132),
-              "direct-output": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, direct_output=True),
+              "slab-output": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, direct_output=False),
               "masked-parts": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, block_k=128, masked_block_k=64)}[form]
 
     sds = jax.ShapeDtypeStruct
@@ -434,12 +434,13 @@ def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_seq
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_auto_prefills_at_head_size_128_through_the_mosaic_gpu_kernel(paged):
+def test_auto_prefills_at_head_sizes_128_and_256_through_the_mosaic_gpu_kernel(paged):
     """Auto takes the Mosaic GPU prefill kernel where it was measured faster
-    (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 on the H200, the GPU a CPU host plans
-    for), the Triton one elsewhere."""
-    text = _auto_varlen_text(128, paged)
-    assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
+    (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 and 256 on the H200, the GPU a CPU host
+    plans for), the Triton one elsewhere."""
+    for head_size in (128, 256):
+        text = _auto_varlen_text(head_size, paged)
+        assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
     text = _auto_varlen_text(64, paged)
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
 

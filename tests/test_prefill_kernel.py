@@ -374,10 +374,16 @@ MOSAIC_TILINGS = [
      dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2, num_kv_heads=1, head_size=64,
           q_padding_rows=3),
      dict(causal=True)),
+    # The slab-per-tile output the wrapper gathers from (direct_output off).
+    ("single-slab-output-packed",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, direct_output=False),
+     dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2, num_kv_heads=1, head_size=64,
+          q_padding_rows=3),
+     dict(causal=True)),
     ("specialized-1wg-direct-output-paged-persistent",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, direct_output=True,
                                 persistent_programs=3),
-     dict(q_lens=[70, 9, 64], k_lens=[100, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=32, paged=True,
+     dict(q_lens=[70, 9, 64], k_lens=[100, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=64, paged=True,
           block_size=16, extra_blocks=2),
      dict(causal=True)),
     # 128-key blocks whose masked ones run in two 64-key parts (masked_block_k).
@@ -429,8 +435,8 @@ MOSAIC_TILINGS = [
         dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
     pytest.param(
-        "specialized-2wg-pingpong-direct-output",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, direct_output=True),
+        "specialized-2wg-pingpong-slab-output",
+        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, direct_output=False),
         dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=2,
              head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
@@ -702,6 +708,20 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=64,
                                              max_seqlen_k=40, block_size=None, config=config)
     assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
+
+
+@pytest.mark.parametrize("head_size", [32, 48, 64, 80, 128, 192, 256])
+def test_mosaic_direct_output_only_where_rows_are_tma_aligned(head_size):
+    """The kernel writes the packed output itself (the default) only where a 16-bit
+    output row is a multiple of 128 bytes (its one-row TMA copies read shared memory
+    at each row's start: a head size of 32 faulted with a misaligned address on the
+    H200); other head sizes keep the slab per tile, and direct_output=False keeps it
+    everywhere."""
+    plan = lambda config: plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=4096,
+                                                         max_seqlen_k=4096, block_size=None, config=config)
+    assert tuning.MOSAIC_PREFILL_CONFIG.direct_output
+    assert plan(tuning.MOSAIC_PREFILL_CONFIG).direct_output == (head_size % 64 == 0)
+    assert not plan(tuning.MosaicPrefillConfig(direct_output=False)).direct_output
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_k=8), dict(masked_block_k=24), dict(num_warps=3),

@@ -20,10 +20,11 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, the producer fetching the next item's blocks while
 the compute warpgroups finish the current one; measured slower), ``fence_softmax`` (the
-stock kernel's softmax order before the P·V barriers; measured level), and, in the
-benchmark's sweep until measured, ``direct_output`` (below) and ``masked_block_k``: a
-masked block runs in parts of that many keys, so that 128-key blocks (the stock kernel's
-best at D 128) do not carry the masked blocks' non-finite handling at full width.
+stock kernel's softmax order before the P·V barriers; measured level),
+``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
+parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128) do not
+carry the masked blocks' non-finite handling at full width (still measured slower than
+64-key blocks on the H200).
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
@@ -59,14 +60,14 @@ rows past an array's end read as zeros):
   block is ``block_k // copy_rows`` TMA copies of ``copy_rows`` rows
   (``gcd(block_k, block_size)`` over a paged cache: a copy never crosses a page), all
   arriving on the slot's barrier.
-* output: one slab per tile ``[num_tiles, block_q, Hq, D]`` (a TMA copy from a swizzled
-  tile writes whole 8-row tiles, and a tile's lead rows and rows past its sequence are
-  other tiles'), from which the wrapper gathers each packed row; or, with
-  ``direct_output`` (`tuning.MosaicPrefillConfig`, off until measured), the packed
+* output: with ``direct_output`` (`tuning.MosaicPrefillConfig`, the default), the packed
   ``[Tq, Hq, D]`` written by the kernel: a compute warpgroup whose 64 rows all belong to
   its tile stores them with one TMA copy; one whose rows include an aligned tile's lead
   rows or run past its sequence stores only its own rows, a one-row TMA copy each from
-  a plain-layout buffer. (Whole warpgroups stored straight and partial ones copied in
+  a plain-layout buffer (a TMA copy from a swizzled tile writes whole 8-row tiles, and
+  a tile's lead rows and rows past its sequence are other tiles'). Without it, one slab
+  per tile ``[num_tiles, block_q, Hq, D]``, from which the wrapper gathers each packed
+  row (measured 0-16 % slower on the H200). (Whole warpgroups stored straight and partial ones copied in
   by an XLA scatter measured slower on the H200: the scatter alone 0.9 ms at B8 S2048,
   where the gather costs about 0.15.)
 
