@@ -888,18 +888,17 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
 def mosaic_prefill_grid(quick: bool) -> list[Any]:
     """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
     the warp-specialized form with 2 ping-ponged compute warpgroups, varying the masked
-    blocks' non-finite check, ``fence_softmax``, ``direct_output``, the ring depth and
-    128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
-    memory at large head sizes)."""
+    blocks' non-finite check, ``fence_softmax``, ``direct_output`` (off: the slab per
+    tile) and 128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to
+    fit shared memory at large head sizes)."""
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
     bk128 = dict(block_k=128, masked_block_k=64)
-    choices = [dict(nonfinite_check="key_flags", direct_output=True)] if quick else [
-        dict(direct_output=True), dict(nonfinite_check="key_flags", direct_output=True),
-        dict(nonfinite_check="key_flags"), dict(num_stages=3),
-        dict(fence_softmax=True, direct_output=True),
-        dict(bk128, direct_output=True), dict(bk128, fence_softmax=True, direct_output=True),
-        dict(bk128, nonfinite_check="key_flags", fence_softmax=True, direct_output=True),
+    choices = [dict(nonfinite_check="probe")] if quick else [
+        dict(nonfinite_check="product"), dict(nonfinite_check="key_flags"), dict(nonfinite_check="probe"),
+        dict(direct_output=False), dict(fence_softmax=True), dict(fence_softmax=True, nonfinite_check="probe"),
+        dict(bk128, nonfinite_check="probe"), dict(bk128, nonfinite_check="probe", fence_softmax=True),
+        dict(bk128, nonfinite_check="key_flags"),
     ]
     grid = [MosaicPrefillConfig(**fields) for fields in choices]
     return list(dict.fromkeys([MosaicPrefillConfig()] + grid))

@@ -451,6 +451,9 @@ class MosaicPrefillTiling:
       key_flags: masked blocks flag non-finite values per key
         (`tuning.MosaicPrefillConfig.nonfinite_check` ``"key_flags"``) instead of
         finding the rows that see one by a matrix product.
+      nonfinite_probe: masked blocks run P·V as unmasked ones do while their values are
+        all finite, the "key_flags" way otherwise
+        (`tuning.MosaicPrefillConfig.nonfinite_check` ``"probe"``).
       fence_softmax: the softmax's row sums and 16-bit probabilities are computed and
         fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
       persistent_programs: 0 for a program per (tile, head); else that many programs
@@ -471,6 +474,7 @@ class MosaicPrefillTiling:
     pingpong: bool = True
     longest_first: bool = True
     key_flags: bool = False
+    nonfinite_probe: bool = False
     fence_softmax: bool = False
     persistent_programs: int = 0
     masked_block_k: int = 64
@@ -518,10 +522,12 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
     its value work tile (masked blocks, fp8 values), its converted-key tile (fp8 keys;
-    8 rows otherwise) and its f32 key flags (``"key_flags"``; counted always: 4 bytes a
-    key), plus the K and V ring. Barriers and alignment fit in the budget's margin."""
+    8 rows otherwise), its f32 key flags (``"key_flags"``; counted always: 4 bytes a
+    key) and its two buffers of f32 row flags (``"probe"``; counted always), plus the K
+    and V ring. Barriers and alignment fit in the budget's margin."""
     conv_rows = block_k if k_itemsize == 1 else 8
-    per_warpgroup = (MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize + 4 * block_k
+    per_warpgroup = ((MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize + 4 * block_k
+                     + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
@@ -560,6 +566,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
                                key_flags=config.nonfinite_check == "key_flags",
+                               nonfinite_probe=config.nonfinite_check == "probe",
                                fence_softmax=config.fence_softmax,
                                persistent_programs=config.persistent_programs,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),

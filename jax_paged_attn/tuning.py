@@ -293,7 +293,11 @@ class MosaicPrefillConfig:
     flags finds the rows that see one: a second wgmma and two shared-memory passes of
     the value tile per masked block) or ``"key_flags"`` (one flag per key, through shared
     memory to the score tile's columns, and a row reduction: one pass, no second wgmma;
-    measured on the H200: the default at head sizes 64 and 256); fence_softmax: in
+    measured on the H200: the default at head sizes 64 and 256) or ``"probe"`` (P·V
+    from the ring as in an unmasked block, plus a check of its rows: a non-finite value
+    anywhere among the block's values makes every row of the product non-finite, and
+    only then the block is redone the "key_flags" way; its fresh accumulator costs as
+    many registers as "product"'s; not yet measured on a GPU); fence_softmax: in
     unmasked blocks, compute the row sums and the 16-bit probabilities before the
     barriers that wait for the values and (ping-pong) hand the tensor cores to the other
     warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's
@@ -336,7 +340,7 @@ class MosaicPrefillConfig:
     direct_output: bool = True
 
 
-MOSAIC_NONFINITE_CHECKS = ("product", "key_flags")
+MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")
 """The values of `MosaicPrefillConfig.nonfinite_check`."""
 
 MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()

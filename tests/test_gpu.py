@@ -287,6 +287,9 @@ MOSAIC_FORMS = {
     "specialized-2wg-pingpong-persistent": dict(compute_warpgroups=2, persistent_programs=132),
     "specialized-2wg-pingpong-slab-output": dict(compute_warpgroups=2, direct_output=False),
     "specialized-2wg-pingpong-bk128-masked-parts": dict(compute_warpgroups=2, block_k=128, masked_block_k=64),
+    "specialized-2wg-pingpong-probe": dict(compute_warpgroups=2, nonfinite_check="probe"),
+    "specialized-2wg-pingpong-bk128-masked-parts-probe": dict(compute_warpgroups=2, block_k=128, masked_block_k=64,
+                                                              nonfinite_check="probe"),
 }
 
 

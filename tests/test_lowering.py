@@ -385,13 +385,14 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax", "persistent", "slab-output",
-                                  "masked-parts"])
+                                  "masked-parts", "probe", "probe-masked-parts"])
 def test_other_mosaic_forms_lower(paged, form):
     """The single-warpgroup form (the CPU tests' interpret default), and the default form
     with per-key non-finite flags in its masked blocks, with the softmax fenced before
     the ping-pong barrier, persistent (132 programs walking the work items), writing
-    the packed output itself, or with 128-key blocks whose masked ones run in 64-key
-    parts lower too."""
+    one output slab per tile, with 128-key blocks whose masked ones run in 64-key
+    parts, or probing its masked blocks' P·V for non-finite values (the redo a branch
+    around wgmma) lower too."""
     import dataclasses
 
     from jax_paged_attn import prefill, tuning
@@ -402,7 +403,10 @@ def test_other_mosaic_forms_lower(paged, form):
               "fence-softmax": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, fence_softmax=True),
               "persistent": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, persistent_programs=132),
               "slab-output": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, direct_output=False),
-              "masked-parts": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, block_k=128, masked_block_k=64)}[form]
+              "masked-parts": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, block_k=128, masked_block_k=64),
+              "probe": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="probe"),
+              "probe-masked-parts": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, nonfinite_check="probe",
+                                                        block_k=128, masked_block_k=64)}[form]
 
     sds = jax.ShapeDtypeStruct
     q = sds((40, 8, 128), jnp.bfloat16)

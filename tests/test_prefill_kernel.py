@@ -180,7 +180,7 @@ MOSAIC_INTERPRET_CASES = [
     "packed-empty-sequences",
 ]
 
-# The ``"key_flags"`` masked blocks (`tuning.MosaicPrefillConfig.nonfinite_check`) on a
+# The ``"key_flags"`` and ``"probe"`` masked blocks (`tuning.MosaicPrefillConfig.nonfinite_check`) on a
 # few of them: packed with lead keys, paged with a window, fp8 values.
 MOSAIC_KEY_FLAG_CASES = [
     "packed-gqa4-d64-bf16-causal-ragged",
@@ -489,8 +489,9 @@ def _poisoned_long_problem(paged: bool) -> VarlenProblem:
 @pytest.mark.parametrize("masked_parts", [pytest.param(False, id="bk64"), pytest.param(True, id="bk128-parts")])
 def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts, paged, nonfinite_check, interpret):
     """The Mosaic GPU kernel's masked blocks on the same poisoned keys as the Triton
-    test, both ways of finding the rows that see a non-finite value (a 0/1 matrix
-    product; per-key flags through shared memory), and 128-key blocks whose masked ones
+    test, every way of finding the rows that see a non-finite value (a 0/1 matrix
+    product; per-key flags through shared memory; the probe of P·V that redoes the
+    block with per-key flags), and 128-key blocks whose masked ones
     run in 64-key parts: the single-warpgroup form in the interpreter, the default
     (warp-specialized, ping-pong) form compiled on a GPU."""
     problem = _poisoned_long_problem(paged) if masked_parts else _poisoned_problem(paged)
@@ -503,13 +504,14 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts,
     _assert_nonfinite_rows_match(out, problem)
 
 
+@pytest.mark.parametrize("nonfinite_check", ["key_flags", "probe"])
 @pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
                                               if i in MOSAIC_KEY_FLAG_CASES])
-def test_mosaic_key_flags_match_reference(build, attention):
-    """The ``"key_flags"`` masked blocks on finite inputs (ragged packed and paged
-    sequences, a window, fp8 values): the same attention as the reference."""
+def test_mosaic_other_nonfinite_checks_match_reference(build, attention, nonfinite_check):
+    """The ``"key_flags"`` and ``"probe"`` masked blocks on finite inputs (ragged packed
+    and paged sequences, a window, fp8 values): the same attention as the reference."""
     problem = make_varlen_problem(np.random.default_rng(0), **build)
-    config = dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, nonfinite_check="key_flags")
+    config = dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, nonfinite_check=nonfinite_check)
     out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
     _assert_matches_reference(out, problem, attention)
 

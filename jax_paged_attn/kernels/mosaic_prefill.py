@@ -80,11 +80,14 @@ past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` b
 ``where``; their values are split into finite values (non-finite -> 0) for P·V and a
 0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
 (row, column) pairs that see a non-finite value, which become NaN (`MosaicPrefillConfig`
-``nonfinite_check="product"``, the default); or (``"key_flags"``, not yet measured) a
-key holding a non-finite value is flagged and its value row zeroed in one pass, the
-flags reach the score tile's columns through shared memory, and the rows that see a
-flagged key become NaN. So a NaN or inf in K or V reaches exactly the rows that see its
-key, as in the reference. (Masked blocks load
+``nonfinite_check="product"``, the default at D 128); or (``"key_flags"``, the default
+at D 64 and 256) a key holding a non-finite value is flagged and its value row zeroed in
+one pass, the flags reach the score tile's columns through shared memory, and the rows
+that see a flagged key become NaN; or (``"probe"``, not yet measured) P·V runs from the
+ring as in an unmasked block, into a fresh accumulator whose row 0 is checked: a
+non-finite value anywhere among the block's values makes every row of that product
+non-finite (0 * NaN), and only then is the block redone the "key_flags" way. So a NaN
+or inf in K or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
 the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
 multiple of 64.)
 
@@ -267,6 +270,8 @@ def _prefill_kernel(
         #   rows): after the KV loop, a partial warpgroup's output, stored row by row
         k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (tiling.key_flags)
+        probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
+        #   (tiling.nonfinite_probe; two buffers used in turn, see masked_pv_with_probe)
         # barriers
         q_bars,  # [W]: the warpgroup's queries arrived
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
@@ -374,6 +379,7 @@ def _prefill_kernel(
                 if specialized and not tiling.persistent_programs:
                     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
                 my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
+                my_probe = probe_rows.at[wg]
                 row0 = wg * rows
                 my_pos0 = q_pos0 + row0
                 q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
@@ -476,6 +482,10 @@ def _prefill_kernel(
                             pingpong.wait()
                         else:
                             plgpu.barrier_wait(v_bars.at[slot])
+                    if masked and tiling.nonfinite_probe:
+                        probe = my_probe.at[lax.rem(kb * (block_k // width) + key0 // width, jnp.int32(2))]
+                        acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe)
+                        return acc, m_next, l_next
                     if masked:
                         # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
                         # future): a 0/1 product first finds the (row, column) pairs that see a
@@ -521,6 +531,35 @@ def _prefill_kernel(
                     sees_bad = jnp.where(visible & flagged, 1.0, 0.0).max(axis=1) > 0
                     acc = ops.mma_acc(acc, p.astype(dtype), work)
                     return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
+
+                def masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe):
+                    """P·V of a masked block (or part) the cheap way while its values are all
+                    finite (`tuning.MosaicPrefillConfig.nonfinite_check` "probe"): the
+                    product straight from the ring into a fresh accumulator, as in an
+                    unmasked block. Every row of that product multiplies every value of the
+                    block (a hidden key by a probability of 0), so a NaN / inf anywhere among
+                    the values makes every row of it non-finite (0 * NaN, 0 * inf): row 0's
+                    flag tells the whole warpgroup (through shared memory, a uniform branch
+                    around wgmma). Only then is the product redone the "key_flags" way, which
+                    keeps the non-finite values from the rows the mask hides them from. (Row
+                    0 can also be non-finite through its own probabilities, a NaN key it
+                    sees: the redo computes the same.) ``probe`` alternates between two
+                    buffers, so a fast thread's next write cannot meet a slow thread's read
+                    of this one (a commit's barrier lies between)."""
+                    src = v_tile
+                    if v_fp8:
+                        work[...] = _convert(ops.load(v_tile), dtype)
+                        plgpu.commit_smem()
+                        src = work
+                    pv = ops.mma(p.astype(dtype), src, transpose_b=False, shape=out_shape)
+                    probe[...] = jnp.where(common.nonfinite_rows(pv), 1.0, 0.0)
+                    plgpu.commit_smem()  # every row's flag written before row 0's is read
+
+                    def redo():
+                        v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
+                        return masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
+
+                    return lax.cond(probe[0] > 0, redo, lambda: acc + pv)
 
                 def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
                     if specialized:
@@ -692,6 +731,7 @@ def varlen_attention_call(
         if tiling.direct_output else tile(block_k, dtype, workers),
         tile(block_k if k_fp8 else 8, dtype, workers),
         plgpu.SMEM((workers, block_k), jnp.float32),
+        plgpu.SMEM((workers, 2, ROWS_PER_WARPGROUP), jnp.float32),
         plgpu.Barrier(num_barriers=workers),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
