@@ -221,7 +221,7 @@ def plan_tiles(
         # the linear spans of causal / window masks away from the clipping).
         mid_lo, mid_hi = visible_key_interval((seg_q_len - 1) // 2, seg_q_len, seg_k_len, spec)
         work = seg_q_len.astype(jnp.float32) * jnp.maximum(mid_hi - mid_lo, 0).astype(jnp.float32)
-        work = work.at[batch:].set(-1.0)  # the padding segments go last
+        work = jnp.where(jnp.arange(batch + 2) < batch, work, -1.0)  # the padding segments go last
         order = jnp.argsort(-work, stable=True).astype(jnp.int32)
     else:
         order = jnp.arange(batch + 2, dtype=jnp.int32)
@@ -229,7 +229,9 @@ def plan_tiles(
     ends = jnp.cumsum(ordered_tiles)
     num_tiles = num_query_tiles(num_q_tokens, batch, P, align_rows)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
-    slot = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    # All pairs compared: the default binary search is a loop, which XLA runs on the GPU
+    # with its predicate copied to the host each step (the call then waits for it).
+    slot = jnp.searchsorted(ends, t, side="right", method="compare_all").astype(jnp.int32)
     real = slot <= batch + 1
     slot = jnp.minimum(slot, batch + 1)
     seg = order[slot]
@@ -274,10 +276,10 @@ def plan_tiles(
         TileField.KB_HI: kb_hi,
         TileField.K_LEAD: k_lead,
     }
-    plan = jnp.zeros((num_tiles, TILE_INFO_WIDTH), jnp.int32)
-    for field, column in columns.items():
-        plan = plan.at[:, int(field)].set(column.astype(jnp.int32))
-    return plan
+    # One stack, not a scatter per column (XLA ran those as separate kernels).
+    unused = jnp.zeros((num_tiles,), jnp.int32)
+    by_index = {int(field): column.astype(jnp.int32) for field, column in columns.items()}
+    return jnp.stack([by_index.get(i, unused) for i in range(TILE_INFO_WIDTH)], axis=1)
 
 
 def heads_per_program(num_q_heads: int, num_kv_heads: int, config: PrefillConfig) -> int:

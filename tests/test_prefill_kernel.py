@@ -637,6 +637,20 @@ def test_plan_orders_longest_first():
     assert work[0] == work.max()
 
 
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_plan_has_no_loop_and_no_scatter(longest_first):
+    """The plan runs before every prefill kernel call: no loop (XLA runs a loop on the
+    GPU with its predicate copied to the host each step, so the call waits for it) and
+    no scatter (one kernel each)."""
+    spec = AttentionSpec.create(64, causal=True)
+    plan = functools.partial(plans.plan_tiles, num_q_tokens=4096, num_packed_keys=4096, key_capacity=None,
+                             spec=spec, max_seqlen_q=2048, max_seqlen_k=2048, positions_per_tile=128,
+                             block_k=64, longest_first=longest_first, align_rows=8)
+    cu = jax.ShapeDtypeStruct((9,), jnp.int32)
+    names = {eqn.primitive.name for eqn in jax.make_jaxpr(lambda c: plan(c, c, None))(cu).jaxpr.eqns}
+    assert not names & {"while", "scan", "cond", "scatter", "scatter-add"}, names
+
+
 # --------------------------------------------------------------------------- static checks
 
 
