@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts]
 # Logs and results land in $OUT (default /tmp/gpu_session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,6 +57,10 @@ for step in "${steps[@]}"; do
           # shellcheck disable=SC2086
           timeout 120 python3 benchmarks/kernel_resources.py $variant 2>&1 | grep -v "fusion\|^$"
         done; } | tee "$out/resources.log" ;;
+    parts)  # the Mosaic GPU prefill call's plan / kernel / whole, beside the stock kernel, per non-finite check
+      { for check in product key_flags probe; do
+          timeout 150 python3 benchmarks/prefill_parts.py --config nonfinite_check="$check"
+        done; } 2>&1 | grep -v "^W\|^I0\|Deprecat" | tee "$out/parts.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

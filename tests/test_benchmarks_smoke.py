@@ -407,3 +407,23 @@ def test_matmul_benchmark_dry_run_times_both_and_checks_the_kernel(tmp_path, mon
         assert record["xla_ms"] > 0 and record["ours_ms"] > 0, record
         assert record["ours_rel_err"] < 1e-2, record
     assert "| 3 |" in capsys.readouterr().out  # the per-step table
+
+
+def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypatch, capsys):
+    """`prefill_parts.py --interpret`: the plan, the kernel alone (its output equal to
+    the whole call's, or the script raises) and the whole call, on one small shape in
+    the Mosaic GPU interpreter; a config field from the command line reaches the kernel."""
+    parts = _load("prefill_parts")
+    monkeypatch.setattr(sys, "argv", ["prefill_parts.py", "--interpret", "--reps", "1",
+                                      "--config", "nonfinite_check=probe"])
+    assert parts.main() == 0
+    out = capsys.readouterr().out
+    assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
+    assert "B2 S80 Hq2 Hk1 D64: full " in out and " plan " in out and " kernel " in out
+
+
+def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
+    parts = _load("prefill_parts")
+    monkeypatch.setattr(sys, "argv", ["prefill_parts.py"])
+    assert parts.main() == 2
+    assert "needs a GPU" in capsys.readouterr().err
