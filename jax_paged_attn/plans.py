@@ -44,7 +44,7 @@ __all__ = [
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K", "MosaicPrefillTiling",
-    "check_mosaic_prefill_config", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
+    "check_mosaic_prefill_config", "mosaic_work_rows", "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
 ]
@@ -466,6 +466,10 @@ class MosaicPrefillTiling:
         otherwise one slab per tile ``[num_tiles, block_q, Hq, D]`` that the wrapper
         gathers from (`tuning.MosaicPrefillConfig.direct_output`, where an output row
         is a multiple of `MOSAIC_TMA_SMEM_ALIGN` bytes).
+      work_rows: rows of each compute warpgroup's value work tile (`mosaic_work_rows`):
+        block_k with fp8 values (whole blocks converted), a masked part's keys for the
+        non-finite handling, or 0 where the probe's rare redo borrows the warpgroup's
+        query tile instead.
     """
 
     compute_warpgroups: int
@@ -481,6 +485,7 @@ class MosaicPrefillTiling:
     persistent_programs: int = 0
     masked_block_k: int = 64
     direct_output: bool = True
+    work_rows: int = 64
 
     @property
     def block_q(self) -> int:
@@ -519,17 +524,34 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
 
 
+def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefillConfig) -> int:
+    """Rows of a compute warpgroup's value work tile in the Mosaic GPU prefill kernel:
+    ``block_k`` with fp8 values (an unmasked block's values converted whole), else the
+    keys of a masked part (the non-finite handling rewrites them), except 0 with the
+    ``"probe"`` check at 64-key parts: its redo, needed only when a block's values hold a
+    NaN / inf, borrows the warpgroup's 64-row query tile and reloads the queries after.
+    (At D 128 and 128-key blocks, and at D 256, the work tile is what decides whether two
+    compute warpgroups fit in shared memory.)"""
+    if v_itemsize == 1:
+        return block_k
+    masked = math.gcd(block_k, config.masked_block_k)
+    if config.nonfinite_check == "probe" and masked == MOSAIC_ROWS_PER_WARPGROUP:
+        return 0
+    return masked
+
+
 def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: int, num_stages: int,
-                              q_itemsize: int, k_itemsize: int, v_itemsize: int) -> int:
+                              q_itemsize: int, k_itemsize: int, v_itemsize: int, work_rows: int) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
-    its value work tile (masked blocks, fp8 values), its converted-key tile (fp8 keys;
-    8 rows otherwise), its f32 key flags (``"key_flags"``; counted always: 4 bytes a
-    key) and its two buffers of f32 row flags (``"probe"``; counted always), plus the K
-    and V ring. Barriers and alignment fit in the budget's margin."""
-    conv_rows = block_k if k_itemsize == 1 else 8
-    per_warpgroup = ((MOSAIC_ROWS_PER_WARPGROUP + block_k + conv_rows) * head_size * q_itemsize + 4 * block_k
-                     + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
+    its value work tile of ``work_rows`` (`mosaic_work_rows`), its converted-key tile
+    (fp8 keys), its f32 key flags
+    (``"key_flags"``; counted always: 4 bytes a key) and its two buffers of f32 row flags
+    (``"probe"``; counted always), plus the K and V ring. Barriers and alignment fit in
+    the budget's margin."""
+    conv_rows = block_k if k_itemsize == 1 else 0
+    per_warpgroup = ((MOSAIC_ROWS_PER_WARPGROUP + work_rows + conv_rows) * head_size * q_itemsize
+                     + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
@@ -541,8 +563,10 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
     the compute warpgroups to 1 when ``max_seqlen_q <= 64`` (decode-like batches would
     run a warpgroup of idle rows). Then, until the tiles fit
-    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, the compute
-    warpgroups to 1, block_k halves (to 64; the least tiling fits at every head size).
+    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, block_k halves (to
+    64), the compute warpgroups drop to 1 (the least tiling fits at every head size; two
+    ping-ponged warpgroups are worth more than longer blocks, as in the stock
+    attention_mgpu kernel's choice at D 256).
     ``config.direct_output`` holds where an output row is a multiple of
     `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
@@ -555,14 +579,14 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
 
     def fits() -> bool:
         return mosaic_prefill_smem_bytes(workers, block_k, head_size, stages, q_itemsize, k_itemsize,
-                                         v_itemsize) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+                                         v_itemsize, mosaic_work_rows(block_k, v_itemsize, config)) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
 
     while not fits() and stages > 2:
         stages -= 1
-    if not fits():
-        workers = 1
     while not fits() and block_k > MOSAIC_MIN_BLOCK_K:
         block_k = max(MOSAIC_MIN_BLOCK_K, block_k // 2 - (block_k // 2) % MOSAIC_MIN_BLOCK_K)
+    if not fits():
+        workers = 1
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
@@ -573,7 +597,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                persistent_programs=config.persistent_programs,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),
                                direct_output=config.direct_output
-                               and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0)
+                               and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
+                               work_rows=mosaic_work_rows(block_k, v_itemsize, config))
 
 # =========================================================================== paged decode
 

@@ -421,6 +421,33 @@ def test_other_mosaic_forms_lower(paged, form):
     assert MOSAIC_GPU_CALL in text
 
 
+@pytest.mark.parametrize("head_size, fields", [
+    (256, dict(nonfinite_check="probe")),
+    (128, dict(block_k=128, masked_block_k=64)),
+    (128, dict(block_k=128, masked_block_k=64, nonfinite_check="probe")),
+], ids=["d256-probe", "d128-bk128", "d128-bk128-probe"])
+def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size, fields):
+    """The tilings that take two compute warpgroups only because the value work tile
+    shrank (`plans.mosaic_work_rows`) lower for CUDA, Mosaic GPU's own shared-memory
+    check included."""
+    from jax_paged_attn import plans, prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    config = tuning.MosaicPrefillConfig(**fields)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
+                                              block_size=None, config=config)
+    assert tiling.compute_warpgroups == 2
+    sds = jax.ShapeDtypeStruct
+    q = sds((4096, 8, head_size), jnp.bfloat16)
+    kv = sds((4096, 2, head_size), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    spec = AttentionSpec.create(head_size, causal=True)
+    fn = lambda q, k, v, cq, ck: prefill.varlen_attention(q, k, v, cq, ck, None, None, None, 1.0, 1.0, spec=spec,
+                                                          max_seqlen_q=2048, max_seqlen_k=2048,
+                                                          lowering="mosaic_gpu", config=config)
+    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
+
+
 def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_sequences: int = 2) -> str:
     """Auto's CUDA text for 256 query rows in ``num_sequences`` sequences."""
     q = jnp.ones((256, 8, head_size), q_dtype)

@@ -434,6 +434,12 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5),
         dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
+    # Two compute warpgroups at D 256, room made by the probe's missing work tile.
+    pytest.param(
+        "specialized-2wg-pingpong-probe-d256",
+        tuning.MosaicPrefillConfig(nonfinite_check="probe"),
+        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
+        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
     pytest.param(
         "specialized-2wg-pingpong-slab-output",
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, direct_output=False),
@@ -716,7 +722,7 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=4096,
                                               max_seqlen_k=4096, block_size=48, config=config)
     used = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size,
-                                           tiling.num_stages, 2, kv_itemsize, kv_itemsize)
+                                           tiling.num_stages, 2, kv_itemsize, kv_itemsize, tiling.work_rows)
     assert used <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
     assert tiling.block_k % plans.MOSAIC_MIN_BLOCK_K == 0 and tiling.num_stages >= 2
     assert tiling.copy_rows == math.gcd(tiling.block_k, 48) and tiling.block_q == 64 * tiling.compute_warpgroups
@@ -724,6 +730,28 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=64,
                                              max_seqlen_k=40, block_size=None, config=config)
     assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
+
+
+def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
+    """The value work tile holds a masked part's keys (64, not a 128-key block's), whole
+    blocks with fp8 values, and nothing with the "probe" check (its redo borrows the
+    query tile): that leaves room for two compute warpgroups at D 128 with 128-key
+    blocks, and, with the probe, at D 256; past the budget block_k shrinks before the
+    second warpgroup goes."""
+    def plan(head_size, v_itemsize=2, **fields):
+        config = tuning.MosaicPrefillConfig(**fields)
+        return plans.plan_mosaic_prefill_tiling(head_size, 2, v_itemsize, v_itemsize, max_seqlen_q=4096,
+                                                max_seqlen_k=4096, block_size=None, config=config)
+
+    bk128 = plan(128, block_k=128, masked_block_k=64)
+    assert (bk128.compute_warpgroups, bk128.block_k, bk128.work_rows) == (2, 128, 64)
+    assert plan(64, 1, block_k=128, masked_block_k=64).work_rows == 128  # fp8: whole blocks converted
+    assert plan(256).compute_warpgroups == 1  # a 64-row work tile per warpgroup does not fit
+    probe = plan(256, nonfinite_check="probe")
+    assert (probe.compute_warpgroups, probe.block_k, probe.work_rows) == (2, 64, 0)
+    shrunk = plan(256, nonfinite_check="probe", block_k=128)
+    assert (shrunk.compute_warpgroups, shrunk.block_k) == (2, 64)
+    assert plan(64, nonfinite_check="probe", block_k=128, masked_block_k=128).work_rows == 128  # 128-key parts
 
 
 @pytest.mark.parametrize("head_size", [32, 48, 64, 80, 128, 192, 256])

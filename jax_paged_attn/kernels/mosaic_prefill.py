@@ -261,14 +261,15 @@ def _prefill_kernel(
         o_ref,  # output: [Tq (a multiple of 8), Hq, D] q dtype, the packed rows (tiling.direct_output);
         #   else [num_tiles, block_q, Hq, D], tile t's rows
         # scratch (SMEM), W = compute warpgroups
-        q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output
+        q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output.
+        #   With tiling.direct_output, a union (common.mosaic_smem_union) of it and
+        #   out_rows [W, 64, D] q dtype (plain rows): after the KV loop, a partial
+        #   warpgroup's output, stored row by row
         k_ring,  # [num_stages, block_k, D] K dtype
         v_ring,  # [num_stages, block_k, D] V dtype
-        v_work,  # [W, block_k, D] q dtype: 0/1 non-finite flags, then finite values (masked
-        #   blocks), or converted values (fp8). With tiling.direct_output, a union
-        #   (common.mosaic_smem_union) of it and out_rows [W, block_k, D] q dtype (plain
-        #   rows): after the KV loop, a partial warpgroup's output, stored row by row
-        k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a dummy 8 x D tile otherwise)
+        v_work,  # [W, tiling.work_rows, D] q dtype: 0/1 non-finite flags, then finite values
+        #   (masked blocks), or converted values (fp8); a [W, 8] f32 placeholder when 0
+        k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a [W, 8] f32 placeholder otherwise)
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (tiling.key_flags)
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
         #   (tiling.nonfinite_probe; two buffers used in turn, see masked_pv_with_probe)
@@ -281,7 +282,7 @@ def _prefill_kernel(
         schedule,  # [1], 2 arrivals: the compute warpgroups' ping-pong (see _PingPong)
     ) = rest  # (k_free / v_free unused without warp specialization, schedule without ping-pong)
     if tiling.direct_output:
-        (v_work,), (out_rows,) = v_work
+        (q_smem,), (out_rows,) = q_smem
     ops = _Ops(interpret)
     rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
     workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
@@ -436,10 +437,16 @@ def _prefill_kernel(
                     score_shape = (rows, width)
                     k_tile = k_ring.at[slot]
                     v_tile = v_ring.at[slot]
-                    work, bad_flags = my_work, my_bad
+                    # The value work tile: its first `width` rows, or (tiling.work_rows 0: the
+                    # probe's redo only, 64-key parts) the warpgroup's query tile, the queries
+                    # reloaded after (see masked_pv_with_probe).
+                    work = my_q if tiling.work_rows == 0 else my_work
+                    bad_flags = my_bad
                     if width < block_k:
                         k_tile, v_tile = k_tile.at[pl.ds(key0, width)], v_tile.at[pl.ds(key0, width)]
-                        work, bad_flags = my_work.at[pl.ds(0, width)], my_bad.at[pl.ds(0, width)]
+                        bad_flags = my_bad.at[pl.ds(0, width)]
+                    if work.shape[0] > width:
+                        work = work.at[pl.ds(0, width)]
                     if k_fp8:
                         conv = my_conv if width == block_k else my_conv.at[pl.ds(0, width)]
                         conv[...] = _convert(ops.load(k_tile), dtype)
@@ -545,7 +552,10 @@ def _prefill_kernel(
                     0 can also be non-finite through its own probabilities, a NaN key it
                     sees: the redo computes the same.) ``probe`` alternates between two
                     buffers, so a fast thread's next write cannot meet a slow thread's read
-                    of this one (a commit's barrier lies between)."""
+                    of this one (a commit's barrier lies between). Without a work tile of
+                    its own (``tiling.work_rows`` 0, which lets two compute warpgroups fit
+                    shared memory at D 256), the redo rewrites the warpgroup's query tile
+                    and then reloads the queries (a TMA copy, waited for)."""
                     src = v_tile
                     if v_fp8:
                         work[...] = _convert(ops.load(v_tile), dtype)
@@ -557,7 +567,11 @@ def _prefill_kernel(
 
                     def redo():
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
-                        return masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
+                        out = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
+                        if tiling.work_rows == 0:  # the query tile held the values: reload it
+                            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
+                            plgpu.barrier_wait(q_bars.at[wg])
+                        return out
 
                     return lax.cond(probe[0] > 0, redo, lambda: acc + pv)
 
@@ -633,12 +647,12 @@ def _prefill_kernel(
                     plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
                     plgpu.wait_smem_to_gmem(0)
                     return
-                my_out_rows = out_rows.at[wg]  # my_work's memory (its first 64 rows)
+                my_out_rows = out_rows.at[wg]  # my_q's memory
                 # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
                 # (8-aligned: the plan aligns q_row0). One holding an aligned tile's lead
                 # rows or a sequence's end shares rows with a neighbouring tile, and a TMA
                 # copy from a swizzled tile writes whole 8-row tiles: it stores only its own
-                # rows, one TMA copy each, from a plain-layout buffer (my_work's memory, free
+                # rows, one TMA copy each, from a plain-layout buffer (my_q's memory, free
                 # after the KV loop). At most two such warpgroups per sequence and head.
                 whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)  # no lead rows, none past the tile
                 partial = (row0 < q_rows) & jnp.logical_not(whole)
@@ -722,14 +736,18 @@ def varlen_attention_call(
         return plgpu.SMEM((lead, rows, head_size), dt, transforms=smem_transforms(head_size, dt))
 
     copies = block_k // tiling.copy_rows
+    placeholder = plgpu.SMEM((workers, TMA_ROW_ALIGN), jnp.float32)
     scratch = [
-        tile(ROWS_PER_WARPGROUP, dtype, workers),
+        common.mosaic_smem_union((tile(ROWS_PER_WARPGROUP, dtype, workers),),
+                                 (plgpu.SMEM((workers, ROWS_PER_WARPGROUP, head_size), dtype),),
+                                 interpret=interpret)
+        if tiling.direct_output else tile(ROWS_PER_WARPGROUP, dtype, workers),
         tile(block_k, k_arr.dtype, stages),
         tile(block_k, v_arr.dtype, stages),
-        common.mosaic_smem_union((tile(block_k, dtype, workers),),
-                                 (plgpu.SMEM((workers, block_k, head_size), dtype),), interpret=interpret)
-        if tiling.direct_output else tile(block_k, dtype, workers),
-        tile(block_k if k_fp8 else 8, dtype, workers),
+        # (An unused tile is a few bytes of placeholder: at D 256 its 8-row tiles would
+        # keep the second compute warpgroup out of shared memory.)
+        tile(tiling.work_rows, dtype, workers) if tiling.work_rows else placeholder,
+        tile(block_k, dtype, workers) if k_fp8 else placeholder,
         plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.SMEM((workers, 2, ROWS_PER_WARPGROUP), jnp.float32),
         plgpu.Barrier(num_barriers=workers),
