@@ -297,7 +297,9 @@ class MosaicPrefillConfig:
     from the ring as in an unmasked block, plus a check of its rows: a non-finite value
     anywhere among the block's values makes every row of the product non-finite, and
     only then the block is redone the "key_flags" way; its fresh accumulator costs as
-    many registers as "product"'s; not yet measured on a GPU); fence_softmax: in
+    many registers as "product"'s, and it needs no value work tile, which leaves room
+    for two compute warpgroups at D 256, `jax_paged_attn.plans.mosaic_work_rows`; not
+    yet measured on a GPU); fence_softmax: in
     unmasked blocks, compute the row sums and the 16-bit probabilities before the
     barriers that wait for the values and (ping-pong) hand the tensor cores to the other
     warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's

@@ -27,9 +27,10 @@ carry the masked blocks' non-finite handling at full width (still measured slowe
 64-key blocks on the H200).
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
-the next block with the softmax inside a warpgroup, GQA packing of a KV group's heads
-into one tile (K/V are read once per query head, the reuse left to L2), and the masked
-blocks' non-finite handling in fewer registers.
+the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
+into one tile (K/V are read once per query head, the reuse left to L2). The masked
+blocks' non-finite handling at the cost of an unmasked block (``nonfinite_check=
+"probe"``) and two compute warpgroups at D 256 are built, not yet measured.
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
