@@ -314,7 +314,9 @@ class MosaicPrefillConfig:
     capped at block_k): a masked block (the causal diagonal, window edges, sequence
     ends) runs in parts of that many keys, each keeping non-finite values from the rows
     the mask hides them from, so 128-key blocks elsewhere do not pay that work's
-    registers (the Triton tier's `PrefillConfig.masked_block_k`; not yet measured);
+    registers, and the value work tile holds one part (the Triton tier's
+    `PrefillConfig.masked_block_k`; measured on the H200 only with one compute
+    warpgroup, before the smaller work tile let two fit at D 128);
     direct_output: the kernel writes the packed output itself (a whole warpgroup's rows
     with one TMA copy, a partial one's own rows one copy each) instead of one slab per
     tile from which the wrapper gathers every row (measured on the H200, 2026-12-02:

@@ -23,8 +23,9 @@ the compute warpgroups finish the current one; measured slower), ``fence_softmax
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128) do not
-carry the masked blocks' non-finite handling at full width (still measured slower than
-64-key blocks on the H200).
+carry the masked blocks' non-finite handling at full width (measured slower than 64-key
+blocks on the H200, 2026-12-02, but with one compute warpgroup: a whole block's value
+work tile left no room for the second; its work tile now holds one part, and two fit).
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
