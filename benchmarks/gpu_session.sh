@@ -59,7 +59,7 @@ for step in "${steps[@]}"; do
         done; } | tee "$out/resources.log" ;;
     parts)  # the Mosaic GPU prefill call's plan / kernel / whole, beside the stock kernel, per non-finite check
       { for check in product key_flags probe; do
-          timeout 150 python3 benchmarks/prefill_parts.py --config nonfinite_check="$check"
+          timeout 150 python3 benchmarks/prefill_parts.py --config "nonfinite_check='$check'"
         done; } 2>&1 | grep -v "^W\|^I0\|Deprecat" | tee "$out/parts.log" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -4,7 +4,7 @@
     python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
-sequences of equal length), times back-to-back calls (as `bench_attention.py` does) of:
+sequences of equal length), times back-to-back calls (`bench_attention.Timer`) of:
 
 * ``full``: `jax_paged_attn.prefill.varlen_attention` with ``lowering="mosaic_gpu"``,
   what a user's call runs;
@@ -16,8 +16,9 @@ sequences of equal length), times back-to-back calls (as `bench_attention.py` do
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
   no plan, no varlen and no masking of non-finite values.
 
-``--config`` overrides fields of `jax_paged_attn.tuning.MosaicPrefillConfig` (e.g.
-``--config nonfinite_check=probe``). The kernel's output is checked against the whole
+``--config`` overrides fields of `jax_paged_attn.tuning.MosaicPrefillConfig` with Python
+literals (`kernel_resources.parse_overrides`; e.g. ``--config "nonfinite_check='probe'"``).
+The kernel's output is checked against the whole
 call's. Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
@@ -25,51 +26,33 @@ dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
 import pathlib
-import statistics
 import sys
-import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+_HERE = pathlib.Path(__file__).resolve().parent
+for path in (_HERE.parent, _HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from bench_attention import Timer, short_error  # noqa: E402
+from kernel_resources import parse_overrides  # noqa: E402
 
 SHAPES = ((8, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 1024, 32, 8, 64), (4, 4096, 16, 16, 256))
 """(batch, sequence length, query heads, KV heads, head size): the prefill suite's shapes."""
 INTERPRET_SHAPES = ((2, 80, 2, 1, 64),)
 
 
-def device_ms(call, reps: int, calls: int = 20, warmup: int = 3) -> float:
-    """Median over ``reps`` samples of the time per call of ``calls`` back-to-back calls."""
-    for _ in range(warmup):  # the first compiles
-        jax.block_until_ready(call())
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(samples)
-
-
 def parse_config(pairs: list[str], interpret: bool):
     from jax_paged_attn import tuning
 
-    fields = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        try:
-            fields[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            fields[name] = value  # a string field: nonfinite_check=probe
     # The interpreter runs the single-warpgroup form several times faster (tuning's default there).
     base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
-    return dataclasses.replace(base, **fields)
+    return dataclasses.replace(base, **parse_overrides(pairs))
 
 
 def main() -> int:
@@ -88,6 +71,7 @@ def main() -> int:
 
     config = parse_config(args.config, args.interpret)
     interpret = args.interpret
+    timer = Timer(warmup=1, reps=1) if interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {config}")
     for batch, seq, q_heads, kv_heads, head_size in INTERPRET_SHAPES if interpret else SHAPES:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -114,14 +98,12 @@ def main() -> int:
         kernel = jax.jit(lambda q, k, v, plan: mosaic_prefill.varlen_attention_call(
             pad(q), (pad(k)[None, None], 0), (pad(v)[None, None], 0), plan, None, None, None, spec=spec,
             tiling=tiling, interpret=interpret)[rows])
-        whole = full(q, k, v, cu, cu, None, None, None, 1.0, 1.0)
-        part = kernel(q, k, v, plan) if tiling.direct_output else None
-        if part is not None and not jnp.array_equal(part, whole):
+        times = {}
+        times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0))
+        times["plan"], _, _ = timer.jax(lambda: plan_fn(cu))
+        times["kernel"], _, part = timer.jax(lambda: kernel(q, k, v, plan))
+        if tiling.direct_output and not jnp.array_equal(part, whole):
             raise AssertionError("the kernel alone and the whole call disagree")
-        timing = dict(reps=args.reps, calls=1, warmup=0) if interpret else dict(reps=args.reps)
-        times = {"full": device_ms(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0), **timing),
-                 "plan": device_ms(lambda: plan_fn(cu), **timing),
-                 "kernel": device_ms(lambda: kernel(q, k, v, plan), **timing)}
         if interpret:  # (JAX's stock kernel has no interpret path here)
             block_kvs = ()
         else:
@@ -135,9 +117,9 @@ def main() -> int:
             tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=True)
             fn = jax.jit(functools.partial(stock.attention, config=tuning))
             try:
-                times[f"stock_bkv{block_kv}"] = device_ms(lambda: fn(q16, k16, v16), args.reps)
+                times[f"stock_bkv{block_kv}"], _, _ = timer.jax(lambda: fn(q16, k16, v16))
             except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
-                print(f"  stock_bkv{block_kv}: {type(e).__name__}: {str(e)[:160]}")
+                print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
         flop = 4 * batch * q_heads * head_size * seq * seq / 2
         print(f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}: " + "  ".join(
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")

@@ -415,7 +415,7 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     the Mosaic GPU interpreter; a config field from the command line reaches the kernel."""
     parts = _load("prefill_parts")
     monkeypatch.setattr(sys, "argv", ["prefill_parts.py", "--interpret", "--reps", "1",
-                                      "--config", "nonfinite_check=probe"])
+                                      "--config", "nonfinite_check='probe'"])
     assert parts.main() == 0
     out = capsys.readouterr().out
     assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
