@@ -450,12 +450,11 @@ class MosaicPrefillTiling:
       pingpong: with 2 compute warpgroups, stagger them so that one's softmax overlaps
         the other's wgmma (`tuning.MosaicPrefillConfig.pingpong`).
       longest_first: order of the tiles in the plan (`plan_tiles`).
-      key_flags: masked blocks flag non-finite values per key
-        (`tuning.MosaicPrefillConfig.nonfinite_check` ``"key_flags"``) instead of
-        finding the rows that see one by a matrix product.
-      nonfinite_probe: masked blocks run P·V as unmasked ones do while their values are
-        all finite, the "key_flags" way otherwise
-        (`tuning.MosaicPrefillConfig.nonfinite_check` ``"probe"``).
+      nonfinite_check: how masked blocks keep a NaN / inf from the rows the mask hides
+        it from (`tuning.MosaicPrefillConfig.nonfinite_check`): ``"product"`` (a matrix
+        product finds the rows that see one), ``"key_flags"`` (per-key flags) or
+        ``"probe"`` (P·V as in an unmasked block while the values are all finite, the
+        ``"key_flags"`` way otherwise).
       fence_softmax: the softmax's row sums and 16-bit probabilities are computed and
         fenced before the barriers of P·V (`tuning.MosaicPrefillConfig.fence_softmax`).
       persistent_programs: 0 for a program per (tile, head); else that many programs
@@ -479,8 +478,7 @@ class MosaicPrefillTiling:
     warp_specialized: bool = True
     pingpong: bool = True
     longest_first: bool = True
-    key_flags: bool = False
-    nonfinite_probe: bool = False
+    nonfinite_check: str = "product"
     fence_softmax: bool = False
     persistent_programs: int = 0
     masked_block_k: int = 64
@@ -591,8 +589,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
-                               key_flags=config.nonfinite_check == "key_flags",
-                               nonfinite_probe=config.nonfinite_check == "probe",
+                               nonfinite_check=config.nonfinite_check,
                                fence_softmax=config.fence_softmax,
                                persistent_programs=config.persistent_programs,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),

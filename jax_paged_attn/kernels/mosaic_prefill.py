@@ -272,9 +272,9 @@ def _prefill_kernel(
         v_work,  # [W, tiling.work_rows, D] q dtype: 0/1 non-finite flags, then finite values
         #   (masked blocks), or converted values (fp8); a [W, 8] f32 placeholder when 0
         k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a [W, 8] f32 placeholder otherwise)
-        key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (tiling.key_flags)
+        key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (nonfinite_check "key_flags")
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
-        #   (tiling.nonfinite_probe; two buffers used in turn, see masked_pv_with_probe)
+        #   (nonfinite_check "probe"; two buffers used in turn, see masked_pv_with_probe)
         # barriers
         q_bars,  # [W]: the warpgroup's queries arrived
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
@@ -491,7 +491,7 @@ def _prefill_kernel(
                             pingpong.wait()
                         else:
                             plgpu.barrier_wait(v_bars.at[slot])
-                    if masked and tiling.nonfinite_probe:
+                    if masked and tiling.nonfinite_check == "probe":
                         probe = my_probe.at[lax.rem(kb * (block_k // width) + key0 // width, jnp.int32(2))]
                         acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe)
                         return acc, m_next, l_next
@@ -502,7 +502,7 @@ def _prefill_kernel(
                         # reused: each wgmma has completed before the tile is rewritten).
                         # In the query dtype (fp8 converts exactly; half the registers of f32).
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
-                        if tiling.key_flags:
+                        if tiling.nonfinite_check == "key_flags":
                             acc = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
                             return acc, m_next, l_next
                         # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
