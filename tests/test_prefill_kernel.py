@@ -345,6 +345,9 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
 # warpgroups: the GPU default; the interpreter runs each warpgroup as a thread, ~2 s per
 # grid point, so those cases are small).
 _SINGLE = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
+# Partial warpgroups at sequence ends and after lead rows, 1-row and whole 64-row sequences.
+_OUTPUT_STORE_PROBLEM = dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2,
+                             num_kv_heads=1, head_size=64, q_padding_rows=3)
 MOSAIC_TILINGS = [
     ("single-ring2-packed-window-wraps",
      dataclasses.replace(_SINGLE, block_k=64, num_stages=2),
@@ -370,15 +373,11 @@ MOSAIC_TILINGS = [
     # ones (a sequence's end; lead rows of a sequence starting off a multiple of 8: 159,
     # 168 below) a copy per owned row; sequences of 1 row and of whole 64-row groups.
     ("single-direct-output-packed",
-     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, direct_output=True),
-     dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2, num_kv_heads=1, head_size=64,
-          q_padding_rows=3),
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, direct_output=True), _OUTPUT_STORE_PROBLEM,
      dict(causal=True)),
     # The slab-per-tile output the wrapper gathers from (direct_output off).
     ("single-slab-output-packed",
-     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, direct_output=False),
-     dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2, num_kv_heads=1, head_size=64,
-          q_padding_rows=3),
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, direct_output=False), _OUTPUT_STORE_PROBLEM,
      dict(causal=True)),
     ("specialized-1wg-direct-output-paged-persistent",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, direct_output=True,
