@@ -467,8 +467,9 @@ class MosaicPrefillTiling:
         is a multiple of `MOSAIC_TMA_SMEM_ALIGN` bytes).
       work_rows: rows of each compute warpgroup's value work tile (`mosaic_work_rows`):
         block_k with fp8 values (whole blocks converted), a masked part's keys for the
-        non-finite handling, or 0 where the probe's rare redo borrows the warpgroup's
-        query tile instead.
+        non-finite handling, or 0 where the masked blocks borrow the warpgroup's query
+        tile instead (`tuning.MosaicPrefillConfig.value_work_tile`) and reload the
+        queries after.
     """
 
     compute_warpgroups: int
@@ -517,23 +518,29 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if config.nonfinite_check not in tuning.MOSAIC_NONFINITE_CHECKS:
         raise ValueError(f"config.nonfinite_check must be one of {tuning.MOSAIC_NONFINITE_CHECKS}, got "
                          f"{config.nonfinite_check!r}.")
+    if config.value_work_tile not in tuning.MOSAIC_VALUE_WORK_TILES:
+        raise ValueError(f"config.value_work_tile must be one of {tuning.MOSAIC_VALUE_WORK_TILES}, got "
+                         f"{config.value_work_tile!r}.")
     if not config.warp_specialized and config.compute_warpgroups != 1:
         raise ValueError("config.compute_warpgroups must be 1 without warp specialization (the one "
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
 
 
-def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefillConfig) -> int:
+def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefillConfig,
+                     borrow_query_tile: bool = False) -> int:
     """Rows of a compute warpgroup's value work tile in the Mosaic GPU prefill kernel:
     ``block_k`` with fp8 values (an unmasked block's values converted whole), else the
-    keys of a masked part (the non-finite handling rewrites them), except 0 with the
-    ``"probe"`` check at 64-key parts: its redo, needed only when a block's values hold a
-    NaN / inf, borrows the warpgroup's 64-row query tile and reloads the queries after.
-    (At D 128 and 128-key blocks, and at D 256, the work tile is what decides whether two
-    compute warpgroups fit in shared memory.)"""
+    keys of a masked part (the non-finite handling rewrites them), except 0 where the
+    masked parts have 64 keys and the warpgroup's 64-row query tile serves instead
+    (``borrow_query_tile``, or the ``"probe"`` check unless ``config.value_work_tile`` is
+    ``"own"``: only its rare redo rewrites values); the queries are then reloaded after
+    the block. (At D 128 and 128-key blocks, and at D 256, the work tile is what decides
+    whether two compute warpgroups fit in shared memory.)"""
     if v_itemsize == 1:
         return block_k
     masked = math.gcd(block_k, config.masked_block_k)
-    if config.nonfinite_check == "probe" and masked == MOSAIC_ROWS_PER_WARPGROUP:
+    probe_borrows = config.nonfinite_check == "probe" and config.value_work_tile != "own"
+    if masked == MOSAIC_ROWS_PER_WARPGROUP and (borrow_query_tile or probe_borrows):
         return 0
     return masked
 
@@ -564,7 +571,9 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, block_k halves (to
     64), the compute warpgroups drop to 1 (the least tiling fits at every head size; two
     ping-ponged warpgroups are worth more than longer blocks, as in the stock
-    attention_mgpu kernel's choice at D 256).
+    attention_mgpu kernel's choice at D 256), except that with ``config.value_work_tile``
+    ``"auto"`` the masked blocks first give up their value work tile for the query tile
+    (`mosaic_work_rows`).
     ``config.direct_output`` holds where an output row is a multiple of
     `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
@@ -574,17 +583,29 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
     stages = config.num_stages
     workers = 1 if max_seqlen_q <= MOSAIC_ROWS_PER_WARPGROUP else config.compute_warpgroups
+    borrow = config.value_work_tile == "query"
+
+    def work_rows() -> int:
+        return mosaic_work_rows(block_k, v_itemsize, config, borrow)
 
     def fits() -> bool:
         return mosaic_prefill_smem_bytes(workers, block_k, head_size, stages, q_itemsize, k_itemsize,
-                                         v_itemsize, mosaic_work_rows(block_k, v_itemsize, config)) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+                                         v_itemsize, work_rows()) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
 
     while not fits() and stages > 2:
         stages -= 1
     while not fits() and block_k > MOSAIC_MIN_BLOCK_K:
         block_k = max(MOSAIC_MIN_BLOCK_K, block_k // 2 - (block_k // 2) % MOSAIC_MIN_BLOCK_K)
+    if not fits() and workers == 2 and config.value_work_tile == "auto":
+        borrow = True  # a query tile reloaded after each masked block beats losing a warpgroup
     if not fits():
         workers = 1
+        borrow = config.value_work_tile == "query"
+    if config.value_work_tile == "query" and work_rows() != 0:
+        raise ValueError(
+            "config.value_work_tile='query' needs 16-bit values and 64-key masked parts (the query "
+            f"tile's 64 rows hold them), got {v_itemsize}-byte values and "
+            f"{math.gcd(block_k, config.masked_block_k)}-key parts; use 'auto' or 'own'.")
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
@@ -595,7 +616,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),
                                direct_output=config.direct_output
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
-                               work_rows=mosaic_work_rows(block_k, v_itemsize, config))
+                               work_rows=work_rows())
 
 # =========================================================================== paged decode
 

@@ -324,7 +324,13 @@ class MosaicPrefillConfig:
     B8 S2048 D128, 16 % at B16 S1024 D64; the default). Only where an output row is a
     multiple of 128 bytes (head sizes that are multiples of 64 at 16 bits): a one-row
     TMA copy reads shared memory from a 128-byte boundary; other head sizes keep the
-    slab (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
+    slab (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`); value_work_tile: where a
+    masked block's rewritten values go (`MOSAIC_VALUE_WORK_TILES`): ``"own"``, a work tile
+    per compute warpgroup; ``"query"``, the warpgroup's query tile, the queries reloaded
+    by TMA after the block unless it is the tile's last (16-bit values, 64-key masked
+    parts); ``"auto"`` (the default), the query tile where that lets a second compute
+    warpgroup fit shared memory (D 256 at 64-key blocks) or with the ``"probe"`` check
+    (only its rare redo rewrites values), otherwise its own tile.
 
     The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
     warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
@@ -342,10 +348,14 @@ class MosaicPrefillConfig:
     persistent_programs: int = 0
     masked_block_k: int = 64
     direct_output: bool = True
+    value_work_tile: str = "auto"
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")
 """The values of `MosaicPrefillConfig.nonfinite_check`."""
+
+MOSAIC_VALUE_WORK_TILES = ("auto", "own", "query")
+"""The values of `MosaicPrefillConfig.value_work_tile`."""
 
 MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
 

@@ -423,13 +423,15 @@ def test_other_mosaic_forms_lower(paged, form):
 
 @pytest.mark.parametrize("head_size, fields", [
     (256, dict(nonfinite_check="probe")),
+    (256, dict(nonfinite_check="key_flags")),
+    (256, dict(nonfinite_check="product")),
     (128, dict(block_k=128, masked_block_k=64)),
     (128, dict(block_k=128, masked_block_k=64, nonfinite_check="probe")),
-], ids=["d256-probe", "d128-bk128", "d128-bk128-probe"])
+], ids=["d256-probe", "d256-key-flags-query-tile", "d256-product-query-tile", "d128-bk128", "d128-bk128-probe"])
 def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size, fields):
     """The tilings that take two compute warpgroups only because the value work tile
-    shrank (`plans.mosaic_work_rows`) lower for CUDA, Mosaic GPU's own shared-memory
-    check included."""
+    shrank or gave way to the query tile (`plans.mosaic_work_rows`) lower for CUDA,
+    Mosaic GPU's own shared-memory check included."""
     from jax_paged_attn import plans, prefill, tuning
     from jax_paged_attn.spec import AttentionSpec
 

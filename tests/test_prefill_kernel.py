@@ -433,10 +433,16 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5),
         dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
-    # Two compute warpgroups at D 256, room made by the probe's missing work tile.
+    # Two compute warpgroups at D 256, room made by the probe's missing work tile, or by
+    # masked blocks that borrow the query tile (the default's choice).
     pytest.param(
         "specialized-2wg-pingpong-probe-d256",
         tuning.MosaicPrefillConfig(nonfinite_check="probe"),
+        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
+        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-2wg-pingpong-key-flags-query-tile-d256",
+        tuning.MosaicPrefillConfig(nonfinite_check="key_flags"),
         dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
         dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
     pytest.param(
@@ -504,6 +510,24 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts,
     config = dataclasses.replace(base, nonfinite_check=nonfinite_check)
     if masked_parts:
         config = dataclasses.replace(config, block_k=128, masked_block_k=64)
+    out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
+                              lowering=prefill.MOSAIC_GPU)
+    _assert_nonfinite_rows_match(out, problem)
+
+
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("nonfinite_check", ["product", "key_flags"])
+def test_mosaic_masked_blocks_in_the_borrowed_query_tile(nonfinite_check, interpret):
+    """Masked blocks whose values are rewritten in the compute warpgroup's query tile
+    (``value_work_tile="query"``, the default's choice at D 256), the queries reloaded
+    after each one that is not the warpgroup's last: a sequence of 100 whose rows 64..99
+    see two masked 64-key blocks (the window's left edge, then the causal diagonal), so
+    the second one computes with reloaded queries; the poisoned keys reach only the rows
+    that see them."""
+    problem = _poisoned_long_problem(paged=False)
+    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    config = dataclasses.replace(base, nonfinite_check=nonfinite_check, value_work_tile="query")
     out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
                               lowering=prefill.MOSAIC_GPU)
     _assert_nonfinite_rows_match(out, problem)
@@ -734,9 +758,9 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
 def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
     """The value work tile holds a masked part's keys (64, not a 128-key block's), whole
     blocks with fp8 values, and nothing with the "probe" check (its redo borrows the
-    query tile): that leaves room for two compute warpgroups at D 128 with 128-key
-    blocks, and, with the probe, at D 256; past the budget block_k shrinks before the
-    second warpgroup goes."""
+    query tile) or where borrowing the query tile lets a second compute warpgroup fit
+    (D 256): that leaves room for two compute warpgroups at D 128 with 128-key blocks
+    and at D 256; past the budget block_k shrinks before the second warpgroup goes."""
     def plan(head_size, v_itemsize=2, **fields):
         config = tuning.MosaicPrefillConfig(**fields)
         return plans.plan_mosaic_prefill_tiling(head_size, 2, v_itemsize, v_itemsize, max_seqlen_q=4096,
@@ -745,7 +769,21 @@ def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
     bk128 = plan(128, block_k=128, masked_block_k=64)
     assert (bk128.compute_warpgroups, bk128.block_k, bk128.work_rows) == (2, 128, 64)
     assert plan(64, 1, block_k=128, masked_block_k=64).work_rows == 128  # fp8: whole blocks converted
-    assert plan(256).compute_warpgroups == 1  # a 64-row work tile per warpgroup does not fit
+    # At D 256 a 64-row work tile per warpgroup leaves no room for the second one: "auto"
+    # borrows the query tile instead, "own" keeps the tile and drops the warpgroup, and
+    # one warpgroup keeps its own tile (no queries to reload).
+    for check in tuning.MOSAIC_NONFINITE_CHECKS:
+        borrowed = plan(256, nonfinite_check=check)
+        assert (borrowed.compute_warpgroups, borrowed.block_k, borrowed.work_rows) == (2, 64, 0), check
+    own = plan(256, value_work_tile="own")
+    assert (own.compute_warpgroups, own.work_rows) == (1, 64)
+    assert plan(256, compute_warpgroups=1).work_rows == 64
+    assert plan(128, value_work_tile="query").work_rows == 0
+    assert plan(128).work_rows == 64  # two warpgroups fit with their own tiles
+    with pytest.raises(ValueError, match="value_work_tile='query' needs 16-bit values"):
+        plan(128, 1, value_work_tile="query")
+    with pytest.raises(ValueError, match="config.value_work_tile must be one of"):
+        plans.check_mosaic_prefill_config(tuning.MosaicPrefillConfig(value_work_tile="borrowed"))
     probe = plan(256, nonfinite_check="probe")
     assert (probe.compute_warpgroups, probe.block_k, probe.work_rows) == (2, 64, 0)
     shrunk = plan(256, nonfinite_check="probe", block_k=128)

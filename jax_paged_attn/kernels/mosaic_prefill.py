@@ -439,9 +439,8 @@ def _prefill_kernel(
                     score_shape = (rows, width)
                     k_tile = k_ring.at[slot]
                     v_tile = v_ring.at[slot]
-                    # The value work tile: its first `width` rows, or (tiling.work_rows 0: the
-                    # probe's redo only, 64-key parts) the warpgroup's query tile, the queries
-                    # reloaded after (see masked_pv_with_probe).
+                    # The value work tile: its first `width` rows, or (tiling.work_rows 0,
+                    # 64-key parts) the warpgroup's query tile, the queries reloaded after.
                     work = my_q if tiling.work_rows == 0 else my_work
                     bad_flags = my_bad
                     if width < block_k:
@@ -504,17 +503,25 @@ def _prefill_kernel(
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
                         if tiling.nonfinite_check == "key_flags":
                             acc = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
-                            return acc, m_next, l_next
-                        # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
-                        finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
-                        work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
-                        plgpu.commit_smem()
-                        seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), work, transpose_b=False,
-                                       shape=out_shape)
-                        work[...] = jnp.where(finite, v, 0.0).astype(dtype)
-                        plgpu.commit_smem()
-                        acc = ops.mma_acc(acc, p.astype(dtype), work)
-                        acc = jnp.where(seen > 0, jnp.nan, acc)
+                        else:
+                            # (no is_finite rule in the lowering; NaN compares False, inf exceeds max)
+                            finite = jnp.abs(v) <= jnp.asarray(jnp.finfo(dtype).max, dtype)
+                            work[...] = jnp.where(finite, 0.0, 1.0).astype(dtype)
+                            plgpu.commit_smem()
+                            seen = ops.mma(jnp.where(visible, 1.0, 0.0).astype(dtype), work, transpose_b=False,
+                                           shape=out_shape)
+                            work[...] = jnp.where(finite, v, 0.0).astype(dtype)
+                            plgpu.commit_smem()
+                            acc = ops.mma_acc(acc, p.astype(dtype), work)
+                            acc = jnp.where(seen > 0, jnp.nan, acc)
+                        if tiling.work_rows == 0:
+                            # The query tile held the values. After the last block this
+                            # warpgroup computes (below tail_split; with causal masking its
+                            # diagonal, mostly) only the output uses it.
+                            if last:
+                                pl.when(kb < tail_split - 1)(reload_queries)
+                            else:
+                                reload_queries()
                     else:
                         if v_fp8:
                             my_work[...] = _convert(ops.load(v_tile), dtype)
@@ -570,12 +577,17 @@ def _prefill_kernel(
                     def redo():
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
                         out = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
-                        if tiling.work_rows == 0:  # the query tile held the values: reload it
-                            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
-                            plgpu.barrier_wait(q_bars.at[wg])
+                        if tiling.work_rows == 0:  # the query tile held the values
+                            reload_queries()
                         return out
 
                     return lax.cond(probe[0] > 0, redo, lambda: acc + pv)
+
+                def reload_queries() -> None:
+                    """The queries back into the query tile, which held a masked block's values
+                    (``tiling.work_rows`` 0): its wgmmas have completed."""
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
+                    plgpu.barrier_wait(q_bars.at[wg])
 
                 def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
                     if specialized:
