@@ -61,6 +61,8 @@ def main() -> int:
                         help="MosaicPrefillConfig fields (default: the package default)")
     parser.add_argument("--reps", type=int, default=10, help="timed samples per measurement (median)")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
+    parser.add_argument("--head-sizes", type=int, nargs="*", metavar="D",
+                        help="only the shapes of these head sizes (default: every shape)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu" and not args.interpret:
         print("prefill_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
@@ -74,6 +76,8 @@ def main() -> int:
     timer = Timer(warmup=1, reps=1) if interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {config}")
     for batch, seq, q_heads, kv_heads, head_size in INTERPRET_SHAPES if interpret else SHAPES:
+        if args.head_sizes and head_size not in args.head_sizes:
+            continue
         keys = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(keys[0], (batch * seq, q_heads, head_size), jnp.bfloat16)
         k = jax.random.normal(keys[1], (batch * seq, kv_heads, head_size), jnp.bfloat16)
@@ -121,7 +125,8 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
                 print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
         flop = 4 * batch * q_heads * head_size * seq * seq / 2
-        print(f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}: " + "  ".join(
+        print(f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size} ({tiling.compute_warpgroups} compute "
+              f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
             for name, ms in times.items()), flush=True)
     return 0

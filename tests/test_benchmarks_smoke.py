@@ -419,7 +419,8 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     assert parts.main() == 0
     out = capsys.readouterr().out
     assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
-    assert "B2 S80 Hq2 Hk1 D64: full " in out and " plan " in out and " kernel " in out
+    assert "B2 S80 Hq2 Hk1 D64 (1 compute warpgroups, block_k 64, work rows 0): full " in out
+    assert " plan " in out and " kernel " in out
 
 
 def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
