@@ -526,6 +526,14 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
 
 
+MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE = 128
+"""Largest head size at which the Mosaic GPU prefill runs two compute warpgroups with the
+``"product"`` or ``"probe"`` check: its masked blocks hold a second 64 x D f32 product
+beside the accumulator (D registers a thread for both), past the 232 registers a compute
+warpgroup gets at D 256: two warpgroups ran about 4x slower there than "key_flags" (the H200,
+2026-12-02), one 1.7x. Larger head sizes run those checks with one."""
+
+
 def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefillConfig,
                      borrow_query_tile: bool = False) -> int:
     """Rows of a compute warpgroup's value work tile in the Mosaic GPU prefill kernel:
@@ -567,7 +575,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
 
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
     the compute warpgroups to 1 when ``max_seqlen_q <= 64`` (decode-like batches would
-    run a warpgroup of idle rows). Then, until the tiles fit
+    run a warpgroup of idle rows) or when the non-finite check's second product tile
+    would not fit the registers (`MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). Then, until the tiles fit
     `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, block_k halves (to
     64), the compute warpgroups drop to 1 (the least tiling fits at every head size; two
     ping-ponged warpgroups are worth more than longer blocks, as in the stock
@@ -583,6 +592,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
     stages = config.num_stages
     workers = 1 if max_seqlen_q <= MOSAIC_ROWS_PER_WARPGROUP else config.compute_warpgroups
+    if config.nonfinite_check in ("product", "probe") and head_size > MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE:
+        workers = 1
     borrow = config.value_work_tile == "query"
 
     def work_rows() -> int:

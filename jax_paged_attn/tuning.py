@@ -382,8 +382,8 @@ def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = No
 
 def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
                           interpret: bool = False) -> MosaicPrefillConfig:
-    """The Mosaic GPU prefill kernel's config: the default, with the masked blocks'
-    non-finite check measured fastest for the head size (`MOSAIC_PREFILL_NONFINITE_CHECK`).
+    """The Mosaic GPU prefill kernel's config: the default with the fields measured
+    fastest for the head size (`MOSAIC_PREFILL_BY_HEAD_SIZE`).
 
     In interpret mode the default is the single-warpgroup form
     (`MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP`): the Mosaic GPU interpreter compiles each
@@ -394,15 +394,25 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
     del dtype_name, paged
     if interpret:
         return MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
-    check = MOSAIC_PREFILL_NONFINITE_CHECK.get(-(-head_size // 64) * 64)
-    return dataclasses.replace(MOSAIC_PREFILL_CONFIG, nonfinite_check=check) if check else MOSAIC_PREFILL_CONFIG
+    fields = MOSAIC_PREFILL_BY_HEAD_SIZE.get(-(-head_size // 64) * 64)
+    return dataclasses.replace(MOSAIC_PREFILL_CONFIG, **fields) if fields else MOSAIC_PREFILL_CONFIG
 
 
-MOSAIC_PREFILL_NONFINITE_CHECK = {64: "key_flags", 256: "key_flags"}
-"""Head size (rounded up to a multiple of 64) -> `MosaicPrefillConfig.nonfinite_check`
-where it differs from the default: the H200 sweep of 2026-12-02 (bench_attention.py,
-prefill suite) ran D256 (B4 S4096) in 1.76 ms with "key_flags" against 2.49 with
-"product", D64 (B16 S1024) in 0.76 against 0.81; at D128 "product" was 2-3 % faster."""
+MOSAIC_PREFILL_BY_HEAD_SIZE: dict[int, dict[str, object]] = {
+    64: dict(nonfinite_check="probe"),
+    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe"),
+    192: dict(nonfinite_check="key_flags"),
+    256: dict(nonfinite_check="key_flags"),
+}
+"""Head size (rounded up to a multiple of 64) -> `MosaicPrefillConfig` fields where they
+differ from the default. The H200 sweep of 2026-12-02 (bench_attention.py, prefill
+suite, jax 0.11.2, 13:30 UTC): D 128 with 128-key blocks whose masked ones run in 64-key
+parts and the "probe" check, 3.65 ms at B1 S16384 (602 TFLOP/s) and 0.91 ms at B8 S2048
+against 4.63 / 1.03 with the default; D 64 (B16 S1024) with "probe", 0.44 against 0.47
+ms; D 256 (B4 S4096) with "key_flags", 1.32 ms (two compute warpgroups, the masked
+blocks in the query tile) against 5.3 with "product" or "probe" (their second 64 x D
+f32 product tile spills registers; `plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). D 192
+takes "key_flags" for the same register count, not measured."""
 
 
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.

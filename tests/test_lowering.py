@@ -422,12 +422,11 @@ def test_other_mosaic_forms_lower(paged, form):
 
 
 @pytest.mark.parametrize("head_size, fields", [
-    (256, dict(nonfinite_check="probe")),
     (256, dict(nonfinite_check="key_flags")),
-    (256, dict(nonfinite_check="product")),
     (128, dict(block_k=128, masked_block_k=64)),
     (128, dict(block_k=128, masked_block_k=64, nonfinite_check="probe")),
-], ids=["d256-probe", "d256-key-flags-query-tile", "d256-product-query-tile", "d128-bk128", "d128-bk128-probe"])
+    (128, dict(nonfinite_check="product", value_work_tile="query")),
+], ids=["d256-key-flags-query-tile", "d128-bk128", "d128-bk128-probe", "d128-product-query-tile"])
 def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size, fields):
     """The tilings that take two compute warpgroups only because the value work tile
     shrank or gave way to the query tile (`plans.mosaic_work_rows`) lower for CUDA,
@@ -517,11 +516,12 @@ def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():
     assert MOSAIC_GPU_CALL in small and TRITON_CALL not in small
 
 
-def test_mosaic_prefill_default_takes_the_nonfinite_check_measured_fastest_per_head_size():
+def test_mosaic_prefill_default_takes_the_fields_measured_fastest_per_head_size():
     from jax_paged_attn import tuning
 
-    checks = {d: tuning.mosaic_prefill_config(d, "bfloat16").nonfinite_check for d in (32, 64, 80, 128, 192, 256)}
-    assert checks == {32: "key_flags", 64: "key_flags", 80: "product", 128: "product", 192: "product",
-                      256: "key_flags"}
+    fields = {d: (c.block_k, c.masked_block_k, c.nonfinite_check)
+              for d in (32, 64, 80, 128, 192, 256) for c in [tuning.mosaic_prefill_config(d, "bfloat16")]}
+    assert fields == {32: (64, 64, "probe"), 64: (64, 64, "probe"), 80: (128, 64, "probe"),
+                      128: (128, 64, "probe"), 192: (64, 64, "key_flags"), 256: (64, 64, "key_flags")}
     assert tuning.mosaic_prefill_config(256, "bfloat16", interpret=True) == \
         tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP  # interpret mode keeps its one form

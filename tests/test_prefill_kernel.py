@@ -433,10 +433,10 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5),
         dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
-    # Two compute warpgroups at D 256, room made by the probe's missing work tile, or by
-    # masked blocks that borrow the query tile (the default's choice).
+    # D 256: the probe with one compute warpgroup (its second product tile), and two
+    # whose masked blocks borrow the query tile (the default's choice).
     pytest.param(
-        "specialized-2wg-pingpong-probe-d256",
+        "specialized-1wg-probe-d256",
         tuning.MosaicPrefillConfig(nonfinite_check="probe"),
         dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
         dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
@@ -759,8 +759,10 @@ def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
     """The value work tile holds a masked part's keys (64, not a 128-key block's), whole
     blocks with fp8 values, and nothing with the "probe" check (its redo borrows the
     query tile) or where borrowing the query tile lets a second compute warpgroup fit
-    (D 256): that leaves room for two compute warpgroups at D 128 with 128-key blocks
-    and at D 256; past the budget block_k shrinks before the second warpgroup goes."""
+    (D 256, "key_flags"): that leaves room for two compute warpgroups at D 128 with
+    128-key blocks and at D 256; past the budget block_k shrinks before the second
+    warpgroup goes. The checks holding a second product tile keep one warpgroup past
+    D 128 (`plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`)."""
     def plan(head_size, v_itemsize=2, **fields):
         config = tuning.MosaicPrefillConfig(**fields)
         return plans.plan_mosaic_prefill_tiling(head_size, 2, v_itemsize, v_itemsize, max_seqlen_q=4096,
@@ -772,22 +774,26 @@ def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
     # At D 256 a 64-row work tile per warpgroup leaves no room for the second one: "auto"
     # borrows the query tile instead, "own" keeps the tile and drops the warpgroup, and
     # one warpgroup keeps its own tile (no queries to reload).
-    for check in tuning.MOSAIC_NONFINITE_CHECKS:
-        borrowed = plan(256, nonfinite_check=check)
-        assert (borrowed.compute_warpgroups, borrowed.block_k, borrowed.work_rows) == (2, 64, 0), check
-    own = plan(256, value_work_tile="own")
+    borrowed = plan(256, nonfinite_check="key_flags")
+    assert (borrowed.compute_warpgroups, borrowed.block_k, borrowed.work_rows) == (2, 64, 0)
+    shrunk = plan(256, nonfinite_check="key_flags", block_k=128)
+    assert (shrunk.compute_warpgroups, shrunk.block_k, shrunk.work_rows) == (2, 64, 0)
+    own = plan(256, nonfinite_check="key_flags", value_work_tile="own")
     assert (own.compute_warpgroups, own.work_rows) == (1, 64)
-    assert plan(256, compute_warpgroups=1).work_rows == 64
+    assert plan(256, nonfinite_check="key_flags", compute_warpgroups=1).work_rows == 64
     assert plan(128, value_work_tile="query").work_rows == 0
     assert plan(128).work_rows == 64  # two warpgroups fit with their own tiles
     with pytest.raises(ValueError, match="value_work_tile='query' needs 16-bit values"):
         plan(128, 1, value_work_tile="query")
     with pytest.raises(ValueError, match="config.value_work_tile must be one of"):
         plans.check_mosaic_prefill_config(tuning.MosaicPrefillConfig(value_work_tile="borrowed"))
-    probe = plan(256, nonfinite_check="probe")
-    assert (probe.compute_warpgroups, probe.block_k, probe.work_rows) == (2, 64, 0)
-    shrunk = plan(256, nonfinite_check="probe", block_k=128)
-    assert (shrunk.compute_warpgroups, shrunk.block_k) == (2, 64)
+    # The probe needs no work tile at 64-key parts, at any head size.
+    assert plan(128, nonfinite_check="probe").work_rows == 0
+    # The checks with a second 64 x D product tile (registers) take one warpgroup past D 128.
+    for check in ("product", "probe"):
+        assert plan(128, nonfinite_check=check).compute_warpgroups == 2
+        assert plan(192, nonfinite_check=check).compute_warpgroups == 1, check
+        assert plan(256, nonfinite_check=check).compute_warpgroups == 1, check
     assert plan(64, nonfinite_check="probe", block_k=128, masked_block_k=128).work_rows == 128  # 128-key parts
 
 

@@ -186,7 +186,7 @@ def test_the_tables_in_use_are_described_in_words():
 @pytest.mark.parametrize("field, value", [
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 3), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
-    ("nonfinite_check", "none")])
+    ("nonfinite_check", "none"), ("value_work_tile", "shared")])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
