@@ -885,23 +885,26 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
                         to_numpy)
 
 
-def mosaic_prefill_grid(quick: bool) -> list[Any]:
-    """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    the warp-specialized form with 2 ping-ponged compute warpgroups, varying the masked
-    blocks' non-finite check, ``fence_softmax``, ``direct_output`` (off: the slab per
-    tile) and 128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to
-    fit shared memory at large head sizes)."""
+def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
+    """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package's default for the
+    head size first (`tuning.mosaic_prefill_config`): the warp-specialized form with 2
+    ping-ponged compute warpgroups, varying the masked blocks' non-finite check and
+    value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile) and
+    128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
+    memory at large head sizes)."""
+    from jax_paged_attn import tuning
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
     bk128 = dict(block_k=128, masked_block_k=64)
     choices = [dict(nonfinite_check="probe")] if quick else [
         dict(nonfinite_check="product"), dict(nonfinite_check="key_flags"), dict(nonfinite_check="probe"),
+        dict(nonfinite_check="key_flags", value_work_tile="own"),
         dict(direct_output=False), dict(fence_softmax=True), dict(fence_softmax=True, nonfinite_check="probe"),
         dict(bk128, nonfinite_check="probe"), dict(bk128, nonfinite_check="probe", fence_softmax=True),
         dict(bk128, nonfinite_check="key_flags"),
     ]
     grid = [MosaicPrefillConfig(**fields) for fields in choices]
-    return list(dict.fromkeys([MosaicPrefillConfig()] + grid))
+    return list(dict.fromkeys([tuning.mosaic_prefill_config(head_size, "bfloat16")] + grid))
 
 
 def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
@@ -922,7 +925,7 @@ def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInp
 
     # The interpreter (CPU dry runs) takes the package's interpret default alone: the
     # warp-specialized forms run there about ten times slower.
-    configs = [None] if ctx.interpret else mosaic_prefill_grid(ctx.quick)
+    configs = [None] if ctx.interpret else mosaic_prefill_grid(ctx.quick, case.head_dim)
     return ctx.sweep(configs, make_call, repr, to_numpy)
 
 

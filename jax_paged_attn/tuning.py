@@ -293,13 +293,14 @@ class MosaicPrefillConfig:
     flags finds the rows that see one: a second wgmma and two shared-memory passes of
     the value tile per masked block) or ``"key_flags"`` (one flag per key, through shared
     memory to the score tile's columns, and a row reduction: one pass, no second wgmma;
-    measured on the H200: the default at head sizes 64 and 256) or ``"probe"`` (P·V
+    the default at head sizes 192 and 256) or ``"probe"`` (P·V
     from the ring as in an unmasked block, plus a check of its rows: a non-finite value
     anywhere among the block's values makes every row of the product non-finite, and
     only then the block is redone the "key_flags" way; its fresh accumulator costs as
-    many registers as "product"'s, and it needs no value work tile, which leaves room
-    for two compute warpgroups at D 256, `jax_paged_attn.plans.mosaic_work_rows`; not
-    yet measured on a GPU); fence_softmax: in
+    many registers as "product"'s (past D 128 both run one compute warpgroup,
+    `jax_paged_attn.plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`), and it needs no value
+    work tile, `jax_paged_attn.plans.mosaic_work_rows`; the default at head sizes 64 and
+    128, see `MOSAIC_PREFILL_BY_HEAD_SIZE`); fence_softmax: in
     unmasked blocks, compute the row sums and the 16-bit probabilities before the
     barriers that wait for the values and (ping-pong) hand the tensor cores to the other
     warpgroup, fenced by an optimization barrier (the stock attention_mgpu kernel's
@@ -315,8 +316,8 @@ class MosaicPrefillConfig:
     ends) runs in parts of that many keys, each keeping non-finite values from the rows
     the mask hides them from, so 128-key blocks elsewhere do not pay that work's
     registers, and the value work tile holds one part (the Triton tier's
-    `PrefillConfig.masked_block_k`; measured on the H200 only with one compute
-    warpgroup, before the smaller work tile let two fit at D 128);
+    `PrefillConfig.masked_block_k`; 128-key blocks in 64-key parts are the D 128
+    default);
     direct_output: the kernel writes the packed output itself (a whole warpgroup's rows
     with one TMA copy, a partial one's own rows one copy each) instead of one slab per
     tile from which the wrapper gathers every row (measured on the H200, 2026-12-02:
@@ -332,9 +333,10 @@ class MosaicPrefillConfig:
     warpgroup fit shared memory (D 256 at 64-key blocks) or with the ``"probe"`` check
     (only its rare redo rewrites values), otherwise its own tile.
 
-    The default is the stock attention_mgpu kernel's shape (a producer and 2 compute
-    warpgroups of 64 rows, 2-slot ring), with 64-key blocks: within 5 % of the best of
-    a 7-config sweep on the H200 at D 128 (benchmarks/RESULTS.md, 2026-12-01).
+    The class default is the stock attention_mgpu kernel's shape (a producer and 2
+    compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
+    with the fields measured fastest per head size (`mosaic_prefill_config`,
+    `MOSAIC_PREFILL_BY_HEAD_SIZE`).
     """
 
     block_k: int = 64

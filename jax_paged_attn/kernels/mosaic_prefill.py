@@ -1,7 +1,7 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-First cut, measured on the H200 (benchmarks/RESULTS.md: 231-467 TFLOP/s at D 128,
-where auto runs it). K/V blocks arrive by TMA in a
+Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02: 302-602 TFLOP/s at D 128 and
+416 at D 256, where auto runs it). K/V blocks arrive by TMA in a
 ``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
 Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 (`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
@@ -22,16 +22,17 @@ SM walks the (tile, head) work items, the producer fetching the next item's bloc
 the compute warpgroups finish the current one; measured slower), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
-parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128) do not
-carry the masked blocks' non-finite handling at full width (measured slower than 64-key
-blocks on the H200, 2026-12-02, but with one compute warpgroup: a whole block's value
-work tile left no room for the second; its work tile now holds one part, and two fit).
+parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
+ours: the D 128 default) do not carry the masked blocks' non-finite handling at full
+width, and the value work tile holds one part (a whole block's left no room for the
+second compute warpgroup), and ``value_work_tile``: a masked block may rewrite its
+values in the warpgroup's query tile instead, the queries reloaded after (what lets two
+compute warpgroups fit at D 256).
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
-into one tile (K/V are read once per query head, the reuse left to L2). The masked
-blocks' non-finite handling at the cost of an unmasked block (``nonfinite_check=
-"probe"``) and two compute warpgroups at D 256 are built, not yet measured.
+into one tile (K/V are read once per query head, the reuse left to L2), and less per-tile cost for short sequences (with equal blocks the
+stock kernel is 1.34x faster at B8 S2048, level at B1 S16384).
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
@@ -82,11 +83,11 @@ past the sequence's end, NaN-filled stale pages): their scores become ``-inf`` b
 ``where``; their values are split into finite values (non-finite -> 0) for P·V and a
 0/1 "non-finite" tile, and a second ``wgmma`` of the 0/1 visibility against it finds the
 (row, column) pairs that see a non-finite value, which become NaN (`MosaicPrefillConfig`
-``nonfinite_check="product"``, the default at D 128); or (``"key_flags"``, the default
-at D 64 and 256) a key holding a non-finite value is flagged and its value row zeroed in
+``nonfinite_check="product"``); or (``"key_flags"``, the default at D 192 and 256) a key
+holding a non-finite value is flagged and its value row zeroed in
 one pass, the flags reach the score tile's columns through shared memory, and the rows
-that see a flagged key become NaN; or (``"probe"``, not yet measured) P·V runs from the
-ring as in an unmasked block, into a fresh accumulator whose row 0 is checked: a
+that see a flagged key become NaN; or (``"probe"``, the default at D 64 and 128) P·V
+runs from the ring as in an unmasked block, into a fresh accumulator whose row 0 is checked: a
 non-finite value anywhere among the block's values makes every row of that product
 non-finite (0 * NaN), and only then is the block redone the "key_flags" way. So a NaN
 or inf in K or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
