@@ -272,6 +272,7 @@ def _prefill_kernel(
         v_ring,  # [num_stages, block_k, D] V dtype
         v_work,  # [W, tiling.work_rows, D] q dtype: 0/1 non-finite flags, then finite values
         #   (masked blocks), or converted values (fp8); a [W, 8] f32 placeholder when 0
+        #   (the masked blocks then use q_smem, the queries reloaded after)
         k_conv,  # [W, block_k, D] q dtype: converted fp8 keys (a [W, 8] f32 placeholder otherwise)
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (nonfinite_check "key_flags")
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
@@ -563,9 +564,9 @@ def _prefill_kernel(
                     sees: the redo computes the same.) ``probe`` alternates between two
                     buffers, so a fast thread's next write cannot meet a slow thread's read
                     of this one (a commit's barrier lies between). Without a work tile of
-                    its own (``tiling.work_rows`` 0, which lets two compute warpgroups fit
-                    shared memory at D 256), the redo rewrites the warpgroup's query tile
-                    and then reloads the queries (a TMA copy, waited for)."""
+                    its own (``tiling.work_rows`` 0: the probe needs none at 64-key parts),
+                    the redo rewrites the warpgroup's query tile and then reloads the
+                    queries (a TMA copy, waited for)."""
                     src = v_tile
                     if v_fp8:
                         work[...] = _convert(ops.load(v_tile), dtype)
