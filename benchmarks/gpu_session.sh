@@ -57,10 +57,10 @@ for step in "${steps[@]}"; do
           # shellcheck disable=SC2086
           timeout 120 python3 benchmarks/kernel_resources.py $variant 2>&1 | grep -v "fusion\|^$"
         done; } | tee "$out/resources.log" ;;
-    parts)  # the Mosaic GPU prefill call's plan / kernel / whole, beside the stock kernel, per non-finite check
-      { for check in product key_flags probe; do
-          timeout 150 python3 benchmarks/prefill_parts.py --config "nonfinite_check='$check'"
-        done; } 2>&1 | grep -v "^W\|^I0\|Deprecat" | tee "$out/parts.log" ;;
+    parts)  # the Mosaic GPU prefill call's plan / kernel / whole beside the stock kernel, and its
+      # in-kernel timeline (the package's configs; the traces, tens of MB, stay outside $out)
+      timeout 300 python3 benchmarks/prefill_parts.py --timeline /tmp/prefill_timeline 2>&1 \
+        | grep -v "^W\|^I0\|Deprecat" | tee "$out/parts.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

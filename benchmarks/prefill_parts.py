@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where the time of a Mosaic GPU prefill call goes, beside the stock Mosaic GPU kernel.
 
-    python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N]
+    python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N] [--head-sizes D ...]
+                                       [--timeline DIR]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
 sequences of equal length), times back-to-back calls (`bench_attention.Timer`) of:
@@ -16,19 +17,27 @@ sequences of equal length), times back-to-back calls (`bench_attention.Timer`) o
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
   no plan, no varlen and no masking of non-finite values.
 
-``--config`` overrides fields of `jax_paged_attn.tuning.MosaicPrefillConfig` with Python
+Each shape runs the package's config for its head size
+(`jax_paged_attn.tuning.mosaic_prefill_config`); ``--config`` overrides its fields with Python
 literals (`kernel_resources.parse_overrides`; e.g. ``--config "nonfinite_check='probe'"``).
 The kernel's output is checked against the whole
-call's. Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
+call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profiler
+(`mosaic_prefill.varlen_attention_call`'s ``profile_dir``; its Chrome trace files stay
+in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
+warpgroup role and named region, and the gap between work items on an SM
+(`summarize_timeline`). Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
+import json
 import pathlib
+import subprocess
 import sys
 
 _HERE = pathlib.Path(__file__).resolve().parent
@@ -47,12 +56,13 @@ SHAPES = ((8, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 1024, 32, 8, 64), 
 INTERPRET_SHAPES = ((2, 80, 2, 1, 64),)
 
 
-def parse_config(pairs: list[str], interpret: bool):
+def config_for(head_size: int, overrides: dict, interpret: bool):
+    """The package's config for the head size (`tuning.mosaic_prefill_config`), fields
+    overridden from the command line."""
     from jax_paged_attn import tuning
 
-    # The interpreter runs the single-warpgroup form several times faster (tuning's default there).
-    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
-    return dataclasses.replace(base, **parse_overrides(pairs))
+    base = tuning.mosaic_prefill_config(head_size, "bfloat16", interpret=interpret)
+    return dataclasses.replace(base, **overrides)
 
 
 def main() -> int:
@@ -63,21 +73,29 @@ def main() -> int:
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
     parser.add_argument("--head-sizes", type=int, nargs="*", metavar="D",
                         help="only the shapes of these head sizes (default: every shape)")
+    parser.add_argument("--timeline", metavar="DIR",
+                        help="also profile one kernel call per shape into DIR and print its timeline summary")
+    parser.add_argument("--clock-mhz", type=float,
+                        help="SM clock for the profiler's cycle counts (default: nvidia-smi's clocks.max.sm)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu" and not args.interpret:
         print("prefill_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
+        return 2
+    if args.timeline and args.interpret:
+        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
         return 2
     from jax_paged_attn import plans, prefill
     from jax_paged_attn.kernels import mosaic_prefill
     from jax_paged_attn.spec import AttentionSpec
 
-    config = parse_config(args.config, args.interpret)
+    overrides = parse_overrides(args.config)
     interpret = args.interpret
     timer = Timer(warmup=1, reps=1) if interpret else Timer(reps=args.reps)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {config}")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, config overrides {overrides or 'none'}")
     for batch, seq, q_heads, kv_heads, head_size in INTERPRET_SHAPES if interpret else SHAPES:
         if args.head_sizes and head_size not in args.head_sizes:
             continue
+        config = config_for(head_size, overrides, interpret)
         keys = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(keys[0], (batch * seq, q_heads, head_size), jnp.bfloat16)
         k = jax.random.normal(keys[1], (batch * seq, kv_heads, head_size), jnp.bfloat16)
@@ -99,9 +117,12 @@ def main() -> int:
         else:
             pad = lambda x: x
         rows = slice(0, batch * seq) if tiling.direct_output else slice(None)  # (else one slab per tile)
-        kernel = jax.jit(lambda q, k, v, plan: mosaic_prefill.varlen_attention_call(
-            pad(q), (pad(k)[None, None], 0), (pad(v)[None, None], 0), plan, None, None, None, spec=spec,
-            tiling=tiling, interpret=interpret)[rows])
+        def kernel_fn(q, k, v, plan, profile_dir=None):
+            return mosaic_prefill.varlen_attention_call(
+                pad(q), (pad(k)[None, None], 0), (pad(v)[None, None], 0), plan, None, None, None, spec=spec,
+                tiling=tiling, interpret=interpret, profile_dir=profile_dir)[rows]
+
+        kernel = jax.jit(kernel_fn)
         times = {}
         times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0))
         times["plan"], _, _ = timer.jax(lambda: plan_fn(cu))
@@ -125,11 +146,99 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
                 print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
         flop = 4 * batch * q_heads * head_size * seq * seq / 2
-        print(f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size} ({tiling.compute_warpgroups} compute "
+        shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}"
+        print(f"{shape}, {config}\n  ({tiling.compute_warpgroups} compute "
               f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
             for name, ms in times.items()), flush=True)
+        if args.timeline:
+            trace_dir = pathlib.Path(args.timeline) / shape.replace(" ", "_")
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
+            for _ in range(2):  # the first call compiles; the second's trace is read
+                jax.block_until_ready(profiled(q, k, v, plan))
+            jax.effects_barrier()  # (the trace is written by a host callback)
+            trace = json.loads(max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text())
+            clock = args.clock_mhz or sm_clock_mhz()
+            print(format_timeline(summarize_timeline(
+                trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
     return 0
+
+
+def sm_clock_mhz() -> float:
+    """The GPU's maximum SM clock (nvidia-smi), to turn the profiler's cycles into time."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[0])
+
+
+def summarize_timeline(trace: dict, clock_mhz: float, compute_warpgroups: int, has_producer: bool = True) -> dict:
+    """Where the work items' time goes in a Mosaic GPU profiler trace of the kernel.
+
+    ``trace``: the profiler's Chrome trace (``traceEvents`` of begin / end events, ``tid``
+    numbering the warpgroups block by block, ``pid`` the SM; a block's first event sits
+    at its start on the global timer, in µs, later ones add clock cycles / 1000).
+    A block's warpgroups: ``compute_warpgroups``, then the producer (``has_producer``).
+
+    Returns: ``clock_mhz``; ``blocks``; ``sms``; ``span_us`` (first block's start to last
+    block's end); ``block_us`` (mean start-to-last-event of a block); ``busy`` (the SMs'
+    share of the span spent inside blocks); ``gap_us`` (mean time between a block's end
+    and the next block's start on the same SM); ``regions``: {role: {region: mean µs
+    per block}}, role ``"compute"`` (summed over the compute warpgroups, divided by
+    their number) or ``"producer"``.
+    """
+    warpgroups = compute_warpgroups + has_producer
+    by_trace = collections.defaultdict(list)
+    for event in trace["traceEvents"]:
+        by_trace[event["tid"]].append(event)
+    block_spans = collections.defaultdict(lambda: [float("inf"), float("-inf"), 0])  # start, end, sm
+    totals = {"compute": collections.Counter(), "producer": collections.Counter()}
+    for tid, events in by_trace.items():
+        block, warpgroup = divmod(tid - 1, warpgroups)
+        role = "producer" if warpgroup == compute_warpgroups else "compute"
+        start = events[0]["ts"]
+        to_us = lambda ts: start + (ts - start) * 1e3 / clock_mhz  # noqa: E731 (cycles / 1000 -> µs)
+        open_at = {}
+        for event in events:
+            if event["ph"] == "B":
+                open_at[event["name"]] = to_us(event["ts"])
+            else:
+                totals[role][event["name"]] += to_us(event["ts"]) - open_at.pop(event["name"])
+        span = block_spans[block]
+        span[0], span[1], span[2] = min(span[0], start), max(span[1], to_us(events[-1]["ts"])), events[0]["pid"]
+    per_sm = collections.defaultdict(list)
+    for start, end, sm in block_spans.values():
+        per_sm[sm].append((start, end))
+    gaps = [b[0] - a[1] for spans in per_sm.values() for a, b in zip(sorted(spans), sorted(spans)[1:])]
+    num_blocks = len(block_spans)
+    first = min(s[0] for s in block_spans.values())
+    last = max(s[1] for s in block_spans.values())
+    inside = sum(s[1] - s[0] for s in block_spans.values())
+    return {
+        "clock_mhz": clock_mhz,
+        "blocks": num_blocks,
+        "sms": len(per_sm),
+        "span_us": last - first,
+        "block_us": inside / num_blocks,
+        "busy": inside / (len(per_sm) * (last - first)) if last > first else 0.0,
+        "gap_us": sum(gaps) / len(gaps) if gaps else 0.0,
+        "regions": {
+            "compute": {k: v / (num_blocks * compute_warpgroups) for k, v in totals["compute"].items()},
+            "producer": {k: v / num_blocks for k, v in totals["producer"].items()},
+        },
+    }
+
+
+def format_timeline(summary: dict) -> str:
+    """`summarize_timeline`'s figures as three lines."""
+    head = (f"  timeline ({summary['blocks']} blocks on {summary['sms']} SMs, {summary['clock_mhz']:.0f} MHz): "
+            f"span {summary['span_us']:.1f} µs, a block {summary['block_us']:.2f} µs, SMs busy "
+            f"{100 * summary['busy']:.0f} %, gap between blocks on an SM {summary['gap_us']:.2f} µs")
+    lines = [head]
+    for role, regions in summary["regions"].items():
+        if regions:
+            lines.append(f"  {role} (µs a block): " + ", ".join(f"{k} {v:.2f}" for k, v in regions.items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

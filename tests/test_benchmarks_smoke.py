@@ -418,9 +418,50 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
                                       "--config", "nonfinite_check='probe'"])
     assert parts.main() == 0
     out = capsys.readouterr().out
+    assert "config overrides {'nonfinite_check': 'probe'}" in out
+    assert "B2 S80 Hq2 Hk1 D64, MosaicPrefillConfig(" in out
     assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
-    assert "B2 S80 Hq2 Hk1 D64 (1 compute warpgroups, block_k 64, work rows 0): full " in out
+    assert "(1 compute warpgroups, block_k 64, work rows 0): full " in out
     assert " plan " in out and " kernel " in out
+
+
+def test_prefill_parts_timeline_summary_of_a_profiler_trace():
+    """`prefill_parts.summarize_timeline` on a hand-made Mosaic GPU profiler trace: two
+    blocks of two compute warpgroups and a producer, one after the other on SM 0 (clock
+    2,000 MHz: 2,000 cycles, 1 µs, are 2.0 in a timestamp past the block's first)."""
+    parts = _load("prefill_parts")
+
+    def events(tid, start, regions):  # regions: (name, begin cycles, end cycles)
+        out = []
+        for name, begin, end in regions:
+            out += [{"name": name, "ph": "B", "ts": start + begin / 1e3, "pid": 1, "tid": tid},
+                    {"name": name, "ph": "E", "ts": start + end / 1e3, "pid": 1, "tid": tid}]
+        return out
+
+    trace = {"traceEvents": [
+        # block 0 (tids 1-3) from 100 µs: compute 0 busy to 10 µs, compute 1 to 8, producer to 6
+        *events(1, 100.0, [("setup", 0, 2000), ("unmasked", 2000, 14000), ("epilogue", 14000, 20000)]),
+        *events(2, 100.0, [("setup", 0, 2000), ("unmasked", 2000, 16000)]),
+        *events(3, 100.0, [("setup", 0, 2000), ("refill", 2000, 12000)]),
+        # block 1 (tids 4-6) from 112 µs (2 µs after block 0 ended): 4 µs long
+        *events(4, 112.0, [("setup", 0, 2000), ("unmasked", 2000, 8000)]),
+        *events(5, 112.0, [("setup", 0, 2000), ("unmasked", 2000, 8000)]),
+        *events(6, 112.0, [("setup", 0, 2000), ("refill", 2000, 6000)]),
+    ]}
+    summary = parts.summarize_timeline(trace, 2000.0, compute_warpgroups=2)
+    assert (summary["blocks"], summary["sms"]) == (2, 1)
+    assert summary["span_us"] == pytest.approx(16.0)  # 100 .. 116
+    assert summary["block_us"] == pytest.approx(7.0)  # (10 + 4) / 2
+    assert summary["busy"] == pytest.approx(14.0 / 16.0)
+    assert summary["gap_us"] == pytest.approx(2.0)
+    compute = summary["regions"]["compute"]  # per compute warpgroup and block
+    assert compute["setup"] == pytest.approx(1.0)
+    assert compute["unmasked"] == pytest.approx((6 + 7 + 3 + 3) / 4)
+    assert compute["epilogue"] == pytest.approx(3 / 4)
+    assert summary["regions"]["producer"] == pytest.approx({"setup": 1.0, "refill": (5 + 2) / 2})
+    text = parts.format_timeline(summary)
+    assert "2 blocks on 1 SMs" in text and "gap between blocks on an SM 2.00 µs" in text
+    assert "compute (µs a block): setup 1.00, unmasked 4.75, epilogue 0.75" in text
 
 
 def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):

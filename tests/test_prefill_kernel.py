@@ -545,6 +545,42 @@ def test_mosaic_other_nonfinite_checks_match_reference(build, attention, nonfini
     _assert_matches_reference(out, problem, attention)
 
 
+@pytest.mark.gpu
+def test_mosaic_kernel_profile_writes_a_timeline_of_its_regions(tmp_path):
+    """With ``profile_dir`` the kernel also writes the Mosaic GPU profiler's trace of its
+    named regions (benchmarks/prefill_parts.py --timeline reads it), and computes the
+    same output."""
+    import json
+
+    from jax_paged_attn.kernels import mosaic_prefill
+
+    batch, seq, heads, head_size = 2, 512, 4, 128
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (batch * seq, heads, head_size), jnp.bfloat16) for key in keys)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32) * seq
+    spec = AttentionSpec.create(head_size, causal=True)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=seq, max_seqlen_k=seq,
+                                              block_size=None, config=tuning.mosaic_prefill_config(head_size, "bfloat16"))
+    plan = plans.plan_tiles(cu, cu, None, num_q_tokens=batch * seq, num_packed_keys=batch * seq, key_capacity=None,
+                            spec=spec, max_seqlen_q=seq, max_seqlen_k=seq, positions_per_tile=tiling.block_q,
+                            block_k=tiling.block_k, longest_first=tiling.longest_first,
+                            align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
+
+    def call(profile_dir):
+        return mosaic_prefill.varlen_attention_call(q, (k[None, None], 0), (v[None, None], 0), plan, None, None,
+                                                    None, spec=spec, tiling=tiling, profile_dir=profile_dir)
+
+    plain = jax.jit(functools.partial(call, None))()
+    profiled = jax.jit(functools.partial(call, str(tmp_path)))()
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(profiled, np.float32), np.asarray(plain, np.float32))
+    (trace_file,) = tmp_path.glob("*trace.json")
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    names = {event["name"] for event in events}
+    assert {"setup", "fill", "refill", "drain", "q_wait", "unmasked", "tail_masked", "epilogue"} <= names
+    assert len({event["tid"] for event in events}) == plan.shape[0] * heads * (tiling.compute_warpgroups + 1)
+
+
 # --------------------------------------------------------------------------- the plan
 
 def _plan(q_lens: np.ndarray, k_lens: np.ndarray, **static: Any) -> np.ndarray:

@@ -31,8 +31,9 @@ compute warpgroups fit at D 256).
 
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
-into one tile (K/V are read once per query head, the reuse left to L2), and less per-tile cost for short sequences (with equal blocks the
-stock kernel is 1.34x faster at B8 S2048, level at B1 S16384).
+into one tile (K/V are read once per query head, the reuse left to L2), and less
+per-tile cost for short sequences (with equal blocks the stock kernel is 1.34x faster
+at B8 S2048, level at B1 S16384).
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
@@ -306,10 +307,10 @@ def _prefill_kernel(
         def field(f: TileField) -> Array:
             return plan_ref[t, int(f)]
 
-        q_rows = field(TileField.Q_ROWS)
-
-        @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
-        def _():
+        # Every field read at once, before the branch (the loads' latencies overlap;
+        # every tile, surplus ones included, has its row).
+        with jax.named_scope("setup"):
+            q_rows = field(TileField.Q_ROWS)
             seq = field(TileField.SEQ)
             q_row0 = field(TileField.Q_ROW0)
             q_pos0 = field(TileField.Q_POS0)
@@ -319,6 +320,9 @@ def _prefill_kernel(
             kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
             kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
             k_lead = field(TileField.K_LEAD)  # block kb holds keys kb * block_k - k_lead ..
+
+        @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
+        def _():
             num_blocks = kb_hi - kb_lo
 
             def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
@@ -345,6 +349,7 @@ def _prefill_kernel(
                 fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
 
             @pl.when(wg == (workers if specialized else 0))
+            @jax.named_scope("fill")
             def _fill_the_ring():
                 for i in range(stages):
                     @pl.when(i < num_blocks)
@@ -366,7 +371,8 @@ def _prefill_kernel(
                         plgpu.barrier_wait(v_free.at[slot])
                         fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
 
-                    lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
+                    with jax.named_scope("refill"):
+                        lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
 
                     def drain(i, _):  # the last blocks' releases, refilled by nothing
                         slot = lax.rem(i, jnp.int32(stages))
@@ -376,7 +382,8 @@ def _prefill_kernel(
                     # Every completed phase of a barrier is waited for by the thread that
                     # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
                     # producer is idle here anyway).
-                    lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+                    with jax.named_scope("drain"):
+                        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
 
             @pl.when(wg < workers)
             def _compute():
@@ -604,7 +611,8 @@ def _prefill_kernel(
                     ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                     ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                 )
-                plgpu.barrier_wait(q_bars.at[wg])
+                with jax.named_scope("q_wait"):
+                    plgpu.barrier_wait(q_bars.at[wg])
                 if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
                     pl.when(wg == 1)(pingpong.meet)
                 # Every compute warpgroup goes through every block of the tile, in order (the
@@ -638,60 +646,69 @@ def _prefill_kernel(
                 skip = functools.partial(visit, masked=True, compute=False)
                 # Blocks before the full ones: a left window edge, or packed keys' block 0
                 # holding the previous sequence's lead keys.
+                # (Each loop a named region: the Mosaic GPU profiler's timeline,
+                # benchmarks/prefill_timeline.py.)
                 if spec.window_left >= 0 or not paged:
-                    carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
-                    carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
-                carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
-                carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
-                carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
-                carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
-                acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
-                if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
-                    pl.when(wg == 0)(pingpong.meet)
+                    with jax.named_scope("lead_skipped"):
+                        carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
+                    with jax.named_scope("lead_masked"):
+                        carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
+                with jax.named_scope("unmasked"):
+                    carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
+                with jax.named_scope("mid_skipped"):
+                    carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
+                with jax.named_scope("tail_unmasked"):
+                    carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
+                with jax.named_scope("tail_masked"):
+                    carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
+                with jax.named_scope("tail_skipped"):
+                    acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
+                    if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                        pl.when(wg == 0)(pingpong.meet)
+                with jax.named_scope("epilogue"):
+                    # One reciprocal per row; a row that sees no key -> 0.
+                    inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+                    if v_fp8:
+                        inv_sum = inv_sum * v_scale
+                    out = acc * ops.row_bcast(inv_sum, out_shape)
+                    row = row0 + ops.iota(out_shape, 0)
+                    attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
+                    out = jnp.where(attends, out, 0.0).astype(dtype)
+                    if not tiling.direct_output:
+                        my_q[...] = out
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+                        plgpu.wait_smem_to_gmem(0)
+                        return
+                    my_out_rows = out_rows.at[wg]  # my_q's memory
+                    # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
+                    # (8-aligned: the plan aligns q_row0). One holding an aligned tile's lead
+                    # rows or a sequence's end shares rows with a neighbouring tile, and a TMA
+                    # copy from a swizzled tile writes whole 8-row tiles: it stores only its own
+                    # rows, one TMA copy each, from a plain-layout buffer (my_q's memory, free
+                    # after the KV loop). At most two such warpgroups per sequence and head.
+                    whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)  # no lead rows, none past the tile
+                    partial = (row0 < q_rows) & jnp.logical_not(whole)
 
-                # One reciprocal per row; a row that sees no key -> 0.
-                inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
-                if v_fp8:
-                    inv_sum = inv_sum * v_scale
-                out = acc * ops.row_bcast(inv_sum, out_shape)
-                row = row0 + ops.iota(out_shape, 0)
-                attends = (row < q_rows) & (q_pos0 + row < q_len) & (q_pos0 + row >= 0)
-                out = jnp.where(attends, out, 0.0).astype(dtype)
-                if not tiling.direct_output:
-                    my_q[...] = out
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
+                    @pl.when(whole)
+                    def _():
+                        my_q[...] = out
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(my_q, o_ref.at[pl.ds(q_row, rows), h])
+
+                    @pl.when(partial)
+                    def _():
+                        my_out_rows[pl.ds(0, rows)] = out
+                        plgpu.commit_smem()
+
+                        def store_row(i, _):
+                            plgpu.copy_smem_to_gmem(my_out_rows.at[pl.ds(i, 1)], o_ref.at[pl.ds(q_row + i, 1), h])
+
+                        own_lo = jnp.maximum(-my_pos0, 0)  # lead rows: the previous segment's
+                        own_hi = jnp.minimum(q_rows - row0, rows)  # rows past the tile: the next one's
+                        lax.fori_loop(own_lo, own_hi, store_row, None)
+
                     plgpu.wait_smem_to_gmem(0)
-                    return
-                my_out_rows = out_rows.at[wg]  # my_q's memory
-                # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
-                # (8-aligned: the plan aligns q_row0). One holding an aligned tile's lead
-                # rows or a sequence's end shares rows with a neighbouring tile, and a TMA
-                # copy from a swizzled tile writes whole 8-row tiles: it stores only its own
-                # rows, one TMA copy each, from a plain-layout buffer (my_q's memory, free
-                # after the KV loop). At most two such warpgroups per sequence and head.
-                whole = (row0 + rows <= q_rows) & (my_pos0 >= 0)  # no lead rows, none past the tile
-                partial = (row0 < q_rows) & jnp.logical_not(whole)
-
-                @pl.when(whole)
-                def _():
-                    my_q[...] = out
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(my_q, o_ref.at[pl.ds(q_row, rows), h])
-
-                @pl.when(partial)
-                def _():
-                    my_out_rows[pl.ds(0, rows)] = out
-                    plgpu.commit_smem()
-
-                    def store_row(i, _):
-                        plgpu.copy_smem_to_gmem(my_out_rows.at[pl.ds(i, 1)], o_ref.at[pl.ds(q_row + i, 1), h])
-
-                    own_lo = jnp.maximum(-my_pos0, 0)  # lead rows: the previous segment's
-                    own_hi = jnp.minimum(q_rows - row0, rows)  # rows past the tile: the next one's
-                    lax.fori_loop(own_lo, own_hi, store_row, None)
-
-                plgpu.wait_smem_to_gmem(0)
 
     if tiling.persistent_programs:
         # One program per SM walks the items, tile fastest (as the grid orders them);
@@ -712,6 +729,21 @@ def _prefill_kernel(
         work_item(lax.axis_index("tile"), lax.axis_index("head"))
 
 
+PROFILE_RANGES_PER_ITEM = 12
+"""Named regions a warpgroup records per work item (at most 10 for a compute warpgroup),
+what the profiler's event buffer is sized for."""
+
+
+def _compiler_params(profile_dir: str | None, *, num_items: int, programs: int | None):
+    if not profile_dir:
+        return plgpu.CompilerParams(approx_math=True)
+    items_per_program = -(-num_items // programs) if programs else 1
+    profile = dict(profile_space=PROFILE_RANGES_PER_ITEM * items_per_program, profile_dir=profile_dir)
+    if "profile_bounds_check" in plgpu.CompilerParams.__dataclass_fields__:  # (jax >= 0.11)
+        profile["profile_bounds_check"] = True  # a longer trace is cut, not written over shared memory
+    return plgpu.CompilerParams(approx_math=True, **profile)
+
+
 def varlen_attention_call(
     q: Array,  # [Tq (a multiple of 8), Hq, D] f16 / bf16
     k: tuple[Array, int],  # ([planes, pages, page_rows, Hk, D], plane) q dtype or fp8
@@ -724,6 +756,7 @@ def varlen_attention_call(
     spec: AttentionSpec,
     tiling: MosaicPrefillTiling,
     interpret: bool = False,
+    profile_dir: str | None = None,
 ) -> Array:  # q.dtype: [Tq, Hq, D] (tiling.direct_output) or [num_tiles, block_q, Hq, D]
     """Builds and runs the Mosaic GPU kernel over the plan's tiles.
 
@@ -734,6 +767,12 @@ def varlen_attention_call(
     output, every row the plan's tiles own written by the one tile that owns it; else
     one slab per tile, whose rows past its sequence and lead rows (an aligned tile's)
     hold garbage or zeros: the caller gathers only each tile's own rows.
+
+    ``profile_dir`` (GPU only): each call also writes a timeline of every warpgroup's
+    named regions (the setup, the ring's fill, each loop over the KV blocks, the
+    epilogue; `PROFILE_RANGES_PER_ITEM` a work item) as a Chrome trace JSON file into
+    that directory, through the Mosaic GPU profiler (its event buffer takes some
+    shared memory; benchmarks/prefill_timeline.py reads the files).
     """
     _, num_q_heads, head_size = q.shape
     (k_arr, k_plane), (v_arr, v_plane) = k, v
@@ -807,7 +846,8 @@ def varlen_attention_call(
         grid_names=grid_names,
         num_threads=workers + 1 if tiling.warp_specialized else 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_compiler_params(profile_dir, num_items=num_tiles * num_q_heads, programs=grid[0]
+                                         if tiling.persistent_programs else None),
         interpret=common.mosaic_interpret_params() if interpret else None,
         kernel_name="varlen_attention_mosaic",
     )(*inputs)
