@@ -644,26 +644,24 @@ def _prefill_kernel(
                 masked_visit = functools.partial(visit, masked=True)
                 unmasked_visit = functools.partial(visit, masked=False)
                 skip = functools.partial(visit, masked=True, compute=False)
-                # Blocks before the full ones: a left window edge, or packed keys' block 0
-                # holding the previous sequence's lead keys.
-                # (Each loop a named region: the Mosaic GPU profiler's timeline,
-                # benchmarks/prefill_timeline.py.)
+                # Blocks before the full ones (a left window edge, or packed keys' block 0
+                # holding the previous sequence's lead keys), then the rest in order; each
+                # loop a named region (the profiler's timeline, `varlen_attention_call`).
+                loops = []
                 if spec.window_left >= 0 or not paged:
-                    with jax.named_scope("lead_skipped"):
-                        carry = lax.fori_loop(kb_lo, lead_split, skip, carry)
-                    with jax.named_scope("lead_masked"):
-                        carry = lax.fori_loop(lead_split, kb_full_lo, masked_visit, carry)
-                with jax.named_scope("unmasked"):
-                    carry = lax.fori_loop(kb_full_lo, mid_split, unmasked_visit, carry)
-                with jax.named_scope("mid_skipped"):
-                    carry = lax.fori_loop(mid_split, kb_full_hi, skip, carry)
-                with jax.named_scope("tail_unmasked"):
-                    carry = lax.fori_loop(kb_full_hi, my_full_hi, unmasked_visit, carry)
-                with jax.named_scope("tail_masked"):
-                    carry = lax.fori_loop(my_full_hi, tail_split, masked_visit, carry)
-                with jax.named_scope("tail_skipped"):
-                    acc, _, l_sum = lax.fori_loop(tail_split, kb_hi, skip, carry)
-                    if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                    loops += [("lead_skipped", kb_lo, lead_split, skip),
+                              ("lead_masked", lead_split, kb_full_lo, masked_visit)]
+                loops += [("unmasked", kb_full_lo, mid_split, unmasked_visit),
+                          ("mid_skipped", mid_split, kb_full_hi, skip),
+                          ("tail_unmasked", kb_full_hi, my_full_hi, unmasked_visit),
+                          ("tail_masked", my_full_hi, tail_split, masked_visit),
+                          ("tail_skipped", tail_split, kb_hi, skip)]
+                for region, lo, hi, body in loops:
+                    with jax.named_scope(region):
+                        carry = lax.fori_loop(lo, hi, body, carry)
+                acc, _, l_sum = carry
+                if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
+                    with jax.named_scope("final_meet"):
                         pl.when(wg == 0)(pingpong.meet)
                 with jax.named_scope("epilogue"):
                     # One reciprocal per row; a row that sees no key -> 0.
@@ -730,7 +728,7 @@ def _prefill_kernel(
 
 
 PROFILE_RANGES_PER_ITEM = 12
-"""Named regions a warpgroup records per work item (at most 10 for a compute warpgroup),
+"""Named regions a warpgroup records per work item (at most 11 for a compute warpgroup),
 what the profiler's event buffer is sized for."""
 
 
@@ -769,8 +767,9 @@ def varlen_attention_call(
     hold garbage or zeros: the caller gathers only each tile's own rows.
 
     ``profile_dir`` (GPU only): each call also writes a timeline of every warpgroup's
-    named regions (the setup, the ring's fill, each loop over the KV blocks, the
-    epilogue; `PROFILE_RANGES_PER_ITEM` a work item) as a Chrome trace JSON file into
+    named regions (the setup, the ring's fill, refill and drain, the query wait, each
+    loop over the KV blocks, the final ping-pong meeting, the epilogue;
+    `PROFILE_RANGES_PER_ITEM` a work item) as a Chrome trace JSON file into
     that directory, through the Mosaic GPU profiler (its event buffer takes some
     shared memory; benchmarks/prefill_timeline.py reads the files).
     """
