@@ -9,9 +9,9 @@ sequences of equal length), times back-to-back calls (`bench_attention.Timer`) o
 
 * ``full``: `jax_paged_attn.prefill.varlen_attention` with ``lowering="mosaic_gpu"``,
   what a user's call runs;
-* ``plan``: `jax_paged_attn.plans.plan_tiles` alone, the work list computed under jit
+* ``plan``: `jax_paged_attn.prefill.plan_mosaic_varlen` alone, the work list computed under jit
   before every kernel call;
-* ``kernel``: `jax_paged_attn.kernels.mosaic_prefill.varlen_attention_call` with the
+* ``kernel``: `jax_paged_attn.prefill.run_mosaic_varlen` (the kernel) with the
   plan computed beforehand;
 * ``stock_bkv64`` / ``stock_bkv128``: JAX's stock ``attention_mgpu`` kernel (fp16, the
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
@@ -22,7 +22,7 @@ Each shape runs the package's config for its head size
 literals (`kernel_resources.parse_overrides`; e.g. ``--config "nonfinite_check='probe'"``).
 The kernel's output is checked against the whole
 call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profiler
-(`mosaic_prefill.varlen_attention_call`'s ``profile_dir``; its Chrome trace files stay
+(`jax_paged_attn.prefill.run_mosaic_varlen`'s ``profile_dir``; its Chrome trace files stay
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
 (`summarize_timeline`). Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
@@ -84,8 +84,7 @@ def main() -> int:
     if args.timeline and args.interpret:
         print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
         return 2
-    from jax_paged_attn import plans, prefill
-    from jax_paged_attn.kernels import mosaic_prefill
+    from jax_paged_attn import prefill
     from jax_paged_attn.spec import AttentionSpec
 
     overrides = parse_overrides(args.config)
@@ -105,29 +104,22 @@ def main() -> int:
         full = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=seq,
                                          max_seqlen_k=seq, lowering="mosaic_gpu", config=config,
                                          interpret=interpret))
-        tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=seq, max_seqlen_k=seq,
-                                                  block_size=None, config=config)
-        plan_fn = jax.jit(lambda cu: plans.plan_tiles(
-            cu, cu, None, num_q_tokens=batch * seq, num_packed_keys=batch * seq, key_capacity=None,
-            spec=spec, max_seqlen_q=seq, max_seqlen_k=seq, positions_per_tile=tiling.block_q,
-            block_k=tiling.block_k, longest_first=tiling.longest_first, align_rows=plans.MOSAIC_TMA_ROW_ALIGN))
+        plan_call = functools.partial(prefill.plan_mosaic_varlen, q, k, v, spec=spec, max_seqlen_q=seq,
+                                      max_seqlen_k=seq, config=config)
+        tiling, _ = plan_call(cu, cu, None, None)
+        plan_fn = jax.jit(lambda cu: plan_call(cu, cu, None, None)[1])
         plan = plan_fn(cu)
-        if interpret:  # (the jax 0.10 interpreter cannot read past an array's end: a tile of zero rows)
-            pad = lambda x: jnp.pad(x, ((0, 128),) + ((0, 0),) * (x.ndim - 1))
-        else:
-            pad = lambda x: x
-        rows = slice(0, batch * seq) if tiling.direct_output else slice(None)  # (else one slab per tile)
+
         def kernel_fn(q, k, v, plan, profile_dir=None):
-            return mosaic_prefill.varlen_attention_call(
-                pad(q), (pad(k)[None, None], 0), (pad(v)[None, None], 0), plan, None, None, None, spec=spec,
-                tiling=tiling, interpret=interpret, profile_dir=profile_dir)[rows]
+            return prefill.run_mosaic_varlen(q, k, v, plan, None, None, 1.0, 1.0, spec=spec, tiling=tiling,
+                                             interpret=interpret, profile_dir=profile_dir)
 
         kernel = jax.jit(kernel_fn)
         times = {}
         times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0))
         times["plan"], _, _ = timer.jax(lambda: plan_fn(cu))
         times["kernel"], _, part = timer.jax(lambda: kernel(q, k, v, plan))
-        if tiling.direct_output and not jnp.array_equal(part, whole):
+        if not jnp.array_equal(part, whole):
             raise AssertionError("the kernel alone and the whole call disagree")
         if interpret:  # (JAX's stock kernel has no interpret path here)
             block_kvs = ()

@@ -6,7 +6,7 @@ cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill` (``lowerin
 "triton"``) or of `jax_paged_attn.kernels.mosaic_prefill` (``lowering="mosaic_gpu"``,
 Hopper; measured faster at head sizes 128 and 256 on the H200: the same plan and semantics, its own tiling
 `plans.MosaicPrefillTiling`, and TMA's whole-tile reads and writes, see
-`_mosaic_varlen_attention`). The rest of this docstring describes the Triton kernel's
+`plan_mosaic_varlen` and `run_mosaic_varlen`). The rest of this docstring describes the Triton kernel's
 tiling; the Mosaic kernel's is in its module. This module
 and `jax_paged_attn.plans` (the launch plan, below this wrapper and the kernels, shared
 by every lowering) hold everything that does not depend on the lowering:
@@ -251,7 +251,45 @@ def _mosaic_varlen_attention(
     k_scale: Array | float, v_scale: Array | float, *, spec: AttentionSpec, max_seqlen_q: int,
     max_seqlen_k: int, config: tuning.MosaicPrefillConfig, interpret: bool,
 ) -> Array:  # [Tq, Hq, D], q.dtype
-    """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty call).
+    """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty
+    call): `plan_mosaic_varlen`, then `run_mosaic_varlen`."""
+    tiling, plan = plan_mosaic_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, spec=spec,
+                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, config=config)
+    return run_mosaic_varlen(q, k, v, plan, block_table, alibi_slopes, k_scale, v_scale, spec=spec,
+                             tiling=tiling, interpret=interpret)
+
+
+def plan_mosaic_varlen(
+    q: Array, k: Array | CachePlane, v: Array | CachePlane, cu_seqlens_q: Array, cu_seqlens_k: Array,
+    block_table: Array | None, seqused_k: Array | None, *, spec: AttentionSpec, max_seqlen_q: int,
+    max_seqlen_k: int, config: tuning.MosaicPrefillConfig,
+) -> tuple[plans.MosaicPrefillTiling, Array]:
+    """The Mosaic GPU kernel's tiling (static, from the shapes and ``config``) and its work
+    list (i32[num_tiles, TILE_INFO_WIDTH], `plans.plan_tiles` aligned to
+    `plans.MOSAIC_TMA_ROW_ALIGN`) for `run_mosaic_varlen`; arguments as `varlen_attention`.
+    Only the shapes and dtypes of q, k and v are read."""
+    itemsize = lambda x: jnp.dtype(x.dtype).itemsize
+    paged = block_table is not None
+    tiling = plans.plan_mosaic_prefill_tiling(
+        q.shape[-1], itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config)
+    plan = plans.plan_tiles(
+        cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=q.shape[0],
+        num_packed_keys=None if paged else k.shape[0],
+        key_capacity=block_table.shape[1] * k.shape[1] if paged else None, spec=spec,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first,
+        align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
+    return tiling, plan
+
+
+def run_mosaic_varlen(
+    q: Array, k: Array | CachePlane, v: Array | CachePlane, plan: Array, block_table: Array | None,
+    alibi_slopes: Array | None, k_scale: Array | float, v_scale: Array | float, *, spec: AttentionSpec,
+    tiling: plans.MosaicPrefillTiling, interpret: bool = False, profile_dir: str | None = None,
+) -> Array:  # [Tq, Hq, D], q.dtype
+    """The Mosaic GPU kernel over a plan from `plan_mosaic_varlen` (``profile_dir``: its
+    timeline, `mosaic_prefill.varlen_attention_call`).
 
     The kernel reads q and k / v by TMA in whole 8-row tiles: the plan aligns each
     tile's first query row and each sequence's first packed key row to 8
@@ -264,39 +302,25 @@ def _mosaic_varlen_attention(
     """
     from jax_paged_attn.kernels import mosaic_prefill
 
-    num_q_tokens, _, head_size = q.shape
-    paged = block_table is not None
-    itemsize = lambda x: jnp.dtype(x.dtype).itemsize
-    tiling = plans.plan_mosaic_prefill_tiling(
-        head_size, itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config)
-    if paged:
+    num_q_tokens = q.shape[0]
+    if block_table is not None:
         k_plane, v_plane = as_plane(k), as_plane(v)
         k_in, v_in = (k_plane.array, k_plane.plane), (v_plane.array, v_plane.plane)
         table = block_table.astype(jnp.int32)
-        key_capacity, num_packed_keys = table.shape[1] * k.shape[1], None
     else:
         # Packed keys as one plane of one page holding every row.
         rows = _tma_rows(k.shape[0], tiling.block_k, interpret)
         pad = lambda x: _pad_rows(x, rows)[None, None]
         k_in, v_in = (pad(k), 0), (pad(v), 0)
-        table, key_capacity, num_packed_keys = None, None, k.shape[0]
-    plan = plans.plan_tiles(
-        cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=num_q_tokens,
-        num_packed_keys=num_packed_keys, key_capacity=key_capacity, spec=spec,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        positions_per_tile=tiling.block_q, block_k=tiling.block_k, longest_first=tiling.longest_first,
-        align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
+        table = None
     q_in = _pad_rows(q, _tma_rows(num_q_tokens, tiling.block_q, interpret))
     out = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
         plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
-        interpret=interpret)
+        interpret=interpret, profile_dir=profile_dir)
     if tiling.direct_output:
         return out[:num_q_tokens]
     return _gather_tile_rows(out, plan, num_q_tokens)
-
-
 
 
 def _tma_rows(num_rows: int, tile_rows: int, interpret: bool) -> int:

@@ -552,23 +552,18 @@ def test_mosaic_kernel_profile_writes_a_timeline_of_its_regions(tmp_path):
     same output."""
     import json
 
-    from jax_paged_attn.kernels import mosaic_prefill
-
     batch, seq, heads, head_size = 2, 512, 4, 128
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (batch * seq, heads, head_size), jnp.bfloat16) for key in keys)
     cu = jnp.arange(batch + 1, dtype=jnp.int32) * seq
     spec = AttentionSpec.create(head_size, causal=True)
-    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=seq, max_seqlen_k=seq,
-                                              block_size=None, config=tuning.mosaic_prefill_config(head_size, "bfloat16"))
-    plan = plans.plan_tiles(cu, cu, None, num_q_tokens=batch * seq, num_packed_keys=batch * seq, key_capacity=None,
-                            spec=spec, max_seqlen_q=seq, max_seqlen_k=seq, positions_per_tile=tiling.block_q,
-                            block_k=tiling.block_k, longest_first=tiling.longest_first,
-                            align_rows=plans.MOSAIC_TMA_ROW_ALIGN)
+    tiling, plan = prefill.plan_mosaic_varlen(q, k, v, cu, cu, None, None, spec=spec, max_seqlen_q=seq,
+                                              max_seqlen_k=seq,
+                                              config=tuning.mosaic_prefill_config(head_size, "bfloat16"))
 
     def call(profile_dir):
-        return mosaic_prefill.varlen_attention_call(q, (k[None, None], 0), (v[None, None], 0), plan, None, None,
-                                                    None, spec=spec, tiling=tiling, profile_dir=profile_dir)
+        return prefill.run_mosaic_varlen(q, k, v, plan, None, None, 1.0, 1.0, spec=spec, tiling=tiling,
+                                         profile_dir=profile_dir)
 
     plain = jax.jit(functools.partial(call, None))()
     profiled = jax.jit(functools.partial(call, str(tmp_path)))()

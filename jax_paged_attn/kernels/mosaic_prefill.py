@@ -501,7 +501,8 @@ def _prefill_kernel(
                             plgpu.barrier_wait(v_bars.at[slot])
                     if masked and tiling.nonfinite_check == "probe":
                         probe = my_probe.at[lax.rem(kb * (block_k // width) + key0 // width, jnp.int32(2))]
-                        acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe)
+                        acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe,
+                                                   functools.partial(restore_queries, kb, last))
                         return acc, m_next, l_next
                     if masked:
                         # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
@@ -523,14 +524,7 @@ def _prefill_kernel(
                             plgpu.commit_smem()
                             acc = ops.mma_acc(acc, p.astype(dtype), work)
                             acc = jnp.where(seen > 0, jnp.nan, acc)
-                        if tiling.work_rows == 0:
-                            # The query tile held the values. After the last block this
-                            # warpgroup computes (below tail_split; with causal masking its
-                            # diagonal, mostly) only the output uses it.
-                            if last:
-                                pl.when(kb < tail_split - 1)(reload_queries)
-                            else:
-                                reload_queries()
+                        restore_queries(kb, last)
                     else:
                         if v_fp8:
                             my_work[...] = _convert(ops.load(v_tile), dtype)
@@ -557,7 +551,7 @@ def _prefill_kernel(
                     acc = ops.mma_acc(acc, p.astype(dtype), work)
                     return jnp.where(ops.row_bcast(sees_bad, out_shape), jnp.nan, acc)
 
-                def masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe):
+                def masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe, restore):
                     """P·V of a masked block (or part) the cheap way while its values are all
                     finite (`tuning.MosaicPrefillConfig.nonfinite_check` "probe"): the
                     product straight from the ring into a fresh accumulator, as in an
@@ -572,8 +566,7 @@ def _prefill_kernel(
                     buffers, so a fast thread's next write cannot meet a slow thread's read
                     of this one (a commit's barrier lies between). Without a work tile of
                     its own (``tiling.work_rows`` 0: the probe needs none at 64-key parts),
-                    the redo rewrites the warpgroup's query tile and then reloads the
-                    queries (a TMA copy, waited for)."""
+                    the redo rewrites the warpgroup's query tile, then ``restore``s it."""
                     src = v_tile
                     if v_fp8:
                         work[...] = _convert(ops.load(v_tile), dtype)
@@ -586,17 +579,28 @@ def _prefill_kernel(
                     def redo():
                         v = _convert(ops.load(v_tile), dtype) if v_fp8 else ops.load(v_tile)
                         out = masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags)
-                        if tiling.work_rows == 0:  # the query tile held the values
-                            reload_queries()
+                        restore()
                         return out
 
                     return lax.cond(probe[0] > 0, redo, lambda: acc + pv)
 
-                def reload_queries() -> None:
-                    """The queries back into the query tile, which held a masked block's values
-                    (``tiling.work_rows`` 0): its wgmmas have completed."""
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
-                    plgpu.barrier_wait(q_bars.at[wg])
+                def restore_queries(kb, last: bool) -> None:
+                    """After keys of block ``kb`` (``last``: its last part) rewrote their values in
+                    the query tile (``tiling.work_rows`` 0; its wgmmas have completed), the
+                    queries back into it by TMA, unless this was the last block the warpgroup
+                    computes (below tail_split; with causal masking its diagonal, mostly):
+                    then only the output uses the tile."""
+                    if tiling.work_rows:
+                        return
+
+                    def reload():
+                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
+                        plgpu.barrier_wait(q_bars.at[wg])
+
+                    if last:
+                        pl.when(kb < tail_split - 1)(reload)
+                    else:
+                        reload()
 
                 def release_v(kb, slot) -> None:  # the slot's wgmmas have completed
                     if specialized:
@@ -732,10 +736,9 @@ PROFILE_RANGES_PER_ITEM = 12
 what the profiler's event buffer is sized for."""
 
 
-def _compiler_params(profile_dir: str | None, *, num_items: int, programs: int | None):
+def _compiler_params(profile_dir: str | None, *, items_per_program: int):
     if not profile_dir:
         return plgpu.CompilerParams(approx_math=True)
-    items_per_program = -(-num_items // programs) if programs else 1
     profile = dict(profile_space=PROFILE_RANGES_PER_ITEM * items_per_program, profile_dir=profile_dir)
     if "profile_bounds_check" in plgpu.CompilerParams.__dataclass_fields__:  # (jax >= 0.11)
         profile["profile_bounds_check"] = True  # a longer trace is cut, not written over shared memory
@@ -771,7 +774,7 @@ def varlen_attention_call(
     loop over the KV blocks, the final ping-pong meeting, the epilogue;
     `PROFILE_RANGES_PER_ITEM` a work item) as a Chrome trace JSON file into
     that directory, through the Mosaic GPU profiler (its event buffer takes some
-    shared memory; benchmarks/prefill_timeline.py reads the files).
+    shared memory; benchmarks/prefill_parts.py --timeline reads the files).
     """
     _, num_q_heads, head_size = q.shape
     (k_arr, k_plane), (v_arr, v_plane) = k, v
@@ -845,8 +848,8 @@ def varlen_attention_call(
         grid_names=grid_names,
         num_threads=workers + 1 if tiling.warp_specialized else 1,
         thread_name="wg",
-        compiler_params=_compiler_params(profile_dir, num_items=num_tiles * num_q_heads, programs=grid[0]
-                                         if tiling.persistent_programs else None),
+        compiler_params=_compiler_params(profile_dir, items_per_program=-(-num_tiles * num_q_heads // grid[0])
+                                         if tiling.persistent_programs else 1),
         interpret=common.mosaic_interpret_params() if interpret else None,
         kernel_name="varlen_attention_mosaic",
     )(*inputs)
