@@ -76,7 +76,8 @@ def main() -> int:
     parser.add_argument("--timeline", metavar="DIR",
                         help="also profile one kernel call per shape into DIR and print its timeline summary")
     parser.add_argument("--clock-mhz", type=float,
-                        help="SM clock for the profiler's cycle counts (default: nvidia-smi's clocks.max.sm)")
+                        help="SM clock for the profiler's cycle counts (default: fitted to the trace's block "
+                             "starts, `fit_clock_mhz`; else nvidia-smi's clocks.max.sm)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu" and not args.interpret:
         print("prefill_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
@@ -151,7 +152,11 @@ def main() -> int:
                 jax.block_until_ready(profiled(q, k, v, plan))
             jax.effects_barrier()  # (the trace is written by a host callback)
             trace = json.loads(max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text())
-            clock = args.clock_mhz or sm_clock_mhz()
+            warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
+            fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
+            clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
+            source = "given" if args.clock_mhz else "fitted to the block starts" if fitted else "nvidia-smi maximum"
+            print(f"  SM clock {clock:.0f} MHz ({source})", flush=True)
             print(format_timeline(summarize_timeline(
                 trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
     return 0
@@ -162,6 +167,52 @@ def sm_clock_mhz() -> float:
     out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
     return float(out.split()[0])
+
+
+def _block_starts_and_cycles(trace: dict, warpgroups: int) -> dict:
+    """{block: (sm, start, cycles)} of a profiler trace: the start (µs, global timer) of
+    its earliest warpgroup and the most clock cycles one of its warpgroups ran to its
+    last event (a warpgroup's first event: the global timer; later ones add cycles /
+    1000 to it; a block's warpgroups start together)."""
+    first, last, sm_of = {}, {}, {}
+    for event in trace["traceEvents"]:
+        tid = event["tid"]
+        first.setdefault(tid, event["ts"])
+        last[tid] = event["ts"]
+        sm_of[tid] = event["pid"]
+    blocks = {}
+    for tid, start in first.items():
+        block = (tid - 1) // warpgroups
+        sm, block_start, cycles = blocks.get(block, (sm_of[tid], start, 0.0))
+        blocks[block] = (sm, min(block_start, start), max(cycles, (last[tid] - start) * 1e3))
+    return blocks
+
+
+def fit_clock_mhz(trace: dict, warpgroups: int) -> tuple[float, float] | None:
+    """(SM clock in MHz, mean gap between blocks on an SM in µs), fitted to the trace:
+    on each SM, the time from a block's start to the next one's (global timer) is the
+    block's cycles / clock plus the gap; a least-squares line over every such pair.
+    (Under load the SM clock runs below its maximum: read at the maximum, the blocks
+    look shorter and the gaps longer than they are.) None when the blocks' lengths do
+    not vary enough to fit."""
+    per_sm = collections.defaultdict(list)
+    for sm, start, cycles in _block_starts_and_cycles(trace, warpgroups).values():
+        per_sm[sm].append((start, cycles))
+    pairs = []
+    for blocks in per_sm.values():
+        blocks.sort()
+        pairs += [(a[1], b[0] - a[0]) for a, b in zip(blocks, blocks[1:])]
+    if len(pairs) < 3:
+        return None
+    n = len(pairs)
+    mean_x, mean_y = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
+    var_x = sum((x - mean_x) ** 2 for x, _ in pairs)
+    if var_x <= (0.05 * mean_x) ** 2 * n:
+        return None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in pairs) / var_x  # µs per cycle
+    if slope <= 0:
+        return None
+    return 1.0 / slope, mean_y - slope * mean_x
 
 
 def summarize_timeline(trace: dict, clock_mhz: float, compute_warpgroups: int, has_producer: bool = True) -> dict:

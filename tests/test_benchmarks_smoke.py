@@ -464,6 +464,35 @@ def test_prefill_parts_timeline_summary_of_a_profiler_trace():
     assert "compute (µs a block): setup 1.00, unmasked 4.75, epilogue 0.75" in text
 
 
+def test_prefill_parts_fits_the_sm_clock_to_the_block_starts():
+    """`prefill_parts.fit_clock_mhz`: blocks of different lengths (in cycles) one after
+    the other on two SMs, 1.5 µs apart, at 1,500 MHz: the fit finds both, where the
+    maximum clock (2,000 MHz) would read the blocks short and the gaps long."""
+    parts = _load("prefill_parts")
+    clock, gap = 1500.0, 1.5
+
+    def trace(lengths_by_sm):
+        events, tid = [], 1
+        for sm, lengths in lengths_by_sm.items():
+            start = 50.0
+            for cycles in lengths:
+                for warpgroup in range(3):  # two compute warpgroups and the producer
+                    end = cycles - 300 * warpgroup
+                    events += [{"name": "setup", "ph": "B", "ts": start, "pid": sm, "tid": tid},
+                               {"name": "setup", "ph": "E", "ts": start + end / 1e3, "pid": sm, "tid": tid}]
+                    tid += 1
+                start += cycles / clock + gap
+        return {"traceEvents": events}
+
+    varied = trace({1: [3000, 9000, 4500, 12000], 2: [6000, 1500, 7500]})
+    fitted_clock, fitted_gap = parts.fit_clock_mhz(varied, warpgroups=3)
+    assert fitted_clock == pytest.approx(clock) and fitted_gap == pytest.approx(gap)
+    assert parts.summarize_timeline(varied, 2000.0, 2)["gap_us"] > gap + 0.5
+    assert parts.summarize_timeline(varied, fitted_clock, 2)["gap_us"] == pytest.approx(gap)
+    # Blocks all of one length: a clock and a gap cannot be told apart.
+    assert parts.fit_clock_mhz(trace({1: [4000] * 4, 2: [4000] * 3}), warpgroups=3) is None
+
+
 def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
     parts = _load("prefill_parts")
     monkeypatch.setattr(sys, "argv", ["prefill_parts.py"])
