@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts]
-# Logs and results land in $OUT (default /tmp/gpu_session).
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts[=ARGS]]
+# Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-/tmp/gpu_session}"
@@ -23,7 +23,7 @@ for step in "${steps[@]}"; do
       run_pytest() {  # $1: time limit (s), $2: marker expression, then pytest options
         local limit="$1" marks="$2"; shift 2
         JPA_REPORT_FAILURES_AT_ONCE=1 timeout "$limit" python3 -m pytest -m "$marks" -v --tb=short -p no:cacheprovider \
-          --durations=5 "${per_test[@]}" "$@" ${paths:-tests}
+          --durations=5 "${per_test[@]}" ${TESTS_K:+-k "$TESTS_K"} "$@" ${paths:-tests}
       }
       if [ -n "${TESTS_WORKERS:-}" ]; then
         # TESTS_WORKERS=N: N pytest-xdist workers share the GPU (compiles run in parallel),
@@ -57,10 +57,14 @@ for step in "${steps[@]}"; do
           # shellcheck disable=SC2086
           timeout 120 python3 benchmarks/kernel_resources.py $variant 2>&1 | grep -v "fusion\|^$"
         done; } | tee "$out/resources.log" ;;
-    parts)  # the Mosaic GPU prefill call's plan / kernel / whole beside the stock kernel, and its
-      # in-kernel timeline (the package's configs; the traces, tens of MB, stay outside $out)
-      timeout 300 python3 benchmarks/prefill_parts.py --timeline /tmp/prefill_timeline 2>&1 \
-        | grep -v "^W\|^I0\|Deprecat" | tee "$out/parts.log" ;;
+    parts|parts=*)  # the Mosaic GPU prefill call's plan / kernel / whole beside the stock kernel, and
+      # its in-kernel timeline (the package's configs, or parts=ARG,ARG,...: prefill_parts.py's
+      # arguments, e.g. parts=--head-sizes,64,--config,block_k=128; the traces, tens of MB,
+      # stay outside $out, a fresh folder per step)
+      args="${step#parts}"; args="${args#=}"; args="${args//,/ }"
+      # shellcheck disable=SC2086
+      timeout 300 python3 benchmarks/prefill_parts.py --timeline "$(mktemp -d /tmp/prefill_timeline.XXXX)" $args 2>&1 \
+        | grep -v "^W\|^I0\|Deprecat\|warnings.warn\|Failed to dump profile" | tee -a "$out/parts.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
