@@ -19,7 +19,8 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, the producer fetching the next item's blocks while
-the compute warpgroups finish the current one; measured slower), ``fence_softmax`` (the
+the compute warpgroups finish the current one; measured slower, when its programs walked
+the items tile fastest), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -40,7 +41,7 @@ the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and 
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
 the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
-share K/V in L2), or persistent programs walking those items in the same order; a work
+share K/V in L2), or persistent programs walking the items head fastest; a work
 item is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
 from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
@@ -743,8 +744,12 @@ def _prefill_kernel(
                     plgpu.wait_smem_to_gmem(0)
 
     if tiling.persistent_programs:
-        # One program per SM walks the items, tile fastest (as the grid orders them);
-        # every barrier's phases stay matched across items (each item waits for what it
+        # One program per SM walks the items, round after round, head fastest: the plan's
+        # tiles come longest first, so each round's items cost about the same on every
+        # program (tile fastest, a program's share would be a run of neighbouring tiles,
+        # the longest ones on the first programs: 2.7x slower at B1 S16384), and a GQA
+        # group's heads run side by side (their K/V shared in L2).
+        # Every barrier's phases stay matched across items (each item waits for what it
         # arrives on; the producer drains the ring before it fills it for the next).
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
@@ -754,7 +759,7 @@ def _prefill_kernel(
 
         def next_item(i, _):
             item = program + i * step
-            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)))
+            work_item(lax.div(item, jnp.int32(num_heads)), lax.rem(item, jnp.int32(num_heads)))
 
         lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
     else:
