@@ -889,9 +889,10 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
     """MosaicPrefillConfigs the ours_mosaic_gpu peer sweeps, the package's default for the
     head size first (`tuning.mosaic_prefill_config`): the warp-specialized form with 2
     ping-ponged compute warpgroups, varying the masked blocks' non-finite check and
-    value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile) and
+    value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile),
     128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
-    memory at large head sizes)."""
+    memory at large head sizes) and, second, the default with one persistent program per
+    SM of the device."""
     from jax_paged_attn import tuning
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
@@ -903,8 +904,12 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
         dict(bk128, nonfinite_check="probe"), dict(bk128, nonfinite_check="probe", fence_softmax=True),
         dict(bk128, nonfinite_check="key_flags"),
     ]
+    default = tuning.mosaic_prefill_config(head_size, "bfloat16")
+    # One persistent program per SM (the device's count), right after the default.
+    sms = getattr(jax.devices()[0], "core_count", 0) or 0
+    persistent = [dataclasses.replace(default, persistent_programs=sms)] if sms > 0 else []
     grid = [MosaicPrefillConfig(**fields) for fields in choices]
-    return list(dict.fromkeys([tuning.mosaic_prefill_config(head_size, "bfloat16")] + grid))
+    return list(dict.fromkeys([default] + persistent + grid))
 
 
 def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
