@@ -568,6 +568,7 @@ class Context:
     ours_implementation: str = "triton"
     interpret: bool = False
     quick: bool = False
+    max_configs: int = 0  # a sweep's first configs only (0: all)
     _torch: Any = None
 
     def time_jax(self, call: Callable[[], Any], to_numpy: Callable[[Any], np.ndarray] | None = None,
@@ -581,6 +582,8 @@ class Context:
               to_numpy: Callable[[Any], np.ndarray] | None = None) -> Measurement:
         """Times every config (failures and budget stops noted), returns the fastest."""
         best, best_out, trials = None, None, []
+        if self.max_configs:
+            configs = list(configs)[:self.max_configs]
         for config in configs:
             name = describe(config)
             if self.deadline.expired():
@@ -1599,7 +1602,7 @@ def child_main(args: argparse.Namespace) -> int:
     print(f"[{suite}] process {os.getpid()}: {meta['gpu']} | torch {meta['torch']} | jobs {args.child_start}.."
           f"{args.child_start + len(jobs) - 1}", flush=True)
     ctx = Context(Timer(args.warmup, args.reps), Deadline(args.child_deadline), ours_implementation=args.ours_impl,
-                  interpret=args.interpret, quick=args.quick)
+                  interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
     with open(args.child_rows, "w") as sink:
         def emit(row: Row) -> None:
             sink.write(json.dumps(dataclasses.asdict(row), default=str) + "\n")
@@ -1732,6 +1735,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of the whole run from its start, compile included; inf for none "
                              "(default: %(default)s)")
+    parser.add_argument("--max-configs", type=int, default=0,
+                        help="a swept peer's first N configs only, the package default first (default: all)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median; default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first, the first compiles (default 3)")
     parser.add_argument("--peers", default=None,
@@ -1757,6 +1762,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      f"choose from {','.join(allowed)}")
     if args.reps < 1 or args.warmup < 1:
         parser.error("--reps and --warmup must be >= 1")
+    if args.max_configs < 0:
+        parser.error(f"--max-configs must be >= 0 (0: every config), got {args.max_configs}")
     if not args.budget_s > 0:  # also rejects nan
         parser.error(f"--budget-s must be > 0 (inf for no budget), got {args.budget_s}")
     if args.stem is not None and (not args.stem or "/" in args.stem or args.stem.startswith(".")):
@@ -1769,7 +1776,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     # What a suite's child process must get to plan the same jobs and time them alike.
     args.forwarded = [flag for flag, on in (("--tune", args.tune), ("--quick", args.quick), ("--tiny", args.tiny),
                                             ("--interpret", args.interpret)) if on]
-    args.forwarded += ["--reps", str(args.reps), "--warmup", str(args.warmup), "--ours-impl", args.ours_impl]
+    args.forwarded += ["--reps", str(args.reps), "--warmup", str(args.warmup), "--ours-impl", args.ours_impl,
+                       "--max-configs", str(args.max_configs)]
     if args.peers is not None:
         args.forwarded += ["--peers", args.peers]
     return args
@@ -1843,7 +1851,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 suite_rows = []
                 ctx = Context(Timer(args.warmup, args.reps), deadline, ours_implementation=args.ours_impl,
-                              interpret=args.interpret, quick=args.quick)
+                              interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
                 run_jobs(jobs, ctx, lambda row: suite_rows.append(dataclasses.asdict(row)))
             rows += suite_rows
             markdown = write_outputs(paths, meta, rows, args, start)
