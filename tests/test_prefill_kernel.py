@@ -391,8 +391,7 @@ MOSAIC_TILINGS = [
      dict(q_lens=[150, 9], k_lens=[260, 30], num_q_heads=2, num_kv_heads=1, head_size=64),
      dict(causal=True, window_size=(100, 0))),
     # Causal, no window: each 64-row tile's diagonal block has one masked 64-key part,
-    # the other hidden from its rows (the first tile) or seen whole (the second tile:
-    # computed unmasked).
+    # the other hidden from its rows (the first tile) or seen whole by them (the second).
     ("single-bk128-masked-parts-causal-hidden-and-whole-parts",
      dataclasses.replace(_SINGLE, block_k=128, num_stages=2, masked_block_k=64),
      dict(q_lens=[200, 9], k_lens=[200, 30], num_q_heads=2, num_kv_heads=1, head_size=64),

@@ -418,61 +418,34 @@ def _prefill_kernel(
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
                     meet the other warpgroup), its attention only with ``compute``. A masked
-                    block runs in parts of ``tiling.masked_block_k`` keys, each part as its
-                    keys are to this warpgroup's rows: hidden (skipped), seen whole
-                    (unmasked) or masked (with causal masking and 64-key parts, each
-                    warpgroup's diagonal is one masked part: the other part is hidden
-                    from the first warpgroup and whole to the second)."""
+                    block runs in parts of ``tiling.masked_block_k`` keys."""
                     slot = lax.rem(kb - kb_lo, jnp.int32(stages))
                     plgpu.barrier_wait(k_bars.at[slot])
                     if not compute:
-                        pass_keys(slot, first=True, last=True)
-                        release_v(kb, slot)
-                        return carry
-                    width = tiling.masked_block_k if masked else block_k
-                    parts = block_k // width
-                    for part in range(parts):
-                        run = functools.partial(attend, kb, slot, key0=part * width, width=width,
-                                                first=part == 0, last=part == parts - 1)
-                        if parts == 1 or not masked:
-                            carry = run(carry, masked=masked)
-                            continue
-                        k_lo = kb * block_k + part * width - k_lead  # the part's first key position
-                        hidden = (k_lo + width <= my_lo) | (k_lo >= my_hi)
-                        whole = (k_lo >= last_lo) & (k_lo + width <= first_hi)
-
-                        def skip_part(c, first=part == 0, last=part == parts - 1):
-                            pass_keys(slot, first=first, last=last)
-                            return c
-
-                        def seen_part(c, run=run, whole=whole):
-                            return lax.cond(whole, functools.partial(run, masked=False),
-                                            functools.partial(run, masked=True), c)
-
-                        carry = lax.cond(hidden, skip_part, seen_part, carry)
-                    release_v(kb, slot)
-                    return carry
-
-                def pass_keys(slot, *, first: bool, last: bool) -> None:
-                    """The barrier protocol of keys not computed: what `attend` does for a
-                    block's ``first`` / ``last`` part, in its order."""
-                    if first and pingpong:
-                        pingpong.meet()
-                    if last and specialized:
-                        plgpu.barrier_arrive(k_free.at[slot])
-                    if first:
+                        if pingpong:
+                            pingpong.meet()
+                        if specialized:
+                            plgpu.barrier_arrive(k_free.at[slot])
                         if pingpong:
                             pingpong.arrive()
                         plgpu.barrier_wait(v_bars.at[slot])
                         if pingpong:
                             pingpong.wait()
+                        release_v(kb, slot)
+                        return carry
+                    width = tiling.masked_block_k if masked else block_k
+                    parts = block_k // width
+                    for part in range(parts):
+                        carry = attend(kb, slot, carry, part * width, width, masked=masked,
+                                       first=part == 0, last=part == parts - 1)
+                    release_v(kb, slot)
+                    return carry
 
                 def attend(kb, slot, carry, key0: int, width: int, *, masked: bool, first: bool, last: bool):
                     """Keys ``key0 .. key0 + width`` of KV block ``kb`` (in ring ``slot``).
                     The block's first part meets the other warpgroup while its Q·K^T runs and
-                    waits for the values; its last part releases the keys. ``carry``:
-                    accumulator, running max and sum, and the count of probes so far."""
-                    acc, m_prev, l_prev, probes = carry
+                    waits for the values; its last part releases the keys."""
+                    acc, m_prev, l_prev = carry
                     score_shape = (rows, width)
                     k_tile = k_ring.at[slot]
                     v_tile = v_ring.at[slot]
@@ -528,10 +501,10 @@ def _prefill_kernel(
                         else:
                             plgpu.barrier_wait(v_bars.at[slot])
                     if masked and tiling.nonfinite_check == "probe":
-                        probe = my_probe.at[lax.rem(probes, jnp.int32(2))]
+                        probe = my_probe.at[lax.rem(kb * (block_k // width) + key0 // width, jnp.int32(2))]
                         acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe,
                                                    functools.partial(restore_queries, kb, last))
-                        return acc, m_next, l_next, probes + 1
+                        return acc, m_next, l_next
                     if masked:
                         # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
                         # future): a 0/1 product first finds the (row, column) pairs that see a
@@ -554,12 +527,12 @@ def _prefill_kernel(
                             acc = jnp.where(seen > 0, jnp.nan, acc)
                         restore_queries(kb, last)
                     else:
-                        if v_fp8:  # (fp8 values: the work tile holds a whole block, `work` this part)
-                            work[...] = _convert(ops.load(v_tile), dtype)
+                        if v_fp8:
+                            my_work[...] = _convert(ops.load(v_tile), dtype)
                             plgpu.commit_smem()
-                            v_tile = work
+                            v_tile = my_work
                         acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
-                    return acc, m_next, l_next, probes
+                    return acc, m_next, l_next
 
                 def masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags):
                     """P·V of a masked block (or part) whose values may hold NaN / inf behind
@@ -642,9 +615,6 @@ def _prefill_kernel(
                     ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
                     ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                     ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                    # Probes so far: they use their two flag buffers in turn (a skipped part
-                    # between two masked ones must not make them share one).
-                    jnp.int32(0),
                 )
                 with jax.named_scope("q_wait"):
                     plgpu.barrier_wait(q_bars.at[wg])
@@ -694,7 +664,7 @@ def _prefill_kernel(
                 for region, lo, hi, body in loops:
                     with jax.named_scope(region):
                         carry = lax.fori_loop(lo, hi, body, carry)
-                acc, _, l_sum, _ = carry
+                acc, _, l_sum = carry
                 if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
                     with jax.named_scope("final_meet"):
                         pl.when(wg == 0)(pingpong.meet)
