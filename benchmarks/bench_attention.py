@@ -1770,7 +1770,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--stem must be a plain file name, got {args.stem!r}")
     args.peer_names = None if args.peers is None else {p for p in args.peers.split(",") if p}
     known = {impl.name for suite in args.suites for impl in SUITE_IMPLS.get(suite, ())}
-    if args.peer_names and args.peer_names - known:
+    # (A suite's child process gets the run's peers, some of them other suites': the
+    # parent checked them against every suite of the run.)
+    if args.peer_names and args.peer_names - known and args.child_rows is None:
         parser.error(f"unknown peer(s) {sorted(args.peer_names - known)} for suites {','.join(args.suites)}; "
                      f"known: {','.join(sorted(known))}")
     # What a suite's child process must get to plan the same jobs and time them alike.

@@ -20,6 +20,7 @@ import pathlib
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -309,9 +310,21 @@ def test_outputs_go_to_a_results_folder_and_never_to_the_committed_results_by_de
     committed = bench.parse_args(["--stem", "results", "--update-committed-md"])
     assert bench.output_paths(committed, "cpu", started) == [_BENCH_DIR / "results" / "results.md",
                                                              _BENCH_DIR / "RESULTS.md"]
-    for bad in (["--budget-s", "0"], ["--budget-s", "nan"], ["--stem", "../RESULTS"]):
+    for bad in (["--budget-s", "0"], ["--budget-s", "nan"], ["--stem", "../RESULTS"], ["--max-configs", "-1"],
+                ["--suite", "prefix", "--peers", "cudnn"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_peers_of_several_suites_reach_each_suites_process():
+    """--peers may name peers of different suites of the run; each suite's child process
+    gets them all (it checks none against its own suite alone), and --max-configs too."""
+    args = bench.parse_args(["--suite", "prefill,prefix", "--peers", "cudnn,cudnn_paged", "--max-configs", "2"])
+    assert args.peer_names == {"cudnn", "cudnn_paged"}
+    assert args.forwarded[args.forwarded.index("--max-configs") + 1] == "2"
+    child = bench.parse_args([*args.forwarded, "--suite", "prefix", "--child-rows", "/tmp/rows.jsonl",
+                              "--child-meta", "/tmp/meta.json"])
+    assert child.peer_names == {"cudnn", "cudnn_paged"} and child.max_configs == 2
 
 
 def test_profile_engine_quick_smoke(capsys, tmp_path):
@@ -498,3 +511,15 @@ def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["prefill_parts.py"])
     assert parts.main() == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_max_configs_keeps_a_sweep_to_its_first_configs():
+    """Context.max_configs: a swept peer times only its first N configs (the package
+    default comes first in every grid); 0 times them all."""
+    timer = bench.Timer(warmup=1, reps=1)
+    deadline = bench.Deadline(float("inf"))
+    make_call = lambda c: (lambda: jnp.full((2,), c, jnp.float32))  # noqa: E731
+    kept = bench.Context(timer, deadline, max_configs=2).sweep([1.0, 2.0, 3.0], make_call)
+    assert [t["config"] for t in kept.sweep] == ["1.0", "2.0"] and kept.note == "best of 2/2 configs"
+    every = bench.Context(timer, deadline).sweep([1.0, 2.0, 3.0], make_call)
+    assert len(every.sweep) == 3
