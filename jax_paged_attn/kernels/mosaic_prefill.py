@@ -19,8 +19,8 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, the producer fetching the next item's blocks while
-the compute warpgroups finish the current one; measured slower, when its programs walked
-the items tile fastest), ``fence_softmax`` (the
+the compute warpgroups finish the current one; measured 2x slower on the H200, 2026-12-02,
+though a profiled call's span is level with the grid form's: not understood), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -33,8 +33,10 @@ compute warpgroups fit at D 256).
 Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q·K^T of
 the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
 into one tile (K/V are read once per query head, the reuse left to L2), and less
-per-tile cost for short sequences (with equal blocks the stock kernel is 1.34x faster
-at B8 S2048, level at B1 S16384).
+per-tile cost for short sequences (with equal blocks the stock kernel is 1.24-1.34x faster
+at B8 S2048, level at B1 S16384; the masked tail costs about 3 unmasked blocks. Skipping
+or unmasking a masked block's parts per warpgroup behind ``lax.cond`` made the whole
+kernel 1.2-1.5x slower, its unmasked loop included: reverted).
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
