@@ -12,7 +12,8 @@ sequences of equal length), times back-to-back calls (`bench_attention.Timer`) o
 * ``plan``: `jax_paged_attn.prefill.plan_mosaic_varlen` alone, the work list computed under jit
   before every kernel call;
 * ``kernel``: `jax_paged_attn.prefill.run_mosaic_varlen` (the kernel) with the
-  plan computed beforehand;
+  plan computed beforehand; ``kernel_once``: the same, one call at a time, each waited
+  for (`one_call_ms`);
 * ``stock_bkv64`` / ``stock_bkv128``: JAX's stock ``attention_mgpu`` kernel (fp16, the
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
   no plan, no varlen and no masking of non-finite values.
@@ -37,8 +38,10 @@ import dataclasses
 import functools
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
+import time
 
 _HERE = pathlib.Path(__file__).resolve().parent
 for path in (_HERE.parent, _HERE):
@@ -120,6 +123,7 @@ def main() -> int:
         times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0))
         times["plan"], _, _ = timer.jax(lambda: plan_fn(cu))
         times["kernel"], _, part = timer.jax(lambda: kernel(q, k, v, plan))
+        times["kernel_once"] = one_call_ms(lambda: kernel(q, k, v, plan), 1 if interpret else 5)
         if not jnp.array_equal(part, whole):
             raise AssertionError("the kernel alone and the whole call disagree")
         if interpret:  # (JAX's stock kernel has no interpret path here)
@@ -160,6 +164,19 @@ def main() -> int:
             print(format_timeline(summarize_timeline(
                 trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
     return 0
+
+
+def one_call_ms(call, reps: int) -> float:
+    """Median wall time of ``reps`` calls made one at a time, each waited for (host
+    dispatch and the wait included: tens of µs). Beside the back-to-back timing it
+    tells a cost that only consecutive calls pay (the persistent form measured 2x
+    slower back to back than its profiled span)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def sm_clock_mhz() -> float:

@@ -435,7 +435,7 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     assert "B2 S80 Hq2 Hk1 D64, MosaicPrefillConfig(" in out
     assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
     assert "(1 compute warpgroups, block_k 64, work rows 0): full " in out
-    assert " plan " in out and " kernel " in out
+    assert " plan " in out and " kernel " in out and " kernel_once " in out
 
 
 def test_prefill_parts_timeline_summary_of_a_profiler_trace():
