@@ -186,22 +186,27 @@ def sm_clock_mhz() -> float:
     return float(out.split()[0])
 
 
-def _block_starts_and_cycles(trace: dict, warpgroups: int) -> dict:
-    """{block: (sm, start, cycles)} of a profiler trace: the start (µs, global timer) of
-    its earliest warpgroup and the most clock cycles one of its warpgroups ran to its
-    last event (a warpgroup's first event: the global timer; later ones add cycles /
-    1000 to it; a block's warpgroups start together)."""
+def _warpgroup_spans(trace: dict) -> dict:
+    """{tid: (sm, start, cycles)} of a profiler trace, one per warpgroup trace: its first
+    event's time (µs, global timer) and the clock cycles from it to its last event
+    (later events add cycles / 1000 to the first one's time)."""
     first, last, sm_of = {}, {}, {}
     for event in trace["traceEvents"]:
         tid = event["tid"]
         first.setdefault(tid, event["ts"])
         last[tid] = event["ts"]
         sm_of[tid] = event["pid"]
+    return {tid: (sm_of[tid], start, (last[tid] - start) * 1e3) for tid, start in first.items()}
+
+
+def _block_starts_and_cycles(trace: dict, warpgroups: int) -> dict:
+    """{block: (sm, start, cycles)}: the start of a block's earliest warpgroup and the
+    most cycles one of its warpgroups ran (`_warpgroup_spans`; they start together)."""
     blocks = {}
-    for tid, start in first.items():
+    for tid, (sm, start, cycles) in _warpgroup_spans(trace).items():
         block = (tid - 1) // warpgroups
-        sm, block_start, cycles = blocks.get(block, (sm_of[tid], start, 0.0))
-        blocks[block] = (sm, min(block_start, start), max(cycles, (last[tid] - start) * 1e3))
+        _, block_start, block_cycles = blocks.get(block, (sm, start, 0.0))
+        blocks[block] = (sm, min(block_start, start), max(block_cycles, cycles))
     return blocks
 
 
@@ -252,20 +257,19 @@ def summarize_timeline(trace: dict, clock_mhz: float, compute_warpgroups: int, h
     for event in trace["traceEvents"]:
         by_trace[event["tid"]].append(event)
     block_spans = collections.defaultdict(lambda: [float("inf"), float("-inf"), 0])  # start, end, sm
+    for tid, (sm, start, cycles) in _warpgroup_spans(trace).items():
+        span = block_spans[(tid - 1) // warpgroups]
+        span[0], span[1], span[2] = min(span[0], start), max(span[1], start + cycles / clock_mhz), sm
     totals = {"compute": collections.Counter(), "producer": collections.Counter()}
     for tid, events in by_trace.items():
-        block, warpgroup = divmod(tid - 1, warpgroups)
-        role = "producer" if warpgroup == compute_warpgroups else "compute"
-        start = events[0]["ts"]
-        to_us = lambda ts: start + (ts - start) * 1e3 / clock_mhz  # noqa: E731 (cycles / 1000 -> µs)
+        role = "producer" if (tid - 1) % warpgroups == compute_warpgroups else "compute"
+        # Durations only: cycles / 1000 between two events of one trace, at the clock.
         open_at = {}
         for event in events:
             if event["ph"] == "B":
-                open_at[event["name"]] = to_us(event["ts"])
+                open_at[event["name"]] = event["ts"]
             else:
-                totals[role][event["name"]] += to_us(event["ts"]) - open_at.pop(event["name"])
-        span = block_spans[block]
-        span[0], span[1], span[2] = min(span[0], start), max(span[1], to_us(events[-1]["ts"])), events[0]["pid"]
+                totals[role][event["name"]] += (event["ts"] - open_at.pop(event["name"])) * 1e3 / clock_mhz
     per_sm = collections.defaultdict(list)
     for start, end, sm in block_spans.values():
         per_sm[sm].append((start, end))

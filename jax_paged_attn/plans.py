@@ -220,8 +220,7 @@ def plan_tiles(
     # Each segment's place in the order and first tile, then each tile's segment, all by
     # comparing every pair (segments are few): a sort, a search and a gather per field
     # were a dozen small kernels on the GPU, 0.05-0.14 ms before every call.
-    num_segments = batch + 2
-    seg_ids = jnp.arange(num_segments, dtype=jnp.int32)
+    seg_ids = jnp.arange(batch + 2, dtype=jnp.int32)
     if longest_first:
         # Visible (query, key) pairs ~ q_len * span of the middle query (exact for
         # the linear spans of causal / window masks away from the clipping).
