@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts[=ARGS]] [ncu[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -65,6 +65,15 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       timeout 300 python3 benchmarks/prefill_parts.py --timeline "$(mktemp -d /tmp/prefill_timeline.XXXX)" $args 2>&1 \
         | grep -v "^W\|^I0\|Deprecat\|warnings.warn\|Failed to dump profile" | tee -a "$out/parts.log" ;;
+    ncu|ncu=*)  # the Mosaic GPU prefill kernel's device time per launch, from Nsight Compute (ncu),
+      # under prefill_parts.py (ncu=ARG,ARG,...: its arguments, as for parts); each launch's
+      # duration, grid and shared-memory occupancy limit, beside the script's own timings
+      args="${step#ncu}"; args="${args#=}"; args="${args//,/ }"
+      # shellcheck disable=SC2086
+      timeout 240 ncu --kernel-name regex:varlen_attention --launch-count "${NCU_LAUNCHES:-8}" --csv \
+        --metrics gpu__time_duration.sum,launch__grid_size,launch__occupancy_limit_shared_mem,sm__cycles_elapsed.avg.per_second \
+        python3 benchmarks/prefill_parts.py --no-stock --reps 2 $args 2>&1 \
+        | grep -v "^W\|^I0\|Deprecat\|warnings.warn" | tee -a "$out/ncu.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -2,7 +2,7 @@
 """Where the time of a Mosaic GPU prefill call goes, beside the stock Mosaic GPU kernel.
 
     python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N] [--head-sizes D ...]
-                                       [--timeline DIR]
+                                       [--timeline DIR] [--no-stock]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
 sequences of equal length), times back-to-back calls (`bench_attention.Timer`) of:
@@ -16,7 +16,7 @@ sequences of equal length), times back-to-back calls (`bench_attention.Timer`) o
   for (`one_call_ms`);
 * ``stock_bkv64`` / ``stock_bkv128``: JAX's stock ``attention_mgpu`` kernel (fp16, the
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
-  no plan, no varlen and no masking of non-finite values.
+  no plan, no varlen and no masking of non-finite values (``--no-stock`` leaves it out).
 
 Each shape runs the package's config for its head size
 (`jax_paged_attn.tuning.mosaic_prefill_config`); ``--config`` overrides its fields with Python
@@ -76,6 +76,7 @@ def main() -> int:
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
     parser.add_argument("--head-sizes", type=int, nargs="*", metavar="D",
                         help="only the shapes of these head sizes (default: every shape)")
+    parser.add_argument("--no-stock", action="store_true", help="leave the stock attention_mgpu kernel out")
     parser.add_argument("--timeline", metavar="DIR",
                         help="also profile one kernel call per shape into DIR and print its timeline summary")
     parser.add_argument("--clock-mhz", type=float,
@@ -126,7 +127,7 @@ def main() -> int:
         times["kernel_once"] = one_call_ms(lambda: kernel(q, k, v, plan), 1 if interpret else 5)
         if not jnp.array_equal(part, whole):
             raise AssertionError("the kernel alone and the whole call disagree")
-        if interpret:  # (JAX's stock kernel has no interpret path here)
+        if interpret or args.no_stock:  # (JAX's stock kernel has no interpret path here)
             block_kvs = ()
         else:
             from jax.experimental.pallas.ops.gpu import attention_mgpu as stock
@@ -155,7 +156,8 @@ def main() -> int:
             for _ in range(2):  # the first call compiles; the second's trace is read
                 jax.block_until_ready(profiled(q, k, v, plan))
             jax.effects_barrier()  # (the trace is written by a host callback)
-            trace = json.loads(max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text())
+            trace = _unwrap_cycles(json.loads(
+                max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
             warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
             fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
             clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
@@ -186,6 +188,25 @@ def sm_clock_mhz() -> float:
     return float(out.split()[0])
 
 
+CLOCK_WRAP = 2 ** 32
+"""The profiler's cycle counts are 32-bit: an event whose cycles, less the profiler's
+overhead correction, fell below its trace's first event's came back as about 2^32
+cycles after it (a 2^32-cycle region seen on the H100, 2026-12-02)."""
+
+
+def _unwrap_cycles(trace: dict) -> dict:
+    """``trace`` with every event's time unwrapped (`CLOCK_WRAP`): an event read more
+    than 2^31 cycles after its trace's first event (a second, at these clocks) is
+    2^32 cycles earlier."""
+    first, events = {}, []
+    for event in trace["traceEvents"]:
+        start = first.setdefault(event["tid"], event["ts"])
+        if (event["ts"] - start) * 1e3 > CLOCK_WRAP // 2:
+            event = dict(event, ts=event["ts"] - CLOCK_WRAP / 1e3)
+        events.append(event)
+    return dict(trace, traceEvents=events)
+
+
 def _warpgroup_spans(trace: dict) -> dict:
     """{tid: (sm, start, cycles)} of a profiler trace, one per warpgroup trace: its first
     event's time (µs, global timer) and the clock cycles from it to its last event
@@ -194,7 +215,7 @@ def _warpgroup_spans(trace: dict) -> dict:
     for event in trace["traceEvents"]:
         tid = event["tid"]
         first.setdefault(tid, event["ts"])
-        last[tid] = event["ts"]
+        last[tid] = max(last.get(tid, event["ts"]), event["ts"])
         sm_of[tid] = event["pid"]
     return {tid: (sm_of[tid], start, (last[tid] - start) * 1e3) for tid, start in first.items()}
 

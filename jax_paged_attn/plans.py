@@ -472,6 +472,9 @@ class MosaicPrefillTiling:
         otherwise one slab per tile ``[num_tiles, block_q, Hq, D]`` that the wrapper
         gathers from (`tuning.MosaicPrefillConfig.direct_output`, where an output row
         is a multiple of `MOSAIC_TMA_SMEM_ALIGN` bytes).
+      precheck_values: the call checks its values for NaN / inf once (one reduction over
+        the packed values, `tuning.MosaicPrefillConfig.precheck_values`); while every one is
+        finite, masked blocks run whole, P·V as in an unmasked block. Packed keys only.
       work_rows: rows of each compute warpgroup's value work tile (`mosaic_work_rows`):
         block_k with fp8 values (whole blocks converted), a masked part's keys for the
         non-finite handling, or 0 where the masked blocks borrow the warpgroup's query
@@ -492,6 +495,7 @@ class MosaicPrefillTiling:
     masked_block_k: int = 64
     direct_output: bool = True
     work_rows: int = 64
+    precheck_values: bool = False
 
     @property
     def block_q(self) -> int:
@@ -516,7 +520,8 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
     if config.compute_warpgroups not in (1, 2):
         raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
-    for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output"):
+    for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output",
+                 "precheck_values"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
@@ -634,7 +639,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                masked_block_k=math.gcd(block_k, config.masked_block_k),
                                direct_output=config.direct_output
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
-                               work_rows=work_rows())
+                               work_rows=work_rows(),
+                               precheck_values=config.precheck_values and block_size is None)
 
 # =========================================================================== paged decode
 

@@ -314,9 +314,11 @@ def run_mosaic_varlen(
         k_in, v_in = (pad(k), 0), (pad(v), 0)
         table = None
     q_in = _pad_rows(q, _tma_rows(num_q_tokens, tiling.block_q, interpret))
+    # (The padding's zero rows and the rows past the end that TMA reads as zeros are finite.)
+    values_finite = jnp.isfinite(v).all().astype(jnp.int32).reshape(1) if tiling.precheck_values else None
     out = mosaic_prefill.varlen_attention_call(
         q_in, k_in, v_in, plan, table, plans.alibi_slopes_log2(alibi_slopes),
-        plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), spec=spec, tiling=tiling,
+        plans.kv_scales(k.dtype, v.dtype, k_scale, v_scale), values_finite, spec=spec, tiling=tiling,
         interpret=interpret, profile_dir=profile_dir)
     if tiling.direct_output:
         return out[:num_q_tokens]

@@ -331,7 +331,13 @@ class MosaicPrefillConfig:
     by TMA after the block unless it is the tile's last (16-bit values, 64-key masked
     parts); ``"auto"`` (the default), the query tile where that lets a second compute
     warpgroup fit shared memory (D 256 at 64-key blocks) or with the ``"probe"`` check
-    (only its rare redo rewrites values), otherwise its own tile.
+    (only its rare redo rewrites values), otherwise its own tile; precheck_values: the
+    call first checks every value of the packed V for NaN / inf (one XLA reduction, a
+    read of V at memory speed); while all are finite no masked block has one to keep
+    from a row, so masked blocks run whole, P·V as in an unmasked block (one branch per
+    masked block), and the non-finite check above runs only for a call whose values hold
+    one. Over a paged cache it is off whatever the config says: the cache's pages would have to be
+    gathered to be checked (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -351,6 +357,7 @@ class MosaicPrefillConfig:
     masked_block_k: int = 64
     direct_output: bool = True
     value_work_tile: str = "auto"
+    precheck_values: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")
@@ -402,10 +409,10 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
 
 
 MOSAIC_PREFILL_BY_HEAD_SIZE: dict[int, dict[str, object]] = {
-    64: dict(nonfinite_check="probe"),
-    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe"),
-    192: dict(nonfinite_check="key_flags"),
-    256: dict(nonfinite_check="key_flags"),
+    64: dict(nonfinite_check="probe", precheck_values=True),
+    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True),
+    192: dict(nonfinite_check="key_flags", precheck_values=True),
+    256: dict(nonfinite_check="key_flags", precheck_values=True),
 }
 """Head size (rounded up to a multiple of 64) -> `MosaicPrefillConfig` fields where they
 differ from the default. The H200 sweep of 2026-12-02 (bench_attention.py, prefill
@@ -415,7 +422,10 @@ against 4.63 / 1.03 with the default; D 64 (B16 S1024) with "probe", 0.44 agains
 ms; D 256 (B4 S4096) with "key_flags", 1.32 ms (two compute warpgroups, the masked
 blocks in the query tile) against 5.3 with "product" or "probe" (their second 64 x D
 f32 product tile spills registers; `plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). D 192
-takes "key_flags" for the same register count, not measured."""
+takes "key_flags" for the same register count, not measured. ``precheck_values``
+(H100 80GB HBM3, 2026-12-02, `benchmarks/prefill_parts.py` timelines): the masked tail
+of a D 128 work item 4.24 -> 2.52 µs, the kernel's span -8 % at B8 S2048; -10 % at D 256
+(B4 S4096), -3.5 % at D 64; D 192 takes it with its neighbours, not measured."""
 
 
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.

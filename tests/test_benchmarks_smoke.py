@@ -477,6 +477,25 @@ def test_prefill_parts_timeline_summary_of_a_profiler_trace():
     assert "compute (µs a block): setup 1.00, unmasked 4.75, epilogue 0.75" in text
 
 
+def test_prefill_parts_unwraps_a_32_bit_cycle_count():
+    """An event the profiler read as 2^32 cycles past its trace's first (its overhead
+    correction took it below the first: an unsigned count wrapped) is read 2^32 cycles
+    earlier: the region ends where it began, not 2 seconds later."""
+    parts = _load("prefill_parts")
+    wrapped = 10.0 + (parts.CLOCK_WRAP - 5) / 1e3
+    trace = {"traceEvents": [
+        {"name": "setup", "ph": "B", "ts": 10.0, "pid": 1, "tid": 1},
+        {"name": "setup", "ph": "E", "ts": wrapped, "pid": 1, "tid": 1},
+        {"name": "unmasked", "ph": "B", "ts": 10.0 + 4000 / 1e3, "pid": 1, "tid": 1},
+        {"name": "unmasked", "ph": "E", "ts": 10.0 + 8000 / 1e3, "pid": 1, "tid": 1},
+    ]}
+    summary = parts.summarize_timeline(parts._unwrap_cycles(trace), 2000.0, compute_warpgroups=1,
+                                       has_producer=False)
+    assert summary["span_us"] == pytest.approx(4.0)
+    assert summary["regions"]["compute"]["setup"] == pytest.approx(-0.0025)
+    assert summary["regions"]["compute"]["unmasked"] == pytest.approx(2.0)
+
+
 def test_prefill_parts_fits_the_sm_clock_to_the_block_starts():
     """`prefill_parts.fit_clock_mhz`: blocks of different lengths (in cycles) one after
     the other on two SMs, 1.5 µs apart, at 1,500 MHz: the fit finds both, where the

@@ -539,6 +539,42 @@ def test_mosaic_masked_blocks_in_the_borrowed_query_tile(nonfinite_check, interp
     _assert_nonfinite_rows_match(out, problem)
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("poisoned", [pytest.param(False, id="finite"), pytest.param(True, id="poisoned")])
+def test_mosaic_prechecked_values_run_masked_blocks_whole_only_while_finite(poisoned, interpret):
+    """``precheck_values``: one reduction tells the kernel whether every value is
+    finite. Finite, the masked blocks (a window's left edge, the causal diagonal; 128-key
+    blocks, whose parts the guarded path would take) run whole with P·V as in an
+    unmasked block, and match the reference; poisoned, they keep each non-finite value
+    from the rows the mask hides it from, as without the precheck."""
+    problem = _poisoned_long_problem(paged=False)
+    if not poisoned:
+        problem = make_varlen_problem(np.random.default_rng(4), q_lens=[100, 9], k_lens=[100, 30],
+                                      num_q_heads=4, num_kv_heads=2, head_size=32, q_padding_rows=3)
+    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    config = dataclasses.replace(base, block_k=128, masked_block_k=64, nonfinite_check="probe",
+                                 precheck_values=True)
+    out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
+                              lowering=prefill.MOSAIC_GPU)
+    if poisoned:
+        _assert_nonfinite_rows_match(out, problem)
+    else:
+        _assert_matches_reference(out, problem, POISONED_ATTENTION)
+
+
+def test_mosaic_precheck_values_applies_to_packed_keys_only():
+    """A paged cache's pages would have to be gathered to be checked: its tiling keeps
+    the guarded masked blocks whatever the config asks."""
+    config = tuning.MosaicPrefillConfig(precheck_values=True)
+    plan = functools.partial(plans.plan_mosaic_prefill_tiling, 128, 2, 2, 2, max_seqlen_q=512,
+                             max_seqlen_k=512, config=config)
+    assert plan(block_size=None).precheck_values
+    assert not plan(block_size=16).precheck_values
+    with pytest.raises(ValueError, match="precheck_values"):
+        plans.check_mosaic_prefill_config(dataclasses.replace(config, precheck_values=1))
+
+
 @pytest.mark.parametrize("nonfinite_check", ["key_flags", "probe"])
 @pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
                                               if i in MOSAIC_KEY_FLAG_CASES])

@@ -19,8 +19,9 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, the producer fetching the next item's blocks while
-the compute warpgroups finish the current one; measured 2x slower on the H200, 2026-12-02,
-though a profiled call's span is level with the grid form's: not understood), ``fence_softmax`` (the
+the compute warpgroups finish the current one; walking them head fastest measured 1.6x
+slower than the grid form, its unmasked blocks 1.7x slower: K/V reuse in L2, see
+`_prefill_kernel`), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -43,7 +44,7 @@ the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and 
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
 the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
-share K/V in L2), or persistent programs walking the items head fastest; a work
+share K/V in L2), or persistent programs walking the items in that order; a work
 item is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
 from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
@@ -264,6 +265,7 @@ def _prefill_kernel(
     table_ref = common.pop_optional(rest, paged)  # i32[B, max_blocks]
     alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq] slopes * log2(e)
     scale_ref = common.pop_optional(rest, k_fp8 or v_fp8)  # f32[2] (k_scale, v_scale)
+    finite_ref = common.pop_optional(rest, tiling.precheck_values)  # i32[1]: 1 if every value is finite
     (
         o_ref,  # output: [Tq (a multiple of 8), Hq, D] q dtype, the packed rows (tiling.direct_output);
         #   else [num_tiles, block_q, Hq, D], tile t's rows
@@ -412,6 +414,8 @@ def _prefill_kernel(
                 if k_fp8:
                     pre_tanh = k_scale * pre_tanh
                 slope = alibi_ref[h] if alibi_ref is not None else None
+                # The call's values all finite (tiling.precheck_values), or None: unknown.
+                values_finite = finite_ref[0] > 0 if finite_ref is not None else None
                 # Without soft-cap or ALiBi the scale goes into the exponent's FMA (and the
                 # row max, scaled once: a positive scale keeps the max), not a pass of its
                 # own over the score tile (the stock kernel's form).
@@ -435,18 +439,33 @@ def _prefill_kernel(
                             pingpong.wait()
                         release_v(kb, slot)
                         return carry
-                    width = tiling.masked_block_k if masked else block_k
-                    parts = block_k // width
-                    for part in range(parts):
-                        carry = attend(kb, slot, carry, part * width, width, masked=masked,
-                                       first=part == 0, last=part == parts - 1)
+                    def guarded(carry):  # (non-finite values hidden behind the mask kept from the rows)
+                        width = tiling.masked_block_k
+                        parts = block_k // width
+                        for part in range(parts):
+                            carry = attend(kb, slot, carry, part * width, width, masked=True,
+                                           first=part == 0, last=part == parts - 1)
+                        return carry
+
+                    def whole(carry, masked: bool):  # the block at full width, P·V straight from the ring
+                        return attend(kb, slot, carry, 0, block_k, masked=masked, guard=False, first=True, last=True)
+
+                    if not masked:
+                        carry = whole(carry, masked=False)
+                    elif values_finite is None:
+                        carry = guarded(carry)
+                    else:  # every value finite (checked once per call): nothing to keep from any row
+                        carry = lax.cond(values_finite, functools.partial(whole, masked=True), guarded, carry)
                     release_v(kb, slot)
                     return carry
 
-                def attend(kb, slot, carry, key0: int, width: int, *, masked: bool, first: bool, last: bool):
+                def attend(kb, slot, carry, key0: int, width: int, *, masked: bool, first: bool, last: bool,
+                           guard: bool = True):
                     """Keys ``key0 .. key0 + width`` of KV block ``kb`` (in ring ``slot``).
                     The block's first part meets the other warpgroup while its Q·K^T runs and
-                    waits for the values; its last part releases the keys."""
+                    waits for the values; its last part releases the keys. A masked part keeps
+                    non-finite values from the rows its mask hides them from (``guard``;
+                    without it P·V runs as in an unmasked block)."""
                     acc, m_prev, l_prev = carry
                     score_shape = (rows, width)
                     k_tile = k_ring.at[slot]
@@ -502,12 +521,13 @@ def _prefill_kernel(
                             pingpong.wait()
                         else:
                             plgpu.barrier_wait(v_bars.at[slot])
-                    if masked and tiling.nonfinite_check == "probe":
+                    guarded = masked and guard
+                    if guarded and tiling.nonfinite_check == "probe":
                         probe = my_probe.at[lax.rem(kb * (block_k // width) + key0 // width, jnp.int32(2))]
                         acc = masked_pv_with_probe(acc, p, v_tile, visible, work, bad_flags, probe,
                                                    functools.partial(restore_queries, kb, last))
                         return acc, m_next, l_next
-                    if masked:
+                    if guarded:
                         # Keys hidden from some rows may hold NaN / inf (stale pages, a causal
                         # future): a 0/1 product first finds the (row, column) pairs that see a
                         # non-finite value, then P·V runs over the finite values (one work tile,
@@ -716,11 +736,13 @@ def _prefill_kernel(
                     plgpu.wait_smem_to_gmem(0)
 
     if tiling.persistent_programs:
-        # One program per SM walks the items, round after round, head fastest: the plan's
-        # tiles come longest first, so each round's items cost about the same on every
-        # program (tile fastest, a program's share would be a run of neighbouring tiles,
-        # the longest ones on the first programs: 2.7x slower at B1 S16384), and a GQA
-        # group's heads run side by side (their K/V shared in L2).
+        # One program per SM walks the items strided by the program count, tile fastest
+        # within a head, as the grid form's programs are issued: the programs running at
+        # once share a head's K/V in L2 (walking them head fastest spread them over four
+        # sequences and every head: unmasked blocks 1.7x slower, the H100, 2026-12-02).
+        # The stride also gives every program its share of long and short tiles (the plan
+        # orders them longest first; a run of neighbouring items would give the first
+        # programs the longest: 2.7x slower at B1 S16384).
         # Every barrier's phases stay matched across items (each item waits for what it
         # arrives on; the producer drains the ring before it fills it for the next).
         num_items = num_tiles * num_heads
@@ -731,7 +753,7 @@ def _prefill_kernel(
 
         def next_item(i, _):
             item = program + i * step
-            work_item(lax.div(item, jnp.int32(num_heads)), lax.rem(item, jnp.int32(num_heads)))
+            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)))
 
         lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
     else:
@@ -761,6 +783,7 @@ def varlen_attention_call(
     block_table: Array | None,  # i32[B, max_blocks] (paged) or None (packed: one page)
     alibi_slopes_log2: Array | None,  # f32[Hq] ALiBi slopes * log2(e), or None
     kv_scales: Array | None,  # f32[2] (k_scale, v_scale) when K or V is fp8, else None
+    values_finite: Array | None = None,  # i32[1]: 1 if every value is finite (tiling.precheck_values)
     *,
     spec: AttentionSpec,
     tiling: MosaicPrefillTiling,
@@ -794,6 +817,8 @@ def varlen_attention_call(
     k_fp8, v_fp8 = jnp.dtype(k_arr.dtype).itemsize == 1, jnp.dtype(v_arr.dtype).itemsize == 1
     if (k_fp8 or v_fp8) and kv_scales is None:
         raise ValueError("kv_scales (k_scale, v_scale) are required with fp8 keys or values.")
+    if tiling.precheck_values != (values_finite is not None):
+        raise ValueError("values_finite is given exactly when tiling.precheck_values is set.")
     paged = block_table is not None
     dtype = q.dtype
 
@@ -826,6 +851,7 @@ def varlen_attention_call(
     common.append_optional(inputs, block_table)
     common.append_optional(inputs, alibi_slopes_log2)
     common.append_optional(inputs, kv_scales)
+    common.append_optional(inputs, values_finite)
     kernel = functools.partial(
         _prefill_kernel,
         spec=spec,
