@@ -310,7 +310,7 @@ class MosaicPrefillConfig:
     programs (e.g. one per SM) that walk the items in turn,
     so the producer fetches the next item's first blocks while the compute warpgroups
     finish the current one (short sequences pay the ring's fill once per SM, not per
-    tile; measured slower on the H200 at one program per SM, 2026-12-02);
+    tile; measured slower on the H200 at one program per SM in either item order, 2026-12-02);
     masked_block_k: keys per step of a masked block (a multiple of 64 dividing block_k;
     capped at block_k): a masked block (the causal diagonal, window edges, sequence
     ends) runs in parts of that many keys, each keeping non-finite values from the rows

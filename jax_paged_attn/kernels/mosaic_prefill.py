@@ -1,7 +1,7 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02: 302-602 TFLOP/s at D 128 and
-416 at D 256, where auto runs it). K/V blocks arrive by TMA in a
+Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 18:59 UTC: 371-582 TFLOP/s at D 128
+and 475 at D 256, where auto runs it). K/V blocks arrive by TMA in a
 ``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
 Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 (`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
@@ -19,9 +19,10 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, the producer fetching the next item's blocks while
-the compute warpgroups finish the current one; walking them head fastest measured 1.6x
-slower than the grid form, its unmasked blocks 1.7x slower: K/V reuse in L2, see
-`_prefill_kernel`), ``fence_softmax`` (the
+the compute warpgroups finish the current one; off by default: walking the items head
+fastest measured 1.6x slower than the grid form, its unmasked blocks 1.7x slower (K/V
+reuse in L2, see `_prefill_kernel`), and in the grid's order, strided, still 1.5x slower
+at B8 S2048 and 2.5x at B1 S16384, its SMs busy 58 % of the span: the H200, 2026-12-02), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -35,7 +36,8 @@ Not done yet (the path to the issue's FLOP/s targets): async wgmma overlapping Q
 the next block with the softmax inside a warpgroup, and GQA packing of a KV group's heads
 into one tile (K/V are read once per query head, the reuse left to L2), and less
 per-tile cost for short sequences (with equal blocks the stock kernel is 1.24-1.34x faster
-at B8 S2048, level at B1 S16384; the masked tail costs about 3 unmasked blocks. Skipping
+at B8 S2048, level at B1 S16384; a guarded masked tail costs about 3 unmasked blocks, a
+prechecked one about 1.7, ``precheck_values``. Skipping
 or unmasking a masked block's parts per warpgroup behind ``lax.cond`` made the whole
 kernel 1.2-1.5x slower, its unmasked loop included: reverted).
 
@@ -95,7 +97,10 @@ that see a flagged key become NaN; or (``"probe"``, the default at D 64 and 128)
 runs from the ring as in an unmasked block, into a fresh accumulator whose row 0 is checked: a
 non-finite value anywhere among the block's values makes every row of that product
 non-finite (0 * NaN), and only then is the block redone the "key_flags" way. So a NaN
-or inf in K or V reaches exactly the rows that see its key, as in the reference. (Masked blocks load
+or inf in K or V reaches exactly the rows that see its key, as in the reference. With
+``precheck_values`` (`tuning.MosaicPrefillConfig`, packed keys) the wrapper first reduces
+the packed values to one flag; while every value is finite there is nothing to keep from
+any row, and a masked block runs whole, only its scores masked. (Masked blocks load
 the V tile into registers in the wgmma layout, whose tiles have 64 rows: block_k is a
 multiple of 64.)
 
