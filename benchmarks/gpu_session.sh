@@ -9,12 +9,15 @@ mkdir -p "$out"
 budget="${BENCH_BUDGET_S:-200}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
+step_args() {  # "name=A,B,C" -> "A B C"; a bare "name" -> ""
+  case "$1" in *=*) local args="${1#*=}"; echo "${args//,/ }" ;; esac
+}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 for step in "${steps[@]}"; do
   case "$step" in
     tests|tests=*)
-      paths="${step#tests}"; paths="${paths#=}"; paths="${paths//,/ }"
+      paths="$(step_args "$step")"
       # -v: each result as it lands, so a run cut off by the time limit still says how far it
       # got; --timeout (pytest-timeout, when installed) stops one hung case, not the run;
       # failures print their tracebacks as they happen.
@@ -61,14 +64,14 @@ for step in "${steps[@]}"; do
       # its in-kernel timeline (the package's configs, or parts=ARG,ARG,...: prefill_parts.py's
       # arguments, e.g. parts=--head-sizes,64,--config,block_k=128; the traces, tens of MB,
       # stay outside $out, a fresh folder per step)
-      args="${step#parts}"; args="${args#=}"; args="${args//,/ }"
+      args="$(step_args "$step")"
       # shellcheck disable=SC2086
       timeout 300 python3 benchmarks/prefill_parts.py --timeline "$(mktemp -d /tmp/prefill_timeline.XXXX)" $args 2>&1 \
         | grep -v "^W\|^I0\|Deprecat\|warnings.warn\|Failed to dump profile" | tee -a "$out/parts.log" ;;
     ncu|ncu=*)  # the Mosaic GPU prefill kernel's device time per launch, from Nsight Compute (ncu),
       # under prefill_parts.py (ncu=ARG,ARG,...: its arguments, as for parts); each launch's
       # duration, grid and shared-memory occupancy limit, beside the script's own timings
-      args="${step#ncu}"; args="${args#=}"; args="${args//,/ }"
+      args="$(step_args "$step")"
       # shellcheck disable=SC2086
       timeout 240 ncu --kernel-name regex:varlen_attention --launch-count "${NCU_LAUNCHES:-8}" --csv \
         --metrics gpu__time_duration.sum,launch__grid_size,launch__occupancy_limit_shared_mem,sm__cycles_elapsed.avg.per_second \

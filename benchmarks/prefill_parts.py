@@ -171,8 +171,8 @@ def main() -> int:
 def one_call_ms(call, reps: int) -> float:
     """Median wall time of ``reps`` calls made one at a time, each waited for (host
     dispatch and the wait included: tens of µs). Beside the back-to-back timing it
-    tells a cost that only consecutive calls pay (the persistent form measured 2x
-    slower back to back than its profiled span)."""
+    would tell a cost that only consecutive calls pay (none found: the persistent
+    form's 2x over its profiled span came from reading the span at the maximum clock)."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()

@@ -429,7 +429,9 @@ def _prefill_kernel(
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
                     meet the other warpgroup), its attention only with ``compute``. A masked
-                    block runs in parts of ``tiling.masked_block_k`` keys."""
+                    block runs in parts of ``tiling.masked_block_k`` keys, each guarded against
+                    non-finite values, unless the call's values are all finite
+                    (``tiling.precheck_values``): then it runs whole, as an unmasked block."""
                     slot = lax.rem(kb - kb_lo, jnp.int32(stages))
                     plgpu.barrier_wait(k_bars.at[slot])
                     if not compute:
@@ -444,7 +446,7 @@ def _prefill_kernel(
                             pingpong.wait()
                         release_v(kb, slot)
                         return carry
-                    def guarded(carry):  # (non-finite values hidden behind the mask kept from the rows)
+                    def in_guarded_parts(carry):  # non-finite values behind the mask kept from the rows
                         width = tiling.masked_block_k
                         parts = block_k // width
                         for part in range(parts):
@@ -458,9 +460,10 @@ def _prefill_kernel(
                     if not masked:
                         carry = whole(carry, masked=False)
                     elif values_finite is None:
-                        carry = guarded(carry)
+                        carry = in_guarded_parts(carry)
                     else:  # every value finite (checked once per call): nothing to keep from any row
-                        carry = lax.cond(values_finite, functools.partial(whole, masked=True), guarded, carry)
+                        carry = lax.cond(values_finite, functools.partial(whole, masked=True), in_guarded_parts,
+                                         carry)
                     release_v(kb, slot)
                     return carry
 
