@@ -480,6 +480,10 @@ class MosaicPrefillTiling:
         non-finite handling, or 0 where the masked blocks borrow the warpgroup's query
         tile instead (`tuning.MosaicPrefillConfig.value_work_tile`) and reload the
         queries after.
+      heads_per_program: query heads a program runs its tile for, one after the other,
+        the ring's KV blocks one stream through them (`tuning.MosaicPrefillConfig.
+        heads_per_program`; a divisor of the query heads). The grid's head axis has
+        ``Hq / heads_per_program`` programs.
     """
 
     compute_warpgroups: int
@@ -496,6 +500,7 @@ class MosaicPrefillTiling:
     direct_output: bool = True
     work_rows: int = 64
     precheck_values: bool = False
+    heads_per_program: int = 1
 
     @property
     def block_q(self) -> int:
@@ -527,6 +532,11 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
         raise ValueError(f"config.persistent_programs must be an int >= 0 (0: a program per work item), got "
                          f"{config.persistent_programs!r}.")
+    if not (isinstance(config.heads_per_program, int) and config.heads_per_program >= 1):
+        raise ValueError(f"config.heads_per_program must be an int >= 1, got {config.heads_per_program!r}.")
+    if config.persistent_programs and config.heads_per_program > 1:
+        raise ValueError("config.heads_per_program > 1 and config.persistent_programs are two ways to give a "
+                         "program several work items; set one of them.")
     if config.nonfinite_check not in tuning.MOSAIC_NONFINITE_CHECKS:
         raise ValueError(f"config.nonfinite_check must be one of {tuning.MOSAIC_NONFINITE_CHECKS}, got "
                          f"{config.nonfinite_check!r}.")
@@ -582,7 +592,7 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
 
 def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
                                max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
-                               config: tuning.MosaicPrefillConfig) -> MosaicPrefillTiling:
+                               config: tuning.MosaicPrefillConfig, num_q_heads: int = 1) -> MosaicPrefillTiling:
     """The Mosaic GPU varlen kernel's tiling for these shapes and `config` (checked).
 
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
@@ -599,6 +609,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
     misaligned address); other head sizes keep the slab per tile.
+    ``heads_per_program`` is the largest divisor of ``num_q_heads`` up to
+    ``config.heads_per_program``.
     """
     block_k = max(MOSAIC_MIN_BLOCK_K, min(config.block_k, next_power_of_2(max_seqlen_k)))
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
@@ -640,7 +652,9 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                direct_output=config.direct_output
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
                                work_rows=work_rows(),
-                               precheck_values=config.precheck_values and block_size is None)
+                               precheck_values=config.precheck_values and block_size is None,
+                               heads_per_program=max(d for d in range(1, config.heads_per_program + 1)
+                                                     if num_q_heads % d == 0))
 
 # =========================================================================== paged decode
 

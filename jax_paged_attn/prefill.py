@@ -272,7 +272,8 @@ def plan_mosaic_varlen(
     paged = block_table is not None
     tiling = plans.plan_mosaic_prefill_tiling(
         q.shape[-1], itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config)
+        max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config,
+        num_q_heads=q.shape[1])
     plan = plans.plan_tiles(
         cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=q.shape[0],
         num_packed_keys=None if paged else k.shape[0],

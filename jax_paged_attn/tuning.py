@@ -337,7 +337,15 @@ class MosaicPrefillConfig:
     from a row, so masked blocks run whole, P·V as in an unmasked block (one branch per
     masked block), and the non-finite check above runs only for a call whose values hold
     one. Over a paged cache it is off whatever the config says: the cache's pages would have to be
-    gathered to be checked (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`).
+    gathered to be checked (`jax_paged_attn.plans.plan_mosaic_prefill_tiling`);
+    heads_per_program: query heads each program runs its query tile for, one after the
+    other (the largest divisor of the query heads up to this): the ring carries the
+    tile's KV blocks once per head as one stream, so the producer fetches the next
+    head's first blocks while the compute warpgroups finish the current head, and a
+    program's launch, its ring's fill and its queries' first wait are paid once per
+    that many heads. The heads of a program have the same tile, so the same work, and
+    within a GQA group the same keys and values (read again from L2). 1 is a program
+    per (tile, head).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -358,6 +366,7 @@ class MosaicPrefillConfig:
     direct_output: bool = True
     value_work_tile: str = "auto"
     precheck_values: bool = False
+    heads_per_program: int = 1
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")

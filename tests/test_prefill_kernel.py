@@ -457,6 +457,35 @@ MOSAIC_TILINGS = [
         dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=2,
              head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
+    # Several heads per program: the ring carries the tile's blocks once per head as one
+    # stream (3 slots over 5- and 1-block tiles: the slots wrap across heads), each head
+    # its own queries, ALiBi slope and output; a GQA group's heads read the same keys, an
+    # MHA program's heads each their own (the stream changes KV head mid-ring).
+    ("single-heads-per-program-2-gqa-paged-alibi",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=3, heads_per_program=2),
+     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
+          block_size=32, extra_blocks=2),
+     dict(causal=True, alibi=True)),
+    ("single-heads-per-program-3-mha-packed-window",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=3, heads_per_program=3),
+     dict(q_lens=[130, 9, 1], k_lens=[300, 30, 5], num_q_heads=3, num_kv_heads=3, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
+    ("specialized-1wg-heads-per-program-2-packed",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, heads_per_program=2),
+     dict(q_lens=[130, 9, 64], k_lens=[300, 30, 64], num_q_heads=4, num_kv_heads=2, head_size=32),
+     dict(causal=True)),
+    pytest.param(
+        "specialized-2wg-pingpong-heads-per-program-4-precheck",
+        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                   precheck_values=True, heads_per_program=4),
+        dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+             head_size=128),
+        dict(causal=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
+        tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
+        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
+        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
     ("specialized-1wg-paged-bs48-ring3-fp8",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
      dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,

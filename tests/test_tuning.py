@@ -186,12 +186,28 @@ def test_the_tables_in_use_are_described_in_words():
 @pytest.mark.parametrize("field, value", [
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 3), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
-    ("nonfinite_check", "none"), ("value_work_tile", "shared")])
+    ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", 0),
+    ("heads_per_program", 2.0)])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
     with pytest.raises(ValueError, match=f"config.{field}"):
         plans.check_mosaic_prefill_config(config)
+
+
+def test_mosaic_prefill_config_takes_one_way_to_give_a_program_several_items():
+    config = tuning.MosaicPrefillConfig(heads_per_program=2, persistent_programs=132)
+    with pytest.raises(ValueError, match="config.heads_per_program > 1 and config.persistent_programs"):
+        plans.check_mosaic_prefill_config(config)
+
+
+@pytest.mark.parametrize("requested, num_q_heads, expected", [(4, 32, 4), (4, 6, 3), (4, 7, 1), (8, 4, 4), (1, 32, 1)])
+def test_mosaic_prefill_heads_per_program_divide_the_query_heads(requested, num_q_heads, expected):
+    """The tiling's heads per program: the largest divisor of the query heads up to the config's."""
+    tiling = plans.plan_mosaic_prefill_tiling(128, 2, 2, 2, max_seqlen_q=4096, max_seqlen_k=4096, block_size=None,
+                                              config=tuning.MosaicPrefillConfig(heads_per_program=requested),
+                                              num_q_heads=num_q_heads)
+    assert tiling.heads_per_program == expected
 
 
 @pytest.mark.parametrize("block_k, masked_block_k, max_seqlen_k, expected", [

@@ -310,9 +310,11 @@ def _prefill_kernel(
 
     wg = lax.axis_index("wg")
 
-    def work_item(t: Array, h: Array) -> None:
-        """Query tile ``t`` of the plan for query head ``h``."""
-        kv_head = lax.div(h, jnp.int32(group))
+    def work_item(t: Array, h0: Array, num_heads_here: int) -> None:
+        """Query tile ``t`` of the plan for query heads ``h0 .. h0 + num_heads_here - 1``, in
+        turn. The ring carries one stream of KV blocks, the tile's blocks once per head
+        (`MosaicPrefillTiling.heads_per_program`): the producer runs into the next head's
+        blocks while the compute warpgroups finish the current one."""
 
         def field(f: TileField) -> Array:
             return plan_ref[t, int(f)]
@@ -334,9 +336,19 @@ def _prefill_kernel(
         @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
         def _():
             num_blocks = kb_hi - kb_lo
+            stream = num_blocks * num_heads_here  # blocks through the ring
 
-            def fetch(ring, bars, src, kb: Array, slot: Array, plane: int) -> None:
-                """Issues the TMA copies of KV block ``kb`` of ``src`` into ``ring[slot]``."""
+            def stream_block(s: Array) -> tuple[Array, Array]:
+                """(KV block, KV head) of the ring stream's ``s``-th block."""
+                if num_heads_here == 1:
+                    return kb_lo + s, lax.div(h0, jnp.int32(group))
+                head = lax.div(s, num_blocks)
+                return kb_lo + s - head * num_blocks, lax.div(h0 + head, jnp.int32(group))
+
+            def fetch(ring, bars, src, s: Array, slot: Array, plane: int) -> None:
+                """Issues the TMA copies of the stream's ``s``-th KV block of ``src`` into
+                ``ring[slot]``."""
+                kb, kv_head = stream_block(s)
                 for c in range(block_k // copy_rows):
                     key0 = kb * block_k + c * copy_rows
                     if paged:
@@ -354,15 +366,15 @@ def _prefill_kernel(
                         dst = dst.at[pl.ds(c * copy_rows, copy_rows)]
                     plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
 
-            def fetch_block(i: int | Array, slot: Array) -> None:  # the tile's i-th block, K and V
-                fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
-                fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+            def fetch_block(s: int | Array, slot: Array) -> None:  # the stream's s-th block, K and V
+                fetch(k_ring, k_bars, k_ref, jnp.int32(s), slot, k_plane)
+                fetch(v_ring, v_bars, v_ref, jnp.int32(s), slot, v_plane)
 
             @pl.when(wg == (workers if specialized else 0))
             @jax.named_scope("fill")
             def _fill_the_ring():
                 for i in range(stages):
-                    @pl.when(i < num_blocks)
+                    @pl.when(i < stream)
                     def _():
                         fetch_block(i, jnp.int32(i))
 
@@ -377,12 +389,12 @@ def _prefill_kernel(
                     def refill(i, _):
                         slot = lax.rem(i, jnp.int32(stages))
                         plgpu.barrier_wait(k_free.at[slot])
-                        fetch(k_ring, k_bars, k_ref, kb_lo + i, slot, k_plane)
+                        fetch(k_ring, k_bars, k_ref, i, slot, k_plane)
                         plgpu.barrier_wait(v_free.at[slot])
-                        fetch(v_ring, v_bars, v_ref, kb_lo + i, slot, v_plane)
+                        fetch(v_ring, v_bars, v_ref, i, slot, v_plane)
 
                     with jax.named_scope("refill"):
-                        lax.fori_loop(jnp.int32(stages), num_blocks, refill, None)
+                        lax.fori_loop(jnp.int32(stages), stream, refill, None)
 
                     def drain(i, _):  # the last blocks' releases, refilled by nothing
                         slot = lax.rem(i, jnp.int32(stages))
@@ -393,13 +405,11 @@ def _prefill_kernel(
                     # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
                     # producer is idle here anyway).
                     with jax.named_scope("drain"):
-                        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+                        lax.fori_loop(jnp.maximum(stream - stages, 0), stream, drain, None)
 
-            @pl.when(wg < workers)
-            def _compute():
-                """Rows ``wg * 64 ..`` of the tile against the tile's KV blocks they can see."""
-                if specialized and not tiling.persistent_programs:
-                    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            def compute_head(h: Array, base: Array) -> None:
+                """Rows ``wg * 64 ..`` of the tile, query head ``h``, against the tile's KV
+                blocks they can see: the ring stream's blocks ``base ..``."""
                 my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
                 my_probe = probe_rows.at[wg]
                 row0 = wg * rows
@@ -432,7 +442,7 @@ def _prefill_kernel(
                     block runs in parts of ``tiling.masked_block_k`` keys, each guarded against
                     non-finite values, unless the call's values are all finite
                     (``tiling.precheck_values``): then it runs whole, as an unmasked block."""
-                    slot = lax.rem(kb - kb_lo, jnp.int32(stages))
+                    slot = lax.rem(base + kb - kb_lo, jnp.int32(stages))
                     plgpu.barrier_wait(k_bars.at[slot])
                     if not compute:
                         if pingpong:
@@ -637,9 +647,9 @@ def _prefill_kernel(
                     if specialized:
                         plgpu.barrier_arrive(v_free.at[slot])
                     else:  # no producer: refill the slot ourselves
-                        @pl.when(kb - kb_lo + stages < num_blocks)
+                        @pl.when(base + kb - kb_lo + stages < stream)
                         def _():
-                            fetch_block(kb - kb_lo + stages, slot)
+                            fetch_block(base + kb - kb_lo + stages, slot)
 
                 carry = (
                     ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
@@ -711,7 +721,7 @@ def _prefill_kernel(
                         my_q[...] = out
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
-                        plgpu.wait_smem_to_gmem(0)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (see below)
                         return
                     my_out_rows = out_rows.at[wg]  # my_q's memory
                     # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
@@ -741,7 +751,22 @@ def _prefill_kernel(
                         own_hi = jnp.minimum(q_rows - row0, rows)  # rows past the tile: the next one's
                         lax.fori_loop(own_lo, own_hi, store_row, None)
 
-                    plgpu.wait_smem_to_gmem(0)
+                    # Only until the copies have read the tile (the next head's queries
+                    # go there): their writes complete on their own, by the kernel's end
+                    # at the latest, and nothing in the kernel reads the output.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(wg < workers)
+            def _compute():
+                if specialized and not tiling.persistent_programs:
+                    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                if num_heads_here == 1:
+                    compute_head(h0, jnp.int32(0))
+                else:
+                    def next_head(j, _):
+                        compute_head(h0 + j, j * num_blocks)
+
+                    lax.fori_loop(0, num_heads_here, next_head, None)
 
     if tiling.persistent_programs:
         # One program per SM walks the items strided by the program count, tile fastest
@@ -761,11 +786,12 @@ def _prefill_kernel(
 
         def next_item(i, _):
             item = program + i * step
-            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)))
+            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)), 1)
 
         lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
     else:
-        work_item(lax.axis_index("tile"), lax.axis_index("head"))
+        heads = tiling.heads_per_program
+        work_item(lax.axis_index("tile"), lax.axis_index("head_group") * heads, heads)
 
 
 PROFILE_RANGES_PER_ITEM = 14
@@ -880,7 +906,10 @@ def varlen_attention_call(
     if tiling.persistent_programs:
         grid, grid_names = (min(tiling.persistent_programs, num_tiles * num_q_heads),), ("program",)
     else:
-        grid, grid_names = (num_tiles, num_q_heads), ("tile", "head")
+        if num_q_heads % tiling.heads_per_program:
+            raise ValueError(f"tiling.heads_per_program ({tiling.heads_per_program}) must divide the query "
+                             f"heads ({num_q_heads}).")
+        grid, grid_names = (num_tiles, num_q_heads // tiling.heads_per_program), ("tile", "head_group")
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(
@@ -891,7 +920,7 @@ def varlen_attention_call(
         num_threads=workers + 1 if tiling.warp_specialized else 1,
         thread_name="wg",
         compiler_params=_compiler_params(profile_dir, items_per_program=-(-num_tiles * num_q_heads // grid[0])
-                                         if tiling.persistent_programs else 1),
+                                         if tiling.persistent_programs else tiling.heads_per_program),
         interpret=common.mosaic_interpret_params() if interpret else None,
         kernel_name="varlen_attention_mosaic",
     )(*inputs)
