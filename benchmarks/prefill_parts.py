@@ -2,7 +2,7 @@
 """Where the time of a Mosaic GPU prefill call goes, beside the stock Mosaic GPU kernel.
 
     python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N] [--head-sizes D ...]
-                                       [--timeline DIR] [--no-stock]
+                                       [--timeline DIR] [--no-stock] [--versus FIELD=VALUE ...]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
 sequences of equal length), times back-to-back calls (`bench_attention.Timer`) of:
@@ -26,7 +26,8 @@ call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profile
 (`jax_paged_attn.prefill.run_mosaic_varlen`'s ``profile_dir``; its Chrome trace files stay
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
-(`summarize_timeline`). Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
+(`summarize_timeline`). ``--versus`` times the kernel with other fields in alternating
+rounds beside the config's, in the same process (`compare_kernels`). Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
 """
@@ -79,6 +80,10 @@ def main() -> int:
     parser.add_argument("--no-stock", action="store_true", help="leave the stock attention_mgpu kernel out")
     parser.add_argument("--timeline", metavar="DIR",
                         help="also profile one kernel call per shape into DIR and print its timeline summary")
+    parser.add_argument("--versus", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="also time the kernel with these fields changed, alternating with the config's "
+                             "kernel round by round in this process (`compare_kernels`)")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of --versus (default 7)")
     parser.add_argument("--clock-mhz", type=float,
                         help="SM clock for the profiler's cycle counts (default: fitted to the trace's block "
                              "starts, `fit_clock_mhz`; else nvidia-smi's clocks.max.sm)")
@@ -115,7 +120,7 @@ def main() -> int:
         plan_fn = jax.jit(lambda cu: plan_call(cu, cu, None, None)[1])
         plan = plan_fn(cu)
 
-        def kernel_fn(q, k, v, plan, profile_dir=None):
+        def kernel_fn(q, k, v, plan, profile_dir=None, tiling=tiling):
             return prefill.run_mosaic_varlen(q, k, v, plan, None, None, 1.0, 1.0, spec=spec, tiling=tiling,
                                              interpret=interpret, profile_dir=profile_dir)
 
@@ -149,6 +154,18 @@ def main() -> int:
               f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
             for name, ms in times.items()), flush=True)
+        if args.versus:
+            versus = parse_overrides(args.versus)
+            other_tiling, other_plan = functools.partial(plan_call, config=dataclasses.replace(config, **versus))(
+                cu, cu, None, None)
+            other = jax.jit(functools.partial(kernel_fn, tiling=other_tiling))
+            if not jnp.array_equal(other(q, k, v, other_plan), part):
+                raise AssertionError(f"the kernel with {versus} and the config's disagree")
+            ours_ms, other_ms = compare_kernels(lambda: kernel(q, k, v, plan), lambda: other(q, k, v, other_plan),
+                                                timer, 1 if interpret else args.rounds)
+            print(f"  versus {versus} ({args.rounds} alternating rounds, medians): kernel {ours_ms:.3f} ms "
+                  f"against {other_ms:.3f} ms ({flop / other_ms / 1e9:.0f} TFLOP/s), x{ours_ms / other_ms:.3f}",
+                  flush=True)
         if args.timeline:
             trace_dir = pathlib.Path(args.timeline) / shape.replace(" ", "_")
             trace_dir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +183,17 @@ def main() -> int:
             print(format_timeline(summarize_timeline(
                 trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
     return 0
+
+
+def compare_kernels(first, second, timer, rounds: int) -> tuple[float, float]:
+    """Median ms of two calls timed in alternating rounds (first, second, first, ...) in
+    one process: the H200 varies by up to ~15 % between processes, so a comparison of
+    configs read across processes can flip."""
+    times = ([], [])
+    for _ in range(rounds):
+        for call, kept in zip((first, second), times):
+            kept.append(timer.jax(call)[0])
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def one_call_ms(call, reps: int) -> float:

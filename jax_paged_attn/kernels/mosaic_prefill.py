@@ -338,17 +338,25 @@ def _prefill_kernel(
             num_blocks = kb_hi - kb_lo
             stream = num_blocks * num_heads_here  # blocks through the ring
 
-            def stream_block(s: Array) -> tuple[Array, Array]:
-                """(KV block, KV head) of the ring stream's ``s``-th block."""
+            # A block of the stream: (KV block, the program's query head j it is for).
+            def stream_block(s: Array) -> tuple[Array, Array]:  # the stream's s-th block
                 if num_heads_here == 1:
-                    return kb_lo + s, lax.div(h0, jnp.int32(group))
-                head = lax.div(s, num_blocks)
-                return kb_lo + s - head * num_blocks, lax.div(h0 + head, jnp.int32(group))
+                    return kb_lo + s, jnp.int32(0)
+                j = lax.div(s, jnp.maximum(num_blocks, 1))  # (no block: no fetch either)
+                return kb_lo + s - j * num_blocks, j
 
-            def fetch(ring, bars, src, s: Array, slot: Array, plane: int) -> None:
-                """Issues the TMA copies of the stream's ``s``-th KV block of ``src`` into
-                ``ring[slot]``."""
-                kb, kv_head = stream_block(s)
+            def next_block(kb: Array, j: Array) -> tuple[Array, Array]:
+                """The stream's block after (kb, j), without a division: it lies on the
+                producer's path from a released slot to that slot's next copy."""
+                if num_heads_here == 1:
+                    return kb + 1, j
+                wraps = kb + 1 == kb_hi
+                return jnp.where(wraps, kb_lo, kb + 1), jnp.where(wraps, j + 1, j)
+
+            def fetch(ring, bars, src, block: tuple[Array, Array], slot: Array, plane: int) -> None:
+                """Issues the TMA copies of stream block ``block`` of ``src`` into ``ring[slot]``."""
+                kb, j = block
+                kv_head = lax.div(h0 + j, jnp.int32(group))  # (a constant divisor)
                 for c in range(block_k // copy_rows):
                     key0 = kb * block_k + c * copy_rows
                     if paged:
@@ -367,8 +375,9 @@ def _prefill_kernel(
                     plgpu.copy_gmem_to_smem(src.at[plane, page, pl.ds(row, copy_rows), kv_head], dst, bars.at[slot])
 
             def fetch_block(s: int | Array, slot: Array) -> None:  # the stream's s-th block, K and V
-                fetch(k_ring, k_bars, k_ref, jnp.int32(s), slot, k_plane)
-                fetch(v_ring, v_bars, v_ref, jnp.int32(s), slot, v_plane)
+                block = stream_block(jnp.int32(s))
+                fetch(k_ring, k_bars, k_ref, block, slot, k_plane)
+                fetch(v_ring, v_bars, v_ref, block, slot, v_plane)
 
             @pl.when(wg == (workers if specialized else 0))
             @jax.named_scope("fill")
@@ -386,15 +395,16 @@ def _prefill_kernel(
                     if not tiling.persistent_programs:  # (persistent: once, before the items)
                         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-                    def refill(i, _):
+                    def refill(i, block):
                         slot = lax.rem(i, jnp.int32(stages))
                         plgpu.barrier_wait(k_free.at[slot])
-                        fetch(k_ring, k_bars, k_ref, i, slot, k_plane)
+                        fetch(k_ring, k_bars, k_ref, block, slot, k_plane)
                         plgpu.barrier_wait(v_free.at[slot])
-                        fetch(v_ring, v_bars, v_ref, i, slot, v_plane)
+                        fetch(v_ring, v_bars, v_ref, block, slot, v_plane)
+                        return next_block(*block)
 
                     with jax.named_scope("refill"):
-                        lax.fori_loop(jnp.int32(stages), stream, refill, None)
+                        lax.fori_loop(jnp.int32(stages), stream, refill, stream_block(jnp.int32(stages)))
 
                     def drain(i, _):  # the last blocks' releases, refilled by nothing
                         slot = lax.rem(i, jnp.int32(stages))
