@@ -45,7 +45,8 @@ __all__ = [
     "mosaic_output_chunk", "mosaic_store_chunk",
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K",
     "MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE", "MosaicPrefillTiling", "check_mosaic_prefill_config", "mosaic_work_rows",
-    "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling",
+    "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling", "mosaic_heads_per_program",
+    "MOSAIC_AUTO_HEADS_PER_PROGRAM", "MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
 ]
@@ -532,8 +533,9 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
         raise ValueError(f"config.persistent_programs must be an int >= 0 (0: a program per work item), got "
                          f"{config.persistent_programs!r}.")
-    if not (isinstance(config.heads_per_program, int) and config.heads_per_program >= 1):
-        raise ValueError(f"config.heads_per_program must be an int >= 1, got {config.heads_per_program!r}.")
+    if not (isinstance(config.heads_per_program, int) and config.heads_per_program >= 0):
+        raise ValueError(f"config.heads_per_program must be an int >= 0 (0: the plan chooses), got "
+                         f"{config.heads_per_program!r}.")
     if config.persistent_programs and config.heads_per_program > 1:
         raise ValueError("config.heads_per_program > 1 and config.persistent_programs are two ways to give a "
                          "program several work items; set one of them.")
@@ -610,7 +612,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
     misaligned address); other head sizes keep the slab per tile.
     ``heads_per_program`` is the largest divisor of ``num_q_heads`` up to
-    ``config.heads_per_program``.
+    ``config.heads_per_program``, or with 0 (auto) up to `MOSAIC_AUTO_HEADS_PER_PROGRAM` for
+    packed keys of at most `MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS` a sequence, else 1.
     """
     block_k = max(MOSAIC_MIN_BLOCK_K, min(config.block_k, next_power_of_2(max_seqlen_k)))
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
@@ -653,8 +656,32 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
                                work_rows=work_rows(),
                                precheck_values=config.precheck_values and block_size is None,
-                               heads_per_program=max(d for d in range(1, config.heads_per_program + 1)
-                                                     if num_q_heads % d == 0))
+                               heads_per_program=mosaic_heads_per_program(config, num_q_heads, max_seqlen_k,
+                                                                          paged=block_size is not None))
+
+
+MOSAIC_AUTO_HEADS_PER_PROGRAM = 4
+"""Query heads a Mosaic GPU prefill program runs in turn with ``heads_per_program=0``
+(auto) on short packed sequences: each head's launch, ring fill and first query wait were
+measured to cost more than the stream's slower per-block loop there (the H200,
+2026-12-02; `tuning.MosaicPrefillConfig.heads_per_program`)."""
+
+MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS = 4096
+"""Longest sequence (``max_seqlen_k``) for which auto runs several heads per program:
+faster at 1,024-4,096 keys, 5.5 % slower at 16,384 (the H200, 2026-12-02)."""
+
+
+def mosaic_heads_per_program(config: tuning.MosaicPrefillConfig, num_q_heads: int, max_seqlen_k: int, *,
+                             paged: bool) -> int:
+    """Query heads per program of the Mosaic GPU prefill kernel: the largest divisor of
+    ``num_q_heads`` up to the config's ``heads_per_program``; 0 (auto) asks for
+    `MOSAIC_AUTO_HEADS_PER_PROGRAM` on packed keys of at most
+    `MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS`, 1 otherwise (and with persistent programs)."""
+    wanted = config.heads_per_program
+    if wanted == 0:
+        short = not paged and max_seqlen_k <= MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS
+        wanted = MOSAIC_AUTO_HEADS_PER_PROGRAM if short and not config.persistent_programs else 1
+    return max(d for d in range(1, wanted + 1) if num_q_heads % d == 0)
 
 # =========================================================================== paged decode
 

@@ -345,7 +345,13 @@ class MosaicPrefillConfig:
     program's launch, its ring's fill and its queries' first wait are paid once per
     that many heads. The heads of a program have the same tile, so the same work, and
     within a GQA group the same keys and values (read again from L2). 1 is a program
-    per (tile, head).
+    per (tile, head); 0 (the package default, `MOSAIC_PREFILL_BY_HEAD_SIZE`) lets the
+    plan choose: `jax_paged_attn.plans.MOSAIC_AUTO_HEADS_PER_PROGRAM` heads for packed
+    keys up to `jax_paged_attn.plans.MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS` keys a
+    sequence, else 1 (measured on the H200, 2026-12-02, alternating rounds in one
+    process: 4 heads 3 % faster at B8 S2048 D128, 6 % at B16 S1024 D64, 2 % at B4 S4096
+    D256, 5.5 % slower at B1 S16384 D128, where a work item's per-block loop ran about 7 %
+    slower, for a reason not yet found; paged caches unmeasured apart from one noisy sweep).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -418,10 +424,10 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
 
 
 MOSAIC_PREFILL_BY_HEAD_SIZE: dict[int, dict[str, object]] = {
-    64: dict(nonfinite_check="probe", precheck_values=True),
-    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True),
-    192: dict(nonfinite_check="key_flags", precheck_values=True),
-    256: dict(nonfinite_check="key_flags", precheck_values=True),
+    64: dict(nonfinite_check="probe", precheck_values=True, heads_per_program=0),
+    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0),
+    192: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
+    256: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
 }
 """Head size (rounded up to a multiple of 64) -> `MosaicPrefillConfig` fields where they
 differ from the default. The H200 sweep of 2026-12-02 (bench_attention.py, prefill
@@ -434,7 +440,8 @@ f32 product tile spills registers; `plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`).
 takes "key_flags" for the same register count, not measured. ``precheck_values``
 (H100 80GB HBM3, 2026-12-02, `benchmarks/prefill_parts.py` timelines): the masked tail
 of a D 128 work item 4.24 -> 2.52 µs, the kernel's span -8 % at B8 S2048; -10 % at D 256
-(B4 S4096), -3.5 % at D 64; D 192 takes it with its neighbours, not measured."""
+(B4 S4096), -3.5 % at D 64; D 192 takes it with its neighbours, not measured. ``heads_per_program``
+0 (auto): see `MosaicPrefillConfig`."""
 
 
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.

@@ -186,7 +186,7 @@ def test_the_tables_in_use_are_described_in_words():
 @pytest.mark.parametrize("field, value", [
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 3), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
-    ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", 0),
+    ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", -1),
     ("heads_per_program", 2.0)])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
@@ -208,6 +208,17 @@ def test_mosaic_prefill_heads_per_program_divide_the_query_heads(requested, num_
                                               config=tuning.MosaicPrefillConfig(heads_per_program=requested),
                                               num_q_heads=num_q_heads)
     assert tiling.heads_per_program == expected
+
+
+@pytest.mark.parametrize("max_seqlen_k, paged, persistent, expected", [
+    (4096, False, 0, 4), (1, False, 0, 4), (4097, False, 0, 1), (2048, True, 0, 1), (2048, False, 132, 1)])
+def test_mosaic_prefill_auto_heads_per_program(max_seqlen_k, paged, persistent, expected):
+    """heads_per_program=0 (the package default): several heads per program on short packed
+    sequences only."""
+    config = tuning.MosaicPrefillConfig(heads_per_program=0, persistent_programs=persistent)
+    assert plans.mosaic_heads_per_program(config, 32, max_seqlen_k, paged=paged) == expected
+    assert plans.mosaic_heads_per_program(config, 6, max_seqlen_k, paged=paged) == min(expected, 3)
+    assert tuning.mosaic_prefill_config(128, "bfloat16").heads_per_program == 0
 
 
 @pytest.mark.parametrize("block_k, masked_block_k, max_seqlen_k, expected", [
