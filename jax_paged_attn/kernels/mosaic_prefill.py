@@ -1,7 +1,7 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 18:59 UTC: 371-582 TFLOP/s at D 128
-and 475 at D 256, where auto runs it). K/V blocks arrive by TMA in a
+Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 21:39 UTC: 387-586 TFLOP/s at D 128
+and 461 at D 256, where auto runs it). K/V blocks arrive by TMA in a
 ``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
 Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 (`jax_paged_attn.tuning.MosaicPrefillConfig.warp_specialized`):
@@ -45,11 +45,16 @@ Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_pr
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
-the tile sizes. Grid: ``(num_tiles, Hq)``, tile axis fastest (neighbouring programs
-share K/V in L2), or persistent programs walking the items in that order; a work
-item is one query head's ``block_q`` rows (64 per compute
+the tile sizes. Grid: ``(num_tiles, Hq / heads_per_program)``, tile axis fastest
+(neighbouring programs share K/V in L2), or persistent programs walking the items in
+that order; a work item is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
-from L2). Every compute warpgroup goes through all of the tile's blocks in order (each
+from L2). With ``heads_per_program`` > 1 (`tuning.MosaicPrefillConfig`; auto: 4 on
+short packed sequences) a program runs its tile for that many consecutive heads, one
+after the other: the ring carries the tile's KV blocks once per head as one stream (the
+producer runs on into the next head's blocks), and each compute warpgroup reloads its
+queries after storing the previous head's output (3-6 % faster at 1-4k keys on the
+H200; its per-block loop measured about 7 % slower, so long sequences keep 1). Every compute warpgroup goes through all of the tile's blocks in order (each
 slot is released by all of them) and computes those its own rows can see, with the
 tile's masked / unmasked split, except that blocks of the tile's masked tail that its
 own rows see whole run unmasked (with causal masking, the second warpgroup sees the
