@@ -27,7 +27,8 @@ call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profile
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
 (`summarize_timeline`). ``--versus`` times the kernel with other fields in alternating
-rounds beside the config's, in the same process (`compare_kernels`). Needs a Hopper GPU, exits with 2 otherwise, except with ``--interpret``: a CPU
+rounds beside the config's, in the same process (`compare_kernels`). Needs a Hopper GPU,
+exits with 2 otherwise, except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
 """

@@ -593,8 +593,8 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
 
 
 def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
-                               max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
-                               config: tuning.MosaicPrefillConfig, num_q_heads: int = 1) -> MosaicPrefillTiling:
+                               num_q_heads: int, max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
+                               config: tuning.MosaicPrefillConfig) -> MosaicPrefillTiling:
     """The Mosaic GPU varlen kernel's tiling for these shapes and `config` (checked).
 
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and

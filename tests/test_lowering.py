@@ -441,7 +441,7 @@ def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size,
     from jax_paged_attn.spec import AttentionSpec
 
     config = tuning.MosaicPrefillConfig(**fields)
-    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=1, max_seqlen_q=2048, max_seqlen_k=2048,
                                               block_size=None, config=config)
     assert tiling.compute_warpgroups == 2
     sds = jax.ShapeDtypeStruct

@@ -596,7 +596,7 @@ def test_mosaic_precheck_values_applies_to_packed_keys_only():
     """A paged cache's pages would have to be gathered to be checked: its tiling keeps
     the guarded masked blocks whatever the config asks."""
     config = tuning.MosaicPrefillConfig(precheck_values=True)
-    plan = functools.partial(plans.plan_mosaic_prefill_tiling, 128, 2, 2, 2, max_seqlen_q=512,
+    plan = functools.partial(plans.plan_mosaic_prefill_tiling, 128, 2, 2, 2, num_q_heads=1, max_seqlen_q=512,
                              max_seqlen_k=512, config=config)
     assert plan(block_size=None).precheck_values
     assert not plan(block_size=16).precheck_values
@@ -844,7 +844,7 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     """The Mosaic plan shrinks the ring, the compute warpgroups and block_k until the
     tiles fit the budget; the largest config fits at every head size."""
     config = tuning.MosaicPrefillConfig(block_k=256, num_stages=4, compute_warpgroups=2)
-    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=4096,
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, num_q_heads=1, max_seqlen_q=4096,
                                               max_seqlen_k=4096, block_size=48, config=config)
     used = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size,
                                            tiling.num_stages, 2, kv_itemsize, kv_itemsize, tiling.work_rows)
@@ -852,7 +852,7 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     assert tiling.block_k % plans.MOSAIC_MIN_BLOCK_K == 0 and tiling.num_stages >= 2
     assert tiling.copy_rows == math.gcd(tiling.block_k, 48) and tiling.block_q == 64 * tiling.compute_warpgroups
     # Short queries take one compute warpgroup, short keys a 64-key block.
-    short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, max_seqlen_q=64,
+    short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, num_q_heads=1, max_seqlen_q=64,
                                              max_seqlen_k=40, block_size=None, config=config)
     assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
 
@@ -867,7 +867,7 @@ def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
     D 128 (`plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`)."""
     def plan(head_size, v_itemsize=2, **fields):
         config = tuning.MosaicPrefillConfig(**fields)
-        return plans.plan_mosaic_prefill_tiling(head_size, 2, v_itemsize, v_itemsize, max_seqlen_q=4096,
+        return plans.plan_mosaic_prefill_tiling(head_size, 2, v_itemsize, v_itemsize, num_q_heads=1, max_seqlen_q=4096,
                                                 max_seqlen_k=4096, block_size=None, config=config)
 
     bk128 = plan(128, block_k=128, masked_block_k=64)
@@ -906,7 +906,7 @@ def test_mosaic_direct_output_only_where_rows_are_tma_aligned(head_size):
     at each row's start: a head size of 32 faulted with a misaligned address on the
     H200); other head sizes keep the slab per tile, and direct_output=False keeps it
     everywhere."""
-    plan = lambda config: plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=4096,
+    plan = lambda config: plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=1, max_seqlen_q=4096,
                                                          max_seqlen_k=4096, block_size=None, config=config)
     assert tuning.MOSAIC_PREFILL_CONFIG.direct_output
     assert plan(tuning.MOSAIC_PREFILL_CONFIG).direct_output == (head_size % 64 == 0)

@@ -230,6 +230,6 @@ def test_mosaic_prefill_auto_heads_per_program(max_seqlen_k, paged, persistent, 
 ])
 def test_mosaic_prefill_masked_parts_divide_the_block(block_k, masked_block_k, max_seqlen_k, expected):
     config = tuning.MosaicPrefillConfig(block_k=block_k, masked_block_k=masked_block_k)
-    tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, max_seqlen_q=4096, max_seqlen_k=max_seqlen_k,
+    tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, num_q_heads=1, max_seqlen_q=4096, max_seqlen_k=max_seqlen_k,
                                               block_size=None, config=config)
     assert (tiling.block_k, tiling.masked_block_k) == expected

@@ -54,7 +54,8 @@ short packed sequences) a program runs its tile for that many consecutive heads,
 after the other: the ring carries the tile's KV blocks once per head as one stream (the
 producer runs on into the next head's blocks), and each compute warpgroup reloads its
 queries after storing the previous head's output (3-6 % faster at 1-4k keys on the
-H200; its per-block loop measured about 7 % slower, so long sequences keep 1). Every compute warpgroup goes through all of the tile's blocks in order (each
+H200; its per-block loop measured about 7 % slower, so long sequences keep 1).
+Every compute warpgroup goes through all of the tile's blocks in order (each
 slot is released by all of them) and computes those its own rows can see, with the
 tile's masked / unmasked split, except that blocks of the tile's masked tail that its
 own rows see whole run unmasked (with causal masking, the second warpgroup sees the
@@ -861,6 +862,7 @@ def varlen_attention_call(
     _, num_pages, page_rows, num_kv_heads, _ = k_arr.shape
     block_k, stages, workers = tiling.block_k, tiling.num_stages, tiling.compute_warpgroups
     assert block_k % tiling.copy_rows == 0 and tiling.block_q == workers * ROWS_PER_WARPGROUP, tiling
+    assert num_q_heads % tiling.heads_per_program == 0, tiling  # (plans.mosaic_heads_per_program: a divisor)
     num_tiles = plan.shape[0]
     assert plan.shape[1] == TILE_INFO_WIDTH
     k_fp8, v_fp8 = jnp.dtype(k_arr.dtype).itemsize == 1, jnp.dtype(v_arr.dtype).itemsize == 1
@@ -921,9 +923,6 @@ def varlen_attention_call(
     if tiling.persistent_programs:
         grid, grid_names = (min(tiling.persistent_programs, num_tiles * num_q_heads),), ("program",)
     else:
-        if num_q_heads % tiling.heads_per_program:
-            raise ValueError(f"tiling.heads_per_program ({tiling.heads_per_program}) must divide the query "
-                             f"heads ({num_q_heads}).")
         grid, grid_names = (num_tiles, num_q_heads // tiling.heads_per_program), ("tile", "head_group")
     return plgpu.kernel(
         kernel,
