@@ -908,9 +908,11 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
         dict(bk128, nonfinite_check="key_flags"),
     ]
     default = tuning.mosaic_prefill_config(head_size, "bfloat16")
-    # Right after the default: 1, 4 and 2 heads per program (those the default does not
-    # set), then one persistent program per SM (the device's count).
-    heads = [dataclasses.replace(default, heads_per_program=n) for n in (1, 4, 2) if n != default.heads_per_program]
+    # Right after the default: its next heads' queries prefetched, then 1, 4 and 2 heads
+    # per program (those the default does not set), then one persistent program per SM
+    # (the device's count).
+    heads = [dataclasses.replace(default, prefetch_queries=True)] + [
+        dataclasses.replace(default, heads_per_program=n) for n in (1, 4, 2) if n != default.heads_per_program]
     sms = getattr(jax.devices()[0], "core_count", 0) or 0
     persistent = [dataclasses.replace(default, persistent_programs=sms, heads_per_program=1)] if sms > 0 else []
     grid = [MosaicPrefillConfig(**fields) for fields in choices]

@@ -485,6 +485,9 @@ class MosaicPrefillTiling:
         the ring's KV blocks one stream through them (`tuning.MosaicPrefillConfig.
         heads_per_program`; a divisor of the query heads). The grid's head axis has
         ``Hq / heads_per_program`` programs.
+      query_buffers: query tiles per compute warpgroup: 2 loads the next head's queries
+        while the current head computes (`tuning.MosaicPrefillConfig.prefetch_queries`,
+        with several heads per program where shared memory holds the second tile), else 1.
     """
 
     compute_warpgroups: int
@@ -502,6 +505,7 @@ class MosaicPrefillTiling:
     work_rows: int = 64
     precheck_values: bool = False
     heads_per_program: int = 1
+    query_buffers: int = 1
 
     @property
     def block_q(self) -> int:
@@ -527,7 +531,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if config.compute_warpgroups not in (1, 2):
         raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
     for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output",
-                 "precheck_values"):
+                 "precheck_values", "prefetch_queries"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
@@ -578,16 +582,18 @@ def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefill
 
 
 def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: int, num_stages: int,
-                              q_itemsize: int, k_itemsize: int, v_itemsize: int, work_rows: int) -> int:
+                              q_itemsize: int, k_itemsize: int, v_itemsize: int, work_rows: int,
+                              query_buffers: int = 1) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
     its value work tile of ``work_rows`` (`mosaic_work_rows`), its converted-key tile
     (fp8 keys), its f32 key flags
     (``"key_flags"``; counted always: 4 bytes a key) and its two buffers of f32 row flags
     (``"probe"``; counted always), plus the K and V ring. Barriers and alignment fit in
-    the budget's margin."""
+    the budget's margin. ``query_buffers`` query tiles per warpgroup (2: the next head's
+    queries prefetched)."""
     conv_rows = block_k if k_itemsize == 1 else 0
-    per_warpgroup = ((MOSAIC_ROWS_PER_WARPGROUP + work_rows + conv_rows) * head_size * q_itemsize
+    per_warpgroup = ((query_buffers * MOSAIC_ROWS_PER_WARPGROUP + work_rows + conv_rows) * head_size * q_itemsize
                      + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
@@ -611,6 +617,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
     misaligned address); other head sizes keep the slab per tile.
+    ``query_buffers`` is 2 with ``config.prefetch_queries``, several heads per program
+    and room for the second query tile, else 1.
     ``heads_per_program`` is the largest divisor of ``num_q_heads`` up to
     ``config.heads_per_program``, or with 0 (auto) up to `MOSAIC_AUTO_HEADS_PER_PROGRAM` for
     packed keys of at most `MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS` a sequence, else 1.
@@ -645,6 +653,13 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
             f"tile's 64 rows hold them), got {v_itemsize}-byte values and "
             f"{math.gcd(block_k, config.masked_block_k)}-key parts; use 'auto' or 'own'.")
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
+    heads_per_program = mosaic_heads_per_program(config, num_q_heads, max_seqlen_k, paged=block_size is not None)
+    # A second query tile only where a program has a next head to prefetch for and shared
+    # memory holds it beside the tiling chosen above (it never costs the tiling a slot,
+    # a wider block or a warpgroup).
+    query_buffers = 2 if (config.prefetch_queries and heads_per_program > 1 and mosaic_prefill_smem_bytes(
+        workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(), query_buffers=2)
+        <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
@@ -656,8 +671,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
                                work_rows=work_rows(),
                                precheck_values=config.precheck_values and block_size is None,
-                               heads_per_program=mosaic_heads_per_program(config, num_q_heads, max_seqlen_k,
-                                                                          paged=block_size is not None))
+                               heads_per_program=heads_per_program, query_buffers=query_buffers)
 
 
 MOSAIC_AUTO_HEADS_PER_PROGRAM = 4

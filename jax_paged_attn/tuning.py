@@ -351,7 +351,12 @@ class MosaicPrefillConfig:
     sequence, else 1 (measured on the H200, 2026-12-02, alternating rounds in one
     process: 4 heads 3 % faster at B8 S2048 D128, 6 % at B16 S1024 D64, 2 % at B4 S4096
     D256, 5.5 % slower at B1 S16384 D128, where a work item's per-block loop ran about 7 %
-    slower, for a reason not yet found; paged caches unmeasured apart from one noisy sweep).
+    slower, for a reason not yet found; paged caches unmeasured apart from one noisy sweep);
+    prefetch_queries: with several heads per program, each compute warpgroup loads the
+    next head's queries into a second query tile while the current head computes, where
+    shared memory holds it (D 64 and 128 at the default tiling, not D 256), instead of
+    after the current head's output store (about 0.8 µs a head on the H200, the
+    timelines of 2026-12-02; not yet measured, so off by default).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -373,6 +378,7 @@ class MosaicPrefillConfig:
     value_work_tile: str = "auto"
     precheck_values: bool = False
     heads_per_program: int = 1
+    prefetch_queries: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")

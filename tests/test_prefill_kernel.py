@@ -474,6 +474,25 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, heads_per_program=2),
      dict(q_lens=[130, 9, 64], k_lens=[300, 30, 64], num_q_heads=4, num_kv_heads=2, head_size=32),
      dict(causal=True)),
+    # The next head's queries loaded into a second query tile while the current head
+    # computes: partial warpgroups' row-by-row output stores (the output tile is the
+    # query tile's memory), odd and even heads alternating buffers, a 1-block tile.
+    ("single-heads-per-program-3-prefetch-queries-output-rows",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, heads_per_program=3, prefetch_queries=True),
+     dict(_OUTPUT_STORE_PROBLEM, num_q_heads=3, num_kv_heads=1),
+     dict(causal=True, alibi=True)),
+    ("specialized-1wg-heads-per-program-2-prefetch-queries-query-tile",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, heads_per_program=2,
+                                prefetch_queries=True, value_work_tile="query", nonfinite_check="key_flags"),
+     dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=4, num_kv_heads=2, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
+    pytest.param(
+        "specialized-2wg-pingpong-heads-per-program-4-prefetch-queries",
+        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                   precheck_values=True, heads_per_program=4, prefetch_queries=True),
+        dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+             head_size=128),
+        dict(causal=True), marks=pytest.mark.gpu),
     pytest.param(
         "specialized-2wg-pingpong-heads-per-program-4-precheck",
         tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",

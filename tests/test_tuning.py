@@ -187,7 +187,7 @@ def test_the_tables_in_use_are_described_in_words():
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 3), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
     ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", -1),
-    ("heads_per_program", 2.0)])
+    ("heads_per_program", 2.0), ("prefetch_queries", 1)])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
@@ -208,6 +208,24 @@ def test_mosaic_prefill_heads_per_program_divide_the_query_heads(requested, num_
                                               config=tuning.MosaicPrefillConfig(heads_per_program=requested),
                                               num_q_heads=num_q_heads)
     assert tiling.heads_per_program == expected
+
+
+@pytest.mark.parametrize("head_size, hpp, expected", [(128, 4, 2), (64, 4, 2), (256, 4, 1), (128, 1, 1)])
+def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head_size, hpp, expected):
+    """prefetch_queries: a second query tile per warpgroup only with several heads per
+    program and room beside the tiling (D 256's two warpgroups already fill shared memory)."""
+    config = dataclasses.replace(tuning.mosaic_prefill_config(head_size, "bfloat16"), heads_per_program=hpp,
+                                 prefetch_queries=True)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
+                                              block_size=None, config=config, num_q_heads=32)
+    plain = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
+                                             block_size=None, config=dataclasses.replace(config, prefetch_queries=False),
+                                             num_q_heads=32)
+    assert tiling.query_buffers == expected
+    assert dataclasses.replace(tiling, query_buffers=1) == plain  # the rest of the tiling is unchanged
+    smem = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size, tiling.num_stages,
+                                           2, 2, 2, tiling.work_rows, query_buffers=tiling.query_buffers)
+    assert smem <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
 
 
 @pytest.mark.parametrize("max_seqlen_k, paged, persistent, expected", [

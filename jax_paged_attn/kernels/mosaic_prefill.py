@@ -54,9 +54,10 @@ short packed sequences) a program runs its tile for that many consecutive heads,
 after the other: the ring carries the tile's KV blocks once per head as one stream (the
 producer runs on into the next head's blocks), and each compute warpgroup reloads its
 queries after storing the previous head's output (3-6 % faster at 1-4k keys on the
-H200; its per-block loop measured about 7 % slower, so long sequences keep 1).
-Every compute warpgroup goes through all of the tile's blocks in order (each
-slot is released by all of them) and computes those its own rows can see, with the
+H200; its per-block loop measured about 7 % slower, so long sequences keep 1), or
+with ``prefetch_queries`` loads the next head's queries into a second query tile while
+the current head computes (the two tiles used in turn; not yet measured). Every
+compute warpgroup goes through all of the tile's blocks in order (each slot is released by all of them) and computes those its own rows can see, with the
 tile's masked / unmasked split, except that blocks of the tile's masked tail that its
 own rows see whole run unmasked (with causal masking, the second warpgroup sees the
 first one's diagonal block whole).
@@ -281,9 +282,12 @@ def _prefill_kernel(
         o_ref,  # output: [Tq (a multiple of 8), Hq, D] q dtype, the packed rows (tiling.direct_output);
         #   else [num_tiles, block_q, Hq, D], tile t's rows
         # scratch (SMEM), W = compute warpgroups
-        q_smem,  # [W, 64, D] q dtype: each compute warpgroup's queries, then its output.
+        q_smem,  # [B * W, 64, D] q dtype, B = tiling.query_buffers: each compute warpgroup's
+        #   queries, then its output (buffer b of warpgroup w at b * W + w; with 2 buffers
+        #   the heads of a program use them in turn, the next head's queries loaded into
+        #   one while the current head computes from the other).
         #   With tiling.direct_output, a union (common.mosaic_smem_union) of it and
-        #   out_rows [W, 64, D] q dtype (plain rows): after the KV loop, a partial
+        #   out_rows [B * W, 64, D] q dtype (plain rows): after the KV loop, a partial
         #   warpgroup's output, stored row by row
         k_ring,  # [num_stages, block_k, D] K dtype
         v_ring,  # [num_stages, block_k, D] V dtype
@@ -295,7 +299,7 @@ def _prefill_kernel(
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
         #   (nonfinite_check "probe"; two buffers used in turn, see masked_pv_with_probe)
         # barriers
-        q_bars,  # [W]: the warpgroup's queries arrived
+        q_bars,  # [B * W]: the queries arrived in that buffer
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
         v_bars,  # [num_stages]: the slot's V block arrived
         k_free,  # [num_stages]: every compute warpgroup is done with the slot's K block
@@ -423,15 +427,30 @@ def _prefill_kernel(
                     with jax.named_scope("drain"):
                         lax.fori_loop(jnp.maximum(stream - stages, 0), stream, drain, None)
 
-            def compute_head(h: Array, base: Array) -> None:
-                """Rows ``wg * 64 ..`` of the tile, query head ``h``, against the tile's KV
-                blocks they can see: the ring stream's blocks ``base ..``."""
-                my_q, my_work, my_conv, my_bad = q_smem.at[wg], v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
+            row0 = wg * rows
+            q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
+            prefetch = tiling.query_buffers == 2
+
+            def load_queries(h: Array, buffer: Array | int) -> None:
+                qi = buffer * workers + wg
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], q_smem.at[qi], q_bars.at[qi])
+
+            def compute_head(h: Array, base: Array, j: Array | int) -> None:
+                """Rows ``wg * 64 ..`` of the tile, query head ``h`` (the program's ``j``-th),
+                against the tile's KV blocks they can see: the ring stream's blocks
+                ``base ..``."""
+                buffer = lax.rem(j, 2) if prefetch else 0
+                qi = buffer * workers + wg
+                my_q, q_bar, my_out_rows = q_smem.at[qi], q_bars.at[qi], out_rows.at[qi] if tiling.direct_output else None
+                my_work, my_conv, my_bad = v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
                 my_probe = probe_rows.at[wg]
-                row0 = wg * rows
                 my_pos0 = q_pos0 + row0
-                q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
+                if not prefetch:
+                    load_queries(h, 0)
+                else:  # (this head's queries were loaded before the head loop or by the previous head)
+                    # The other buffer's last reader, the previous head's output store, has
+                    # read it (its epilogue waits for that).
+                    pl.when(j + 1 < num_heads_here)(lambda: load_queries(h + 1, 1 - buffer))
 
                 if scale_ref is not None:
                     k_scale, v_scale = scale_ref[0], scale_ref[1]
@@ -651,8 +670,8 @@ def _prefill_kernel(
                         return
 
                     def reload():
-                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bars.at[wg])
-                        plgpu.barrier_wait(q_bars.at[wg])
+                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], my_q, q_bar)
+                        plgpu.barrier_wait(q_bar)
 
                     if last:
                         pl.when(kb < tail_split - 1)(reload)
@@ -673,7 +692,7 @@ def _prefill_kernel(
                     ops.layout(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                 )
                 with jax.named_scope("q_wait"):
-                    plgpu.barrier_wait(q_bars.at[wg])
+                    plgpu.barrier_wait(q_bar)
                 if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
                     pl.when(wg == 1)(pingpong.meet)
                 # Every compute warpgroup goes through every block of the tile, in order (the
@@ -739,7 +758,7 @@ def _prefill_kernel(
                         plgpu.copy_smem_to_gmem(my_q, o_ref.at[t, pl.ds(row0, rows), h])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (see below)
                         return
-                    my_out_rows = out_rows.at[wg]  # my_q's memory
+                    # (my_out_rows: my_q's memory)
                     # A warpgroup whose 64 rows are all this tile's stores them with one TMA copy
                     # (8-aligned: the plan aligns q_row0). One holding an aligned tile's lead
                     # rows or a sequence's end shares rows with a neighbouring tile, and a TMA
@@ -777,10 +796,13 @@ def _prefill_kernel(
                 if specialized and not tiling.persistent_programs:
                     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
                 if num_heads_here == 1:
-                    compute_head(h0, jnp.int32(0))
+                    compute_head(h0, jnp.int32(0), 0)
                 else:
+                    if prefetch:
+                        load_queries(h0, 0)
+
                     def next_head(j, _):
-                        compute_head(h0 + j, j * num_blocks)
+                        compute_head(h0 + j, j * num_blocks, j)
 
                     lax.fori_loop(0, num_heads_here, next_head, None)
 
@@ -878,11 +900,12 @@ def varlen_attention_call(
 
     copies = block_k // tiling.copy_rows
     placeholder = plgpu.SMEM((workers, TMA_ROW_ALIGN), jnp.float32)
+    query_tiles = tiling.query_buffers * workers
     scratch = [
-        common.mosaic_smem_union((tile(ROWS_PER_WARPGROUP, dtype, workers),),
-                                 (plgpu.SMEM((workers, ROWS_PER_WARPGROUP, head_size), dtype),),
+        common.mosaic_smem_union((tile(ROWS_PER_WARPGROUP, dtype, query_tiles),),
+                                 (plgpu.SMEM((query_tiles, ROWS_PER_WARPGROUP, head_size), dtype),),
                                  interpret=interpret)
-        if tiling.direct_output else tile(ROWS_PER_WARPGROUP, dtype, workers),
+        if tiling.direct_output else tile(ROWS_PER_WARPGROUP, dtype, query_tiles),
         tile(block_k, k_arr.dtype, stages),
         tile(block_k, v_arr.dtype, stages),
         # (An unused tile is a few bytes of placeholder: at D 256 its 8-row tiles would
@@ -891,7 +914,7 @@ def varlen_attention_call(
         tile(block_k, dtype, workers) if k_fp8 else placeholder,
         plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.SMEM((workers, 2, ROWS_PER_WARPGROUP), jnp.float32),
-        plgpu.Barrier(num_barriers=workers),
+        plgpu.Barrier(num_barriers=query_tiles),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=workers, num_barriers=stages),
