@@ -682,16 +682,19 @@ def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
 
 def mosaic_decode_grid(quick: bool) -> list[Any]:
     """MosaicDecodeConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (tile_keys, num_stages, target_programs). Unmeasured starting points: stage depth
+    (tile_keys, num_stages, target_programs, compute_warpgroups). Unmeasured starting points: stage depth
     (bytes in flight per program) against programs per SM (shared memory ~ num_stages *
     2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB)."""
     from jax_paged_attn.tuning import MosaicDecodeConfig
 
-    choices = ((64, 3, 1024), (128, 2, 1024)) if quick else (
-        (64, 4, 1024), (64, 3, 1024), (64, 6, 1024), (128, 2, 1024), (128, 3, 1024),
-        (64, 4, 512), (64, 4, 2048), (64, 4, 4096),
+    # (tile_keys, num_stages, target_programs, compute_warpgroups): warp-specialized forms first.
+    choices = ((64, 4, 1024, 2), (64, 2, 1024, 1)) if quick else (
+        (64, 4, 1024, 2), (64, 2, 1024, 1), (64, 4, 1024, 1), (64, 2, 1024, 2), (64, 4, 512, 2),
+        (64, 4, 1024, 0), (64, 3, 1024, 0), (64, 6, 1024, 0), (128, 2, 1024, 0), (128, 3, 1024, 0),
+        (64, 4, 512, 0), (64, 4, 2048, 0), (64, 4, 4096, 0),
     )
-    grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p) for t, st, p in choices]
+    grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p, compute_warpgroups=w)
+            for t, st, p, w in choices]
     return list(dict.fromkeys([MosaicDecodeConfig()] + grid))
 
 

@@ -173,7 +173,7 @@ def paged_decode_attention(
         if config is not None and not isinstance(config, MosaicDecodeConfig):
             raise TypeError(f"config must be a MosaicDecodeConfig for lowering={MOSAIC_GPU!r}, got "
                             f"{type(config).__name__}.")
-        return _mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), cache_seqlens, block_table, alibi_slopes,
+        return run_mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), cache_seqlens, block_table, alibi_slopes,
                               k_scale, v_scale, spec=spec, interpret=interpret, config=config)
     from jax_paged_attn.kernels import triton_decode
     tiling = triton_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, k_cache.dtype, config)
@@ -188,7 +188,7 @@ def paged_decode_attention(
     return combine_splits(partial_out, lse, q.dtype)
 
 
-def _mosaic_decode(
+def run_mosaic_decode(
     q: Array,  # [B, Sq, Hq, D] f16 / bf16
     k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
     v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8
@@ -199,10 +199,15 @@ def _mosaic_decode(
     v_scale: Array | float,  # f32 scalar, used when v_cache is fp8
     *,
     spec: AttentionSpec,
-    interpret: bool,
-    config: MosaicDecodeConfig | None,
+    interpret: bool = False,
+    config: MosaicDecodeConfig | None = None,
+    profile_dir: str | None = None,
 ) -> Array:  # [B, Sq, Hq, D], q.dtype
     """The Mosaic GPU lowering: query rows laid out per program, the kernel, the merge.
+
+    `paged_decode_attention`'s ``lowering="mosaic_gpu"`` path after its checks (caches
+    as `CachePlane`s); ``profile_dir``: the kernel's timeline
+    (`kernels.mosaic_decode.paged_decode_call`; benchmarks/decode_parts.py).
 
     The kernel reads one ``[64, D]`` tile of query rows per (KV head, row block), so the
     ``Sq * G`` rows of each KV head (row ``r``: token ``r // G``, head ``r % G`` of the
@@ -229,7 +234,7 @@ def _mosaic_decode(
         q_rows, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
         spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
-        group_size=group, interpret=interpret,
+        group_size=group, interpret=interpret, profile_dir=profile_dir,
     )
 
     def unpack_rows(x: Array, has_dim: bool) -> Array:

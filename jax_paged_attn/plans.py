@@ -849,8 +849,11 @@ class MosaicDecodeTiling:
         of `MOSAIC_DECODE_ROWS`).
       tile_keys: keys per pipeline stage, ``pages_per_tile`` whole pages.
       pages_per_tile: cache pages (one TMA copy each, per K and V) per stage.
-      num_stages: K/V tiles in the shared-memory ring.
+      num_stages: K/V tiles in the shared-memory ring (a multiple of
+        ``compute_warpgroups`` when warp-specialized).
       num_splits: KV splits per (sequence, KV head); 1 writes the final output.
+      compute_warpgroups: 0: one warpgroup copies and computes; 1 or 2: a producer
+        warpgroup and that many compute warpgroups (`tuning.MosaicDecodeConfig`).
     """
 
     row_blocks: int
@@ -858,6 +861,11 @@ class MosaicDecodeTiling:
     pages_per_tile: int
     num_stages: int
     num_splits: int
+    compute_warpgroups: int = 0
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.compute_warpgroups > 0
 
     @property
     def rows_per_program(self) -> int:
@@ -865,20 +873,26 @@ class MosaicDecodeTiling:
 
 
 def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
-                                         out_itemsize: int, cache_itemsizes: tuple[int, int] | None = None) -> int:
+                                         out_itemsize: int, cache_itemsizes: tuple[int, int] | None = None,
+                                         compute_warpgroups: int = 0) -> int:
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
-    caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffer of
-    each fp8 operand, the query tile, the probabilities tile, the output buffer
+    caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffers of
+    each fp8 operand, the query tile, the probabilities tiles, the output buffer
     (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
-    partials), the log-sum-exp row, the non-finite key flags and the three barrier
-    arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch buffer."""
+    partials), the log-sum-exp row, the non-finite key flags, with two compute
+    warpgroups the second one's f32 running output and row statistics for the merge,
+    and the barrier arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch
+    buffer. The upcast, probabilities and flag buffers are per compute warpgroup."""
     rows = MOSAIC_DECODE_ROWS
+    workers = max(compute_warpgroups, 1)
     k_size, v_size = cache_itemsizes or (itemsize, itemsize)
     buffers = [num_stages * tile_keys * head_size * k_size, num_stages * tile_keys * head_size * v_size]
-    buffers += [tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize]
-    buffers += [rows * head_size * itemsize, rows * tile_keys * itemsize,
-                rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, tile_keys * 4]
-    buffers += [8 * num_stages] * 2 + [8]  # mbarriers
+    buffers += [workers * tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize]
+    buffers += [rows * head_size * itemsize, workers * rows * tile_keys * itemsize,
+                rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, workers * tile_keys * 4]
+    if compute_warpgroups > 1:
+        buffers += [rows * head_size * 4, 2 * rows * 4]
+    buffers += [8 * num_stages] * (3 if compute_warpgroups else 2) + [8, 8]  # mbarriers
     return sum(round_up(size, 1024) for size in buffers)
 
 
@@ -906,35 +920,45 @@ def plan_mosaic_decode_tiling(
                          f"({config.tile_keys}).")
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
+    if config.compute_warpgroups not in (0, 1, 2):
+        raise ValueError(f"config.compute_warpgroups must be 0, 1 or 2, got {config.compute_warpgroups}.")
     rows = num_q_tokens * (num_q_heads // num_kv_heads)
     row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
     itemsize = jnp.dtype(q_dtype).itemsize
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     out_itemsize = itemsize if num_splits == 1 else 4
 
-    def fits(keys: int, stages: int) -> bool:
-        return estimate_mosaic_decode_shared_memory(
-            keys, head_size, itemsize, stages, out_itemsize, cache_itemsizes) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+    def smem(keys: int, stages: int, workers: int) -> int:
+        return estimate_mosaic_decode_shared_memory(keys, head_size, itemsize, stages, out_itemsize,
+                                                    cache_itemsizes, workers)
 
-    # Fewer stages first, then (a page allowing) 64-key stages: at D 256 two 128-key
-    # stages alone take 256 KiB.
-    stages = config.num_stages
-    while stages > 2 and not fits(tile_keys, stages):
-        stages -= 1
-    if not fits(tile_keys, stages) and tile_keys > 64 and block_size <= 64:
+    def fit(keys: int, workers: int) -> int | None:
+        """The most stages up to the config's (a multiple of the compute warpgroups, at
+        least 2) that fit shared memory, or None."""
+        step = max(workers, 1)
+        stages = max(round_up(config.num_stages, step), 2)
+        while stages > 2 and smem(keys, stages, workers) > tuning.MOSAIC_SHARED_MEMORY_LIMIT:
+            stages -= step
+        return stages if smem(keys, stages, workers) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT else None
+
+    # Fewer stages first, then (a page allowing) 64-key stages (at D 256 two 128-key
+    # stages alone take 256 KiB), then one compute warpgroup instead of two (the second
+    # one's merge buffer).
+    workers = config.compute_warpgroups
+    stages = fit(tile_keys, workers)
+    if stages is None and tile_keys > 64 and block_size <= 64:
         tile_keys = 64
-        stages = config.num_stages
-        while stages > 2 and not fits(tile_keys, stages):
-            stages -= 1
-    if not fits(tile_keys, stages):
-        need = estimate_mosaic_decode_shared_memory(tile_keys, head_size, itemsize, stages, out_itemsize,
-                                                    cache_itemsizes)
+        stages = fit(tile_keys, workers)
+    if stages is None and workers == 2:
+        workers = 1
+        stages = fit(tile_keys, workers)
+    if stages is None:
         raise ValueError(
             f"the Mosaic GPU decode kernel does not fit shared memory at head size {head_size} and block size "
-            f"{block_size} ({need} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
+            f"{block_size} ({smem(tile_keys, 2, workers)} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // block_size, num_stages=stages,
-                              num_splits=num_splits)
+                              num_splits=num_splits, compute_warpgroups=workers)
 
 
 # =========================================================================== cache write

@@ -209,6 +209,16 @@ class MosaicDecodeConfig:
     benchmarks/RESULTS.md (H200, 2026-12-01: 0.31-0.38 ms where 4 stages took
     0.40-0.47; a shallower ring leaves shared memory for more programs per SM, which
     hides more latency than a deeper ring does in one program).
+
+    compute_warpgroups: 0 (the default): the program's one warpgroup issues the TMA
+    copies and does the math, refilling each ring slot after its tile; 1 or 2: warp
+    specialization, a producer warpgroup keeps the ring full while that many compute
+    warpgroups take the tiles in turn (tile ``i`` to warpgroup ``i % n``, each with its
+    own running max, sum and output, merged through shared memory at the end), so the
+    copies never wait for the math and two warpgroups' math overlaps. The stages are
+    rounded up to a multiple of it (each slot then always feeds the same warpgroup); two
+    become one where the second one's merge buffer does not fit shared memory beside the
+    smallest ring (D 256).
     """
 
     tile_keys: int = 64
@@ -216,6 +226,7 @@ class MosaicDecodeConfig:
     num_splits: int = 0
     target_programs: int = 1024
     min_tiles_per_split: int = 4
+    compute_warpgroups: int = 0
 
 
 # Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the

@@ -492,6 +492,19 @@ MOSAIC_GRID = [
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC),
     Case("mgpu-gqa2-d192-fp8e4m3-2splits", num_q_heads=4, head_size=192, cache_dtype="float8_e4m3fn",
          seqlens=(100, 1, 37), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+    # Warp-specialized: a producer warpgroup refills the ring; one compute warpgroup, or
+    # two taking the tiles in turn and merging (3 and 5 stages round up to 4 and 6: each
+    # slot keeps feeding one warpgroup; sequences of 0, 1 and several tiles, so a compute
+    # warpgroup may get no tile at all).
+    Case("mgpu-specialized-1wg-gqa8-d128-fp8e4m3-window-alibi-2splits", num_q_heads=16, num_kv_heads=2,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17), lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=2, num_stages=3, compute_warpgroups=1)),
+    Case("mgpu-specialized-2wg-gqa4-d128-sq4-causal-window", num_q_tokens=4, window=(50, 0),
+         seqlens=(4, 200, 0, 127), max_blocks=13, num_blocks=64, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=1, num_stages=3, compute_warpgroups=2)),
+    Case("mgpu-specialized-2wg-gqa4-d64-bs32-softcap-f16-2splits", dtype="float16", head_size=64, block_size=32,
+         softcap=10.0, seqlens=(0, 250, 55, 1), max_blocks=8, num_blocks=40, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=2, num_stages=5, compute_warpgroups=2)),
 ]
 
 
@@ -520,6 +533,12 @@ def test_mosaic_every_tile_boundary() -> None:
          max_blocks=256, num_blocks=1300, lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=7)),
     Case("mgpu-gpu-h200-shape-one-split", num_q_heads=64, num_kv_heads=8, seqlens=(2048, 77, 1),
          max_blocks=128, num_blocks=400, lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=1, num_stages=6)),
+    Case("mgpu-gpu-h200-shape-specialized-2wg", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
+         max_blocks=256, num_blocks=1300, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=3, num_stages=4, compute_warpgroups=2)),
+    Case("mgpu-gpu-h200-shape-specialized-1wg-fp8", num_q_heads=64, num_kv_heads=8, seqlens=(2048, 77, 1),
+         max_blocks=128, num_blocks=400, cache_dtype="float8_e4m3fn", lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=1, num_stages=4, compute_warpgroups=1)),
 ], ids=str)
 def test_mosaic_compiled_on_gpu_matches_reference(case: Case) -> None:
     """The Mosaic GPU scenarios compiled for a Hopper GPU (run with ``pytest -m gpu``)."""
@@ -560,7 +579,7 @@ def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, monkeypatch: pytest
     seen = {}
 
     def echo(q_rows, k_cache, v_cache, lens, table, slopes, scales, *, spec, tiling, num_q_tokens, group_size,
-             interpret):
+             interpret, profile_dir):
         seen["shape"], seen["tiling"] = q_rows.shape, tiling
         if tiling.num_splits == 1:
             return q_rows
@@ -599,6 +618,30 @@ def test_mosaic_tiling_plan() -> None:
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(tile_keys=32))
     with pytest.raises(ValueError, match="config.num_stages"):
         plan((8, 1, 16, 64), (512, 16, 2, 64), config=MosaicDecodeConfig(num_stages=1))
+
+
+def test_mosaic_specialized_tiling_plan() -> None:
+    """Warp specialization: the stages round up to a multiple of the compute warpgroups
+    (each slot then feeds one warpgroup) and shrink by that step to fit; where two
+    compute warpgroups' buffers do not fit beside the smallest ring (D 256, 64-key
+    pages), one does; a bad count names the field."""
+    plan = functools.partial(plans.plan_mosaic_decode_tiling, max_blocks=64, q_dtype=jnp.bfloat16)
+    q, cache = (8, 1, 32, 128), (512, 16, 8, 128)
+    t = plan(q, cache, config=MosaicDecodeConfig(num_stages=3, num_splits=1, compute_warpgroups=2))
+    assert (t.num_stages, t.compute_warpgroups, t.warp_specialized) == (4, 2, True)
+    t = plan(q, cache, config=MosaicDecodeConfig(num_stages=9, num_splits=1, compute_warpgroups=2))
+    assert t.num_stages % 2 == 0 and 2 <= t.num_stages < 9
+    smem = plans.estimate_mosaic_decode_shared_memory(64, 128, 2, t.num_stages, 2, None, 2)
+    assert smem <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
+    assert plans.estimate_mosaic_decode_shared_memory(64, 128, 2, t.num_stages + 2, 2, None, 2) > \
+        tuning.MOSAIC_SHARED_MEMORY_LIMIT
+    t = plan(q, cache, config=MosaicDecodeConfig(num_stages=3, num_splits=1, compute_warpgroups=1))
+    assert (t.num_stages, t.compute_warpgroups) == (3, 1)
+    t = plan((8, 1, 16, 256), (512, 64, 2, 256), config=MosaicDecodeConfig(compute_warpgroups=2, num_splits=1))
+    assert (t.tile_keys, t.num_stages, t.compute_warpgroups) == (64, 2, 1)
+    assert plan(q, cache, config=MosaicDecodeConfig()).warp_specialized is False
+    with pytest.raises(ValueError, match="config.compute_warpgroups"):
+        plan(q, cache, config=MosaicDecodeConfig(compute_warpgroups=3))
 
 
 @pytest.mark.parametrize("interpret", [pytest.param(True),

@@ -312,6 +312,34 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
     assert f"tensor<{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" not in text  # no plane slice
 
 
+@pytest.mark.parametrize("compute_warpgroups", [1, 2])
+@pytest.mark.parametrize(
+    "cache_dtype,head_size,block_size,num_q_tokens,num_splits",
+    [(jnp.bfloat16, 128, 16, 1, 1), (jnp.bfloat16, 128, 16, 3, 2), (jnp.float8_e4m3fn, 64, 32, 1, 1),
+     (jnp.bfloat16, 256, 16, 1, 2)],
+    ids=["bf16-d128", "bf16-d128-sq3-quarantine-splits", "e4m3-d64-bs32", "bf16-d256-splits"],
+)
+def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, cache_dtype, head_size, block_size,
+                                                        num_q_tokens, num_splits):
+    """The warp-specialized decode forms (a producer warpgroup, one or two compute
+    warpgroups merging through shared memory) lower for CUDA to one Mosaic GPU kernel
+    (jax 0.10 needs the merge buffer swizzled: a plain f32 tile has no bank-conflict-free
+    transfer in the wgmma layout there)."""
+    from jax_paged_attn import decode
+    from jax_paged_attn.spec import AttentionSpec
+    from jax_paged_attn.tuning import MosaicDecodeConfig
+
+    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=cache_dtype)
+    q = jnp.ones((2, num_q_tokens, 8, head_size), jnp.bfloat16)
+    lens, table = jnp.array([5, 40], jnp.int32), jnp.zeros((2, 48), jnp.int32)
+    config = MosaicDecodeConfig(compute_warpgroups=compute_warpgroups, num_stages=4, num_splits=num_splits)
+    fn = lambda q, k, v, n, t: decode.paged_decode_attention(
+        q, k, v, n, t, None, 0.5, 0.25, spec=AttentionSpec.create(head_size, causal=True, window_size=(30, 0)),
+        lowering="mosaic_gpu", config=config)
+    text = lower_for_cuda(fn, q, k, v, lens, table)
+    assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
+
+
 @pytest.mark.parametrize(
     "q_dtype,cache_dtype,head_size,block_size",
     [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),

@@ -663,7 +663,8 @@ def test_mosaic_kernel_profile_writes_a_timeline_of_its_regions(tmp_path):
     events = json.loads(trace_file.read_text())["traceEvents"]
     names = {event["name"] for event in events}
     assert {"setup", "fill", "refill", "drain", "q_wait", "unmasked", "tail_masked", "final_meet", "epilogue"} <= names
-    assert len({event["tid"] for event in events}) == plan.shape[0] * heads * (tiling.compute_warpgroups + 1)
+    programs = plan.shape[0] * heads // tiling.heads_per_program
+    assert len({event["tid"] for event in events}) == programs * (tiling.compute_warpgroups + 1)
 
 
 # --------------------------------------------------------------------------- the plan

@@ -12,7 +12,9 @@ run it. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
 interpreter has no rule for ``layout_cast`` and no transposed wgmma operands; the tests
 add both there, tests/mosaic_interpret_compat.py).
 
-What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup):
+What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup,
+or with ``tiling.compute_warpgroups`` > 0 a producer warpgroup and that many compute
+warpgroups, below):
 
 * its query tile is the ``Sq * G`` rows that share a KV head (row ``r`` is query token
   ``r // G`` of query head ``kv_head * G + r % G``), zero-padded to 64 rows, the M of a
@@ -51,12 +53,21 @@ What one program does (grid: KV heads x row blocks, sequences, KV splits; one wa
   normalized f32 partial output and natural log-sum-exp (-inf for a row that saw no
   key), merged by `decode.combine_splits`.
 
+Warp-specialized form (`tuning.MosaicDecodeConfig.compute_warpgroups` 1 or 2): a
+producer warpgroup issues the query and ring copies and refills a slot as soon as the
+compute warpgroup that read it arrives on the slot's "free" barrier, so the copies never
+wait for the math; tile ``i`` goes to compute warpgroup ``i % n`` (the stages a multiple
+of ``n``, so each slot's K / V barriers are always waited for by the same warpgroup, as
+a barrier's per-thread phase tracking needs), each with its own running max, sum and
+output and its own probabilities / flag / upcast buffers. With two, the second hands
+its output and (max, sum) to the first through shared memory, which merges them as
+split-KV partials are merged and stores the result.
+
 What it does not do yet (each is either refused by `decode.unsupported_reason` or a
 known performance gap):
 
-* no warp specialization: the one warpgroup issues the TMA copies and does the math,
-  and its wgmmas are synchronous; the ring's depth is the only overlap of memory and
-  math;
+* its wgmmas are synchronous: in the single-warpgroup form the ring's depth is the only
+  overlap of memory and math, in the specialized form the other compute warpgroup's;
 * the query tile is always 64 rows, so a GQA group of 4 with one token wastes 15/16 of
   the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
@@ -142,23 +153,36 @@ def _decode_kernel(
     else:
         # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
         o_ref, lse_ref, *scratch = rest
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, bad_smem, q_barrier, k_barriers, v_barriers,
-     *converted) = scratch
-    # fp8 stages are converted to q's dtype into these before the wgmma ([tile_keys, D]).
-    k_conv = converted.pop(0) if k_dequant else None
-    v_conv = converted.pop(0) if v_dequant else None
+    (q_smem,  # [64, D] q dtype
+     k_smem, v_smem,  # [stages, tile_keys, D] the caches' dtypes: the ring
+     p_smems,  # [W, 64, tile_keys] q dtype: each compute warpgroup's probabilities
+     o_smem,  # [64, store columns] the output's dtype
+     lse_smem,  # f32[64]
+     bad_smems,  # f32[W, tile_keys]: each compute warpgroup's non-finite key flags
+     q_barrier, k_barriers, v_barriers, *rest_scratch) = scratch
+    workers = tiling.compute_warpgroups
+    if workers:
+        free_barriers, *rest_scratch = rest_scratch  # [stages], one arrival: the slot's tile is done
+    if workers == 2:
+        # f32[D / chunk, 64, chunk], f32[2, 64], a barrier: the second compute warpgroup's
+        # running output and (max, sum), for the first one to merge.
+        merge_acc_smem, merge_stats_smem, merged_barrier, *rest_scratch = rest_scratch
+    # fp8 stages are converted to q's dtype into these before the wgmma ([W, tile_keys, D]).
+    k_convs = rest_scratch.pop(0) if k_dequant else None
+    v_convs = rest_scratch.pop(0) if v_dequant else None
 
     rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
     dtype = q_ref.dtype
     max_blocks = block_table_ref.shape[1]
     num_pages = k_ref.shape[1]
     max_keys = max_blocks * block_size
+    head_size = q_ref.shape[-1]
+    chunk = plans.mosaic_output_chunk(head_size)  # output columns per accumulator chunk
 
     head_block, seq, split = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("split")
     kv_head = lax.div(head_block, jnp.int32(tiling.row_blocks))
     row_block = lax.rem(head_block, jnp.int32(tiling.row_blocks))
-
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+    wg = lax.axis_index("wg") if workers else jnp.int32(0)
 
     seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
     # Visible keys of the whole tile: [kv_lo, seq_len) (as in the Triton kernel).
@@ -192,8 +216,9 @@ def _decode_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
                                     v_barriers.at[slot])
 
-    for s in range(stages):
-        pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
+    def fill_the_ring():
+        for s in range(stages):
+            pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
 
     def score_iota(dimension: int) -> Array:
         """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
@@ -205,17 +230,6 @@ def _decode_kernel(
         if num_q_tokens == 1:
             return jnp.int32(0)
         return lax.div(row_block * rows + score_iota(0), jnp.int32(group_size))
-
-    # Only [64]-row vectors and scalars live across the loop: [64, tile_keys] index tiles
-    # are rebuilt in each step (cheap integer work) rather than held in registers.
-    slopes = None  # f32[64] per row, in the score tile's row layout
-    if alibi_ref is not None:
-        # Row r's slope is its query head's (r % G): G selects once, then one value per row.
-        head_in_group = lax.rem(row_block * rows + score_iota(0), jnp.int32(group_size))
-        slopes_2d = jnp.zeros((rows, tile_keys), jnp.float32)
-        for g in range(group_size):
-            slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
-        slopes = slopes_2d.max(axis=1)  # every column holds the row's slope
 
     # Keys of [free_lo, free_hi) are in range and seen by every query row. With several
     # query tokens under a causal / window mask, keys in range can be hidden from some
@@ -229,163 +243,292 @@ def _decode_kernel(
     if spec.window_left >= 0:
         free_lo = seq_len - 1 - spec.window_left
 
-    head_size = q_ref.shape[-1]
-    chunk = plans.mosaic_output_chunk(head_size)  # output columns per accumulator chunk
-
-    score_scale = spec.softmax_scale
-    if k_dequant:
-        score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
-    plgpu.barrier_wait(q_barrier)
-
-    def step_fn(step, carry):
-        # f32[64, D], f32[64], f32[64], the pages of tile step + stages (i32 scalars)
-        acc, row_max, row_sum, pages = carry  # acc: a tuple of [64, chunk] column chunks
+    def attend(step, carry, slopes, score_scale, p_smem, bad_smem, k_conv, v_conv):
+        """The tile of step ``step`` (ring slot ``step % stages``) folded into the running
+        ``(acc, row_max, row_sum)``: waits for its K and V, ``S = Q K^T``, the online
+        softmax, ``O += P V``. Returns the new carry, once the slot's wgmmas are done."""
+        # f32[64, D] as a tuple of [64, chunk] column chunks, f32[64], f32[64]
+        acc, row_max, row_sum = carry
         slot = lax.rem(step, jnp.int32(stages))
         first_key = base + (tile_begin + step) * tile_keys
-        plgpu.barrier_wait(k_barriers.at[slot])
-        k_tile = k_smem.at[slot]
-        if k_conv is not None:
-            # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
-            k_conv[...] = _upcast(k_tile[...], dtype)
-            plgpu.commit_smem()
-            k_tile = k_conv
+        with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(k_barriers.at[slot])
+        with jax.named_scope("scores"):
+            k_tile = k_smem.at[slot]
+            if k_conv is not None:
+                # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
+                k_conv[...] = _upcast(k_tile[...], dtype)
+                plgpu.commit_smem()
+                k_tile = k_conv
 
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-            return acc_ref[...]
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                return acc_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
-        # Scores in log2 units (exp2 is the fast path): s * log2(e).
-        if spec.softcap > 0:
-            s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
-        else:
-            s = s * (score_scale * LOG2E)
-        if slopes is not None:
-            dist = reference.alibi_distance(query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len)
-            s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
-
-        def visible():
-            """bool [64, tile_keys]: the mask (causal / window, sequence end, kv_lo)."""
-            key = first_key + score_iota(1)
-            return reference.key_visible(query_tokens(), key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
-
-        # Only tiles reaching outside [free_lo, free_hi) (keys every row sees, all in
-        # range) build the mask: the first tile of a window, the last of a sequence, the
-        # causal diagonal of several query tokens. The others skip its ~10 integer
-        # operations per score.
-        masked = (first_key < free_lo) | (first_key + tile_keys > free_hi)
-        s = lax.cond(masked, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
-        new_max = jnp.maximum(row_max, s.max(axis=1))
-        correction = jnp.exp2(row_max - new_max)
-        p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
-        if not quarantine:
-            p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
-        plgpu.barrier_wait(v_barriers.at[slot])
-
-        # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
-        # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
-        edge = (first_key < kv_lo) | (first_key + tile_keys > seq_len)
-        v_tile = v_smem.at[slot]
-
-        def in_range_values(v):
-            v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-            return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
-
-        def quarantined(v):
-            """``v`` with its non-finite keys' rows set to 0; their flags to `bad_smem`."""
-            bad = common.nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
-            bad_smem[...] = jnp.where(bad, 1.0, 0.0)
-            return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
-
-        # With several query tokens under a causal / window mask, a masked tile's keys
-        # in [kv_lo, seq_len) may be hidden from some rows only: a non-finite value must
-        # reach only the rows that see it (in other tiles every row sees every key).
-        if v_conv is None:
-            @pl.when(masked if quarantine else edge)  # masked includes every edge tile
-            def _():
-                v = in_range_values(v_tile[...])
-                v_tile[...] = quarantined(v) if quarantine else v
-        else:
-            # The values pass through registers anyway: zero the out-of-range rows in
-            # every tile (no key is out of range away from the edges) rather than branch.
-            v = in_range_values(_upcast(v_tile[...], dtype))
-            if quarantine:
-                @pl.when(masked)
-                def _():
-                    v_conv[...] = quarantined(v)
-
-                @pl.when(jnp.logical_not(masked))
-                def _():
-                    v_conv[...] = v
+            s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
+            # Scores in log2 units (exp2 is the fast path): s * log2(e).
+            if spec.softcap > 0:
+                s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
             else:
-                v_conv[...] = v
-            v_tile = v_conv
-        if quarantine:
-            plgpu.commit_smem()  # the flags, written by every thread, read back in another layout
+                s = s * (score_scale * LOG2E)
+            if slopes is not None:
+                dist = reference.alibi_distance(query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len)
+                s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
 
-            def poison_rows(correction):
-                """A NaN correction for the rows that see a flagged key: their output is
-                then NaN for good, as the reference's."""
-                # [tile_keys], one per column of the scores (a layout_cast right after a
-                # load is the load's layout, not a relayout).
-                bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
-                flagged = lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0
-                sees_bad = jnp.where(visible() & flagged, 1.0, 0.0).max(axis=1) > 0
-                return jnp.where(sees_bad, jnp.nan, correction)
+            def visible():
+                """bool [64, tile_keys]: the mask (causal / window, sequence end, kv_lo)."""
+                key = first_key + score_iota(1)
+                return reference.key_visible(query_tokens(), key, num_q_tokens, seq_len, spec) & (key >= kv_lo)
 
-            correction = lax.cond(masked, poison_rows, lambda c: c, correction)
-            p_smem[...] = p.astype(dtype)
-        row_sum = row_sum * correction + p.sum(axis=1)
-        acc = tuple(a * lax.broadcast_in_dim(correction, a.shape, [0]) for a in acc)
+            # Only tiles reaching outside [free_lo, free_hi) (keys every row sees, all in
+            # range) build the mask: the first tile of a window, the last of a sequence, the
+            # causal diagonal of several query tokens. The others skip its ~10 integer
+            # operations per score.
+            masked = (first_key < free_lo) | (first_key + tile_keys > free_hi)
+            s = lax.cond(masked, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
+            new_max = jnp.maximum(row_max, s.max(axis=1))
+            correction = jnp.exp2(row_max - new_max)
+            p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))  # masked: exp2(-inf) = 0
+            if not quarantine:
+                p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
+        with jax.named_scope("wait_v"):
+            plgpu.barrier_wait(v_barriers.at[slot])
+        with jax.named_scope("values"):
+            # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
+            # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
+            edge = (first_key < kv_lo) | (first_key + tile_keys > seq_len)
+            v_tile = v_smem.at[slot]
 
-        plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
+            def in_range_values(v):
+                v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                return jnp.where((v_key >= kv_lo) & (v_key < seq_len), v, 0).astype(dtype)
 
-        def pv(c, acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(c * chunk, chunk)])
-            return acc_ref[...]  # waits for the wgmma: the slot is free again
+            def quarantined(v):
+                """``v`` with its non-finite keys' rows set to 0; their flags to ``bad_smem``."""
+                bad = common.nonfinite_rows(v)  # [tile_keys], one per key (a row of the V tile)
+                bad_smem[...] = jnp.where(bad, 1.0, 0.0)
+                return jnp.where(lax.broadcast_in_dim(bad, v.shape, [0]), 0, v).astype(dtype)
 
-        # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
-        # (in place, one [64, chunk] f32 tile fewer in registers): Mosaic GPU interpret
-        # mode cannot run run_state, and the tests run this same code there.
-        acc = tuple(a + pl.run_scoped(functools.partial(pv, c), plgpu.ACC((rows, chunk), jnp.float32))
+            # With several query tokens under a causal / window mask, a masked tile's keys
+            # in [kv_lo, seq_len) may be hidden from some rows only: a non-finite value must
+            # reach only the rows that see it (in other tiles every row sees every key).
+            if v_conv is None:
+                @pl.when(masked if quarantine else edge)  # masked includes every edge tile
+                def _():
+                    v = in_range_values(v_tile[...])
+                    v_tile[...] = quarantined(v) if quarantine else v
+            else:
+                # The values pass through registers anyway: zero the out-of-range rows in
+                # every tile (no key is out of range away from the edges) rather than branch.
+                v = in_range_values(_upcast(v_tile[...], dtype))
+                if quarantine:
+                    @pl.when(masked)
+                    def _():
+                        v_conv[...] = quarantined(v)
+
+                    @pl.when(jnp.logical_not(masked))
+                    def _():
+                        v_conv[...] = v
+                else:
+                    v_conv[...] = v
+                v_tile = v_conv
+            if quarantine:
+                plgpu.commit_smem()  # the flags, written by every thread, read back in another layout
+
+                def poison_rows(correction):
+                    """A NaN correction for the rows that see a flagged key: their output is
+                    then NaN for good, as the reference's."""
+                    # [tile_keys], one per column of the scores (a layout_cast right after a
+                    # load is the load's layout, not a relayout).
+                    bad_key = plgpu.layout_cast(bad_smem[...], plgpu.Layout.WGMMA.reduce(0))
+                    flagged = lax.broadcast_in_dim(bad_key, s.shape, [1]) > 0
+                    sees_bad = jnp.where(visible() & flagged, 1.0, 0.0).max(axis=1) > 0
+                    return jnp.where(sees_bad, jnp.nan, correction)
+
+                correction = lax.cond(masked, poison_rows, lambda c: c, correction)
+                p_smem[...] = p.astype(dtype)
+            row_sum = row_sum * correction + p.sum(axis=1)
+            acc = tuple(a * lax.broadcast_in_dim(correction, a.shape, [0]) for a in acc)
+
+            plgpu.commit_smem()  # P (and the zeroed / converted V) become visible to the wgmma
+
+            def pv(c, acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(c * chunk, chunk)])
+                return acc_ref[...]  # waits for the wgmma: the slot is free again
+
+            # A fresh accumulator added in registers rather than `pl.run_state` on ``acc``
+            # (in place, one [64, chunk] f32 tile fewer in registers): Mosaic GPU interpret
+            # mode cannot run run_state, and the tests run this same code there.
+            acc = tuple(a + pl.run_scoped(functools.partial(pv, c), plgpu.ACC((rows, chunk), jnp.float32))
+                        for c, a in enumerate(acc))
+        return acc, new_max, row_sum
+
+    def compute(w: int | Array, first_step, step_stride: int, after_step, extra):
+        """The math of compute warpgroup ``w``: steps ``first_step, first_step +
+        step_stride, ...`` of the program's tiles. ``after_step(step, slot, extra)`` runs
+        after each step's wgmmas and returns the next ``extra`` (loop-carried state).
+        Returns the final ``(acc, row_max, row_sum)``."""
+        # Only [64]-row vectors and scalars live across the loop: [64, tile_keys] index tiles
+        # are rebuilt in each step (cheap integer work) rather than held in registers.
+        slopes = None  # f32[64] per row, in the score tile's row layout
+        if alibi_ref is not None:
+            # Row r's slope is its query head's (r % G): G selects once, then one value per row.
+            head_in_group = lax.rem(row_block * rows + score_iota(0), jnp.int32(group_size))
+            slopes_2d = jnp.zeros((rows, tile_keys), jnp.float32)
+            for g in range(group_size):
+                slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
+            slopes = slopes_2d.max(axis=1)  # every column holds the row's slope
+        score_scale = spec.softmax_scale
+        if k_dequant:
+            score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
+        buffers = (p_smems.at[w], bad_smems.at[w], k_convs.at[w] if k_dequant else None,
+                   v_convs.at[w] if v_dequant else None)
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(q_barrier)
+
+        def step_fn(i, carry):
+            *carry, extra = carry
+            step = first_step + i * step_stride
+            carry = attend(step, tuple(carry), slopes, score_scale, *buffers)
+            return *carry, after_step(step, lax.rem(step, jnp.int32(stages)), extra)
+
+        carry = (
+            tuple(plgpu.layout_cast(jnp.zeros((rows, chunk), jnp.float32), plgpu.Layout.WGMMA)
+                  for _ in range(head_size // chunk)),
+            plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        my_steps = lax.div(jnp.maximum(num_steps - first_step, 0) + (step_stride - 1), jnp.int32(step_stride))
+        *carry, _ = lax.fori_loop(0, my_steps, step_fn, (*carry, extra))
+        return tuple(carry)
+
+    def epilogue(acc, row_max, row_sum):
+        """Normalizes and stores the program's output (and log-sum-exp with splits)."""
+        # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
+        seen = row_sum > 0
+        safe_sum = jnp.where(seen, row_sum, 1.0)
+        inv_sum = 1.0 / safe_sum
+        if v_dequant:
+            inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
+        o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
+        if lse_ref is not None:
+            lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+        # The output leaves through a [64, store] buffer (`plans.mosaic_store_chunk`), a
+        # store's columns at a time: a whole f32 [64, 256] tile would not fit beside the ring.
+        store = o_smem.shape[1]
+        for i, col0 in enumerate(range(0, head_size, store)):
+            a = acc[col0 // chunk]
+            if store < chunk:
+                a = a[:, col0 % chunk:col0 % chunk + store]
+            if i:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
+            o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(col0, store)])
+            if i == 0 and lse_ref is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
+        plgpu.wait_smem_to_gmem(0)
+
+    if not workers:
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+        # One warpgroup refills each slot right after that slot's tile, with the page ids
+        # loaded a step early: its TMA copies then wait for no global load (a scalar load
+        # per page would stall every step).
+        with jax.named_scope("fill"):
+            fill_the_ring()
+
+        def refill(step, slot, pages):
+            pl.when(step + stages < num_steps)(functools.partial(issue, slot, pages))
+            return page_ids(step + stages + 1)
+
+        result = compute(0, jnp.int32(0), 1, refill, page_ids(stages))
+        with jax.named_scope("epilogue"):
+            epilogue(*result)
+        return
+
+    @pl.when(wg == workers)
+    def _producer():
+        """Keeps the ring full: refills each slot as soon as its tile's compute warpgroup
+        has released it."""
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+        with jax.named_scope("fill"):
+            fill_the_ring()
+
+        def refill(step, _):
+            slot = lax.rem(step, jnp.int32(stages))
+            pages = page_ids(step)  # (loaded before the wait: its latency hides behind it)
+            plgpu.barrier_wait(free_barriers.at[slot])
+            issue(slot, pages)
+
+        with jax.named_scope("refill"):
+            lax.fori_loop(jnp.int32(stages), num_steps, refill, None)
+
+        def drain(step, _):  # the last tiles' releases, refilled by nothing
+            plgpu.barrier_wait(free_barriers.at[lax.rem(step, jnp.int32(stages))])
+
+        # Every completed phase of a barrier is waited for by the thread that waits on it
+        # (the Mosaic GPU interpreter checks it; the producer is idle here anyway).
+        with jax.named_scope("drain"):
+            lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+
+    def release(step, slot, extra):
+        plgpu.barrier_arrive(free_barriers.at[slot])
+        return extra
+
+    # Tile i goes to compute warpgroup i % W, so (the stages being a multiple of W) each
+    # ring slot's barriers are always waited for by the same warpgroup, as the per-thread
+    # phase tracking of a barrier wait requires.
+    @pl.when(wg < workers)
+    def _compute():
+        acc, row_max, row_sum = compute(wg, wg, workers, release, ())
+        if workers == 1:
+            with jax.named_scope("epilogue"):
+                epilogue(acc, row_max, row_sum)
+            return
+
+        @pl.when(wg == 1)
+        def _hand_over():
+            with jax.named_scope("merge"):
+                for c, a in enumerate(acc):
+                    merge_acc_smem.at[c][...] = a
+                merge_stats_smem.at[0][...] = row_max
+                merge_stats_smem.at[1][...] = row_sum
+                plgpu.barrier_arrive(merged_barrier)
+
+        @pl.when(wg == 0)
+        def _merge_and_store():
+            with jax.named_scope("merge"):
+                plgpu.barrier_wait(merged_barrier)
+                other_max = plgpu.layout_cast(merge_stats_smem.at[0][...], plgpu.Layout.WGMMA.reduce(1))
+                other_sum = plgpu.layout_cast(merge_stats_smem.at[1][...], plgpu.Layout.WGMMA.reduce(1))
+                new_max = jnp.maximum(row_max, other_max)
+                mine, other = jnp.exp2(row_max - new_max), jnp.exp2(other_max - new_max)
+                merged = tuple(
+                    a * lax.broadcast_in_dim(mine, a.shape, [0])
+                    + plgpu.layout_cast(merge_acc_smem.at[c][...], plgpu.Layout.WGMMA)
+                    * lax.broadcast_in_dim(other, a.shape, [0])
                     for c, a in enumerate(acc))
-        pl.when(step + stages < num_steps)(lambda: issue(slot, pages))
-        # The ids of the next refill are loaded a step early: its TMA copies then wait
-        # for no global load (a scalar load per page would stall every step).
-        return acc, new_max, row_sum, page_ids(step + stages + 1)
+            with jax.named_scope("epilogue"):
+                epilogue(merged, new_max, row_sum * mine + other_sum * other)
 
-    carry = (
-        tuple(plgpu.layout_cast(jnp.zeros((rows, chunk), jnp.float32), plgpu.Layout.WGMMA)
-              for _ in range(head_size // chunk)),
-        plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-    )
-    acc, row_max, row_sum, _ = lax.fori_loop(0, num_steps, step_fn, (*carry, page_ids(stages)))
 
-    # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
-    seen = row_sum > 0
-    safe_sum = jnp.where(seen, row_sum, 1.0)
-    inv_sum = 1.0 / safe_sum
-    if v_dequant:
-        inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
-    o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]
-    if lse_ref is not None:
-        lse_smem[...] = jnp.where(seen, (row_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-    # The output leaves through a [64, store] buffer (`plans.mosaic_store_chunk`), a
-    # store's columns at a time: a whole f32 [64, 256] tile would not fit beside the ring.
-    store = o_smem.shape[1]
-    for i, col0 in enumerate(range(0, head_size, store)):
-        a = acc[col0 // chunk]
-        if store < chunk:
-            a = a[:, col0 % chunk:col0 % chunk + store]
-        if i:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
-        o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(col0, store)])
-        if i == 0 and lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
-    plgpu.wait_smem_to_gmem(0)
+PROFILE_RANGES_PER_TILE = 4
+"""Named regions a compute warpgroup records per tile (waits for K and V, scores,
+values), what the profiler's event buffer is sized for, beside `PROFILE_RANGES_FIXED`."""
+PROFILE_RANGES_FIXED = 8
+"""Regions a warpgroup records once per program (the profiler's own among them)."""
+
+
+def _compiler_params(profile_dir: str | None, tiling: MosaicDecodeTiling, max_keys: int):
+    if not profile_dir:
+        return plgpu.CompilerParams(approx_math=True)
+    # The most tiles a program can take: its split of the longest sequence, plus one for a
+    # window's first page starting mid-tile.
+    tiles = -(-(-(-max_keys // tiling.tile_keys)) // tiling.num_splits) + 1
+    profile = dict(profile_space=PROFILE_RANGES_PER_TILE * tiles + PROFILE_RANGES_FIXED, profile_dir=profile_dir)
+    if "profile_bounds_check" in plgpu.CompilerParams.__dataclass_fields__:  # (jax >= 0.11)
+        profile["profile_bounds_check"] = True  # a longer trace is cut, not written over shared memory
+    return plgpu.CompilerParams(approx_math=True, **profile)
 
 
 def paged_decode_call(
@@ -402,6 +545,7 @@ def paged_decode_call(
     num_q_tokens: int,
     group_size: int,
     interpret: bool = False,
+    profile_dir: str | None = None,
 ) -> Array | tuple[Array, Array]:
     """Runs the kernel over the grid (KV heads x row blocks, sequences, splits).
 
@@ -415,6 +559,12 @@ def paged_decode_call(
     lse f32[splits, B, Hk * row_blocks, 64])``, each split normalized over its own keys,
     ``lse`` the natural log-sum-exp of its scores (-inf for a split that saw no key).
     Padding rows hold 0 (-inf log-sum-exp).
+
+    ``profile_dir`` (GPU only): each call also writes a timeline of every warpgroup's
+    named regions (the ring's fill, and per tile the waits for K and V, the scores and
+    the values; the producer's refill and drain; the merge and the epilogue) as a Chrome
+    trace JSON file into that directory, through the Mosaic GPU profiler
+    (benchmarks/decode_parts.py --timeline reads it).
     """
     batch, head_blocks, rows, head_size = q_rows.shape
     _, block_size, _, _ = k_cache.shape
@@ -445,21 +595,33 @@ def paged_decode_call(
         return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
 
     operand = _operand_transforms(itemsize, head_size)
+    workers = tiling.compute_warpgroups
+    per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
+    chunk = plans.mosaic_output_chunk(head_size)
     scratch = [
         plgpu.SMEM((rows, head_size), dtype, transforms=operand),  # Q
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
-        plgpu.SMEM((rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
+        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
         # output rows, a column chunk at a time
         plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
-        plgpu.SMEM((keys,), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
+        plgpu.SMEM((per_worker, keys), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
         plgpu.Barrier(num_arrivals=1),  # Q
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
     ]
-    # fp8 stages upcast to q's dtype for the wgmma, K then V.
-    scratch += [plgpu.SMEM((keys, head_size), dtype, transforms=operand) for d in (k_dequant, v_dequant) if d]
+    if workers:
+        scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=tiling.num_stages))  # a slot's tile is done
+    if workers == 2:
+        # the second warpgroup's output (swizzled: a plain f32 tile has no bank-conflict-free
+        # transfer in the wgmma layout under jax 0.10)
+        scratch += [plgpu.SMEM((head_size // chunk, rows, chunk), jnp.float32, transforms=_operand_transforms(4, chunk)),
+                    plgpu.SMEM((2, rows), jnp.float32),  # and its running max and sum
+                    plgpu.Barrier(num_arrivals=1)]  # both written
+    # fp8 stages upcast to q's dtype for the wgmma, K then V, one per compute warpgroup.
+    scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=operand)
+                for d in (k_dequant, v_dequant) if d]
     kernel = functools.partial(
         _decode_kernel,
         spec=spec,
@@ -480,7 +642,8 @@ def paged_decode_call(
         scratch_types=scratch,
         grid=(head_blocks, batch, splits),
         grid_names=("heads", "batch", "split"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({"num_threads": workers + 1, "thread_name": "wg"} if workers else {}),
+        compiler_params=_compiler_params(profile_dir, tiling, block_table.shape[1] * block_size),
         kernel_name="paged_decode_attention_mgpu",
         **extra,
     )(*inputs)

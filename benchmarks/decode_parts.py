@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Mosaic GPU paged decode configs compared in one process, and where a program's time goes.
+
+    python benchmarks/decode_parts.py [--config FIELD=VALUE ...] [--versus FIELD=VALUE ...] ...
+                                      [--rounds N] [--reps N] [--timeline DIR] [--page-size N]
+                                      [--triton] [--shapes I ...] [--interpret]
+
+For each decode shape of `bench_attention.py`'s decode suite (bf16, page 16, every
+sequence ``context`` keys long, a random page permutation), times
+`jax_paged_attn.decode.run_mosaic_decode` (the Mosaic GPU kernel and its split merge)
+with the package's `MosaicDecodeConfig` overridden by ``--config``, and prints GB/s of
+K+V read. Each ``--versus`` (repeatable; a group of FIELD=VALUE overrides applied on top
+of ``--config``) adds a config timed in alternating rounds with the first one in this
+process (`prefill_parts.compare_kernels`: the H200 varies by up to ~15 % between
+processes); ``--triton`` adds the Triton decode kernel the same way. Every output is
+checked against the first config's. ``--page-size`` changes the cache's page size. ``--timeline DIR``
+also runs each config once with the Mosaic GPU profiler and prints where a program's
+time goes per warpgroup role and named region (`prefill_parts.summarize_timeline`):
+the waits for each tile's K and V, its scores and values, the producer's refill, the
+merge and the epilogue. Needs a Hopper GPU, exits with 2 otherwise, except with
+``--interpret``: a CPU dry run (one small shape, the Mosaic GPU interpreter;
+`tests/test_benchmarks_smoke.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+
+_HERE = pathlib.Path(__file__).resolve().parent
+for path in (_HERE.parent, _HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench_attention import DECODE_CASES, DecodeCase, Timer, build_decode_inputs  # noqa: E402
+from kernel_resources import parse_overrides  # noqa: E402
+from prefill_parts import (_unwrap_cycles, compare_kernels, fit_clock_mhz, format_timeline,  # noqa: E402
+                           sm_clock_mhz, summarize_timeline)
+
+INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="MosaicDecodeConfig fields (default: the package default)")
+    parser.add_argument("--versus", nargs="*", action="append", default=[], metavar="FIELD=VALUE",
+                        help="another config (fields over --config), timed in alternating rounds; repeatable")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median)")
+    parser.add_argument("--timeline", metavar="DIR", help="also profile one call per config and shape into DIR")
+    parser.add_argument("--shapes", type=int, nargs="*", metavar="I",
+                        help="indices into the decode suite's shapes (default: all)")
+    parser.add_argument("--page-size", type=int, help="cache page size (default: the suite's, 16)")
+    parser.add_argument("--triton", action="store_true",
+                        help="also time the Triton decode kernel, in alternating rounds with the first config")
+    parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu" and not args.interpret:
+        print("decode_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
+        return 2
+    if args.timeline and args.interpret:
+        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
+        return 2
+    from jax_paged_attn import decode, plans, tuning
+    from jax_paged_attn.kv_view import as_plane
+    from jax_paged_attn.spec import AttentionSpec
+
+    base = dataclasses.replace(tuning.MosaicDecodeConfig(), **parse_overrides(args.config))
+    configs = [base] + [dataclasses.replace(base, **parse_overrides(v)) for v in args.versus]
+    timer = Timer(warmup=1, reps=1) if args.interpret else Timer(reps=args.reps)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    cases = INTERPRET_CASES if args.interpret else DECODE_CASES
+    for index, case in enumerate(cases):
+        if args.shapes and index not in args.shapes:
+            continue
+        if args.page_size:
+            case = dataclasses.replace(case, page_size=args.page_size)
+        x = build_decode_inputs(case)
+        spec = AttentionSpec.create(case.head_dim, causal=True)
+        kv_bytes = 2 * case.batch * case.context * case.kv_heads * case.head_dim * jnp.dtype(case.dtype).itemsize
+
+        def call_for(config, profile_dir=None):
+            def run(q, k_cache, v_cache, seqlens, block_table):
+                # (The planes are made under jit: made outside, each call would copy the cache.)
+                return decode.run_mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), seqlens, block_table, None,
+                                                1.0, 1.0, spec=spec, config=config, interpret=args.interpret,
+                                                profile_dir=profile_dir)
+
+            fn = jax.jit(run)
+            return lambda: fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+
+        calls = [call_for(c) for c in configs]
+        if args.triton:
+            triton_fn = jax.jit(functools.partial(decode.paged_decode_attention, spec=spec, lowering="triton",
+                                                  interpret=args.interpret))
+            calls.append(lambda: triton_fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, None, 1.0, 1.0))
+        first = calls[0]()
+        for config, call in zip(configs[1:] + ["the Triton kernel"] * args.triton, calls[1:]):
+            if not jnp.allclose(call().astype(jnp.float32), first.astype(jnp.float32), atol=2e-2, rtol=2e-2):
+                raise AssertionError(f"{config} and {configs[0]} disagree")
+        print(f"{case.label}:", flush=True)
+        rounds = 1 if args.interpret else args.rounds
+        ms = [compare_kernels(calls[0], call, timer, rounds) for call in calls[1:]] or [
+            (timer.jax(calls[0])[0], None)]
+        for i, config in enumerate(configs):
+            tiling = plans.plan_mosaic_decode_tiling(x.q.shape, x.k_cache.shape, x.block_table.shape[1],
+                                                     x.q.dtype, config)
+            t = ms[0][0] if i == 0 else ms[i - 1][1]
+            against = "" if i == 0 else f" (first config in the same rounds: {ms[i - 1][0]:.4f} ms)"
+            print(f"  {config}\n    {tiling}\n    {t:.4f} ms, {kv_bytes / t / 1e6:.0f} GB/s{against}", flush=True)
+            if args.timeline:
+                trace_dir = pathlib.Path(args.timeline) / f"{index}-{i}"
+                trace_dir.mkdir(parents=True, exist_ok=True)
+                profiled = call_for(config, str(trace_dir))
+                for _ in range(2):  # the first call compiles; the second's trace is read
+                    jax.block_until_ready(profiled())
+                jax.effects_barrier()
+                trace = _unwrap_cycles(json.loads(
+                    max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
+                workers = max(tiling.compute_warpgroups, 1)
+                warpgroups = workers + tiling.warp_specialized
+                fitted = fit_clock_mhz(trace, warpgroups)
+                clock = fitted[0] if fitted else sm_clock_mhz()
+                print(format_timeline(summarize_timeline(trace, clock, workers,
+                                                         has_producer=tiling.warp_specialized)), flush=True)
+        if args.triton:
+            first_ms, triton_ms = ms[-1]
+            print(f"  the Triton kernel (the package's DecodeConfig)\n    {triton_ms:.4f} ms, "
+                  f"{kv_bytes / triton_ms / 1e6:.0f} GB/s (first config in the same rounds: {first_ms:.4f} ms)",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
