@@ -70,8 +70,8 @@ def flash_attn_varlen_func(
       seqused_k: optional int32 ``[B]`` key counts overriding ``cu_seqlens_k``; with packed
         k / v at most each sequence's ``cu_seqlens_k`` segment.
       k_scale, v_scale: float32 scalars; used only with an fp8 cache.
-      implementation: None/"auto", "xla" (reference), "triton" or "mosaic_gpu" (Hopper; a
-        first cut, not yet measured) (`jax_paged_attn.dispatch`).
+      implementation: None/"auto", "xla" (reference), "triton" or "mosaic_gpu" (Hopper;
+        benchmarks/RESULTS.md) (`jax_paged_attn.dispatch`).
       interpret: run Pallas kernels in interpret mode (for CPU tests).
 
     Returns:

@@ -5,8 +5,8 @@ config lookup in `jax_paged_attn.tuning`, and the merge of the KV splits
 (flash-decoding); the tiling plan (query-row padding, head-dim padding, keys per step,
 KV split count) is `jax_paged_attn.plans.plan_decode_tiling`, shared by every
 lowering. The kernels themselves are `jax_paged_attn.kernels.triton_decode` (lowering
-``"triton"``) and `jax_paged_attn.kernels.mosaic_decode` (lowering ``"mosaic_gpu"``, a
-first cut for Hopper, 0.78-0.94x the Triton kernel on the H200, run only when asked for; its tiling is
+``"triton"``) and `jax_paged_attn.kernels.mosaic_decode` (lowering ``"mosaic_gpu"``, for
+Hopper, 0.74-0.98x the Triton kernel on the H200, run only when asked for; its tiling is
 `jax_paged_attn.plans.plan_mosaic_decode_tiling` and this module lays the query rows
 out for it).
 
@@ -84,7 +84,7 @@ def _mosaic_cache_itemsizes(k_cache: Array | CachePlane, v_cache: Array | CacheP
 
 
 def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array) -> str | None:
-    """What the Mosaic GPU first cut (`kernels.mosaic_decode`) lacks, beyond the Triton tier's limits."""
+    """What the Mosaic GPU kernel (`kernels.mosaic_decode`) lacks, beyond the Triton tier's limits."""
     prefix = "the Mosaic GPU decode kernel"
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"{prefix} takes float16 / bfloat16 queries only (float32 would run its wgmma in TF32), got {q.dtype}"

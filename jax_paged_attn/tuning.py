@@ -218,7 +218,10 @@ class MosaicDecodeConfig:
     copies never wait for the math and two warpgroups' math overlaps. The stages are
     rounded up to a multiple of it (each slot then always feeds the same warpgroup); two
     become one where the second one's merge buffer does not fit shared memory beside the
-    smallest ring (D 256).
+    smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): within
+    -2..+3 % of the default at 4 stages, 512 target programs and two compute warpgroups,
+    so the default stays; the per-tile math then overlaps the copies (its timeline), and
+    the kernel is held back elsewhere (benchmarks/RESULTS.md).
     """
 
     tile_keys: int = 64
@@ -367,7 +370,9 @@ class MosaicPrefillConfig:
     next head's queries into a second query tile while the current head computes, where
     shared memory holds it (D 64 and 128 at the default tiling, not D 256), instead of
     after the current head's output store (about 0.8 µs a head on the H200, the
-    timelines of 2026-12-02; not yet measured, so off by default).
+    timelines of 2026-12-02). Off: measured slower on the H200 (2026-12-03, 4 heads,
+    alternating rounds: 0.835 against 0.721 ms at B8 S2048 D128, 4.42 against 4.26 ms
+    at B1 S16384).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it

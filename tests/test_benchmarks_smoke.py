@@ -438,6 +438,20 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     assert " plan " in out and " kernel " in out and " kernel_once " in out
 
 
+def test_decode_parts_dry_run_compares_configs_and_the_triton_kernel(monkeypatch, capsys):
+    """`decode_parts.py --interpret`: the Mosaic GPU decode kernel with the default config
+    and a warp-specialized one, and the Triton kernel, on one small shape (every output
+    checked against the first config's, or the script raises), with a page size given."""
+    parts = _load("decode_parts")
+    monkeypatch.setattr(sys, "argv", ["decode_parts.py", "--interpret", "--triton", "--page-size", "32",
+                                      "--versus", "compute_warpgroups=2", "num_stages=3"])
+    assert parts.main() == 0
+    out = capsys.readouterr().out
+    assert "B2 ctx100 Hq8 Hk2 D64 page32:" in out
+    assert "compute_warpgroups=0)" in out and "num_stages=4, num_splits=1, compute_warpgroups=2)" in out
+    assert "the Triton kernel" in out and out.count(" ms, ") == 3
+
+
 def test_prefill_parts_timeline_summary_of_a_profiler_trace():
     """`prefill_parts.summarize_timeline` on a hand-made Mosaic GPU profiler trace: two
     blocks of two compute warpgroups and a producer, one after the other on SM 0 (clock
