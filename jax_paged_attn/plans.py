@@ -854,6 +854,8 @@ class MosaicDecodeTiling:
       num_splits: KV splits per (sequence, KV head); 1 writes the final output.
       compute_warpgroups: 0: one warpgroup copies and computes; 1 or 2: a producer
         warpgroup and that many compute warpgroups (`tuning.MosaicDecodeConfig`).
+      items_per_program: consecutive sequences a warp-specialized program attends for,
+        its ring carrying their tiles as one stream (1 without warp specialization).
     """
 
     row_blocks: int
@@ -862,6 +864,7 @@ class MosaicDecodeTiling:
     num_stages: int
     num_splits: int
     compute_warpgroups: int = 0
+    items_per_program: int = 1
 
     @property
     def warp_specialized(self) -> bool:
@@ -874,10 +877,10 @@ class MosaicDecodeTiling:
 
 def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
                                          out_itemsize: int, cache_itemsizes: tuple[int, int] | None = None,
-                                         compute_warpgroups: int = 0) -> int:
+                                         compute_warpgroups: int = 0, query_tiles: int = 1) -> int:
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
     caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffers of
-    each fp8 operand, the query tile, the probabilities tiles, the output buffer
+    each fp8 operand, the query tiles (two with several items a program), the probabilities tiles, the output buffer
     (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
     partials), the log-sum-exp row, the non-finite key flags, with two compute
     warpgroups the second one's f32 running output and row statistics for the merge,
@@ -888,11 +891,11 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     k_size, v_size = cache_itemsizes or (itemsize, itemsize)
     buffers = [num_stages * tile_keys * head_size * k_size, num_stages * tile_keys * head_size * v_size]
     buffers += [workers * tile_keys * head_size * itemsize for size in (k_size, v_size) if size != itemsize]
-    buffers += [rows * head_size * itemsize, workers * rows * tile_keys * itemsize,
+    buffers += [query_tiles * rows * head_size * itemsize, workers * rows * tile_keys * itemsize,
                 rows * mosaic_store_chunk(head_size, out_itemsize) * out_itemsize, rows * 4, workers * tile_keys * 4]
     if compute_warpgroups > 1:
         buffers += [rows * head_size * 4, 2 * rows * 4]
-    buffers += [8 * num_stages] * (3 if compute_warpgroups else 2) + [8, 8]  # mbarriers
+    buffers += [8 * num_stages] * (3 if compute_warpgroups else 2) + [16] * 4  # mbarriers
     return sum(round_up(size, 1024) for size in buffers)
 
 
@@ -922,6 +925,10 @@ def plan_mosaic_decode_tiling(
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
     if config.compute_warpgroups not in (0, 1, 2):
         raise ValueError(f"config.compute_warpgroups must be 0, 1 or 2, got {config.compute_warpgroups}.")
+    if config.items_per_program < 1 or (config.items_per_program > 1 and not config.compute_warpgroups):
+        raise ValueError(f"config.items_per_program must be 1, or more with config.compute_warpgroups > 0, got "
+                         f"{config.items_per_program} with {config.compute_warpgroups} compute warpgroups.")
+    items = min(config.items_per_program, batch)
     rows = num_q_tokens * (num_q_heads // num_kv_heads)
     row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
     itemsize = jnp.dtype(q_dtype).itemsize
@@ -930,7 +937,7 @@ def plan_mosaic_decode_tiling(
 
     def smem(keys: int, stages: int, workers: int) -> int:
         return estimate_mosaic_decode_shared_memory(keys, head_size, itemsize, stages, out_itemsize,
-                                                    cache_itemsizes, workers)
+                                                    cache_itemsizes, workers, query_tiles=2 if items > 1 else 1)
 
     def fit(keys: int, workers: int) -> int | None:
         """The most stages up to the config's (a multiple of the compute warpgroups, at
@@ -958,7 +965,7 @@ def plan_mosaic_decode_tiling(
             f"{block_size} ({smem(tile_keys, 2, workers)} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // block_size, num_stages=stages,
-                              num_splits=num_splits, compute_warpgroups=workers)
+                              num_splits=num_splits, compute_warpgroups=workers, items_per_program=items)
 
 
 # =========================================================================== cache write

@@ -221,7 +221,12 @@ class MosaicDecodeConfig:
     smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): within
     -2..+3 % of the default at 4 stages, 512 target programs and two compute warpgroups,
     so the default stays; the per-tile math then overlaps the copies (its timeline), and
-    the kernel is held back elsewhere (benchmarks/RESULTS.md).
+    the kernel is held back elsewhere (benchmarks/RESULTS.md). items_per_program (with
+    warp specialization): consecutive sequences a program attends for, one after the
+    other, the ring carrying their tiles as one stream (the producer runs on into the
+    next sequence's pages while the compute warpgroups finish the last one's, and its
+    queries go to a second query tile), so short sequences pay the ring's fill and the
+    program's launch once per program.
     """
 
     tile_keys: int = 64
@@ -230,6 +235,7 @@ class MosaicDecodeConfig:
     target_programs: int = 1024
     min_tiles_per_split: int = 4
     compute_warpgroups: int = 0
+    items_per_program: int = 1
 
 
 # Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the

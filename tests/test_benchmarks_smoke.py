@@ -440,15 +440,18 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
 
 def test_decode_parts_dry_run_compares_configs_and_the_triton_kernel(monkeypatch, capsys):
     """`decode_parts.py --interpret`: the Mosaic GPU decode kernel with the default config
-    and a warp-specialized one, and the Triton kernel, on one small shape (every output
-    checked against the first config's, or the script raises), with a page size given."""
+    and a warp-specialized one taking both sequences in one program, and the Triton
+    kernel, on one small shape (every output checked against the first config's, or the
+    script raises), with a page size given."""
     parts = _load("decode_parts")
     monkeypatch.setattr(sys, "argv", ["decode_parts.py", "--interpret", "--triton", "--page-size", "32",
-                                      "--versus", "compute_warpgroups=2", "num_stages=3"])
+                                      "--versus", "compute_warpgroups=2", "num_stages=3",
+                                      "items_per_program=2"])
     assert parts.main() == 0
     out = capsys.readouterr().out
     assert "B2 ctx100 Hq8 Hk2 D64 page32:" in out
-    assert "compute_warpgroups=0)" in out and "num_stages=4, num_splits=1, compute_warpgroups=2)" in out
+    assert "compute_warpgroups=0, items_per_program=1)" in out
+    assert "num_stages=4, num_splits=1, compute_warpgroups=2, items_per_program=2)" in out
     assert "the Triton kernel" in out and out.count(" ms, ") == 3
 
 

@@ -505,6 +505,16 @@ MOSAIC_GRID = [
     Case("mgpu-specialized-2wg-gqa4-d64-bs32-softcap-f16-2splits", dtype="float16", head_size=64, block_size=32,
          softcap=10.0, seqlens=(0, 250, 55, 1), max_blocks=8, num_blocks=40, lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=2, num_stages=5, compute_warpgroups=2)),
+    # Several sequences a program, their tiles one stream through the ring: the next one's
+    # pages and queries load while the last one computes; 5 and 7 sequences leave the
+    # last program's last items past the batch (they write nothing).
+    Case("mgpu-items3-2wg-gqa4-d128-sq4-causal-window", num_q_tokens=4, window=(50, 0),
+         seqlens=(4, 200, 0, 127, 33), max_blocks=13, num_blocks=80, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=1, num_stages=4, compute_warpgroups=2, items_per_program=3)),
+    Case("mgpu-items4-1wg-gqa8-d128-fp8e4m3-window-alibi-2splits", num_q_heads=16, num_kv_heads=2,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17, 1, 64, 250),
+         max_blocks=16, num_blocks=120, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=2, num_stages=3, compute_warpgroups=1, items_per_program=4)),
 ]
 
 
@@ -642,6 +652,14 @@ def test_mosaic_specialized_tiling_plan() -> None:
     assert plan(q, cache, config=MosaicDecodeConfig()).warp_specialized is False
     with pytest.raises(ValueError, match="config.compute_warpgroups"):
         plan(q, cache, config=MosaicDecodeConfig(compute_warpgroups=3))
+    t = plan(q, cache, config=MosaicDecodeConfig(num_splits=1, compute_warpgroups=2, items_per_program=4))
+    assert (t.items_per_program, t.compute_warpgroups) == (4, 2)
+    assert plan((3, 1, 32, 128), cache, config=MosaicDecodeConfig(compute_warpgroups=1,
+                                                                  items_per_program=8)).items_per_program == 3
+    with pytest.raises(ValueError, match="config.items_per_program"):
+        plan(q, cache, config=MosaicDecodeConfig(items_per_program=2))  # needs warp specialization
+    with pytest.raises(ValueError, match="config.items_per_program"):
+        plan(q, cache, config=MosaicDecodeConfig(compute_warpgroups=1, items_per_program=0))
 
 
 @pytest.mark.parametrize("interpret", [pytest.param(True),

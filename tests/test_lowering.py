@@ -312,6 +312,7 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
     assert f"tensor<{num_blocks}x{block_size}x{num_kv_heads}x{head_size}x" not in text  # no plane slice
 
 
+@pytest.mark.parametrize("items_per_program", [1, 2])
 @pytest.mark.parametrize("compute_warpgroups", [1, 2])
 @pytest.mark.parametrize(
     "cache_dtype,head_size,block_size,num_q_tokens,num_splits",
@@ -319,10 +320,10 @@ def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group,
      (jnp.bfloat16, 256, 16, 1, 2)],
     ids=["bf16-d128", "bf16-d128-sq3-quarantine-splits", "e4m3-d64-bs32", "bf16-d256-splits"],
 )
-def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, cache_dtype, head_size, block_size,
-                                                        num_q_tokens, num_splits):
+def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, items_per_program, cache_dtype,
+                                                        head_size, block_size, num_q_tokens, num_splits):
     """The warp-specialized decode forms (a producer warpgroup, one or two compute
-    warpgroups merging through shared memory) lower for CUDA to one Mosaic GPU kernel
+    warpgroups merging through shared memory, one sequence a program or two) lower for CUDA to one Mosaic GPU kernel
     (jax 0.10 needs the merge buffer swizzled: a plain f32 tile has no bank-conflict-free
     transfer in the wgmma layout there)."""
     from jax_paged_attn import decode
@@ -332,7 +333,8 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, cach
     k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=cache_dtype)
     q = jnp.ones((2, num_q_tokens, 8, head_size), jnp.bfloat16)
     lens, table = jnp.array([5, 40], jnp.int32), jnp.zeros((2, 48), jnp.int32)
-    config = MosaicDecodeConfig(compute_warpgroups=compute_warpgroups, num_stages=4, num_splits=num_splits)
+    config = MosaicDecodeConfig(compute_warpgroups=compute_warpgroups, num_stages=4, num_splits=num_splits,
+                                items_per_program=items_per_program)
     fn = lambda q, k, v, n, t: decode.paged_decode_attention(
         q, k, v, n, t, None, 0.5, 0.25, spec=AttentionSpec.create(head_size, causal=True, window_size=(30, 0)),
         lowering="mosaic_gpu", config=config)

@@ -88,6 +88,7 @@ known performance gap):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,20 @@ def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+class _Item(NamedTuple):
+    """One (sequence, KV head row block, split) a program attends for: i32 scalars."""
+
+    seq: Array  # the batch row (clamped into the batch)
+    valid: Array  # bool: the row is in the batch (a program's last items may not be)
+    seq_len: Array  # keys in the cache, clamped to the block table's
+    kv_lo: Array  # first visible key (a window's start)
+    base: Array  # first key of the first tile (kv_lo's page start)
+    tile_begin: Array  # the split's first tile
+    num_steps: Array  # the split's tiles (0 past the batch)
+    free_lo: Array  # keys of [free_lo, free_hi) are in range and seen by every query row
+    free_hi: Array
+
+
 def _decode_kernel(
     *refs,
     spec: AttentionSpec,
@@ -155,20 +170,22 @@ def _decode_kernel(
     else:
         # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
         o_ref, lse_ref, *scratch = rest
-    (q_smem,  # [64, D] q dtype
+    (q_smems,  # [Q, 64, D] q dtype: the queries (Q = 2 with several items a program, else 1)
      k_smem, v_smem,  # [stages, tile_keys, D] the caches' dtypes: the ring
      p_smems,  # [W, 64, tile_keys] q dtype: each compute warpgroup's probabilities
      o_smem,  # [64, store columns] the output's dtype
      lse_smem,  # f32[64]
      bad_smems,  # f32[W, tile_keys]: each compute warpgroup's non-finite key flags
-     q_barrier, k_barriers, v_barriers, *rest_scratch) = scratch
-    workers = tiling.compute_warpgroups
+     q_barriers, k_barriers, v_barriers, *rest_scratch) = scratch  # q: [Q]; k, v: [stages]
+    workers, items = tiling.compute_warpgroups, tiling.items_per_program
     if workers:
         free_barriers, *rest_scratch = rest_scratch  # [stages], one arrival: the slot's tile is done
+    if items > 1:
+        q_free_barriers, *rest_scratch = rest_scratch  # [2], W arrivals: a query tile is read
     if workers == 2:
-        # f32[D / chunk, 64, chunk], f32[2, 64], a barrier: the second compute warpgroup's
-        # running output and (max, sum), for the first one to merge.
-        merge_acc_smem, merge_stats_smem, merged_barrier, *rest_scratch = rest_scratch
+        # f32[D / chunk, 64, chunk], f32[2, 64], two barriers: the second compute warpgroup's
+        # running output and (max, sum), for the first one to merge; written, read.
+        merge_acc_smem, merge_stats_smem, merged_barrier, merge_read_barrier, *rest_scratch = rest_scratch
     # fp8 stages are converted to q's dtype into these before the wgmma ([W, tile_keys, D]).
     k_convs = rest_scratch.pop(0) if k_dequant else None
     v_convs = rest_scratch.pop(0) if v_dequant else None
@@ -181,23 +198,42 @@ def _decode_kernel(
     head_size = q_ref.shape[-1]
     chunk = plans.mosaic_output_chunk(head_size)  # output columns per accumulator chunk
 
-    head_block, seq, split = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("split")
+    head_block, batch_block, split = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("split")
     kv_head = lax.div(head_block, jnp.int32(tiling.row_blocks))
     row_block = lax.rem(head_block, jnp.int32(tiling.row_blocks))
     wg = lax.axis_index("wg") if workers else jnp.int32(0)
+    batch = q_ref.shape[0]
+    quarantine = num_q_tokens > 1 and (spec.causal or spec.is_local)
 
-    seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
-    # Visible keys of the whole tile: [kv_lo, seq_len) (as in the Triton kernel).
-    kv_lo = jnp.int32(0)
-    if spec.window_left >= 0:
-        kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
-    base = lax.div(kv_lo, jnp.int32(block_size)) * block_size  # tiles start at kv_lo's page
-    num_tiles = lax.div(jnp.maximum(seq_len - base, 0) + (tile_keys - 1), jnp.int32(tile_keys))
-    tiles_per_split = lax.div(num_tiles + (tiling.num_splits - 1), jnp.int32(tiling.num_splits))
-    tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
-    num_steps = jnp.minimum(tile_begin + tiles_per_split, num_tiles) - tile_begin
+    def item_at(j) -> _Item:
+        """The program's ``j``-th sequence (``batch_block * items + j``) and its tiles.
+        Past the batch: sequence ``batch - 1`` with no tile and no output."""
+        seq = batch_block * items + j
+        valid = seq < batch
+        seq = jnp.minimum(seq, batch - 1)
+        seq_len = jnp.minimum(seqlens_ref[seq], max_keys)
+        # Visible keys of the whole tile: [kv_lo, seq_len) (as in the Triton kernel).
+        kv_lo = jnp.int32(0)
+        if spec.window_left >= 0:
+            kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
+        base = lax.div(kv_lo, jnp.int32(block_size)) * block_size  # tiles start at kv_lo's page
+        num_tiles = lax.div(jnp.maximum(seq_len - base, 0) + (tile_keys - 1), jnp.int32(tile_keys))
+        tiles_per_split = lax.div(num_tiles + (tiling.num_splits - 1), jnp.int32(tiling.num_splits))
+        tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
+        num_steps = jnp.where(valid, jnp.minimum(tile_begin + tiles_per_split, num_tiles) - tile_begin, 0)
+        # Keys of [free_lo, free_hi) are in range and seen by every query row. With several
+        # query tokens under a causal / window mask, keys in range can be hidden from some
+        # rows only (`quarantine`).
+        free_lo, free_hi = kv_lo, seq_len
+        if spec.causal:
+            free_hi = seq_len - num_q_tokens + 1
+        elif spec.window_right >= 0:
+            free_hi = jnp.minimum(seq_len, seq_len - num_q_tokens + spec.window_right + 1)
+        if spec.window_left >= 0:
+            free_lo = seq_len - 1 - spec.window_left
+        return _Item(seq, valid, seq_len, kv_lo, base, tile_begin, num_steps, free_lo, free_hi)
 
-    def page_ids(step) -> tuple:
+    def page_ids(it: _Item, step) -> tuple:
         """The cache pages of tile ``tile_begin + step``, one i32 scalar per page.
 
         Pages past the sequence (or the table) hold no visible key: any in-bounds page
@@ -205,8 +241,8 @@ def _decode_kernel(
         last entry, harmlessly); ids outside the cache (unvalidated tables under jit)
         are clamped, never followed.
         """
-        first_col = lax.div(base, jnp.int32(block_size)) + (tile_begin + step) * tiling.pages_per_tile
-        return tuple(jnp.clip(block_table_ref[seq, jnp.minimum(first_col + p, max_blocks - 1)], 0, num_pages - 1)
+        first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
+        return tuple(jnp.clip(block_table_ref[it.seq, jnp.minimum(first_col + p, max_blocks - 1)], 0, num_pages - 1)
                      for p in range(tiling.pages_per_tile))
 
     def issue(slot, pages: tuple):
@@ -218,9 +254,9 @@ def _decode_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
                                     v_barriers.at[slot])
 
-    def fill_the_ring():
-        for s in range(stages):
-            pl.when(s < num_steps)(functools.partial(issue, s, page_ids(s)))
+    def load_queries(it: _Item, j) -> None:
+        q_tile = lax.rem(j, 2) if items > 1 else 0
+        plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], q_smems.at[q_tile], q_barriers.at[q_tile])
 
     def score_iota(dimension: int) -> Array:
         """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
@@ -233,26 +269,14 @@ def _decode_kernel(
             return jnp.int32(0)
         return lax.div(row_block * rows + score_iota(0), jnp.int32(group_size))
 
-    # Keys of [free_lo, free_hi) are in range and seen by every query row. With several
-    # query tokens under a causal / window mask, keys in range can be hidden from some
-    # rows only (`quarantine`).
-    quarantine = num_q_tokens > 1 and (spec.causal or spec.is_local)
-    free_lo, free_hi = kv_lo, seq_len
-    if spec.causal:
-        free_hi = seq_len - num_q_tokens + 1
-    elif spec.window_right >= 0:
-        free_hi = jnp.minimum(seq_len, seq_len - num_q_tokens + spec.window_right + 1)
-    if spec.window_left >= 0:
-        free_lo = seq_len - 1 - spec.window_left
-
-    def attend(step, carry, slopes, score_scale, p_smem, bad_smem, k_conv, v_conv):
-        """The tile of step ``step`` (ring slot ``step % stages``) folded into the running
+    def attend(it: _Item, step, slot, carry, q_smem, slopes, score_scale, p_smem, bad_smem, k_conv, v_conv):
+        """Tile ``step`` of item ``it`` (in ring slot ``slot``) folded into the running
         ``(acc, row_max, row_sum)``: waits for its K and V, ``S = Q K^T``, the online
         softmax, ``O += P V``. Returns the new carry, once the slot's wgmmas are done."""
         # f32[64, D] as a tuple of [64, chunk] column chunks, f32[64], f32[64]
         acc, row_max, row_sum = carry
-        slot = lax.rem(step, jnp.int32(stages))
-        first_key = base + (tile_begin + step) * tile_keys
+        seq_len, kv_lo, free_lo, free_hi = it.seq_len, it.kv_lo, it.free_lo, it.free_hi
+        first_key = it.base + (it.tile_begin + step) * tile_keys
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_barriers.at[slot])
         with jax.named_scope("scores"):
@@ -365,11 +389,12 @@ def _decode_kernel(
                         for c, a in enumerate(acc))
         return acc, new_max, row_sum
 
-    def compute(w: int | Array, first_step, step_stride: int, after_step, extra):
-        """The math of compute warpgroup ``w``: steps ``first_step, first_step +
-        step_stride, ...`` of the program's tiles. ``after_step(step, slot, extra)`` runs
-        after each step's wgmmas and returns the next ``extra`` (loop-carried state).
-        Returns the final ``(acc, row_max, row_sum)``."""
+    def compute(it: _Item, j, w: int | Array, first_step, step_stride: int, slot_of, after_step, extra):
+        """The math of compute warpgroup ``w`` for item ``it`` (the program's ``j``-th):
+        its steps ``first_step, first_step + step_stride, ...``, step ``i`` in ring slot
+        ``slot_of(i)``. ``after_step(step, slot, extra)`` runs after each step's wgmmas
+        and returns the next ``extra`` (loop-carried state). Returns the final ``(acc,
+        row_max, row_sum)``."""
         # Only [64]-row vectors and scalars live across the loop: [64, tile_keys] index tiles
         # are rebuilt in each step (cheap integer work) rather than held in registers.
         slopes = None  # f32[64] per row, in the score tile's row layout
@@ -385,14 +410,16 @@ def _decode_kernel(
             score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
         buffers = (p_smems.at[w], bad_smems.at[w], k_convs.at[w] if k_dequant else None,
                    v_convs.at[w] if v_dequant else None)
+        q_tile = lax.rem(j, 2) if items > 1 else 0
         with jax.named_scope("q_wait"):
-            plgpu.barrier_wait(q_barrier)
+            plgpu.barrier_wait(q_barriers.at[q_tile])
 
         def step_fn(i, carry):
             *carry, extra = carry
             step = first_step + i * step_stride
-            carry = attend(step, tuple(carry), slopes, score_scale, *buffers)
-            return *carry, after_step(step, lax.rem(step, jnp.int32(stages)), extra)
+            slot = slot_of(step)
+            carry = attend(it, step, slot, tuple(carry), q_smems.at[q_tile], slopes, score_scale, *buffers)
+            return *carry, after_step(step, slot, extra)
 
         carry = (
             tuple(plgpu.layout_cast(jnp.zeros((rows, chunk), jnp.float32), plgpu.Layout.WGMMA)
@@ -400,12 +427,15 @@ def _decode_kernel(
             plgpu.layout_cast(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
-        my_steps = lax.div(jnp.maximum(num_steps - first_step, 0) + (step_stride - 1), jnp.int32(step_stride))
+        my_steps = lax.div(jnp.maximum(it.num_steps - first_step, 0) + (step_stride - 1), jnp.int32(step_stride))
         *carry, _ = lax.fori_loop(0, my_steps, step_fn, (*carry, extra))
+        if items > 1:
+            plgpu.barrier_arrive(q_free_barriers.at[q_tile])  # its wgmmas have completed
         return tuple(carry)
 
-    def epilogue(acc, row_max, row_sum):
-        """Normalizes and stores the program's output (and log-sum-exp with splits)."""
+    def epilogue(it: _Item, acc, row_max, row_sum):
+        """Normalizes and stores the item's output (and log-sum-exp with splits)."""
+        seq = it.seq
         # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -432,62 +462,74 @@ def _decode_kernel(
         plgpu.wait_smem_to_gmem(0)
 
     if not workers:
-        plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
+        it = item_at(jnp.int32(0))
+        load_queries(it, 0)
         # One warpgroup refills each slot right after that slot's tile, with the page ids
         # loaded a step early: its TMA copies then wait for no global load (a scalar load
         # per page would stall every step).
         with jax.named_scope("fill"):
-            fill_the_ring()
+            for s in range(stages):
+                pl.when(s < it.num_steps)(functools.partial(issue, s, page_ids(it, s)))
 
         def refill(step, slot, pages):
-            pl.when(step + stages < num_steps)(functools.partial(issue, slot, pages))
-            return page_ids(step + stages + 1)
+            pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
+            return page_ids(it, step + stages + 1)
 
-        result = compute(0, jnp.int32(0), 1, refill, page_ids(stages))
+        result = compute(it, 0, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
+                         page_ids(it, stages))
         with jax.named_scope("epilogue"):
-            epilogue(*result)
+            epilogue(it, *result)
         return
 
+    # Warp-specialized: the ring carries the program's items' tiles as one stream (tile
+    # ``i`` of item ``j`` is stream tile ``first_j + i``, ``first_j`` the tiles of the
+    # items before it), in slot ``stream tile % stages``, for compute warpgroup ``stream
+    # tile % W``: the stages being a multiple of W, each slot's barriers are always waited
+    # for by the same warpgroup, as the per-thread phase tracking of a barrier wait needs.
     @pl.when(wg == workers)
     def _producer():
         """Keeps the ring full: refills each slot as soon as its tile's compute warpgroup
-        has released it."""
-        plgpu.copy_gmem_to_smem(q_ref.at[seq, head_block], q_smem, q_barrier)
-        with jax.named_scope("fill"):
-            fill_the_ring()
+        has released it, running on into the next item's tiles."""
 
-        def refill(step, _):
-            slot = lax.rem(step, jnp.int32(stages))
-            pages = page_ids(step)  # (loaded before the wait: its latency hides behind it)
-            plgpu.barrier_wait(free_barriers.at[slot])
-            issue(slot, pages)
+        def next_item(j, first):
+            it = item_at(j)
+            if items > 1:
+                # Query tile j % 2 held item j - 2's queries: wait until both are read.
+                pl.when(j >= 2)(lambda: plgpu.barrier_wait(q_free_barriers.at[lax.rem(j, 2)]))
+            load_queries(it, j)
 
-        with jax.named_scope("refill"):
-            lax.fori_loop(jnp.int32(stages), num_steps, refill, None)
+            def refill(i, _):
+                stream = first + i
+                slot = lax.rem(stream, jnp.int32(stages))
+                pages = page_ids(it, i)  # (loaded before the wait: its latency hides behind it)
+                pl.when(stream >= stages)(lambda: plgpu.barrier_wait(free_barriers.at[slot]))
+                issue(slot, pages)
 
-        def drain(step, _):  # the last tiles' releases, refilled by nothing
-            plgpu.barrier_wait(free_barriers.at[lax.rem(step, jnp.int32(stages))])
+            with jax.named_scope("refill"):
+                lax.fori_loop(0, it.num_steps, refill, None)
+            return first + it.num_steps
+
+        stream = lax.fori_loop(0, items, next_item, jnp.int32(0))
+
+        def drain(i, _):  # the last tiles' releases, refilled by nothing
+            plgpu.barrier_wait(free_barriers.at[lax.rem(i, jnp.int32(stages))])
 
         # Every completed phase of a barrier is waited for by the thread that waits on it
         # (the Mosaic GPU interpreter checks it; the producer is idle here anyway).
         with jax.named_scope("drain"):
-            lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+            lax.fori_loop(jnp.maximum(stream - stages, 0), stream, drain, None)
+            if items > 1:
+                for j in range(max(items - 2, 0), items):
+                    plgpu.barrier_wait(q_free_barriers.at[j % 2])
 
     def release(step, slot, extra):
         plgpu.barrier_arrive(free_barriers.at[slot])
         return extra
 
-    # Tile i goes to compute warpgroup i % W, so (the stages being a multiple of W) each
-    # ring slot's barriers are always waited for by the same warpgroup, as the per-thread
-    # phase tracking of a barrier wait requires.
-    @pl.when(wg < workers)
-    def _compute():
-        acc, row_max, row_sum = compute(wg, wg, workers, release, ())
-        if workers == 1:
-            with jax.named_scope("epilogue"):
-                epilogue(acc, row_max, row_sum)
-            return
-
+    def merge_and_store(it: _Item, acc, row_max, row_sum):
+        """Two compute warpgroups: the second hands its output and (max, sum) to the first
+        through shared memory, which merges them as split partials are merged and stores
+        the item's output."""
         @pl.when(wg == 1)
         def _hand_over():
             with jax.named_scope("merge"):
@@ -496,6 +538,7 @@ def _decode_kernel(
                 merge_stats_smem.at[0][...] = row_max
                 merge_stats_smem.at[1][...] = row_sum
                 plgpu.barrier_arrive(merged_barrier)
+                plgpu.barrier_wait(merge_read_barrier)  # (the buffers are free for the next item)
 
         @pl.when(wg == 0)
         def _merge_and_store():
@@ -510,8 +553,27 @@ def _decode_kernel(
                     + plgpu.layout_cast(merge_acc_smem.at[c][...], plgpu.Layout.WGMMA)
                     * lax.broadcast_in_dim(other, a.shape, [0])
                     for c, a in enumerate(acc))
+                plgpu.barrier_arrive(merge_read_barrier)
             with jax.named_scope("epilogue"):
-                epilogue(merged, new_max, row_sum * mine + other_sum * other)
+                pl.when(it.valid)(lambda: epilogue(it, merged, new_max, row_sum * mine + other_sum * other))
+
+    @pl.when(wg < workers)
+    def _compute():
+        def next_item(j, first):
+            it = item_at(j)
+            # This warpgroup's first tile of the item: the first stream tile >= first that is
+            # wg modulo W.
+            mine = lax.rem(wg - lax.rem(first, jnp.int32(workers)) + workers, jnp.int32(workers))
+            acc, row_max, row_sum = compute(it, j, wg, mine, workers,
+                                            lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
+            if workers == 1:
+                with jax.named_scope("epilogue"):
+                    pl.when(it.valid)(lambda: epilogue(it, acc, row_max, row_sum))
+            else:
+                merge_and_store(it, acc, row_max, row_sum)
+            return first + it.num_steps
+
+        lax.fori_loop(0, items, next_item, jnp.int32(0))
 
 
 PROFILE_RANGES_PER_TILE = 4
@@ -600,8 +662,10 @@ def paged_decode_call(
     workers = tiling.compute_warpgroups
     per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
     chunk = plans.mosaic_output_chunk(head_size)
+    items = tiling.items_per_program
+    query_tiles = 2 if items > 1 else 1
     scratch = [
-        plgpu.SMEM((rows, head_size), dtype, transforms=operand),  # Q
+        plgpu.SMEM((query_tiles, rows, head_size), dtype, transforms=operand),  # Q
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
         plgpu.SMEM((per_worker, rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
@@ -609,18 +673,20 @@ def paged_decode_call(
         plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.SMEM((per_worker, keys), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
-        plgpu.Barrier(num_arrivals=1),  # Q
+        plgpu.Barrier(num_arrivals=1, num_barriers=query_tiles),  # Q
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
         plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
     ]
     if workers:
         scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=tiling.num_stages))  # a slot's tile is done
+    if items > 1:
+        scratch.append(plgpu.Barrier(num_arrivals=workers, num_barriers=2))  # a query tile is read
     if workers == 2:
         # the second warpgroup's output (swizzled: a plain f32 tile has no bank-conflict-free
         # transfer in the wgmma layout under jax 0.10)
         scratch += [plgpu.SMEM((head_size // chunk, rows, chunk), jnp.float32, transforms=_operand_transforms(4, chunk)),
                     plgpu.SMEM((2, rows), jnp.float32),  # and its running max and sum
-                    plgpu.Barrier(num_arrivals=1)]  # both written
+                    plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)]  # written, read
     # fp8 stages upcast to q's dtype for the wgmma, K then V, one per compute warpgroup.
     scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=operand)
                 for d in (k_dequant, v_dequant) if d]
@@ -642,7 +708,7 @@ def paged_decode_call(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(head_blocks, batch, splits),
+        grid=(head_blocks, -(-batch // items), splits),
         grid_names=("heads", "batch", "split"),
         **({"num_threads": workers + 1, "thread_name": "wg"} if workers else {}),
         compiler_params=_compiler_params(profile_dir, tiling, block_table.shape[1] * block_size),
