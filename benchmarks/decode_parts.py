@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench_attention import DECODE_CASES, DecodeCase, Timer, build_decode_inputs  # noqa: E402
 from kernel_resources import parse_overrides  # noqa: E402
 from prefill_parts import (_unwrap_cycles, compare_kernels, fit_clock_mhz, format_timeline,  # noqa: E402
-                           sm_clock_mhz, summarize_timeline)
+                           refuse_without_gpu, sm_clock_mhz, summarize_timeline)
 
 INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
 
@@ -62,11 +62,7 @@ def main() -> int:
                         help="also time the Triton decode kernel, in alternating rounds with the first config")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
     args = parser.parse_args()
-    if jax.default_backend() != "gpu" and not args.interpret:
-        print("decode_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
-        return 2
-    if args.timeline and args.interpret:
-        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
+    if refuse_without_gpu("decode_parts.py", args):
         return 2
     from jax_paged_attn import decode, plans, tuning
     from jax_paged_attn.kv_view import as_plane

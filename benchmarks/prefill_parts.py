@@ -89,11 +89,7 @@ def main() -> int:
                         help="SM clock for the profiler's cycle counts (default: fitted to the trace's block "
                              "starts, `fit_clock_mhz`; else nvidia-smi's clocks.max.sm)")
     args = parser.parse_args()
-    if jax.default_backend() != "gpu" and not args.interpret:
-        print("prefill_parts.py needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
-        return 2
-    if args.timeline and args.interpret:
-        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
+    if refuse_without_gpu("prefill_parts.py", args):
         return 2
     from jax_paged_attn import prefill
     from jax_paged_attn.spec import AttentionSpec
@@ -184,6 +180,18 @@ def main() -> int:
             print(format_timeline(summarize_timeline(
                 trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
     return 0
+
+
+def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:
+    """True (with the reason on stderr) where ``script`` cannot run as asked: no GPU and
+    no ``--interpret``, or ``--timeline`` in the interpreter."""
+    if jax.default_backend() != "gpu" and not args.interpret:
+        print(f"{script} needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
+        return True
+    if args.timeline and args.interpret:
+        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
+        return True
+    return False
 
 
 def compare_kernels(first, second, timer, rounds: int) -> tuple[float, float]:
