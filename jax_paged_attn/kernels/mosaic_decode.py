@@ -63,7 +63,14 @@ of ``n``, so each slot's K / V barriers are always waited for by the same warpgr
 a barrier's per-thread phase tracking needs), each with its own running max, sum and
 output and its own probabilities / flag / upcast buffers. With two, the second hands
 its output and (max, sum) to the first through shared memory, which merges them as
-split-KV partials are merged and stores the result.
+split-KV partials are merged and stores the result. With
+``tiling.items_per_program`` > 1 a program attends that many consecutive sequences (the
+grid's sequence axis counts programs, the last one's items past the batch write nothing):
+their tiles are one stream through the ring (stream tile ``t`` in slot ``t % stages``,
+for compute warpgroup ``t % n``), so the producer runs on into the next sequence's pages
+while the compute warpgroups finish the current one, its queries going to the other of
+two query tiles once both compute warpgroups have arrived on that tile's "free" barrier;
+the program's launch and the ring's fill are paid once for all its sequences.
 
 What it does not do yet (each is either refused by `decode.unsupported_reason` or a
 known performance gap):
