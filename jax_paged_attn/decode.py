@@ -209,11 +209,11 @@ def run_mosaic_decode(
     as `CachePlane`s); ``profile_dir``: the kernel's timeline
     (`kernels.mosaic_decode.paged_decode_call`; benchmarks/decode_parts.py).
 
-    The kernel reads one ``[64, D]`` tile of query rows per (KV head, row block), so the
-    ``Sq * G`` rows of each KV head (row ``r``: token ``r // G``, head ``r % G`` of the
-    group) are gathered and zero-padded here, ``[B, Hk * row_blocks, 64, D]``, and the
-    output rows scattered back: a copy of q and of the output (``B * Sq * Hq * D``
-    elements each, small beside the K/V a decode step reads).
+    The kernel reads one tile of ``tiling.query_rows`` query rows per (KV head, row
+    block), so the ``Sq * G`` rows of each KV head (row ``r``: token ``r // G``, head
+    ``r % G`` of the group) are gathered and zero-padded here, ``[B, Hk * row_blocks,
+    query_rows, D]``, and the output rows scattered back: a copy of q and of the output
+    (about ``B * Sq * Hq * D`` elements each, small beside the K/V a decode step reads).
     """
     from jax_paged_attn.kernels import mosaic_decode
 
@@ -225,11 +225,11 @@ def run_mosaic_decode(
     tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,
                                              _mosaic_cache_itemsizes(k_cache, v_cache))
     rows = num_q_tokens * group
-    padded = tiling.row_blocks * plans.MOSAIC_DECODE_ROWS
+    padded = tiling.row_blocks * tiling.query_rows
     q_rows = q.reshape(batch, num_q_tokens, num_kv_heads, group, head_size).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_size)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
-    q_rows = q_rows.reshape(batch, num_kv_heads * tiling.row_blocks, plans.MOSAIC_DECODE_ROWS, head_size)
+    q_rows = q_rows.reshape(batch, num_kv_heads * tiling.row_blocks, tiling.query_rows, head_size)
     result = mosaic_decode.paged_decode_call(
         q_rows, k_cache, v_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
         plans.alibi_slopes_log2(alibi_slopes), plans.kv_scales(k_cache.dtype, v_cache.dtype, k_scale, v_scale),
@@ -238,7 +238,7 @@ def run_mosaic_decode(
     )
 
     def unpack_rows(x: Array, has_dim: bool) -> Array:
-        """``[..., Hk * row_blocks, 64(, D)]`` program rows -> ``[..., Sq, Hq(, D)]``."""
+        """``[..., Hk * row_blocks, query_rows(, D)]`` program rows -> ``[..., Sq, Hq(, D)]``."""
         tail = (head_size,) if has_dim else ()
         lead = x.shape[:x.ndim - 2 - len(tail)]
         x = x.reshape(*lead, num_kv_heads, padded, *tail)[..., :rows, *([slice(None)] * len(tail))]

@@ -40,7 +40,7 @@ __all__ = [
     "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "NARROW_OFFSETS_MAX_BYTES", "narrow_offsets_overflow",
-    "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
+    "MOSAIC_DECODE_QUERY_ROW_MULTIPLE", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
     "mosaic_output_chunk", "mosaic_store_chunk",
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K",
@@ -815,6 +815,11 @@ MOSAIC_DECODE_ROWS = 64
 """Query rows of one Mosaic GPU decode program: the M of a Hopper warpgroup MMA
 (``Sq * G`` rows of a KV head, zero-padded; more rows take more programs)."""
 
+MOSAIC_DECODE_QUERY_ROW_MULTIPLE = 8
+"""A program's query rows in global memory are a multiple of this: the 16-bit query
+tile's shared-memory tiling is 8 rows deep, so a TMA copy of whole 8-row tiles lands
+in it (and a 32-byte log-sum-exp row meets TMA's 16-byte granule)."""
+
 MOSAIC_HEAD_MULTIPLE = 64
 """The Mosaic GPU decode kernel's head sizes are multiples of this: shared-memory tiles
 are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
@@ -847,6 +852,11 @@ class MosaicDecodeTiling:
     Attributes:
       row_blocks: programs per KV head along the query rows (``Sq * G`` rows in blocks
         of `MOSAIC_DECODE_ROWS`).
+      query_rows: query rows a program reads and writes in global memory: ``Sq * G``
+        rounded up to `MOSAIC_DECODE_QUERY_ROW_MULTIPLE` in one row block, else
+        `MOSAIC_DECODE_ROWS` (the kernel's tile stays 64 rows, the rest zeros in shared
+        memory: padding the rows in global memory to 64 would make the wrapper's query
+        copy and the output 16 times as large at a GQA group of 4).
       tile_keys: keys per pipeline stage, ``pages_per_tile`` whole pages.
       pages_per_tile: cache pages (one TMA copy each, per K and V) per stage.
       num_stages: K/V tiles in the shared-memory ring (a multiple of
@@ -865,14 +875,11 @@ class MosaicDecodeTiling:
     num_splits: int
     compute_warpgroups: int = 0
     items_per_program: int = 1
+    query_rows: int = MOSAIC_DECODE_ROWS
 
     @property
     def warp_specialized(self) -> bool:
         return self.compute_warpgroups > 0
-
-    @property
-    def rows_per_program(self) -> int:
-        return MOSAIC_DECODE_ROWS
 
 
 def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsize: int, num_stages: int,
@@ -931,6 +938,7 @@ def plan_mosaic_decode_tiling(
     items = min(config.items_per_program, batch)
     rows = num_q_tokens * (num_q_heads // num_kv_heads)
     row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
+    query_rows = MOSAIC_DECODE_ROWS if row_blocks > 1 else round_up(rows, MOSAIC_DECODE_QUERY_ROW_MULTIPLE)
     itemsize = jnp.dtype(q_dtype).itemsize
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     out_itemsize = itemsize if num_splits == 1 else 4
@@ -965,7 +973,8 @@ def plan_mosaic_decode_tiling(
             f"{block_size} ({smem(tile_keys, 2, workers)} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // block_size, num_stages=stages,
-                              num_splits=num_splits, compute_warpgroups=workers, items_per_program=items)
+                              num_splits=num_splits, compute_warpgroups=workers, items_per_program=items,
+                              query_rows=query_rows)
 
 
 # =========================================================================== cache write

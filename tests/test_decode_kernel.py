@@ -582,10 +582,14 @@ def test_mosaic_unsupported_reason() -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("num_q_tokens,num_q_heads,row_blocks,query_rows", [(3, 64, 2, 64), (3, 8, 1, 16)],
+                         ids=["96rows", "12rows"])
+def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, num_q_tokens: int, num_q_heads: int, row_blocks: int,
+                                            query_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The wrapper's row layout, with a stand-in kernel that echoes its query rows: 96
-    rows per KV head (Sq 3 x G 32) take two 64-row programs, and the output unpacks back
-    to q exactly (with several splits, equal partials with equal log-sum-exps merge to q)."""
+    rows per KV head (Sq 3 x G 32) take two 64-row programs, 12 (Sq 3 x G 4) one program
+    reading 16 rows (not 64), and the output unpacks back to q exactly (with several
+    splits, equal partials with equal log-sum-exps merge to q)."""
     seen = {}
 
     def echo(q_rows, k_cache, v_cache, lens, table, slopes, scales, *, spec, tiling, num_q_tokens, group_size,
@@ -597,14 +601,15 @@ def test_mosaic_wrapper_lays_out_query_rows(num_splits: int, monkeypatch: pytest
         return rows, jnp.zeros(rows.shape[:-1], jnp.float32)
 
     monkeypatch.setattr(mosaic_decode, "paged_decode_call", echo)
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64, 64)), jnp.bfloat16)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, num_q_tokens, num_q_heads, 64)), jnp.bfloat16)
     cache = jnp.zeros((8, 16, 2, 64), jnp.bfloat16)
     lens, table = jnp.array([5, 9], jnp.int32), jnp.zeros((2, 4), jnp.int32)
     out = decode.paged_decode_attention(q, cache, cache, lens, table, None, 1.0, 1.0,
                                         spec=AttentionSpec.create(64), lowering=MOSAIC,
                                         config=MosaicDecodeConfig(num_splits=num_splits))
-    assert seen["shape"] == (2, 2 * 2, plans.MOSAIC_DECODE_ROWS, 64)  # Hk 2 x 2 row blocks
-    assert seen["tiling"].row_blocks == 2 and seen["tiling"].num_splits == num_splits
+    assert seen["shape"] == (2, 2 * row_blocks, query_rows, 64)  # Hk 2 x row blocks
+    assert (seen["tiling"].row_blocks, seen["tiling"].query_rows) == (row_blocks, query_rows)
+    assert seen["tiling"].num_splits == num_splits
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(q, np.float32))
 
 
@@ -613,7 +618,10 @@ def test_mosaic_tiling_plan() -> None:
     pages (a 128-key page makes a 128-key stage), bad configs name the field."""
     plan = functools.partial(plans.plan_mosaic_decode_tiling, max_blocks=64, q_dtype=jnp.bfloat16)
     t = plan((8, 1, 32, 128), (512, 16, 8, 128), config=MosaicDecodeConfig(num_stages=4, num_splits=1))
-    assert (t.tile_keys, t.pages_per_tile, t.num_stages, t.row_blocks) == (64, 4, 4, 1)
+    assert (t.tile_keys, t.pages_per_tile, t.num_stages, t.row_blocks, t.query_rows) == (64, 4, 4, 1, 8)
+    assert plan((8, 3, 32, 128), (512, 16, 8, 128), config=MosaicDecodeConfig()).query_rows == 16  # 12 rows
+    t = plan((8, 3, 64, 128), (512, 16, 2, 128), config=MosaicDecodeConfig())  # 96 rows
+    assert (t.row_blocks, t.query_rows) == (2, plans.MOSAIC_DECODE_ROWS)
     t = plan((8, 1, 16, 256), (512, 16, 2, 256), config=MosaicDecodeConfig(tile_keys=128, num_stages=8))
     assert 2 <= t.num_stages < 8
     assert plans.estimate_mosaic_decode_shared_memory(

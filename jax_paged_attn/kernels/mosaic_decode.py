@@ -20,8 +20,10 @@ warpgroups, below):
 
 * its query tile is the ``Sq * G`` rows that share a KV head (row ``r`` is query token
   ``r // G`` of query head ``kv_head * G + r % G``), zero-padded to 64 rows, the M of a
-  Hopper warpgroup MMA (wgmma); the wrapper lays them out ``[B, Hk * row_blocks, 64, D]``
-  so one TMA copy brings the tile to shared memory;
+  Hopper warpgroup MMA (wgmma); the wrapper lays them out ``[B, Hk * row_blocks, R, D]``
+  (``R = tiling.query_rows``: the rows rounded up to 8, or 64 with several row blocks)
+  so one TMA copy brings them to shared memory, whose rows past ``R`` hold zeros, and
+  the output leaves as ``R`` rows;
 * it streams its share of the sequence's visible keys through a ring of ``num_stages``
   shared-memory stages of ``tile_keys`` keys: each stage is ``pages_per_tile`` TMA copies
   of one page of one KV head (``block_size x D``, contiguous rows ``Hk * D`` apart in the
@@ -90,7 +92,8 @@ known performance gap):
   thread), but at D 256 the running output alone is 128 registers per thread: spills
   are possible;
 * the block table is read from global memory, one scalar load per page (not staged in
-  shared memory); padding query rows are computed and written like real ones.
+  shared memory); padding query rows are computed like real ones (only the first ``R``
+  are written).
 """
 from __future__ import annotations
 
@@ -162,7 +165,7 @@ def _decode_kernel(
 ):
     (
         # inputs
-        q_ref,  # [B, Hk * row_blocks, 64, D] q dtype: the query rows of each program, zero-padded
+        q_ref,  # [B, Hk * row_blocks, R, D] q dtype: the query rows of each program, zero-padded
         k_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding K (plane k_plane)
         v_ref,  # [planes, num_blocks, block_size, Hk, D] the stacked cache holding V (plane v_plane)
         seqlens_ref,  # i32[B]: keys of each sequence, the Sq new tokens included
@@ -172,10 +175,10 @@ def _decode_kernel(
     alibi_ref = common.pop_optional(rest, has_alibi)  # f32[Hq]: slopes * log2(e)
     scales_ref = common.pop_optional(rest, k_dequant or v_dequant)  # f32[2]: k_scale, v_scale
     if tiling.num_splits == 1:
-        o_ref, *scratch = rest  # [B, Hk * row_blocks, 64, D] q dtype
+        o_ref, *scratch = rest  # [B, Hk * row_blocks, R, D] q dtype (R: tiling.query_rows)
         lse_ref = None
     else:
-        # f32[splits, B, Hk * row_blocks, 64, D], f32[splits, B, Hk * row_blocks, 64]
+        # f32[splits, B, Hk * row_blocks, R, D], f32[splits, B, Hk * row_blocks, R]
         o_ref, lse_ref, *scratch = rest
     (q_smems,  # [Q, 64, D] q dtype: the queries (Q = 2 with several items a program, else 1)
      k_smem, v_smem,  # [stages, tile_keys, D] the caches' dtypes: the ring
@@ -198,6 +201,7 @@ def _decode_kernel(
     v_convs = rest_scratch.pop(0) if v_dequant else None
 
     rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
+    query_rows = tiling.query_rows  # R: the rows of rows [0, 64) a program reads and writes
     dtype = q_ref.dtype
     max_blocks = block_table_ref.shape[1]
     num_pages = k_ref.shape[1]
@@ -261,9 +265,20 @@ def _decode_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
                                     v_barriers.at[slot])
 
+    def zero_query_tiles() -> None:
+        """Zeros the query tiles' rows past the program's ``R`` (the copies of `load_queries`
+        write rows ``[0, R)`` only), before the first copy is issued, by the thread issuing
+        it: padding rows then compute zeros, never stale shared memory."""
+        if query_rows < rows:
+            for t in range(q_smems.shape[0]):
+                q_smems.at[t][...] = plgpu.layout_cast(jnp.zeros((rows, head_size), q_smems.dtype),
+                                                       plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # (visible to the TMA and wgmma proxy)
+
     def load_queries(it: _Item, j) -> None:
         q_tile = lax.rem(j, 2) if items > 1 else 0
-        plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], q_smems.at[q_tile], q_barriers.at[q_tile])
+        dst = q_smems.at[q_tile] if query_rows == rows else q_smems.at[q_tile, pl.ds(0, query_rows)]
+        plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], dst, q_barriers.at[q_tile])
 
     def score_iota(dimension: int) -> Array:
         """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
@@ -463,13 +478,16 @@ def _decode_kernel(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
             o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_rows.at[:, pl.ds(col0, store)])
+            plgpu.copy_smem_to_gmem(o_smem if query_rows == rows else o_smem.at[pl.ds(0, query_rows)],
+                                    o_rows.at[:, pl.ds(col0, store)])
             if i == 0 and lse_ref is not None:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, seq, head_block])
+                plgpu.copy_smem_to_gmem(lse_smem if query_rows == rows else lse_smem.at[pl.ds(0, query_rows)],
+                                        lse_ref.at[split, seq, head_block])
         plgpu.wait_smem_to_gmem(0)
 
     if not workers:
         it = item_at(jnp.int32(0))
+        zero_query_tiles()
         load_queries(it, 0)
         # One warpgroup refills each slot right after that slot's tile, with the page ids
         # loaded a step early: its TMA copies then wait for no global load (a scalar load
@@ -516,6 +534,7 @@ def _decode_kernel(
                 lax.fori_loop(0, it.num_steps, refill, None)
             return first + it.num_steps
 
+        zero_query_tiles()
         stream = lax.fori_loop(0, items, next_item, jnp.int32(0))
 
         def drain(i, _):  # the last tiles' releases, refilled by nothing
@@ -603,7 +622,8 @@ def _compiler_params(profile_dir: str | None, tiling: MosaicDecodeTiling, max_ke
 
 
 def paged_decode_call(
-    q_rows: Array,  # [B, Hk * row_blocks, 64, D] f16 / bf16: query rows per program (decode.py lays them out)
+    q_rows: Array,  # [B, Hk * row_blocks, R, D] f16 / bf16: query rows per program, R = tiling.query_rows
+    # (decode.py lays them out)
     k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8, a plane of a stacked cache
     v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]
@@ -625,9 +645,9 @@ def paged_decode_call(
     copies nothing. ``interpret`` runs the kernel in Mosaic GPU interpret mode
     (`common.mosaic_interpret_params`; CPU tests).
 
-    Returns the output rows ``[B, Hk * row_blocks, 64, D]`` in q's dtype when
-    ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, 64, D],
-    lse f32[splits, B, Hk * row_blocks, 64])``, each split normalized over its own keys,
+    Returns the output rows ``[B, Hk * row_blocks, R, D]`` in q's dtype when
+    ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, R, D],
+    lse f32[splits, B, Hk * row_blocks, R])``, each split normalized over its own keys,
     ``lse`` the natural log-sum-exp of its scores (-inf for a split that saw no key).
     Padding rows hold 0 (-inf log-sum-exp).
 
@@ -637,7 +657,9 @@ def paged_decode_call(
     trace JSON file into that directory, through the Mosaic GPU profiler
     (benchmarks/decode_parts.py --timeline reads it).
     """
-    batch, head_blocks, rows, head_size = q_rows.shape
+    batch, head_blocks, query_rows, head_size = q_rows.shape
+    assert query_rows == tiling.query_rows, (q_rows.shape, tiling)
+    rows = MOSAIC_DECODE_ROWS  # the shared-memory tiles' rows: a wgmma's M
     _, block_size, _, _ = k_cache.shape
     dtype = q_rows.dtype
     itemsize = jnp.dtype(dtype).itemsize
@@ -654,7 +676,7 @@ def paged_decode_call(
     else:
         out_type = (
             jax.ShapeDtypeStruct((splits, *q_rows.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, head_blocks, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, head_blocks, query_rows), jnp.float32),
         )
         out_dtype = jnp.float32
     keys = tiling.tile_keys
