@@ -682,19 +682,21 @@ def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
 
 def mosaic_decode_grid(quick: bool) -> list[Any]:
     """MosaicDecodeConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (tile_keys, num_stages, target_programs, compute_warpgroups). Unmeasured starting points: stage depth
-    (bytes in flight per program) against programs per SM (shared memory ~ num_stages *
-    2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB)."""
+    (tile_keys, num_stages, target_programs, compute_warpgroups, items_per_program).
+    Starting points: stage depth (bytes in flight per program) against programs per SM
+    (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB),
+    the warp-specialized forms and several sequences a program first."""
     from jax_paged_attn.tuning import MosaicDecodeConfig
 
-    # (tile_keys, num_stages, target_programs, compute_warpgroups): warp-specialized forms first.
-    choices = ((64, 4, 1024, 2), (64, 2, 1024, 1)) if quick else (
-        (64, 4, 1024, 2), (64, 2, 1024, 1), (64, 4, 1024, 1), (64, 2, 1024, 2), (64, 4, 512, 2),
-        (64, 4, 1024, 0), (64, 3, 1024, 0), (64, 6, 1024, 0), (128, 2, 1024, 0), (128, 3, 1024, 0),
-        (64, 4, 512, 0), (64, 4, 2048, 0), (64, 4, 4096, 0),
+    choices = ((64, 4, 512, 1, 4), (64, 4, 512, 2, 1)) if quick else (
+        (64, 4, 512, 1, 4), (64, 4, 512, 2, 2), (64, 4, 1024, 2, 1), (64, 4, 512, 2, 1), (64, 4, 1024, 1, 1),
+        (64, 2, 1024, 1, 1), (64, 2, 1024, 2, 1), (64, 4, 1024, 1, 4), (64, 4, 256, 1, 8),
+        (64, 3, 1024, 0, 1), (64, 6, 1024, 0, 1), (128, 2, 1024, 0, 1), (128, 3, 1024, 0, 1),
+        (64, 4, 512, 0, 1), (64, 4, 2048, 0, 1), (64, 4, 4096, 0, 1),
     )
-    grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p, compute_warpgroups=w)
-            for t, st, p, w in choices]
+    grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p, compute_warpgroups=w,
+                               items_per_program=i)
+            for t, st, p, w, i in choices]
     return list(dict.fromkeys([MosaicDecodeConfig()] + grid))
 
 
