@@ -685,12 +685,12 @@ def mosaic_decode_grid(quick: bool) -> list[Any]:
     (tile_keys, num_stages, target_programs, compute_warpgroups, items_per_program).
     Starting points: stage depth (bytes in flight per program) against programs per SM
     (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB),
-    the warp-specialized forms and several sequences a program first."""
+    the warp-specialized forms and several sequences a program (0: one wave) first."""
     from jax_paged_attn.tuning import MosaicDecodeConfig
 
-    choices = ((64, 4, 512, 1, 4), (64, 4, 512, 2, 1)) if quick else (
-        (64, 4, 512, 1, 4), (64, 4, 512, 2, 2), (64, 4, 1024, 2, 1), (64, 4, 512, 2, 1), (64, 4, 1024, 1, 1),
-        (64, 2, 1024, 1, 1), (64, 2, 1024, 2, 1), (64, 4, 1024, 1, 4), (64, 4, 256, 1, 8),
+    choices = ((64, 4, 512, 1, 0), (64, 4, 512, 2, 1)) if quick else (
+        (64, 4, 512, 1, 0), (64, 4, 512, 2, 0), (64, 4, 512, 1, 4), (64, 4, 512, 2, 1), (64, 4, 1024, 2, 1),
+        (64, 4, 1024, 1, 1), (64, 2, 1024, 1, 1), (64, 2, 1024, 2, 1), (64, 4, 1024, 1, 0),
         (64, 3, 1024, 0, 1), (64, 6, 1024, 0, 1), (128, 2, 1024, 0, 1), (128, 3, 1024, 0, 1),
         (64, 4, 512, 0, 1), (64, 4, 2048, 0, 1), (64, 4, 4096, 0, 1),
     )

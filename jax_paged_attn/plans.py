@@ -909,12 +909,14 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
 def plan_mosaic_decode_tiling(
     q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype,
     config: MosaicDecodeConfig, cache_itemsizes: tuple[int, int] | None = None,
+    multiprocessors: int | None = None,
 ) -> MosaicDecodeTiling:
     """The Mosaic GPU decode kernel's static launch plan for these shapes and `config`.
 
     ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
     ``max_blocks`` the block table's columns, ``cache_itemsizes`` the K and V caches'
-    element sizes (default: q's; 1 for fp8 pages). A stage holds at least one page
+    element sizes (default: q's; 1 for fp8 pages), ``multiprocessors`` the GPU's SMs for
+    ``config.items_per_program == 0`` (default: `tuning.target_device`'s). A stage holds at least one page
     (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
     (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
     multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
@@ -932,16 +934,21 @@ def plan_mosaic_decode_tiling(
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
     if config.compute_warpgroups not in (0, 1, 2):
         raise ValueError(f"config.compute_warpgroups must be 0, 1 or 2, got {config.compute_warpgroups}.")
-    if config.items_per_program < 1 or (config.items_per_program > 1 and not config.compute_warpgroups):
-        raise ValueError(f"config.items_per_program must be 1, or more with config.compute_warpgroups > 0, got "
-                         f"{config.items_per_program} with {config.compute_warpgroups} compute warpgroups.")
-    items = min(config.items_per_program, batch)
+    if config.items_per_program < 0 or (config.items_per_program > 1 and not config.compute_warpgroups):
+        raise ValueError(f"config.items_per_program must be 0 (auto) or 1, or more with config.compute_warpgroups "
+                         f"> 0, got {config.items_per_program} with {config.compute_warpgroups} compute warpgroups.")
     rows = num_q_tokens * (num_q_heads // num_kv_heads)
     row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
     query_rows = MOSAIC_DECODE_ROWS if row_blocks > 1 else round_up(rows, MOSAIC_DECODE_QUERY_ROW_MULTIPLE)
     itemsize = jnp.dtype(q_dtype).itemsize
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     out_itemsize = itemsize if num_splits == 1 else 4
+    items = min(config.items_per_program, batch)
+    if not config.compute_warpgroups:
+        items = 1
+    elif items == 0:  # auto: one wave of programs
+        sms = multiprocessors or tuning.target_device().multiprocessors
+        items = min(-(-batch * num_kv_heads * row_blocks * num_splits // sms), batch)
 
     def smem(keys: int, stages: int, workers: int) -> int:
         return estimate_mosaic_decode_shared_memory(keys, head_size, itemsize, stages, out_itemsize,

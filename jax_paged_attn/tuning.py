@@ -113,6 +113,9 @@ class DecodeConfig:
 REFERENCE_DEVICE_KIND = "NVIDIA H200"
 """The GPU whose tables a call lowered on a CPU host takes (see the module docstring)."""
 
+REFERENCE_MULTIPROCESSORS = 132
+"""The H200's SMs: a plan's count where the GPU's is unknown (a CPU host lowering for CUDA)."""
+
 # Shared memory one thread block may opt into, by compute capability (CUDA programming
 # guide, "Technical Specifications per Compute Capability"); the kernels need sm_80+.
 _SHARED_MEMORY_PER_BLOCK_KIB = {
@@ -132,11 +135,14 @@ class TuningDevice:
     """The GPU a call's kernels are planned for.
 
     kind: JAX's ``device_kind`` (``"NVIDIA H200"``), the key of the measured tables;
-    shared_memory_per_block: bytes of shared memory one program (thread block) may use.
+    shared_memory_per_block: bytes of shared memory one program (thread block) may use;
+    multiprocessors: SMs (JAX's ``core_count``; the H200's 132 where unknown), what one
+    wave of programs fills.
     """
 
     kind: str
     shared_memory_per_block: int
+    multiprocessors: int = REFERENCE_MULTIPROCESSORS
 
     @property
     def shared_memory_budget(self) -> int:
@@ -151,15 +157,17 @@ REFERENCE_DEVICE = TuningDevice(REFERENCE_DEVICE_KIND, _SHARED_MEMORY_PER_BLOCK_
 DECODE_SHARED_MEMORY_BUDGET = REFERENCE_DEVICE.shared_memory_budget
 
 
-def device_from_properties(kind: str, compute_capability: str | None) -> TuningDevice:
-    """The `TuningDevice` of a CUDA GPU from its ``device_kind`` and ``compute_capability``
-    (``"9.0"``; None or unparsable: the smallest limit of the GPUs the kernels run on)."""
+def device_from_properties(kind: str, compute_capability: str | None,
+                           multiprocessors: int | None = None) -> TuningDevice:
+    """The `TuningDevice` of a CUDA GPU from its ``device_kind``, ``compute_capability``
+    (``"9.0"``; None or unparsable: the smallest limit of the GPUs the kernels run on) and
+    SM count (None: `REFERENCE_MULTIPROCESSORS`)."""
     try:
         major, minor = (int(part) for part in str(compute_capability).split(".")[:2])
         kib = _SHARED_MEMORY_PER_BLOCK_KIB.get((major, minor), _SMALLEST_SHARED_MEMORY_KIB)
     except ValueError:
         kib = _SMALLEST_SHARED_MEMORY_KIB
-    return TuningDevice(kind, kib * 1024)
+    return TuningDevice(kind, kib * 1024, multiprocessors or REFERENCE_MULTIPROCESSORS)
 
 
 @functools.cache
@@ -171,7 +179,8 @@ def target_device() -> TuningDevice:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return REFERENCE_DEVICE
-    return device_from_properties(device.device_kind, getattr(device, "compute_capability", None))
+    return device_from_properties(device.device_kind, getattr(device, "compute_capability", None),
+                                  getattr(device, "core_count", None))
 
 
 class UntunedDeviceWarning(UserWarning):
@@ -226,7 +235,9 @@ class MosaicDecodeConfig:
     other, the ring carrying their tiles as one stream (the producer runs on into the
     next sequence's pages while the compute warpgroups finish the last one's, and its
     queries go to a second query tile), so short sequences pay the ring's fill and the
-    program's launch once per program.
+    program's launch once per program. 0: auto, as many as make one wave of programs
+    (about one per SM, `TuningDevice.multiprocessors`: ``ceil(B * Hk * row_blocks *
+    splits / SMs)``, at most B); without warp specialization always 1.
     """
 
     tile_keys: int = 64

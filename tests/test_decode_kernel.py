@@ -546,6 +546,12 @@ def test_mosaic_every_tile_boundary() -> None:
     Case("mgpu-gpu-h200-shape-specialized-2wg", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
          max_blocks=256, num_blocks=1300, lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=3, num_stages=4, compute_warpgroups=2)),
+    Case("mgpu-gpu-h200-shape-items-auto-1wg", num_q_heads=32, num_kv_heads=8,
+         seqlens=tuple((i * 97) % 1000 for i in range(40)), max_blocks=64, num_blocks=2600, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_stages=4, target_programs=512, compute_warpgroups=1, items_per_program=0)),
+    Case("mgpu-gpu-h200-shape-items-2wg-splits", num_q_heads=32, num_kv_heads=8,
+         seqlens=tuple((i * 397) % 3000 for i in range(12)), max_blocks=192, num_blocks=2400, lowering=MOSAIC,
+         config=MosaicDecodeConfig(num_splits=3, num_stages=4, compute_warpgroups=2, items_per_program=5)),
     Case("mgpu-gpu-h200-shape-specialized-1wg-fp8", num_q_heads=64, num_kv_heads=8, seqlens=(2048, 77, 1),
          max_blocks=128, num_blocks=400, cache_dtype="float8_e4m3fn", lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1, num_stages=4, compute_warpgroups=1)),
@@ -667,7 +673,14 @@ def test_mosaic_specialized_tiling_plan() -> None:
     with pytest.raises(ValueError, match="config.items_per_program"):
         plan(q, cache, config=MosaicDecodeConfig(items_per_program=2))  # needs warp specialization
     with pytest.raises(ValueError, match="config.items_per_program"):
-        plan(q, cache, config=MosaicDecodeConfig(compute_warpgroups=1, items_per_program=0))
+        plan(q, cache, config=MosaicDecodeConfig(compute_warpgroups=1, items_per_program=-1))
+    # Auto: one wave of programs on the GPU's SMs (B x Hk x splits work items over 132).
+    auto = MosaicDecodeConfig(compute_warpgroups=1, num_stages=4, target_programs=512, items_per_program=0)
+    cache_1k = (4096, 16, 8, 128)
+    assert [plan((b, 1, 32, 128), cache_1k, config=auto, multiprocessors=132).items_per_program
+            for b in (256, 64, 8, 1)] == [16, 4, 2, 1]  # 2,048, 512, 64 x 4 splits, 8 x 4 splits items
+    assert plan((256, 1, 32, 128), cache_1k, config=auto, multiprocessors=66).items_per_program == 32
+    assert plan((256, 1, 32, 128), cache_1k, config=MosaicDecodeConfig(items_per_program=0)).items_per_program == 1
 
 
 @pytest.mark.parametrize("interpret", [pytest.param(True),
