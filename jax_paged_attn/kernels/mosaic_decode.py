@@ -483,7 +483,10 @@ def _decode_kernel(
             if i == 0 and lse_ref is not None:
                 plgpu.copy_smem_to_gmem(lse_smem if query_rows == rows else lse_smem.at[pl.ds(0, query_rows)],
                                         lse_ref.at[split, seq, head_block])
-        plgpu.wait_smem_to_gmem(0)
+        # Only until the copies have read the buffers (the next item's output goes there):
+        # their writes complete on their own, by the kernel's end at the latest, and
+        # nothing in the kernel reads the output.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if not workers:
         it = item_at(jnp.int32(0))
