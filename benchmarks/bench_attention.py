@@ -686,7 +686,7 @@ def mosaic_decode_grid(quick: bool) -> list[Any]:
     Starting points: stage depth (bytes in flight per program) against programs per SM
     (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB),
     the warp-specialized forms and several sequences a program (0: one wave) first."""
-    from jax_paged_attn.tuning import MosaicDecodeConfig
+    from jax_paged_attn.tuning import MOSAIC_DECODE_MEASURED, MosaicDecodeConfig
 
     choices = ((64, 4, 512, 1, 0), (64, 4, 512, 2, 1)) if quick else (
         (64, 4, 512, 1, 0), (64, 4, 512, 2, 0), (64, 4, 512, 1, 4), (64, 4, 512, 2, 1), (64, 4, 1024, 2, 1),
@@ -697,7 +697,7 @@ def mosaic_decode_grid(quick: bool) -> list[Any]:
     grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p, compute_warpgroups=w,
                                items_per_program=i)
             for t, st, p, w, i in choices]
-    return list(dict.fromkeys([MosaicDecodeConfig()] + grid))
+    return list(dict.fromkeys([MOSAIC_DECODE_MEASURED] + grid))
 
 
 def decode_ours_mosaic_gpu(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:

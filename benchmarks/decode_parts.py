@@ -49,7 +49,7 @@ INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="MosaicDecodeConfig fields (default: the package default)")
+                        help="MosaicDecodeConfig fields over the package's (tuning.MOSAIC_DECODE_MEASURED)")
     parser.add_argument("--versus", nargs="*", action="append", default=[], metavar="FIELD=VALUE",
                         help="another config (fields over --config), timed in alternating rounds; repeatable")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
@@ -68,7 +68,7 @@ def main() -> int:
     from jax_paged_attn.kv_view import as_plane
     from jax_paged_attn.spec import AttentionSpec
 
-    base = dataclasses.replace(tuning.MosaicDecodeConfig(), **parse_overrides(args.config))
+    base = dataclasses.replace(tuning.MOSAIC_DECODE_MEASURED, **parse_overrides(args.config))
     configs = [base] + [dataclasses.replace(base, **parse_overrides(v)) for v in args.versus]
     timer = Timer(warmup=1, reps=1) if args.interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -514,11 +514,21 @@ def decode_config(head_size: int, block_size: int, group_size: int,
     return _lookup("DECODE_TABLE", DECODE_TABLE, key, DecodeConfig(), device)
 
 
+MOSAIC_DECODE_MEASURED = MosaicDecodeConfig(num_stages=4, target_programs=512, compute_warpgroups=1,
+                                            items_per_program=0)
+"""The Mosaic GPU decode kernel's measured config: a producer warpgroup and one compute
+warpgroup, 4 stages, programs attending one wave's worth of sequences each. On the H200
+(benchmarks/RESULTS.md, 2026-12-03 05:59 UTC, D 128, page 16, alternating rounds in one
+process) 3-5 % faster than `MosaicDecodeConfig()` on every decode shape of the
+benchmark (3,495-3,622 GB/s against 3,349-3,519)."""
+
+
 def mosaic_decode_config(head_size: int, block_size: int, group_size: int) -> MosaicDecodeConfig:
-    """The Mosaic GPU decode kernel's config: no measured table yet, so the default
-    (the arguments are the key a measured table will use, as `decode_config`'s)."""
+    """The Mosaic GPU decode kernel's config: `MOSAIC_DECODE_MEASURED` for every shape (the
+    plan fits its stages to shared memory: fewer at D 256 or with fp8 upcast buffers; the
+    arguments are the key a per-shape table will use, as `decode_config`'s)."""
     del head_size, block_size, group_size
-    return MosaicDecodeConfig()
+    return MOSAIC_DECODE_MEASURED
 
 
 @dataclasses.dataclass(frozen=True)
