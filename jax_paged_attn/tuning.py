@@ -235,7 +235,10 @@ class MosaicDecodeConfig:
     other, the ring carrying their tiles as one stream (the producer runs on into the
     next sequence's pages while the compute warpgroups finish the last one's, and its
     queries go to a second query tile), so short sequences pay the ring's fill and the
-    program's launch once per program. 0: auto, as many as make one wave of programs
+    program's launch once per program (measured, with the unpadded query rows: 4 a
+    program 3-6 % faster than 1 at three shapes, 6 % slower at B256 ctx1024; one wave
+    3-5 % faster than the simple form on all four, benchmarks/RESULTS.md 2026-12-03).
+    0: auto, as many as make one wave of programs
     (about one per SM, `TuningDevice.multiprocessors`: ``ceil(B * Hk * row_blocks *
     splits / SMs)``, at most B); without warp specialization always 1.
     """

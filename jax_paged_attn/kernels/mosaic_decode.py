@@ -6,11 +6,11 @@ rows out for the kernel and merges the KV splits. Semantics are those of
 `jax_paged_attn.reference.paged_decode_attention` within the limits `decode.unsupported_reason`
 names for this lowering.
 
-On the H200 (benchmarks/RESULTS.md, 2026-12-03) it passes the GPU tests and reads
-2,700-3,480 GB/s of K/V (the best of six configs, the warp-specialized forms among
-them), 0.74-0.98x the Triton decode kernel, so auto does not run it: its programs are
-short at small contexts (B256 ctx1024 is the slowest shape at every page size), and the
-64-row wgmma tile makes a GQA group of 4 a sixteenth of the tensor-core work it pays. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
+On the H200 (benchmarks/RESULTS.md, 2026-12-03 05:59 UTC) it passes the GPU tests and,
+with its measured config (`tuning.MOSAIC_DECODE_MEASURED`: a producer and one compute
+warpgroup, one wave of programs), reads 3,495-3,622 GB/s of K/V, 0.97-0.99x the Triton
+decode kernel in alternating rounds, so auto does not run it; the 64-row wgmma tile
+makes a GQA group of 4 a sixteenth of the tensor-core work it pays. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
 interpreter has no rule for ``layout_cast`` and no transposed wgmma operands; the tests
 add both there, tests/mosaic_interpret_compat.py).
 
