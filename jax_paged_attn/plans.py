@@ -887,8 +887,8 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
                                          compute_warpgroups: int = 0, query_tiles: int = 1) -> int:
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
     caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffers of
-    each fp8 operand, the query tiles (two with several items a program), the probabilities tiles, the output buffer
-    (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
+    each fp8 operand, the query tiles (``query_tiles``: two with several items a
+    program), the probabilities tiles, the output buffer (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
     partials), the log-sum-exp row, the non-finite key flags, with two compute
     warpgroups the second one's f32 running output and row statistics for the merge,
     and the barrier arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch
@@ -916,8 +916,8 @@ def plan_mosaic_decode_tiling(
     ``q_shape`` is ``[B, Sq, Hq, D]``, ``cache_shape`` ``[num_blocks, block_size, Hk, D]``,
     ``max_blocks`` the block table's columns, ``cache_itemsizes`` the K and V caches'
     element sizes (default: q's; 1 for fp8 pages), ``multiprocessors`` the GPU's SMs for
-    ``config.items_per_program == 0`` (default: `tuning.target_device`'s). A stage holds at least one page
-    (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
+    ``config.items_per_program == 0`` (default: `tuning.target_device`'s). A stage holds
+    at least one page (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
     (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
     multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
     kernel cannot take.

@@ -227,10 +227,11 @@ class MosaicDecodeConfig:
     copies never wait for the math and two warpgroups' math overlaps. The stages are
     rounded up to a multiple of it (each slot then always feeds the same warpgroup); two
     become one where the second one's merge buffer does not fit shared memory beside the
-    smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): within
-    -2..+3 % of the default at 4 stages, 512 target programs and two compute warpgroups,
-    so the default stays; the per-tile math then overlaps the copies (its timeline), and
-    the kernel is held back elsewhere (benchmarks/RESULTS.md). items_per_program (with
+    smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): two
+    compute warpgroups at 4 stages and 512 target programs within -2..+3 % of the
+    single-warpgroup form; the per-tile math then overlaps the copies (its timeline).
+    The fields' defaults are that single-warpgroup form; the package runs
+    `MOSAIC_DECODE_MEASURED` (`mosaic_decode_config`). items_per_program (with
     warp specialization): consecutive sequences a program attends for, one after the
     other, the ring carrying their tiles as one stream (the producer runs on into the
     next sequence's pages while the compute warpgroups finish the last one's, and its

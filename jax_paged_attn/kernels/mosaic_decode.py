@@ -10,9 +10,10 @@ On the H200 (benchmarks/RESULTS.md, 2026-12-03 05:59 UTC) it passes the GPU test
 with its measured config (`tuning.MOSAIC_DECODE_MEASURED`: a producer and one compute
 warpgroup, one wave of programs), reads 3,495-3,622 GB/s of K/V, 0.97-0.99x the Triton
 decode kernel in alternating rounds, so auto does not run it; the 64-row wgmma tile
-makes a GQA group of 4 a sixteenth of the tensor-core work it pays. Mosaic GPU interpret mode runs it from jax 0.11 (jax 0.10's
-interpreter has no rule for ``layout_cast`` and no transposed wgmma operands; the tests
-add both there, tests/mosaic_interpret_compat.py).
+makes a GQA group of 4 a sixteenth of the tensor-core work it pays. Mosaic GPU
+interpret mode runs it from jax 0.11 (jax 0.10's interpreter has no rule for
+``layout_cast`` and no transposed wgmma operands; the tests add both there,
+tests/mosaic_interpret_compat.py).
 
 What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup,
 or with ``tiling.compute_warpgroups`` > 0 a producer warpgroup and that many compute
@@ -275,10 +276,18 @@ def _decode_kernel(
                                                        plgpu.Layout.WGMMA)
             plgpu.commit_smem()  # (visible to the TMA and wgmma proxy)
 
+    def query_tile(j):
+        """The query tile of the program's ``j``-th item (two alternate with several)."""
+        return lax.rem(j, 2) if items > 1 else 0
+
+    def leading_rows(ref):
+        """``ref``'s first ``R`` rows: what a program reads and writes in global memory."""
+        return ref if query_rows == rows else ref.at[pl.ds(0, query_rows)]
+
     def load_queries(it: _Item, j) -> None:
-        q_tile = lax.rem(j, 2) if items > 1 else 0
-        dst = q_smems.at[q_tile] if query_rows == rows else q_smems.at[q_tile, pl.ds(0, query_rows)]
-        plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], dst, q_barriers.at[q_tile])
+        q_tile = query_tile(j)
+        plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], leading_rows(q_smems.at[q_tile]),
+                                q_barriers.at[q_tile])
 
     def score_iota(dimension: int) -> Array:
         """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
@@ -432,7 +441,7 @@ def _decode_kernel(
             score_scale = score_scale * scales_ref[0]  # fp8 K is x / k_scale: scale the scores instead
         buffers = (p_smems.at[w], bad_smems.at[w], k_convs.at[w] if k_dequant else None,
                    v_convs.at[w] if v_dequant else None)
-        q_tile = lax.rem(j, 2) if items > 1 else 0
+        q_tile = query_tile(j)
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_barriers.at[q_tile])
 
@@ -478,11 +487,9 @@ def _decode_kernel(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last copy has read it
             o_smem[...] = (a * lax.broadcast_in_dim(inv_sum, a.shape, [0])).astype(o_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem if query_rows == rows else o_smem.at[pl.ds(0, query_rows)],
-                                    o_rows.at[:, pl.ds(col0, store)])
+            plgpu.copy_smem_to_gmem(leading_rows(o_smem), o_rows.at[:, pl.ds(col0, store)])
             if i == 0 and lse_ref is not None:
-                plgpu.copy_smem_to_gmem(lse_smem if query_rows == rows else lse_smem.at[pl.ds(0, query_rows)],
-                                        lse_ref.at[split, seq, head_block])
+                plgpu.copy_smem_to_gmem(leading_rows(lse_smem), lse_ref.at[split, seq, head_block])
         # Only until the copies have read the buffers (the next item's output goes there):
         # their writes complete on their own, by the kernel's end at the latest, and
         # nothing in the kernel reads the output.
@@ -522,8 +529,8 @@ def _decode_kernel(
         def next_item(j, first):
             it = item_at(j)
             if items > 1:
-                # Query tile j % 2 held item j - 2's queries: wait until both are read.
-                pl.when(j >= 2)(lambda: plgpu.barrier_wait(q_free_barriers.at[lax.rem(j, 2)]))
+                # Query tile j % 2 held item j - 2's queries: wait until every compute warpgroup read them.
+                pl.when(j >= 2)(lambda: plgpu.barrier_wait(q_free_barriers.at[query_tile(j)]))
             load_queries(it, j)
 
             def refill(i, _):
@@ -625,8 +632,7 @@ def _compiler_params(profile_dir: str | None, tiling: MosaicDecodeTiling, max_ke
 
 
 def paged_decode_call(
-    q_rows: Array,  # [B, Hk * row_blocks, R, D] f16 / bf16: query rows per program, R = tiling.query_rows
-    # (decode.py lays them out)
+    q_rows: Array,  # [B, Hk * row_blocks, R = tiling.query_rows, D] f16 / bf16 (decode.py lays them out)
     k_cache: CachePlane,  # [num_blocks, block_size, Hk, D] q's dtype or fp8, a plane of a stacked cache
     v_cache: CachePlane,  # [num_blocks, block_size, Hk, D] like k_cache
     cache_seqlens: Array,  # i32[B]
