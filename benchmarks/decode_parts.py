@@ -10,7 +10,7 @@ sequence ``context`` keys long, a random page permutation), times
 `jax_paged_attn.decode.run_mosaic_decode` (the Mosaic GPU kernel and its split merge)
 with the package's `MosaicDecodeConfig` overridden by ``--config``, and prints GB/s of
 K+V read. Each ``--versus`` (repeatable; a group of FIELD=VALUE overrides applied on top
-of ``--config``) adds a config timed in alternating rounds with the first one in this
+of ``--config``) adds a config; all are timed in the same alternating rounds in this
 process (`prefill_parts.compare_kernels`: the H200 varies by up to ~15 % between
 processes); ``--triton`` adds the Triton decode kernel the same way. Every output is
 checked against the first config's. ``--page-size`` changes the cache's page size. ``--timeline DIR``
@@ -103,13 +103,12 @@ def main() -> int:
                 raise AssertionError(f"{config} and {configs[0]} disagree")
         print(f"{case.label}:", flush=True)
         rounds = 1 if args.interpret else args.rounds
-        ms = [compare_kernels(calls[0], call, timer, rounds) for call in calls[1:]] or [
-            (timer.jax(calls[0])[0], None)]
+        ms = compare_kernels(calls, timer, rounds)
         for i, config in enumerate(configs):
             tiling = plans.plan_mosaic_decode_tiling(x.q.shape, x.k_cache.shape, x.block_table.shape[1],
                                                      x.q.dtype, config)
-            t = ms[0][0] if i == 0 else ms[i - 1][1]
-            against = "" if i == 0 else f" (first config in the same rounds: {ms[i - 1][0]:.4f} ms)"
+            t = ms[i]
+            against = "" if i == 0 else f" (first config in the same rounds: {ms[0]:.4f} ms)"
             print(f"  {config}\n    {tiling}\n    {t:.4f} ms, {kv_bytes / t / 1e6:.0f} GB/s{against}", flush=True)
             if args.timeline:
                 trace_dir = pathlib.Path(args.timeline) / f"{index}-{i}"
@@ -127,7 +126,7 @@ def main() -> int:
                 print(format_timeline(summarize_timeline(trace, clock, workers,
                                                          has_producer=tiling.warp_specialized)), flush=True)
         if args.triton:
-            first_ms, triton_ms = ms[-1]
+            first_ms, triton_ms = ms[0], ms[-1]
             print(f"  the Triton kernel (the package's DecodeConfig)\n    {triton_ms:.4f} ms, "
                   f"{kv_bytes / triton_ms / 1e6:.0f} GB/s (first config in the same rounds: {first_ms:.4f} ms)",
                   flush=True)

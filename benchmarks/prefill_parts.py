@@ -27,7 +27,7 @@ call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profile
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
 (`summarize_timeline`). ``--versus`` times the kernel with other fields in alternating
-rounds beside the config's, in the same process (`compare_kernels`). Needs a Hopper GPU,
+rounds beside the config's, in the same process (`compare_kernels`; repeat ``--versus`` for several variants in the same rounds). Needs a Hopper GPU,
 exits with 2 otherwise, except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
@@ -81,9 +81,10 @@ def main() -> int:
     parser.add_argument("--no-stock", action="store_true", help="leave the stock attention_mgpu kernel out")
     parser.add_argument("--timeline", metavar="DIR",
                         help="also profile one kernel call per shape into DIR and print its timeline summary")
-    parser.add_argument("--versus", nargs="*", default=[], metavar="FIELD=VALUE",
+    parser.add_argument("--versus", nargs="+", action="append", default=[], metavar="FIELD=VALUE",
                         help="also time the kernel with these fields changed, alternating with the config's "
-                             "kernel round by round in this process (`compare_kernels`)")
+                             "kernel round by round in this process (`compare_kernels`); repeat the option "
+                             "for several variants, all in the same rounds")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of --versus (default 7)")
     parser.add_argument("--clock-mhz", type=float,
                         help="SM clock for the profiler's cycle counts (default: fitted to the trace's block "
@@ -152,17 +153,19 @@ def main() -> int:
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
             for name, ms in times.items()), flush=True)
         if args.versus:
-            versus = parse_overrides(args.versus)
-            other_tiling, other_plan = functools.partial(plan_call, config=dataclasses.replace(config, **versus))(
-                cu, cu, None, None)
-            other = jax.jit(functools.partial(kernel_fn, tiling=other_tiling))
-            if not jnp.array_equal(other(q, k, v, other_plan), part):
-                raise AssertionError(f"the kernel with {versus} and the config's disagree")
-            ours_ms, other_ms = compare_kernels(lambda: kernel(q, k, v, plan), lambda: other(q, k, v, other_plan),
-                                                timer, 1 if interpret else args.rounds)
-            print(f"  versus {versus} ({args.rounds} alternating rounds, medians): kernel {ours_ms:.3f} ms "
-                  f"against {other_ms:.3f} ms ({flop / other_ms / 1e9:.0f} TFLOP/s), x{ours_ms / other_ms:.3f}",
-                  flush=True)
+            variants = [parse_overrides(fields) for fields in args.versus]
+            calls = [lambda: kernel(q, k, v, plan)]
+            for versus in variants:
+                other_tiling, other_plan = functools.partial(plan_call, config=dataclasses.replace(
+                    config, **versus))(cu, cu, None, None)
+                other = jax.jit(functools.partial(kernel_fn, tiling=other_tiling))
+                check_variant(other(q, k, v, other_plan), part, versus)
+                calls.append(functools.partial(other, q, k, v, other_plan))
+            medians = compare_kernels(calls, timer, 1 if interpret else args.rounds)
+            print(f"  {args.rounds} alternating rounds, medians: config's kernel {medians[0]:.3f} ms", flush=True)
+            for versus, other_ms in zip(variants, medians[1:]):
+                print(f"  versus {versus}: {other_ms:.3f} ms ({flop / other_ms / 1e9:.0f} TFLOP/s), "
+                      f"config's / this x{medians[0] / other_ms:.3f}", flush=True)
         if args.timeline:
             trace_dir = pathlib.Path(args.timeline) / shape.replace(" ", "_")
             trace_dir.mkdir(parents=True, exist_ok=True)
@@ -194,15 +197,31 @@ def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:
     return False
 
 
-def compare_kernels(first, second, timer, rounds: int) -> tuple[float, float]:
-    """Median ms of two calls timed in alternating rounds (first, second, first, ...) in
-    one process: the H200 varies by up to ~15 % between processes, so a comparison of
+def compare_kernels(calls, timer, rounds: int) -> list[float]:
+    """Median ms of each call, timed in alternating rounds (first, second, ..., first, ...)
+    in one process: the H200 varies by up to ~15 % between processes, so a comparison of
     configs read across processes can flip."""
-    times = ([], [])
+    times = [[] for _ in calls]
     for _ in range(rounds):
-        for call, kept in zip((first, second), times):
+        for call, kept in zip(calls, times):
             kept.append(timer.jax(call)[0])
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(kept) for kept in times]
+
+
+VARIANT_TOLERANCE = 2e-2
+"""Largest |difference| allowed between a variant's output and the config's (bf16, unit
+normal inputs): other block sizes sum the softmax in another order, so the bits may
+differ; a wrong kernel differs by far more."""
+
+
+def check_variant(output, expected, versus: dict) -> None:
+    """Raises AssertionError where a variant's output is not the config's (within
+    `VARIANT_TOLERANCE`; NaN where the config's has NaN)."""
+    diff = jnp.abs(output.astype(jnp.float32) - expected.astype(jnp.float32))
+    same_nan = jnp.array_equal(jnp.isnan(output), jnp.isnan(expected))
+    worst = float(jnp.nanmax(diff))
+    if not (bool(same_nan) and worst <= VARIANT_TOLERANCE):
+        raise AssertionError(f"the kernel with {versus} and the config's disagree: max |diff| {worst:.3g}")
 
 
 def one_call_ms(call, reps: int) -> float:

@@ -425,12 +425,18 @@ def test_matmul_benchmark_dry_run_times_both_and_checks_the_kernel(tmp_path, mon
 def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypatch, capsys):
     """`prefill_parts.py --interpret`: the plan, the kernel alone (its output equal to
     the whole call's, or the script raises) and the whole call, on one small shape in
-    the Mosaic GPU interpreter; a config field from the command line reaches the kernel."""
+    the Mosaic GPU interpreter; a config field from the command line reaches the kernel;
+    two ``--versus`` variants, each checked against the config's output, timed in the
+    same rounds."""
     parts = _load("prefill_parts")
     monkeypatch.setattr(sys, "argv", ["prefill_parts.py", "--interpret", "--reps", "1",
-                                      "--config", "nonfinite_check='probe'"])
+                                      "--config", "nonfinite_check='probe'", "--versus", "heads_per_program=2",
+                                      "--versus", "nonfinite_check='key_flags'", "masked_block_k=64"])
     assert parts.main() == 0
     out = capsys.readouterr().out
+    assert "alternating rounds, medians: config's kernel " in out
+    assert "versus {'heads_per_program': 2}: " in out
+    assert "versus {'nonfinite_check': 'key_flags', 'masked_block_k': 64}: " in out
     assert "config overrides {'nonfinite_check': 'probe'}" in out
     assert "B2 S80 Hq2 Hk1 D64, MosaicPrefillConfig(" in out
     assert "nonfinite_check='probe'" in out and "warp_specialized=False" in out
@@ -559,3 +565,15 @@ def test_max_configs_keeps_a_sweep_to_its_first_configs():
     assert [t["config"] for t in kept.sweep] == ["1.0", "2.0"] and kept.note == "best of 2/2 configs"
     every = bench.Context(timer, deadline).sweep([1.0, 2.0, 3.0], make_call)
     assert len(every.sweep) == 3
+
+
+def test_prefill_parts_variant_check_allows_rounding_not_a_wrong_kernel():
+    """`prefill_parts.check_variant`: another block size may round differently, within
+    `VARIANT_TOLERANCE`; a larger difference or a NaN in another place is an error."""
+    parts = _load("prefill_parts")
+    expected = jnp.array([[0.5, -1.25], [jnp.nan, 2.0]], jnp.bfloat16)
+    parts.check_variant(expected + jnp.array(0.0078125, jnp.bfloat16), expected, {"block_k": 64})
+    with pytest.raises(AssertionError, match="block_k.*max \\|diff\\| 0.25"):
+        parts.check_variant(expected.at[0, 0].add(0.25), expected, {"block_k": 64})
+    with pytest.raises(AssertionError, match="disagree"):
+        parts.check_variant(expected.at[0, 1].set(jnp.nan), expected, {"block_k": 64})
