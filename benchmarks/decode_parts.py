@@ -3,7 +3,8 @@
 
     python benchmarks/decode_parts.py [--config FIELD=VALUE ...] [--versus FIELD=VALUE ...] ...
                                       [--rounds N] [--reps N] [--timeline DIR] [--page-size N]
-                                      [--triton] [--shapes I ...] [--interpret]
+                                      [--triton] [--torch] [--shapes I ...] [--case B,CTX,HQ,HK[,D] ...]
+                                      [--interpret]
 
 For each decode shape of `bench_attention.py`'s decode suite (bf16, page 16, every
 sequence ``context`` keys long, a random page permutation), times
@@ -13,7 +14,10 @@ K+V read. Each ``--versus`` (repeatable; a group of FIELD=VALUE overrides applie
 of ``--config``) adds a config; all are timed in the same alternating rounds in this
 process (`prefill_parts.compare_kernels`: the H200 varies by up to ~15 % between
 processes); ``--triton`` adds the Triton decode kernel the same way. Every output is
-checked against the first config's. ``--page-size`` changes the cache's page size. ``--timeline DIR``
+checked against the first config's. ``--page-size`` changes the cache's page size;
+``--case B,CTX,HQ,HK[,D]`` runs other shapes (e.g. the same bytes with one KV head, whose
+16-row pages are 4 KiB contiguous per head, not 16 rows strided by the other heads);
+``--torch`` adds torch's cuDNN SDPA on contiguous K/V. ``--timeline DIR``
 also runs each config once with the Mosaic GPU profiler and prints where a program's
 time goes per warpgroup role and named region (`prefill_parts.summarize_timeline`):
 the waits for each tile's K and V, its scores and values, the producer's refill, the
@@ -60,6 +64,12 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, help="cache page size (default: the suite's, 16)")
     parser.add_argument("--triton", action="store_true",
                         help="also time the Triton decode kernel, in alternating rounds with the first config")
+    parser.add_argument("--case", action="append", default=[], metavar="B,CTX,HQ,HK[,D]",
+                        help="a decode shape instead of the suite's (repeatable; head size 128 if not given), "
+                             "e.g. the same bytes with one KV head, whose pages are contiguous per head")
+    parser.add_argument("--torch", action="store_true",
+                        help="also time torch's cuDNN SDPA on contiguous K/V (bench_attention's peer), after the "
+                             "rounds, on the same shapes")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in the Mosaic GPU interpreter")
     args = parser.parse_args()
     if refuse_without_gpu("decode_parts.py", args):
@@ -72,7 +82,7 @@ def main() -> int:
     configs = [base] + [dataclasses.replace(base, **parse_overrides(v)) for v in args.versus]
     timer = Timer(warmup=1, reps=1) if args.interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    cases = INTERPRET_CASES if args.interpret else DECODE_CASES
+    cases = [parse_case(text) for text in args.case] or (INTERPRET_CASES if args.interpret else DECODE_CASES)
     for index, case in enumerate(cases):
         if args.shapes and index not in args.shapes:
             continue
@@ -125,12 +135,44 @@ def main() -> int:
                 clock = fitted[0] if fitted else sm_clock_mhz()
                 print(format_timeline(summarize_timeline(trace, clock, workers,
                                                          has_producer=tiling.warp_specialized)), flush=True)
+        if args.torch:
+            torch_ms = time_torch_sdpa(x, case, timer)
+            print(f"  torch cuDNN SDPA, contiguous K/V\n    {torch_ms:.4f} ms, {kv_bytes / torch_ms / 1e6:.0f} GB/s",
+                  flush=True)
         if args.triton:
             first_ms, triton_ms = ms[0], ms[-1]
             print(f"  the Triton kernel (the package's DecodeConfig)\n    {triton_ms:.4f} ms, "
                   f"{kv_bytes / triton_ms / 1e6:.0f} GB/s (first config in the same rounds: {first_ms:.4f} ms)",
                   flush=True)
     return 0
+
+
+def parse_case(text: str) -> DecodeCase:
+    """``"B,CTX,HQ,HK[,D]"`` -> a `DecodeCase` (head size 128 if not given)."""
+    try:
+        fields = [int(part) for part in text.split(",")]
+    except ValueError:
+        fields = []
+    if len(fields) not in (4, 5) or min(fields) < 1:
+        raise SystemExit(f"--case takes B,CTX,HQ,HK[,D] (positive integers), got {text!r}")
+    return DecodeCase(*fields[:4], fields[4] if len(fields) == 5 else 128)
+
+
+def time_torch_sdpa(x, case: DecodeCase, timer: Timer) -> float:
+    """ms of torch's cuDNN SDPA over this shape's K/V made contiguous ([B, Hk, ctx, D],
+    as `bench_attention`'s ``torch_sdpa_cudnn`` peer runs it)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.from_dlpack(x.q).transpose(1, 2).contiguous()
+    k = torch.from_dlpack(x.contiguous(x.k_cache, case.context)).transpose(1, 2).contiguous()
+    v = torch.from_dlpack(x.contiguous(x.v_cache, case.context)).transpose(1, 2).contiguous()
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return timer.torch(torch, call)[0]
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 
     python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N] [--head-sizes D ...]
                                        [--timeline DIR] [--no-stock] [--versus FIELD=VALUE ...]
+                                       [--case B,S,HQ,HK,D ...] [--no-causal]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
-sequences of equal length), times back-to-back calls (`bench_attention.Timer`) of:
+sequences of equal length; ``--case`` for others, ``--no-causal`` without the mask),
+times back-to-back calls (`bench_attention.Timer`) of:
 
 * ``full``: `jax_paged_attn.prefill.varlen_attention` with ``lowering="mosaic_gpu"``,
   what a user's call runs;
@@ -79,6 +81,12 @@ def main() -> int:
     parser.add_argument("--head-sizes", type=int, nargs="*", metavar="D",
                         help="only the shapes of these head sizes (default: every shape)")
     parser.add_argument("--no-stock", action="store_true", help="leave the stock attention_mgpu kernel out")
+    parser.add_argument("--case", action="append", default=[], metavar="B,S,HQ,HK,D",
+                        help="a shape instead of the suite's (repeatable; --head-sizes still filters)")
+    parser.add_argument("--no-causal", dest="causal", action="store_false",
+                        help="every query sees every key of its sequence: no masked blocks where S is a "
+                             "multiple of the block sizes, so times over several S separate a work item's "
+                             "fixed cost from its per-block cost")
     parser.add_argument("--timeline", metavar="DIR",
                         help="also profile one kernel call per shape into DIR and print its timeline summary")
     parser.add_argument("--versus", nargs="+", action="append", default=[], metavar="FIELD=VALUE",
@@ -99,7 +107,8 @@ def main() -> int:
     interpret = args.interpret
     timer = Timer(warmup=1, reps=1) if interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, config overrides {overrides or 'none'}")
-    for batch, seq, q_heads, kv_heads, head_size in INTERPRET_SHAPES if interpret else SHAPES:
+    shapes = [parse_shape(text) for text in args.case] or (INTERPRET_SHAPES if interpret else SHAPES)
+    for batch, seq, q_heads, kv_heads, head_size in shapes:
         if args.head_sizes and head_size not in args.head_sizes:
             continue
         config = config_for(head_size, overrides, interpret)
@@ -108,7 +117,7 @@ def main() -> int:
         k = jax.random.normal(keys[1], (batch * seq, kv_heads, head_size), jnp.bfloat16)
         v = jax.random.normal(keys[2], (batch * seq, kv_heads, head_size), jnp.bfloat16)
         cu = jnp.arange(batch + 1, dtype=jnp.int32) * seq
-        spec = AttentionSpec.create(head_size, causal=True)
+        spec = AttentionSpec.create(head_size, causal=args.causal)
         full = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=seq,
                                          max_seqlen_k=seq, lowering="mosaic_gpu", config=config,
                                          interpret=interpret))
@@ -140,14 +149,14 @@ def main() -> int:
         q16 = dense((q.astype(jnp.float32) * head_size ** -0.5).astype(jnp.float16))
         k16, v16 = dense(k.astype(jnp.float16)), dense(v.astype(jnp.float16))
         for block_kv in block_kvs:
-            tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=True)
+            tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=args.causal)
             fn = jax.jit(functools.partial(stock.attention, config=tuning))
             try:
                 times[f"stock_bkv{block_kv}"], _, _ = timer.jax(lambda: fn(q16, k16, v16))
             except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
                 print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
-        flop = 4 * batch * q_heads * head_size * seq * seq / 2
-        shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}"
+        flop = 4 * batch * q_heads * head_size * seq * seq / (2 if args.causal else 1)
+        shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}" + ("" if args.causal else " non-causal")
         print(f"{shape}, {config}\n  ({tiling.compute_warpgroups} compute "
               f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
             f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
@@ -195,6 +204,17 @@ def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:
         print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
         return True
     return False
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``"B,S,HQ,HK,D"`` -> (batch, sequence length, query heads, KV heads, head size)."""
+    try:
+        fields = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        fields = ()
+    if len(fields) != 5 or min(fields) < 1:
+        raise SystemExit(f"--case takes B,S,HQ,HK,D (positive integers), got {text!r}")
+    return fields
 
 
 def compare_kernels(calls, timer, rounds: int) -> list[float]:

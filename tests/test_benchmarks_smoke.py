@@ -577,3 +577,17 @@ def test_prefill_parts_variant_check_allows_rounding_not_a_wrong_kernel():
         parts.check_variant(expected.at[0, 0].add(0.25), expected, {"block_k": 64})
     with pytest.raises(AssertionError, match="disagree"):
         parts.check_variant(expected.at[0, 1].set(jnp.nan), expected, {"block_k": 64})
+
+
+def test_parts_scripts_parse_their_shapes():
+    """``--case`` of `prefill_parts.py` (B,S,HQ,HK,D) and `decode_parts.py`
+    (B,CTX,HQ,HK[,D], head size 128 by default); a malformed one exits naming the option."""
+    prefill_parts, decode_parts = _load("prefill_parts"), _load("decode_parts")
+    assert prefill_parts.parse_shape("8,2048,32,8,128") == (8, 2048, 32, 8, 128)
+    case = decode_parts.parse_case("512,4096,4,1")
+    assert (case.batch, case.context, case.q_heads, case.kv_heads, case.head_dim) == (512, 4096, 4, 1, 128)
+    assert decode_parts.parse_case("2,100,8,2,64").head_dim == 64
+    for parse, text in ((prefill_parts.parse_shape, "8,2048,32,8"), (decode_parts.parse_case, "8,x,1,1"),
+                        (decode_parts.parse_case, "0,100,8,2")):
+        with pytest.raises(SystemExit, match="--case takes"):
+            parse(text)
