@@ -88,12 +88,8 @@ def _mosaic_unsupported_reason(q: Array, k_cache: Array, v_cache: Array) -> str 
     prefix = "the Mosaic GPU decode kernel"
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"{prefix} takes float16 / bfloat16 queries only (float32 would run its wgmma in TF32), got {q.dtype}"
-    if q.shape[-1] % plans.MOSAIC_HEAD_MULTIPLE:
-        return f"{prefix} needs a head size that is a multiple of {plans.MOSAIC_HEAD_MULTIPLE}, got {q.shape[-1]}"
-    if 128 % k_cache.shape[1]:
-        return f"{prefix} needs a block size dividing 128 (whole pages per 64- or 128-key stage), got " \
-               f"{k_cache.shape[1]}"
-    least = plans.estimate_mosaic_decode_shared_memory(max(64, k_cache.shape[1]), q.shape[-1],
+    least_keys, _ = plans.mosaic_decode_tile(k_cache.shape[1], min(plans.MOSAIC_DECODE_TILE_KEYS))
+    least = plans.estimate_mosaic_decode_shared_memory(least_keys, q.shape[-1],
                                                        jnp.dtype(q.dtype).itemsize, 2, 4,
                                                        _mosaic_cache_itemsizes(k_cache, v_cache))
     if least > tuning.MOSAIC_SHARED_MEMORY_LIMIT:

@@ -40,9 +40,10 @@ __all__ = [
     "estimate_shared_memory", "decode_tile_keys",
     "choose_num_splits", "plan_decode_tiling", "plan_cache_write", "is_fp8", "kv_scales",
     "alibi_slopes_log2", "NARROW_OFFSETS_MAX_BYTES", "narrow_offsets_overflow",
-    "MOSAIC_DECODE_QUERY_ROW_MULTIPLE", "MOSAIC_DECODE_ROWS", "MOSAIC_HEAD_MULTIPLE", "MosaicDecodeTiling",
+    "MOSAIC_DECODE_QUERY_ROW_MULTIPLE", "MOSAIC_DECODE_ROWS", "MOSAIC_SWIZZLES", "mosaic_swizzle_bytes",
+    "MOSAIC_F32_STORE_COLUMNS", "MosaicDecodeTiling",
     "estimate_mosaic_decode_shared_memory", "plan_mosaic_decode_tiling", "MOSAIC_OUTPUT_CHUNK",
-    "mosaic_output_chunk", "mosaic_store_chunk",
+    "mosaic_output_chunk", "mosaic_store_chunk", "MOSAIC_DECODE_TILE_KEYS", "mosaic_decode_tile",
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K",
     "MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE", "MosaicPrefillTiling", "check_mosaic_prefill_config", "mosaic_work_rows",
     "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling", "mosaic_heads_per_program",
@@ -820,9 +821,16 @@ MOSAIC_DECODE_QUERY_ROW_MULTIPLE = 8
 tile's shared-memory tiling is 8 rows deep, so a TMA copy of whole 8-row tiles lands
 in it (and a 32-byte log-sum-exp row meets TMA's 16-byte granule)."""
 
-MOSAIC_HEAD_MULTIPLE = 64
-"""The Mosaic GPU decode kernel's head sizes are multiples of this: shared-memory tiles
-are 64 16-bit elements wide (128-byte swizzle), so a row is whole tiles."""
+MOSAIC_SWIZZLES = (128, 64, 32)
+"""Swizzles (bytes) of Mosaic GPU shared-memory tiles, widest first."""
+
+
+def mosaic_swizzle_bytes(row_elements: int, itemsize: int) -> int:
+    """The widest swizzle (`MOSAIC_SWIZZLES`) of a shared-memory tile whose rows are
+    ``row_elements`` long: its tiles are ``swizzle // itemsize`` elements wide, so they
+    must divide the row; 0 where none does (fp8 rows of 80 bytes, say: such tiles are
+    only loaded into registers, never a wgmma operand)."""
+    return next((size for size in MOSAIC_SWIZZLES if row_elements * itemsize % size == 0), 0)
 
 
 MOSAIC_OUTPUT_CHUNK = 128
@@ -830,19 +838,28 @@ MOSAIC_OUTPUT_CHUNK = 128
 
 
 def mosaic_output_chunk(head_size: int) -> int:
-    """Output columns per accumulator chunk of the Mosaic GPU decode kernel: the whole
-    head up to `MOSAIC_OUTPUT_CHUNK`, else the largest of 128 / 64 dividing it (D 192: 64)."""
-    if head_size <= MOSAIC_OUTPUT_CHUNK:
-        return head_size
-    return MOSAIC_OUTPUT_CHUNK if head_size % MOSAIC_OUTPUT_CHUNK == 0 else MOSAIC_HEAD_MULTIPLE
+    """Output columns per accumulator chunk of the Mosaic GPU decode kernel: the most, up
+    to `MOSAIC_OUTPUT_CHUNK`, that divide the head and are whole swizzle tiles of the
+    16-bit value rows (each chunk's P·V reads a column slice of the V tile): D 128: 128,
+    D 96: 96, D 192: 64, D 160: 32, D 240: 80."""
+    width = mosaic_swizzle_bytes(head_size, 2) // 2
+    return max(c for c in range(width, min(head_size, MOSAIC_OUTPUT_CHUNK) + 1, width) if head_size % c == 0)
+
+
+MOSAIC_F32_STORE_COLUMNS = 64
+"""Most f32 columns of the Mosaic GPU decode kernel's output buffer (split partials)."""
 
 
 def mosaic_store_chunk(head_size: int, out_itemsize: int) -> int:
     """Output columns the Mosaic GPU decode kernel stages in shared memory per store: an
-    accumulator chunk, split to 64 columns for f32 partials (16 KiB instead of 32: at D
-    128 with two 64-key stages the kernel then takes ~105 KiB, so two fit an SM)."""
+    accumulator chunk, or for f32 partials its largest divisor up to
+    `MOSAIC_F32_STORE_COLUMNS` in whole 8-column tiles of the wgmma layout (16 KiB
+    instead of 32 at D 128: with two 64-key stages the kernel then takes ~105 KiB, so two
+    fit an SM)."""
     chunk = mosaic_output_chunk(head_size)
-    return min(chunk, MOSAIC_HEAD_MULTIPLE) if out_itemsize == 4 else chunk
+    if out_itemsize != 4:
+        return chunk
+    return max(c for c in range(8, min(chunk, MOSAIC_F32_STORE_COLUMNS) + 1, 8) if chunk % c == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -857,8 +874,11 @@ class MosaicDecodeTiling:
         `MOSAIC_DECODE_ROWS` (the kernel's tile stays 64 rows, the rest zeros in shared
         memory: padding the rows in global memory to 64 would make the wrapper's query
         copy and the output 16 times as large at a GQA group of 4).
-      tile_keys: keys per pipeline stage, ``pages_per_tile`` whole pages.
-      pages_per_tile: cache pages (one TMA copy each, per K and V) per stage.
+      tile_keys: keys per pipeline stage, ``pages_per_tile`` copies of ``copy_rows`` rows
+        (`mosaic_decode_tile`).
+      pages_per_tile: TMA copies (per K and V) per stage: whole pages where the block
+        size divides 128, else runs of ``copy_rows`` rows, each within one page.
+      copy_rows: rows per TMA copy: the block size, or ``gcd(tile_keys, block_size)``.
       num_stages: K/V tiles in the shared-memory ring (a multiple of
         ``compute_warpgroups`` when warp-specialized).
       num_splits: KV splits per (sequence, KV head); 1 writes the final output.
@@ -876,6 +896,7 @@ class MosaicDecodeTiling:
     compute_warpgroups: int = 0
     items_per_program: int = 1
     query_rows: int = MOSAIC_DECODE_ROWS
+    copy_rows: int = 16
 
     @property
     def warp_specialized(self) -> bool:
@@ -906,6 +927,24 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     return sum(round_up(size, 1024) for size in buffers)
 
 
+MOSAIC_DECODE_TILE_KEYS = (64, 128)
+"""``MosaicDecodeConfig.tile_keys`` values: whole 64-element swizzle tiles of the
+probabilities' rows."""
+
+
+def mosaic_decode_tile(block_size: int, tile_keys: int) -> tuple[int, int]:
+    """(keys per stage, rows per TMA copy) of the Mosaic GPU decode kernel for cache pages
+    of ``block_size`` keys and the config's ``tile_keys``: whole pages where the block size
+    divides 128 (``max(tile_keys, block_size)`` keys, a copy a page); else ``tile_keys``
+    keys in copies of ``gcd(tile_keys, block_size)`` rows, each within one page (a
+    256-key page: 64- or 128-row slices; 48: 16-row runs, a stage's rows spanning pages).
+    A stage stays a multiple of 64 keys: masked stages load their values into registers
+    in the wgmma layout, whose tiles have 64 rows."""
+    if 128 % block_size == 0:
+        return max(tile_keys, block_size), block_size
+    return tile_keys, math.gcd(tile_keys, block_size)
+
+
 def plan_mosaic_decode_tiling(
     q_shape: tuple[int, ...], cache_shape: tuple[int, ...], max_blocks: int, q_dtype,
     config: MosaicDecodeConfig, cache_itemsizes: tuple[int, int] | None = None,
@@ -917,19 +956,14 @@ def plan_mosaic_decode_tiling(
     ``max_blocks`` the block table's columns, ``cache_itemsizes`` the K and V caches'
     element sizes (default: q's; 1 for fp8 pages), ``multiprocessors`` the GPU's SMs for
     ``config.items_per_program == 0`` (default: `tuning.target_device`'s). A stage holds
-    at least one page (``tile_keys = max(config.tile_keys, block_size)``). The caller has checked
-    (`decode.unsupported_reason`) that the block size divides 128 and the head size is a
-    multiple of `MOSAIC_HEAD_MULTIPLE`. Raises ValueError for a ``config.tile_keys`` the
-    kernel cannot take.
+    whole pages or a slice of one (`mosaic_decode_tile`). Raises ValueError for a
+    ``config.tile_keys`` the kernel cannot take.
     """
     batch, num_q_tokens, num_q_heads, head_size = q_shape
     _, block_size, num_kv_heads, _ = cache_shape
-    if config.tile_keys not in (64, 128):
-        raise ValueError(f"config.tile_keys must be 64 or 128, got {config.tile_keys}.")
-    tile_keys = max(config.tile_keys, block_size)  # at least one whole page per stage
-    if tile_keys % block_size or tile_keys > 128:
-        raise ValueError(f"the block size ({block_size}) must divide 128 and config.tile_keys "
-                         f"({config.tile_keys}).")
+    if config.tile_keys not in MOSAIC_DECODE_TILE_KEYS:
+        raise ValueError(f"config.tile_keys must be one of {MOSAIC_DECODE_TILE_KEYS}, got {config.tile_keys}.")
+    tile_keys, copy_rows = mosaic_decode_tile(block_size, config.tile_keys)
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
     if config.compute_warpgroups not in (0, 1, 2):
@@ -963,13 +997,13 @@ def plan_mosaic_decode_tiling(
             stages -= step
         return stages if smem(keys, stages, workers) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT else None
 
-    # Fewer stages first, then (a page allowing) 64-key stages (at D 256 two 128-key
+    # Fewer stages first, then (the pages allowing) 64-key stages (at D 256 two 128-key
     # stages alone take 256 KiB), then one compute warpgroup instead of two (the second
     # one's merge buffer).
     workers = config.compute_warpgroups
     stages = fit(tile_keys, workers)
-    if stages is None and tile_keys > 64 and block_size <= 64:
-        tile_keys = 64
+    if stages is None and tile_keys > 64 and block_size != 128:
+        tile_keys, copy_rows = mosaic_decode_tile(block_size, 64)
         stages = fit(tile_keys, workers)
     if stages is None and workers == 2:
         workers = 1
@@ -979,9 +1013,9 @@ def plan_mosaic_decode_tiling(
             f"the Mosaic GPU decode kernel does not fit shared memory at head size {head_size} and block size "
             f"{block_size} ({smem(tile_keys, 2, workers)} bytes > {tuning.MOSAIC_SHARED_MEMORY_LIMIT}).")
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
-                              pages_per_tile=tile_keys // block_size, num_stages=stages,
+                              pages_per_tile=tile_keys // copy_rows, num_stages=stages,
                               num_splits=num_splits, compute_warpgroups=workers, items_per_program=items,
-                              query_rows=query_rows)
+                              query_rows=query_rows, copy_rows=copy_rows)
 
 
 # =========================================================================== cache write

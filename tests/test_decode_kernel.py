@@ -575,9 +575,11 @@ def test_mosaic_unsupported_reason() -> None:
     assert reason(q, fp8, fp8, *rest) is None  # upcast in the kernel
     assert "float16 / bfloat16" in reason(q.astype(jnp.float32), cache.astype(jnp.float32),
                                           cache.astype(jnp.float32), *rest)
-    assert "multiple of 64" in reason(q[..., :96], cache[..., :96], cache[..., :96], *rest)
-    odd_block = jnp.zeros((4, 48, 2, 128), jnp.bfloat16)
-    assert "block size dividing 128" in reason(q, odd_block, odd_block, *rest)
+    for head_size in (32, 80, 96, 160):  # any supported head size (swizzled to fit its rows)
+        assert reason(q[..., :head_size], cache[..., :head_size], cache[..., :head_size], *rest) is None
+    for block_size in (48, 80, 256):  # any block size: stages of runs within pages, or page slices
+        odd_block = jnp.zeros((4, block_size, 2, 128), jnp.bfloat16)
+        assert reason(q, odd_block, odd_block, *rest) is None
     big = jnp.zeros((4, 128, 2, 256), jnp.bfloat16)  # two 128-key stages at D 256: 256 KiB
     assert "shared memory" in reason(q[..., :1].repeat(256, axis=-1), big, big, *rest)
     f32 = (q.astype(jnp.float32), cache.astype(jnp.float32), cache.astype(jnp.float32))
@@ -633,9 +635,23 @@ def test_mosaic_tiling_plan() -> None:
     assert plans.estimate_mosaic_decode_shared_memory(
         t.tile_keys, 256, 2, t.num_stages, 2 if t.num_splits == 1 else 4) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
     t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
-    assert (t.tile_keys, t.pages_per_tile) == (128, 1)
+    assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == (128, 1, 128)
+    # Block sizes that do not divide 128: runs of gcd(stage, block) rows, each within a page.
+    for block_size, tile_keys, expected in ((48, 64, (64, 4, 16)), (96, 128, (128, 4, 32)),
+                                            (256, 128, (128, 1, 128)), (256, 64, (64, 1, 64)),
+                                            (80, 128, (128, 8, 16))):
+        t = plan((8, 1, 16, 64), (512, block_size, 2, 64), config=MosaicDecodeConfig(tile_keys=tile_keys))
+        assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == expected, block_size
+    # D 256 at 256-key pages: 128-key slices do not fit beside two stages; 64-key ones do.
+    t = plan((8, 1, 16, 256), (512, 256, 2, 256), config=MosaicDecodeConfig(tile_keys=128, num_stages=2))
+    assert (t.tile_keys, t.copy_rows) == (64, 64)
     assert [plans.mosaic_output_chunk(d) for d in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    # Other head sizes: chunks of whole swizzle tiles of the 16-bit value rows dividing the head.
+    assert [plans.mosaic_output_chunk(d) for d in (32, 80, 96, 144, 160, 240)] == [32, 80, 96, 48, 32, 80]
+    assert [plans.mosaic_swizzle_bytes(d, 2) for d in (32, 80, 96, 128)] == [64, 32, 64, 128]
+    assert [plans.mosaic_swizzle_bytes(d, 1) for d in (80, 96, 128)] == [0, 32, 128]  # fp8 rows
     assert [plans.mosaic_store_chunk(128, size) for size in (2, 4)] == [128, 64]
+    assert [plans.mosaic_store_chunk(d, 4) for d in (80, 96, 112)] == [40, 48, 56]  # divisors, 8-column tiles
     # D 128 bf16, two 64-key stages, f32 partials: two programs fit an H200 SM (228 KiB).
     assert 2 * (plans.estimate_mosaic_decode_shared_memory(64, 128, 2, 2, 4) + 1024) <= 228 * 1024
     with pytest.raises(ValueError, match="config.tile_keys"):

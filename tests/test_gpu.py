@@ -87,7 +87,7 @@ def test_decode_kernel_matches_reference(case):
 
 MOSAIC_DECODE_CASES = [
     # batch, q_per_seq, Hq, Hk, D, block_size, dtype, kwargs (causal unless said): the
-    # Mosaic GPU first cut (bf16 / f16, D a multiple of 64, block size dividing 128)
+    # Mosaic GPU (bf16 / f16 queries, any head and block size)
     (16, 1, 32, 8, 128, 16, jnp.bfloat16, {}),
     (4, 1, 32, 8, 128, 16, jnp.bfloat16, dict(window_size=(700, 0))),
     (8, 1, 16, 16, 64, 32, jnp.float16, dict(softcap=30.0)),
@@ -98,6 +98,18 @@ MOSAIC_DECODE_CASES = [
     (4, 1, 64, 8, 128, 64, jnp.bfloat16, {}),
     (8, 1, 32, 8, 128, 16, jnp.float8_e4m3fn, {}),
     (4, 1, 16, 4, 64, 32, jnp.float8_e5m2, dict(window_size=(500, 0))),
+    # head sizes that are not multiples of 64 (64- / 32-byte swizzles, chunks of 32-96 columns)
+    (8, 1, 32, 8, 96, 16, jnp.bfloat16, {}),
+    (4, 3, 16, 4, 80, 32, jnp.float16, dict(window_size=(300, 0), softcap=30.0)),
+    (4, 1, 16, 2, 160, 16, jnp.bfloat16, dict(alibi=True)),
+    (8, 1, 32, 8, 80, 16, jnp.float8_e4m3fn, {}),  # fp8 rows of 80 bytes: unswizzled
+    (4, 1, 8, 2, 32, 16, jnp.bfloat16, {}),
+    (4, 4, 16, 4, 112, 16, jnp.float8_e5m2, {}),
+    # block sizes that do not divide 128: runs within pages, slices of 256-key pages
+    (8, 1, 32, 8, 128, 48, jnp.bfloat16, {}),
+    (4, 3, 16, 4, 96, 80, jnp.float16, dict(window_size=(300, 0))),
+    (8, 1, 32, 8, 128, 256, jnp.bfloat16, {}),
+    (4, 1, 16, 4, 64, 144, jnp.float8_e4m3fn, dict(softcap=30.0)),
 ]
 
 

@@ -281,11 +281,22 @@ def test_the_offsets_fix_is_not_installed_over_an_unexpected_lowering(monkeypatc
         (jnp.bfloat16, 128, 16, 4, 3, dict(causal=True, window_size=(30, 0))),  # non-finite quarantine
         (jnp.float16, 256, 32, 2, 2, dict(window_size=(40, 3), splits=True)),
         (jnp.bfloat16, 192, 16, 4, 1, dict(causal=True, splits=True)),  # output in 64-column chunks
+        # head sizes that are not multiples of 64: 64- / 32-byte swizzles, P's matching V's
+        (jnp.bfloat16, 96, 32, 4, 1, dict(causal=True, splits=True)),
+        (jnp.float16, 80, 16, 4, 3, dict(causal=True, window_size=(30, 0), softcap=30.0)),
+        (jnp.bfloat16, 160, 16, 2, 1, dict(causal=True, alibi=True, splits=True)),  # 32-column chunks
+        (jnp.bfloat16, 32, 16, 8, 1, dict(causal=True)),
+        # block sizes that do not divide 128: 16-row runs within pages, 128-row page slices
+        (jnp.bfloat16, 128, 48, 4, 3, dict(causal=True, window_size=(30, 0), splits=True)),
+        (jnp.float16, 96, 80, 4, 1, dict(causal=True)),
+        (jnp.bfloat16, 128, 256, 4, 1, dict(causal=True, splits=True)),
     ],
     ids=["bf16-d64-bs16-g1", "f16-d128-bs32-g4-window-softcap-alibi", "bf16-d256-bs16-g8",
          "bf16-d128-bs16-g4-splits", "f16-d64-bs32-g8-sq4", "bf16-d128-bs64-g32-sq3-rowblocks-splits",
          "bf16-d128-bs16-g4-sq3-causal-window", "f16-d256-bs32-g2-sq2-two-sided-window-splits",
-         "bf16-d192-bs16-g4-splits"],
+         "bf16-d192-bs16-g4-splits", "bf16-d96-bs32-g4-splits", "f16-d80-bs16-g4-sq3-window-softcap",
+         "bf16-d160-bs16-g2-alibi-splits", "bf16-d32-bs16-g8", "bf16-d128-bs48-g4-sq3-window-splits",
+         "f16-d96-bs80-g4", "bf16-d128-bs256-g4-splits"],
 )
 def test_decode_lowers_to_mosaic_gpu_kernel(dtype, head_size, block_size, group, num_q_tokens, options):
     """implementation="mosaic_gpu" lowers for CUDA to one Mosaic GPU kernel (no Triton
@@ -345,8 +356,11 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, item
 @pytest.mark.parametrize(
     "q_dtype,cache_dtype,head_size,block_size",
     [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),
-     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32), (jnp.bfloat16, jnp.float8_e4m3fn, 192, 16)],
-    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32", "bf16-e4m3-d192"],
+     (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32), (jnp.bfloat16, jnp.float8_e4m3fn, 192, 16),
+     (jnp.bfloat16, jnp.float8_e4m3fn, 80, 16), (jnp.float16, jnp.float8_e5m2, 96, 32),
+     (jnp.bfloat16, jnp.float8_e4m3fn, 128, 144)],
+    ids=["bf16-e4m3-d128", "f16-e5m2-d64", "bf16-e4m3-d256-bs32", "bf16-e4m3-d192",
+         "bf16-e4m3-d80-unswizzled", "f16-e5m2-d96", "bf16-e4m3-d128-bs144"],
 )
 def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_size, block_size):
     """fp8 pages arrive as fp8 and are upcast in the kernel (to bf16 through f32, which

@@ -26,10 +26,12 @@ warpgroups, below):
   so one TMA copy brings them to shared memory, whose rows past ``R`` hold zeros, and
   the output leaves as ``R`` rows;
 * it streams its share of the sequence's visible keys through a ring of ``num_stages``
-  shared-memory stages of ``tile_keys`` keys: each stage is ``pages_per_tile`` TMA copies
-  of one page of one KV head (``block_size x D``, contiguous rows ``Hk * D`` apart in the
-  vLLM layout) for K and as many for V, the page ids read from the block table in global
-  memory a step before the copies that use them; a stage's copies complete one barrier
+  shared-memory stages of ``tile_keys`` keys (64 or 128): each stage is ``pages_per_tile``
+  TMA copies of one KV head's rows (contiguous rows ``Hk * D`` apart in the vLLM layout)
+  for K and as many for V: whole pages where the block size divides 128, else runs of
+  ``gcd(tile_keys, block_size)`` rows, each within one page (a 256-key page: a slice of
+  it; 48-key pages: 16-row runs, a stage spanning pages), the page ids read from the
+  block table in global memory a step before the copies that use them; a stage's copies complete one barrier
   for K and one for V, and the stage is refilled with the tile ``num_stages`` ahead as
   soon as its math is done, so ``num_stages - 1`` tiles stay in flight while one is
   computed;
@@ -84,8 +86,10 @@ known performance gap):
   the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
-  (wgmma would compute in TF32); head sizes must be multiples of 64 and block sizes
-  divide 128 (whole pages per stage);
+  (wgmma would compute in TF32); head sizes that are not multiples of 64 take 64- or
+  32-byte swizzles (the widest whose tiles divide a row, `plans.mosaic_swizzle_bytes`;
+  the probabilities take the values' swizzle, as a wgmma's operands must agree) and
+  output chunks of whole swizzle tiles (D 160: five of 32 columns), unmeasured for speed;
 * ``O += P V`` lands in a fresh accumulator added to the running one in registers
   (Mosaic GPU interpret mode cannot run the in-place ``pl.run_state`` form); the output
   is kept in column chunks (`plans.mosaic_output_chunk`: up to 128) and computed one
@@ -116,11 +120,6 @@ from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
 
-_SWIZZLE_BYTES = 128
-"""Shared-memory tiles of the MMA operands: rows of 128 bytes (64 16-bit elements),
-swizzled so the wgmma reads them without bank conflicts."""
-
-
 def _upcast(x: Array, dtype) -> Array:
     """fp8 -> q's dtype. Hopper converts fp8 to f16 directly; to bf16 only through f32
     (Mosaic GPU refuses the direct cast without a newer ptxas)."""
@@ -130,10 +129,18 @@ def _upcast(x: Array, dtype) -> Array:
 
 
 def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
-    """Tiling and swizzle of a shared-memory operand whose rows are ``row_elements``
-    long: the widest swizzle (128, 64 or 32 bytes) whose tile width divides the row
-    (fp8 rows of 64 or 192 elements take 64 bytes)."""
-    swizzle = next(b for b in (_SWIZZLE_BYTES, 64, 32) if row_elements % (b // itemsize) == 0)
+    """Tiling and swizzle of a shared-memory tile whose rows are ``row_elements`` long:
+    the widest swizzle whose tile width divides the row (`plans.mosaic_swizzle_bytes`:
+    D 128 at 16 bits takes 128 bytes, D 96 64, D 80 32), so wgmma reads it without bank
+    conflicts; none for fp8 rows that no swizzle divides (80 bytes, say), which are only
+    loaded into registers for the upcast."""
+    return _swizzled(itemsize, plans.mosaic_swizzle_bytes(row_elements, itemsize))
+
+
+def _swizzled(itemsize: int, swizzle: int) -> tuple:
+    """The transforms of a tile swizzled by ``swizzle`` bytes (none for 0)."""
+    if not swizzle:
+        return ()
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -163,6 +170,7 @@ def _decode_kernel(
     has_alibi: bool,
     k_dequant: bool,
     v_dequant: bool,
+    interpret: bool,
 ):
     (
         # inputs
@@ -202,6 +210,8 @@ def _decode_kernel(
     v_convs = rest_scratch.pop(0) if v_dequant else None
 
     rows, tile_keys, stages = MOSAIC_DECODE_ROWS, tiling.tile_keys, tiling.num_stages
+    copy_rows = tiling.copy_rows
+    whole_pages = copy_rows == block_size  # else each copy is a run of rows within one page
     query_rows = tiling.query_rows  # R: the rows of rows [0, 64) a program reads and writes
     dtype = q_ref.dtype
     max_blocks = block_table_ref.shape[1]
@@ -228,7 +238,8 @@ def _decode_kernel(
         kv_lo = jnp.int32(0)
         if spec.window_left >= 0:
             kv_lo = jnp.maximum(seq_len - num_q_tokens - spec.window_left, 0)
-        base = lax.div(kv_lo, jnp.int32(block_size)) * block_size  # tiles start at kv_lo's page
+        # Tiles start at kv_lo's page (or, a page holding several tiles, kv_lo's slice of it).
+        base = lax.div(kv_lo, jnp.int32(copy_rows)) * copy_rows
         num_tiles = lax.div(jnp.maximum(seq_len - base, 0) + (tile_keys - 1), jnp.int32(tile_keys))
         tiles_per_split = lax.div(num_tiles + (tiling.num_splits - 1), jnp.int32(tiling.num_splits))
         tile_begin = jnp.minimum(split * tiles_per_split, num_tiles)
@@ -246,24 +257,38 @@ def _decode_kernel(
         return _Item(seq, valid, seq_len, kv_lo, base, tile_begin, num_steps, free_lo, free_hi)
 
     def page_ids(it: _Item, step) -> tuple:
-        """The cache pages of tile ``tile_begin + step``, one i32 scalar per page.
+        """Where tile ``tile_begin + step`` is in the cache: with whole pages, its pages,
+        one i32 scalar each; else each copy's page and first row in it, flattened.
 
         Pages past the sequence (or the table) hold no visible key: any in-bounds page
         serves, so the table column is clamped (a step past the last reads the table's
         last entry, harmlessly); ids outside the cache (unvalidated tables under jit)
         are clamped, never followed.
         """
-        first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
-        return tuple(jnp.clip(block_table_ref[it.seq, jnp.minimum(first_col + p, max_blocks - 1)], 0, num_pages - 1)
-                     for p in range(tiling.pages_per_tile))
+        def page(col):
+            return jnp.clip(block_table_ref[it.seq, jnp.minimum(col, max_blocks - 1)], 0, num_pages - 1)
+
+        if whole_pages:
+            first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
+            return tuple(page(first_col + p) for p in range(tiling.pages_per_tile))
+        first_key = it.base + (it.tile_begin + step) * tile_keys
+        located = []
+        for p in range(tiling.pages_per_tile):
+            col = lax.div(first_key + p * copy_rows, jnp.int32(block_size))
+            located += [page(col), first_key + p * copy_rows - col * block_size]
+        return tuple(located)
 
     def issue(slot, pages: tuple):
-        """Starts the TMA copies of the tile of ``pages`` into ring slot ``slot``."""
-        for p, page in enumerate(pages):
-            dst = pl.ds(p * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, :, kv_head, :], k_smem.at[slot, dst],
+        """Starts the TMA copies of the tile at ``pages`` (`page_ids`) into ring slot ``slot``."""
+        if whole_pages:
+            copies = [(page, slice(None)) for page in pages]
+        else:
+            copies = [(page, pl.ds(row, copy_rows)) for page, row in zip(pages[::2], pages[1::2])]
+        for p, (page, rows_in_page) in enumerate(copies):
+            dst = pl.ds(p * copy_rows, copy_rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, rows_in_page, kv_head, :], k_smem.at[slot, dst],
                                     k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, :, kv_head, :], v_smem.at[slot, dst],
+            plgpu.copy_gmem_to_smem(v_ref.at[v_plane, page, rows_in_page, kv_head, :], v_smem.at[slot, dst],
                                     v_barriers.at[slot])
 
     def zero_query_tiles() -> None:
@@ -288,6 +313,15 @@ def _decode_kernel(
         q_tile = query_tile(j)
         plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], leading_rows(q_smems.at[q_tile]),
                                 q_barriers.at[q_tile])
+
+    def load_fp8(ref) -> Array:
+        """An fp8 ring tile into registers for its upcast. A tile no swizzle fits (rows of
+        80 bytes, say) is plain in shared memory; it is loaded in the wgmma layout, the
+        layout its 16-bit copy is stored in (the inferred one has no such store; the
+        interpreter has no layouts)."""
+        if interpret or plans.mosaic_swizzle_bytes(head_size, jnp.dtype(ref.dtype).itemsize):
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
     def score_iota(dimension: int) -> Array:
         """i32 [64, tile_keys]: each score's row (0) or column (1) index."""
@@ -314,7 +348,7 @@ def _decode_kernel(
             k_tile = k_smem.at[slot]
             if k_conv is not None:
                 # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
-                k_conv[...] = _upcast(k_tile[...], dtype)
+                k_conv[...] = _upcast(load_fp8(k_tile), dtype)
                 plgpu.commit_smem()
                 k_tile = k_conv
 
@@ -377,7 +411,7 @@ def _decode_kernel(
             else:
                 # The values pass through registers anyway: zero the out-of-range rows in
                 # every tile (no key is out of range away from the edges) rather than branch.
-                v = in_range_values(_upcast(v_tile[...], dtype))
+                v = in_range_values(_upcast(load_fp8(v_tile), dtype))
                 if quarantine:
                     @pl.when(masked)
                     def _():
@@ -697,6 +731,9 @@ def paged_decode_call(
         return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
 
     operand = _operand_transforms(itemsize, head_size)
+    # P: the values' swizzle (a wgmma's two shared-memory operands must share one), which
+    # 64 or 128 keys' rows always fit.
+    value_operand = _swizzled(itemsize, plans.mosaic_swizzle_bytes(head_size, itemsize))
     workers = tiling.compute_warpgroups
     per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
     chunk = plans.mosaic_output_chunk(head_size)
@@ -706,7 +743,7 @@ def paged_decode_call(
         plgpu.SMEM((query_tiles, rows, head_size), dtype, transforms=operand),  # Q
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
-        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=_operand_transforms(itemsize, keys)),  # P
+        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=value_operand),  # P
         # output rows, a column chunk at a time
         plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
@@ -740,6 +777,7 @@ def paged_decode_call(
         has_alibi=alibi_slopes_log2 is not None,
         k_dequant=k_dequant,
         v_dequant=v_dequant,
+        interpret=interpret,
     )
     extra = {"interpret": common.mosaic_interpret_params()} if interpret else {}
     return plgpu.kernel(
