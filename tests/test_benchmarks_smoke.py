@@ -457,7 +457,7 @@ def test_decode_parts_dry_run_compares_configs_and_the_triton_kernel(monkeypatch
     out = capsys.readouterr().out
     assert "B2 ctx100 Hq8 Hk2 D64 page32:" in out
     assert "compute_warpgroups=1, items_per_program=0)" in out  # the package's config first
-    assert "num_stages=4, num_splits=1, compute_warpgroups=2, items_per_program=2, query_rows=8)" in out
+    assert "num_stages=4, num_splits=1, compute_warpgroups=2, items_per_program=2, query_rows=8, copy_rows=32)" in out
     assert "the Triton kernel" in out and out.count(" ms, ") == 3
 
 
