@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import sys
 
@@ -42,10 +43,11 @@ for path in (_HERE.parent, _HERE):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_attention import DECODE_CASES, DecodeCase, Timer, build_decode_inputs  # noqa: E402
+from bench_attention import (DECODE_CASES, Context, Deadline, DecodeCase, Timer, _torch_sdpa,  # noqa: E402
+                             build_decode_inputs)
 from kernel_resources import parse_overrides  # noqa: E402
 from prefill_parts import (_unwrap_cycles, compare_kernels, fit_clock_mhz, format_timeline,  # noqa: E402
-                           refuse_without_gpu, sm_clock_mhz, summarize_timeline)
+                           parse_case_fields, refuse_without_gpu, sm_clock_mhz, summarize_timeline)
 
 INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
 
@@ -149,30 +151,15 @@ def main() -> int:
 
 def parse_case(text: str) -> DecodeCase:
     """``"B,CTX,HQ,HK[,D]"`` -> a `DecodeCase` (head size 128 if not given)."""
-    try:
-        fields = [int(part) for part in text.split(",")]
-    except ValueError:
-        fields = []
-    if len(fields) not in (4, 5) or min(fields) < 1:
-        raise SystemExit(f"--case takes B,CTX,HQ,HK[,D] (positive integers), got {text!r}")
+    fields = parse_case_fields(text, "B,CTX,HQ,HK[,D]", (4, 5))
     return DecodeCase(*fields[:4], fields[4] if len(fields) == 5 else 128)
 
 
 def time_torch_sdpa(x, case: DecodeCase, timer: Timer) -> float:
-    """ms of torch's cuDNN SDPA over this shape's K/V made contiguous ([B, Hk, ctx, D],
-    as `bench_attention`'s ``torch_sdpa_cudnn`` peer runs it)."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.from_dlpack(x.q).transpose(1, 2).contiguous()
-    k = torch.from_dlpack(x.contiguous(x.k_cache, case.context)).transpose(1, 2).contiguous()
-    v = torch.from_dlpack(x.contiguous(x.v_cache, case.context)).transpose(1, 2).contiguous()
-
-    def call():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-    return timer.torch(torch, call)[0]
+    """ms of `bench_attention`'s ``torch_sdpa_cudnn`` peer (torch's cuDNN SDPA over this
+    shape's K/V made contiguous) on these inputs."""
+    context = Context(timer, Deadline(math.inf))
+    return _torch_sdpa("CUDNN_ATTENTION")(context, case, x).ms
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profile
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
 (`summarize_timeline`). ``--versus`` times the kernel with other fields in alternating
-rounds beside the config's, in the same process (`compare_kernels`; repeat ``--versus`` for several variants in the same rounds). Needs a Hopper GPU,
-exits with 2 otherwise, except with ``--interpret``: a CPU
+rounds beside the config's, in the same process (`compare_kernels`; repeat ``--versus``
+for several variants in the same rounds). Needs a Hopper GPU, exits with 2 otherwise,
+except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 `tests/test_benchmarks_smoke.py`).
 """
@@ -206,15 +207,21 @@ def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:
     return False
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int, int]:
-    """``"B,S,HQ,HK,D"`` -> (batch, sequence length, query heads, KV heads, head size)."""
+def parse_case_fields(text: str, usage: str, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """``--case``'s comma-separated positive integers, as many as one of ``counts``
+    (``usage`` names them in the error, e.g. ``"B,S,HQ,HK,D"``)."""
     try:
         fields = tuple(int(part) for part in text.split(","))
     except ValueError:
         fields = ()
-    if len(fields) != 5 or min(fields) < 1:
-        raise SystemExit(f"--case takes B,S,HQ,HK,D (positive integers), got {text!r}")
+    if len(fields) not in counts or min(fields) < 1:
+        raise SystemExit(f"--case takes {usage} (positive integers), got {text!r}")
     return fields
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``"B,S,HQ,HK,D"`` -> (batch, sequence length, query heads, KV heads, head size)."""
+    return parse_case_fields(text, "B,S,HQ,HK,D", (5,))
 
 
 def compare_kernels(calls, timer, rounds: int) -> list[float]:

@@ -909,8 +909,8 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
     """Bytes of shared memory of the Mosaic GPU decode kernel: the K/V ring (in the
     caches' dtypes, ``cache_itemsizes`` for K and V, default q's), the upcast buffers of
     each fp8 operand, the query tiles (``query_tiles``: two with several items a
-    program), the probabilities tiles, the output buffer (`mosaic_store_chunk` columns; ``out_itemsize``: q's for one split, 4 for f32
-    partials), the log-sum-exp row, the non-finite key flags, with two compute
+    program), the probabilities tiles, the output buffer (`mosaic_store_chunk` columns;
+    ``out_itemsize``: q's for one split, 4 for f32 partials), the log-sum-exp row, the non-finite key flags, with two compute
     warpgroups the second one's f32 running output and row statistics for the merge,
     and the barrier arrays, each rounded up to 1 KiB as Mosaic GPU aligns every scratch
     buffer. The upcast, probabilities and flag buffers are per compute warpgroup."""
@@ -928,8 +928,8 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
 
 
 MOSAIC_DECODE_TILE_KEYS = (64, 128)
-"""``MosaicDecodeConfig.tile_keys`` values: whole 64-element swizzle tiles of the
-probabilities' rows."""
+"""``MosaicDecodeConfig.tile_keys`` values: multiples of 64, since masked stages load
+their values into registers in the wgmma layout, whose tiles have 64 rows."""
 
 
 def mosaic_decode_tile(block_size: int, tile_keys: int) -> tuple[int, int]:

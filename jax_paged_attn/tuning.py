@@ -210,8 +210,8 @@ class MosaicDecodeConfig:
     tile_keys: keys per pipeline stage (64 or 128: masked stages load their values in
     the wgmma layout, 64-row tiles; whole pages where the block size divides 128, a page
     of 128 keys making 128-key stages, else runs of rows within pages,
-    `jax_paged_attn.plans.mosaic_decode_tile`); num_stages: K/V tiles in the TMA ring (all but the one being computed
-    stay in flight during a step's math), lowered until the ring fits
+    `jax_paged_attn.plans.mosaic_decode_tile`); num_stages: K/V tiles in the TMA ring
+    (all but the one being computed stay in flight during a step's math), lowered until the ring fits
     ``MOSAIC_SHARED_MEMORY_LIMIT`` (at least 2); num_splits, target_programs,
     min_tiles_per_split: the KV split choice, as in `DecodeConfig`
     (`jax_paged_attn.plans.choose_num_splits`). Default: 4 pages of 16 keys per stage,

@@ -31,8 +31,8 @@ warpgroups, below):
   for K and as many for V: whole pages where the block size divides 128, else runs of
   ``gcd(tile_keys, block_size)`` rows, each within one page (a 256-key page: a slice of
   it; 48-key pages: 16-row runs, a stage spanning pages), the page ids read from the
-  block table in global memory a step before the copies that use them; a stage's copies complete one barrier
-  for K and one for V, and the stage is refilled with the tile ``num_stages`` ahead as
+  block table in global memory a step before the copies that use them; a stage's copies
+  complete one barrier for K and one for V, and the stage is refilled with the tile ``num_stages`` ahead as
   soon as its math is done, so ``num_stages - 1`` tiles stay in flight while one is
   computed;
 * ``S = Q K^T`` is one wgmma (K^T is a transposed view of the K stage, no copy); the
@@ -134,11 +134,7 @@ def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
     D 128 at 16 bits takes 128 bytes, D 96 64, D 80 32), so wgmma reads it without bank
     conflicts; none for fp8 rows that no swizzle divides (80 bytes, say), which are only
     loaded into registers for the upcast."""
-    return _swizzled(itemsize, plans.mosaic_swizzle_bytes(row_elements, itemsize))
-
-
-def _swizzled(itemsize: int, swizzle: int) -> tuple:
-    """The transforms of a tile swizzled by ``swizzle`` bytes (none for 0)."""
+    swizzle = plans.mosaic_swizzle_bytes(row_elements, itemsize)
     if not swizzle:
         return ()
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -257,8 +253,8 @@ def _decode_kernel(
         return _Item(seq, valid, seq_len, kv_lo, base, tile_begin, num_steps, free_lo, free_hi)
 
     def page_ids(it: _Item, step) -> tuple:
-        """Where tile ``tile_begin + step`` is in the cache: with whole pages, its pages,
-        one i32 scalar each; else each copy's page and first row in it, flattened.
+        """Where tile ``tile_begin + step`` is in the cache: a ``(page, first row)`` pair
+        of i32 scalars per copy, the row None for whole pages.
 
         Pages past the sequence (or the table) hold no visible key: any in-bounds page
         serves, so the table column is clamped (a step past the last reads the table's
@@ -268,23 +264,20 @@ def _decode_kernel(
         def page(col):
             return jnp.clip(block_table_ref[it.seq, jnp.minimum(col, max_blocks - 1)], 0, num_pages - 1)
 
-        if whole_pages:
+        if whole_pages:  # (consecutive table columns: one division a tile, not one a copy)
             first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
-            return tuple(page(first_col + p) for p in range(tiling.pages_per_tile))
+            return tuple((page(first_col + p), None) for p in range(tiling.pages_per_tile))
         first_key = it.base + (it.tile_begin + step) * tile_keys
         located = []
         for p in range(tiling.pages_per_tile):
             col = lax.div(first_key + p * copy_rows, jnp.int32(block_size))
-            located += [page(col), first_key + p * copy_rows - col * block_size]
+            located.append((page(col), first_key + p * copy_rows - col * block_size))
         return tuple(located)
 
     def issue(slot, pages: tuple):
         """Starts the TMA copies of the tile at ``pages`` (`page_ids`) into ring slot ``slot``."""
-        if whole_pages:
-            copies = [(page, slice(None)) for page in pages]
-        else:
-            copies = [(page, pl.ds(row, copy_rows)) for page, row in zip(pages[::2], pages[1::2])]
-        for p, (page, rows_in_page) in enumerate(copies):
+        for p, (page, row) in enumerate(pages):
+            rows_in_page = slice(None) if row is None else pl.ds(row, copy_rows)
             dst = pl.ds(p * copy_rows, copy_rows)
             plgpu.copy_gmem_to_smem(k_ref.at[k_plane, page, rows_in_page, kv_head, :], k_smem.at[slot, dst],
                                     k_barriers.at[slot])
@@ -731,9 +724,6 @@ def paged_decode_call(
         return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
 
     operand = _operand_transforms(itemsize, head_size)
-    # P: the values' swizzle (a wgmma's two shared-memory operands must share one), which
-    # 64 or 128 keys' rows always fit.
-    value_operand = _swizzled(itemsize, plans.mosaic_swizzle_bytes(head_size, itemsize))
     workers = tiling.compute_warpgroups
     per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
     chunk = plans.mosaic_output_chunk(head_size)
@@ -743,7 +733,9 @@ def paged_decode_call(
         plgpu.SMEM((query_tiles, rows, head_size), dtype, transforms=operand),  # Q
         ring(k_cache),  # K ring
         ring(v_cache),  # V ring
-        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=value_operand),  # P
+        # P: the values' swizzle, the head's (a wgmma's two shared-memory operands must share
+        # one), which rows of 64 or 128 keys always fit
+        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=operand),
         # output rows, a column chunk at a time
         plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
