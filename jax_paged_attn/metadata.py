@@ -238,6 +238,43 @@ def decode_metadata(metadata: FlashAttentionMetadata) -> FlashAttentionMetadata 
     )
 
 
+def concatenate_sections(prefill: FlashAttentionMetadata, decode: FlashAttentionMetadata) -> FlashAttentionMetadata:
+    """One batch of ``prefill``'s sequences followed by ``decode``'s (jnp; traceable).
+
+    The inverse of `prefill_metadata` / `decode_metadata`: ``prefill`` holds prefills only
+    and ``decode`` decodes only, with block tables of the same width and the same
+    ``block_size``. An engine builds the prefill part on the host and the decode part on
+    the device (its persistent decode batch) and runs both in one forward.
+    """
+    if prefill.num_decode_tokens or decode.num_prefills:
+        raise ValueError(
+            f"concatenate_sections takes a prefill-only and a decode-only batch, got "
+            f"{prefill.num_decode_tokens} decode tokens in prefill and {decode.num_prefills} prefills in decode.")
+    if prefill.block_tables.shape[1] != decode.block_tables.shape[1]:
+        raise ValueError(
+            f"the sections' block tables differ in width: {prefill.block_tables.shape[1]} (prefill) and "
+            f"{decode.block_tables.shape[1]} (decode).")
+    if prefill.block_size != decode.block_size:
+        raise ValueError(f"the sections' block_size differ: {prefill.block_size} and {decode.block_size}.")
+    tp = prefill.num_prefill_tokens
+    return FlashAttentionMetadata(
+        slot_mapping=jnp.concatenate([prefill.slot_mapping, decode.slot_mapping]),
+        seq_lens=jnp.concatenate([prefill.seq_lens, decode.seq_lens]),
+        query_start_loc=jnp.concatenate([prefill.query_start_loc, tp + decode.query_start_loc[1:]]),
+        seq_start_loc=jnp.concatenate([prefill.seq_start_loc, prefill.seq_start_loc[-1] + decode.seq_start_loc[1:]]),
+        context_lens=jnp.concatenate([prefill.context_lens, decode.context_lens]),
+        block_tables=jnp.concatenate([prefill.block_tables, decode.block_tables]),
+        num_prefills=prefill.num_prefills,
+        num_prefill_tokens=tp,
+        num_decode_tokens=decode.num_decode_tokens,
+        max_query_len=max(prefill.max_query_len, decode.max_query_len),
+        max_decode_query_len=decode.max_decode_query_len,
+        max_prefill_seq_len=prefill.max_prefill_seq_len,
+        max_decode_seq_len=decode.max_decode_seq_len,
+        block_size=prefill.block_size,
+    )
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -134,10 +134,11 @@ def test_256_step_decode_compiles_few_programs_and_matches_dense():
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [len(o.output_token_ids) for o in outs] == [256, 256]
-    # 1 prefill program + 1 decode-window program: the persistent batch's block tables
-    # are sized for the requests' last positions, so growing sequences compile nothing.
+    # 1 mixed prompt + decode program + 1 decode-window program: the persistent batch's
+    # block tables are sized for the requests' last positions, so growing sequences
+    # compile nothing.
     assert engine.num_compiled_programs == 2, engine.num_compiled_programs
-    programs = (engine.runner.step_program, engine.runner.window_program)
+    programs = (engine.runner.mixed_program, engine.runner.window_program)
     if all(hasattr(p, "_cache_size") for p in programs):
         assert sum(p._cache_size() for p in programs) == engine.num_compiled_programs
     assert [o.output_token_ids for o in outs] == dense_greedy_generate(small, prompts, 256)
@@ -194,18 +195,29 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
         events.append("read")
         return read()
 
+    run_mixed = engine.runner.run_mixed
+
+    def counting_mixed(*args, **kwargs):  # a mixed step's rows are read as a window of one step
+        events.append("mixed")
+        return run_mixed(*args, **kwargs)
+
     engine.runner.run_decode_window, engine._read_window = counting_dispatch, counting_read
+    engine.runner.run_mixed = counting_mixed
     prompts = random_prompts(11, [9, 20, 4])
     traces = engine.runner.num_traces
     outs = engine.generate(prompts, greedy(30), use_tqdm=False)
     assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 30)
-    reads = events.count("read")
-    assert reads == events.count("dispatch") and 29 // 4 <= reads <= 29 // 4 + 2  # 29 decoded tokens each
-    # Before every read but the last, the next window is already queued.
+    windows = events.count("dispatch")
+    assert events.count("read") == windows + events.count("mixed")
+    assert 29 // 4 - 1 <= windows <= 29 // 4 + 2  # 29 decoded tokens each, some in mixed steps
+    # After the last prompt step, before every read but the last, the next window is
+    # already queued (a mixed step's rows are read with the step, right after it).
+    if "mixed" in events:
+        events = events[len(events) - events[::-1].index("mixed") + 1:]  # past its read
     for i, event in enumerate(events):
         if event == "read" and events[i + 1:].count("read"):
             assert events[:i].count("dispatch") >= events[:i + 1].count("read") + 1, events
-    assert engine.runner.num_traces - traces <= 2  # the prefill step and one window program
+    assert engine.runner.num_traces - traces <= 2  # the mixed step and one window program
 
 
 def test_persistent_batch_rows():
@@ -242,10 +254,11 @@ def test_decode_windows_run_while_requests_wait_for_blocks(model):
 
 
 def test_admissions_join_the_running_batch_without_draining_it(model):
-    """A prompt admitted while the persistent batch decodes is prefilled beside it, with
-    the batch's windows still in flight, and takes a free row on the device: no drain,
-    no new batch. Tokens equal the dense ones."""
-    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
+    """Without mixed steps (``decode_during_prefill=False``), a prompt admitted while the
+    persistent batch decodes is prefilled beside it, with the batch's windows still in
+    flight, and takes a free row on the device: no drain, no new batch. Tokens equal the
+    dense ones."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, decode_during_prefill=False))
     in_flight_at_prefill, events = [], []
     run_step, dispatch = engine.runner.run_step, engine.runner.run_decode_window
 
@@ -284,7 +297,9 @@ def test_a_request_that_cannot_join_the_batch_rebuilds_it(model):
     expected = dense_greedy_generate(model, prompts[:4], 20)
     assert [o.output_token_ids for o in outs[:4]] == [ref[:p.max_tokens] for ref, p in zip(expected, params)]
     assert outs[4].output_token_ids == alone.output_token_ids
-    assert engine.stats.num_inserted_rows == 0 and engine.stats.num_decode_batches >= 2
+    # The greedy requests joined the greedy batch beside their prompts; the sampled one
+    # could not (the batch's programs are the greedy ones), so the batch was rebuilt.
+    assert engine.stats.num_inserted_rows == 4 and engine.stats.num_decode_batches >= 2
     assert_all_blocks_free(engine)
 
 
@@ -305,7 +320,8 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
         if not aborted and batch is not None and batch.inflight:
             engine.abort_request("r1")  # in the batch, with a window in flight
             aborted = True
-    assert aborted and engine.stats.num_inserted_rows == 1
+    # Every request joined the batch from its mixed prompt step; the last took r1's row.
+    assert aborted and engine.stats.num_inserted_rows == len(prompts)
     expected = dense_greedy_generate(model, prompts, 24)
     for i, request_id in enumerate(ids):
         if request_id != "r1":

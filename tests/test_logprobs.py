@@ -104,7 +104,7 @@ def test_valid_logprobs():
 def spy_logprobs_args(engine):
     """Records the ``num_logprobs`` every runner call gets."""
     calls = []
-    step, window = engine.runner.run_step, engine.runner.run_decode_window
+    step, window, mixed = engine.runner.run_step, engine.runner.run_decode_window, engine.runner.run_mixed
 
     def run_step(*args, **kwargs):
         calls.append(("step", kwargs.get("num_logprobs")))
@@ -114,7 +114,12 @@ def spy_logprobs_args(engine):
         calls.append(("window", kwargs.get("num_logprobs")))
         return window(*args, **kwargs)
 
+    def run_mixed(*args, **kwargs):
+        calls.append(("mixed", kwargs.get("num_logprobs")))
+        return mixed(*args, **kwargs)
+
     engine.runner.run_step, engine.runner.run_decode_window = run_step, run_decode_window
+    engine.runner.run_mixed = run_mixed
     return calls
 
 
@@ -138,7 +143,9 @@ def test_logprobs_match_dense_log_softmax(model, windows):
         assert all(entry[t].rank == 1 for t, entry in zip(out.output_token_ids, out.logprobs))
     assert all(len(entry) == 1 for entry in outs[1].logprobs)  # logprobs=0: the sampled token only
     kinds = {kind for kind, _ in calls}
-    assert kinds == ({"step", "window"} if windows else {"step"})
+    # Prompts run in mixed steps (with the batch's decode rows), the rest in windows, or
+    # in scheduled steps when windows are off.
+    assert kinds == ({"mixed", "window"} if windows else {"mixed", "step"})
     # Each program's num_logprobs: the largest ask in its batch rounded up to a power of
     # two (8 while the logprobs=5 request samples), None for a batch where nobody asks.
     sizes = {n for _, n in calls}
@@ -150,7 +157,7 @@ def test_no_logprobs_runs_the_programs_without_them(model):
     calls = spy_logprobs_args(engine)
     outs = engine.generate(random_prompts(1, [6, 11]), SamplingParams(temperature=0.0, max_tokens=9),
                            use_tqdm=False)
-    assert {kind for kind, _ in calls} == {"step", "window"} and {n for _, n in calls} == {None}
+    assert {kind for kind, _ in calls} == {"mixed", "window"} and {n for _, n in calls} == {None}
     assert all(o.logprobs is None and o.cumulative_logprob is None for o in outs)
 
 

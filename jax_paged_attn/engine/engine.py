@@ -2,10 +2,9 @@
 
 The engine is the host-side loop; `jax_paged_attn.engine.model_runner.ModelRunner` owns
 the device side (parameters, KV caches, the persistent decode batch, the jitted
-programs). Two kinds of step:
+programs). Three kinds of step:
 
-* **scheduled step** (admission, chunked prefill, swaps, recomputation, mixed
-  prefill + decode batches)::
+* **scheduled step** (the first prompts, swaps, recomputation after a preemption)::
 
       scheduler.schedule()                 host: who runs, how many tokens, block moves
       swap_blocks / copy_blocks            device: swap-outs, copy-on-write, swap-ins
@@ -23,19 +22,20 @@ programs). Two kinds of step:
   the host. Rows that stop mid-window write nothing more; their blocks are freed when
   the host reads the window.
 
-* **admission beside the batch** (prefill-only steps, the default): when a prompt can
-  be admitted while the persistent batch runs, its prefill step is dispatched behind
-  the windows in flight (nothing is drained), one more window of the running rows
-  behind it, and the requests that finish their prompt take free rows of the batch
-  (rows whose request ended, then padding rows) through one small device update. Only
-  when a request cannot join (no free row, a block table or stop list wider than the
-  batch's, a sampled request in a greedy batch, other logprobs) are the windows read
-  and the batch rebuilt with everyone.
+* **mixed step** (``decode_during_prefill``, the default): while prompts are admitted,
+  each step runs their chunks (up to ``max_num_batched_tokens`` prompt tokens) and one
+  decode step of every row of the persistent batch in one program, so the weights are
+  read once for both and no running request waits behind a long prompt (vLLM's
+  chunked-prefill scheduling, Sarathi's mixed batches). Requests that finish their
+  prompt take free rows of the batch (rows whose request ended, then padding rows)
+  through one small device update. With ``decode_during_prefill`` False, prompts run
+  in prefill-only steps dispatched behind the windows in flight instead.
 
-Compilation: each program is traced once per distinct *static* shape of its inputs.
-The builder pads every count to a bucket and the persistent batch rounds its rows, its
-block-table width and its stop-id columns up to powers of two, so a run compiles a
-bounded number of programs (`EngineStats.num_compiled_programs`).
+Compilation: a program compiles once per distinct *static* shape of its inputs, and
+the engine pads every batch to one of the few shapes `jax_paged_attn.engine.shapes`
+fixes at start. `LLMEngine.warmup` (which `LLM` calls) compiles all of them, so no
+later call compiles; JAX's persistent compilation cache (``EngineConfig.compilation_cache``)
+makes a second start load them instead.
 
 Memory: unless ``num_blocks`` is given, the KV cache takes what the device has left
 beside the weights and the largest step's activations, up to ``gpu_memory_utilization``
@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -71,10 +73,12 @@ from jax_paged_attn.builder import (
     pad_to_bucket,
     sequence_rows,
 )
-from jax_paged_attn.engine.model_runner import (NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model,
-                                               decode_batch_rows)
+from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
+from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, logprob_dicts, logprobs_bucket
 from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.spec import PAD_SLOT_ID
 from jax_paged_attn.tuning import next_power_of_2
 
 Array = jax.Array
@@ -92,11 +96,16 @@ _compile_events = 0
 _compile_events_lock = threading.Lock()
 
 
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_backend_compiles = 0
+
+
 def _on_jax_event(event: str, duration_s: float, **kwargs: Any) -> None:
-    global _compile_events
+    global _compile_events, _backend_compiles
     if event.startswith(_COMPILE_EVENT_PREFIX):
         with _compile_events_lock:
             _compile_events += 1
+            _backend_compiles += event == _BACKEND_COMPILE_EVENT
 
 
 # Counts every compilation in the process, not only the runner's programs: a step that
@@ -136,8 +145,9 @@ class EngineConfig:
         their arrival number.
       batch_buckets, token_buckets, block_table_width_buckets: padding buckets of the
         metadata builder (None = powers of two).
-      coarse_length_bounds: set each prefill step's static length bounds to what its
-        buckets can hold (``max_query_len`` = the prefill token rows,
+      coarse_length_bounds: set the static length bounds of each scheduled step that holds
+        prompt chunks and decodes to what its buckets can hold (a step of prompt chunks
+        alone always takes the bounds of its `ProgramShapes` prompt shape) (``max_query_len`` = the prefill token rows,
         ``max_prefill_seq_len`` = the block-table capacity) instead of the builder's
         next power of two: only the count and width buckets then select a program
         (fewer compilations), at the price of more padded attention work in prefills.
@@ -146,16 +156,23 @@ class EngineConfig:
         window's tokens while the next window runs. Outputs do not depend on it; a
         request that finishes mid-window frees its blocks when the host reads the
         window, and new requests wait up to a window for admission.
-      decode_during_prefill: steps that prefill prompt chunks also decode the running
-        requests (vLLM's chunked-prefill scheduling: running requests keep producing
-        tokens while others are admitted, one scheduled step at a time, and every mix
-        of prefill and decode counts is its own compiled program). False (default):
-        admissions run prefill-only steps, and the running requests wait and then
-        decode in windows (fewer programs and host round trips, more throughput; the
-        time per output token rises while prompts are admitted).
+      decode_during_prefill: True (default): a step that prefills prompt chunks also
+        runs one decode step of every request in the persistent batch, in one program
+        (vLLM's chunked-prefill scheduling, Sarathi's mixed batches): the weights are
+        read once for both and no decode waits behind a long prompt.
+        ``max_num_batched_tokens`` bounds the prompt tokens of such a step; the decode
+        rows ride along. False: admissions run prefill-only steps beside the batch's
+        decode windows (the running requests' time per output token then rises while
+        prompts are admitted).
       compiler_options: XLA compiler options of the jitted programs (``jax.jit``'s
         ``compiler_options``), e.g. ``{"xla_backend_optimization_level": 0}`` to compile
         faster on a CPU; None for the defaults.
+      compilation_cache: keep compiled programs in JAX's persistent compilation cache,
+        so a second start loads them instead of compiling (`LLMEngine.warmup`). The
+        cache is JAX's, process-wide: an engine turns it on only where the process has
+        not set ``jax_compilation_cache_dir`` itself, and keeps a directory already set.
+      compilation_cache_dir: its directory; None: ``$XDG_CACHE_HOME/jax_paged_attn/xla``
+        (``~/.cache/jax_paged_attn/xla``).
     """
 
     num_blocks: int | None = None
@@ -174,8 +191,10 @@ class EngineConfig:
     block_table_width_buckets: tuple[int, ...] | None = None
     coarse_length_bounds: bool = False
     num_scheduler_steps: int = 8
-    decode_during_prefill: bool = False
+    decode_during_prefill: bool = True
     compiler_options: Mapping[str, Any] | None = None
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
@@ -264,7 +283,9 @@ class EngineStats:
     only) so compilation does not distort the rates. ``num_compiled_programs`` counts
     the model programs (step and decode window) only. ``num_decode_batches``: persistent
     batches uploaded (each after reading every window in flight);
-    ``num_inserted_rows``: requests put into a running batch's free rows instead.
+    ``num_inserted_rows``: requests put into a running batch's free rows instead;
+    ``num_mixed_steps``: steps that ran prompt chunks and a decode step of the batch's
+    rows in one program (``decode_during_prefill``).
     """
 
     num_steps: int = 0
@@ -283,6 +304,7 @@ class EngineStats:
     num_copied_blocks: int = 0
     num_decode_batches: int = 0
     num_inserted_rows: int = 0
+    num_mixed_steps: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -379,7 +401,7 @@ class LLMEngine:
                 raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {self.vocab_size}).")
         sliding_window = model_config.sliding_window
         prefix_caching = config.enable_prefix_caching and sliding_window is None
-        report = []
+        report = [_use_compilation_cache(config)]
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks, line = _kv_cache_blocks_for_memory(model, config, max_model_len)
@@ -394,17 +416,25 @@ class LLMEngine:
                                           num_host_blocks=num_host_blocks, enable_prefix_caching=prefix_caching,
                                           eos_token_id=eos_ids or None)
         self.model_config = model_config
+        self.shapes = ProgramShapes.of(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=config.block_size, batch_buckets=config.batch_buckets,
+            token_buckets=config.token_buckets, block_table_width_buckets=config.block_table_width_buckets)
+        """The static shapes of the engine's programs (`warmup` compiles them)."""
+        # The scheduler plans prefill-only steps; the engine adds the decode rows (mixed
+        # steps) or decodes them in windows between (``decode_during_prefill``).
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
-                            decode_during_prefill=config.decode_during_prefill),
+                            decode_during_prefill=False, max_num_prefill_seqs=self.shapes.max_prompts_per_step),
             num_device_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=config.block_size,
             eos_token_id=eos_ids, vocab_size=self.vocab_size,
         )
         self.builder = FlashAttentionMetadataBuilder(
             block_size=config.block_size, num_blocks=num_blocks, sliding_window=sliding_window,
             chunked_prefill=True, pad=True, batch_buckets=config.batch_buckets,
-            token_buckets=config.token_buckets, block_table_width_buckets=config.block_table_width_buckets,
+            token_buckets=config.token_buckets,
+            block_table_width_buckets=config.block_table_width_buckets or (self.shapes.block_table_width,),
         )
         self._model = model
         self._host_caches: list[Array] | None = None
@@ -542,12 +572,21 @@ class LLMEngine:
                 self._record(None, num_tokens, time.perf_counter() - start_time,
                              self.runner.num_traces - traces_before)
                 return [RequestOutput.of(r) for r in finished]
-        if self._can_prefill_beside_batch():
+        finished: list[Request] = []
+        num_drained = 0
+        if self._can_mix():
+            result = self._mixed_step(start_time, traces_before)
+            if isinstance(result, list):
+                return result
+            finished, num_drained = result  # no mixed step could run: a scheduled one follows
+        elif self._can_prefill_beside_batch():
             out = self.scheduler.schedule_prefills()
             if not out.is_empty:
                 return self._run_scheduled(out, [], 0, start_time, traces_before, beside_batch=True)
             self._run_block_ops(out)  # a prompt chunk found no blocks: its preemption's swap-outs
-        finished, num_drained = self._drain()
+        more, n = self._drain()
+        finished += more
+        num_drained += n
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
@@ -603,11 +642,11 @@ class LLMEngine:
         """Dispatches the next window(s) and reads the oldest in flight; None (after
         draining) when no window can run: a request needs blocks the free list lacks."""
         finished, num_tokens = [], 0
-        if self._batch is None or self._batch.needs_rebuild(self.config.batch_buckets):
+        if self._batch is None or self._batch.needs_rebuild(self.shapes):
             finished, num_tokens = self._drain()
             if not self._decode_window_ready():
                 return finished, num_tokens
-            self._start_batch()
+            self._start_batch(list(self.scheduler.running), mixing=False)
         batch = self._batch
         assert batch is not None
         # Keep one window queued behind the one running, so the device never waits for us.
@@ -619,6 +658,77 @@ class LLMEngine:
         more_finished, more_tokens = self._read_window()
         return finished + more_finished, num_tokens + more_tokens
 
+    def _can_mix(self) -> bool:
+        """Whether the next step can be a mixed step: ``decode_during_prefill``, nobody
+        swapped out (swap-ins are scheduled steps), and a prompt chunk to run."""
+        sched = self.scheduler
+        if not self.config.decode_during_prefill or sched.swapped:
+            return False
+        return any(r.in_prefill for r in sched.running) or sched.can_admit()
+
+    def _batch_takes_prompts(self) -> bool:
+        """Whether the persistent batch can run beside prompt sections as it is: their
+        block-table width and a row count the mixed programs were built for, and every
+        decoding request among its rows."""
+        batch = self._batch
+        if batch is None or batch.wants_wider_table or batch.missing_rows:
+            return False
+        if batch.width != self.shapes.block_table_width or batch.num_rows not in self.shapes.mixed_rows:
+            return False
+        members = {r.request_id for r in batch.requests}
+        return all(r.in_prefill or r.request_id in members for r in self.scheduler.running)
+
+    def _mixed_step(self, start_time: float, traces_before: int) -> list[RequestOutput] | tuple[list[Request], int]:
+        """Runs prompt chunks and one decode step of the persistent batch in one program.
+
+        The batch is (re)built first when it cannot take part as it is. Returns the
+        requests that finished, or, when no mixed step can run (a row's next block or
+        the prompts' blocks do not fit: the scheduler must preempt), ``(finished,
+        num_tokens)`` of what was read on the way, for a scheduled step to follow.
+        """
+        sched = self.scheduler
+        finished: list[Request] = []
+        num_read = 0
+        if not self._batch_takes_prompts():
+            finished, num_read = self._drain()
+            self._start_batch([r for r in sched.running if not r.in_prefill], mixing=True)
+        batch = self._batch
+        assert batch is not None
+        update = self._reserve_rows(1)
+        if update is None:
+            return finished, num_read
+        out = sched.schedule_prefills()
+        self._run_block_ops(out)
+        if out.is_empty:
+            return finished, num_read
+        keep, block_rows, block_values, live = update
+        metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
+        prompts = [item.request for item in out.scheduled if item.samples]
+        greedy = batch.greedy and all(item.request.sampling_params.greedy for item in out.scheduled)
+        asks = [k for k in (batch.num_logprobs, self._num_logprobs(prompts)) if k is not None]
+        num_logprobs = max(asks) if asks else None
+        prompt_result, rows_result = self.runner.run_mixed(
+            keep, block_rows, block_values, token_ids, positions, metadata, sampling, greedy=greedy,
+            max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
+        batch.inflight.append((rows_result, list(batch.requests)))
+        batch.next_position[live] += 1
+        tokens, logprobs = _to_host(prompt_result)  # waits for the step
+        sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
+        if logprobs is not None:
+            for item, row in zip(out.scheduled, rows):
+                if item.samples:
+                    _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
+        finished += sched.update(out, sampled)
+        while batch.inflight:  # done with the step: free the rows that stopped
+            more, n = self._read_window()
+            finished += more
+            num_read += n
+        self._join_batch([r for r in prompts if not r.is_finished])
+        self.stats.num_mixed_steps += 1
+        self._record(out, len(sampled) + num_read, time.perf_counter() - start_time,
+                     self.runner.num_traces - traces_before)
+        return [RequestOutput.of(r) for r in finished]
+
     def _can_prefill_beside_batch(self) -> bool:
         """Whether the next step may prefill while the persistent batch keeps its windows
         in flight: prefill-only steps (no ``decode_during_prefill``), nobody swapped out,
@@ -626,7 +736,7 @@ class LLMEngine:
         batch, sched = self._batch, self.scheduler
         if batch is None or self.config.decode_during_prefill or sched.swapped:
             return False
-        if batch.needs_rebuild(self.config.batch_buckets) or not batch.free_rows():
+        if batch.needs_rebuild(self.shapes) or not batch.free_rows():
             return False
         members = {r.request_id for r in batch.requests}
         return all(r.in_prefill or r.request_id in members for r in sched.running)
@@ -678,49 +788,57 @@ class LLMEngine:
         rows.max_tokens[i] = params.max_tokens
         rows.stop_ids[i, :len(stops)] = stops
 
-    def _start_batch(self) -> None:
-        """Uploads the running requests as the rows of a new persistent batch."""
-        running = list(self.scheduler.running)
-        cfg = self.config
-        num_rows = decode_batch_rows(len(running), cfg.batch_buckets)
-        # Wide enough for every row's last position, so the batch never needs rebuilding
-        # (and recompiling) to grow a row; the kernels read only each row's own blocks.
-        longest = max(self.scheduler.final_length(r) for r in running)
-        width = pad_to_bucket(max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in running]),
-                              cfg.block_table_width_buckets)
-        num_stop_ids = next_power_of_2(max(1, max(len(self.scheduler.stop_token_ids(r)) for r in running)))
+    def _start_batch(self, requests: list[Request], *, mixing: bool) -> None:
+        """Uploads ``requests`` (decoding ones) as the rows of a new persistent batch.
+
+        A batch for mixed steps (``mixing``) has the prompt sections' block-table width
+        and rows for every request that may run while prompts are admitted; a batch of
+        decode windows is as small as its rows allow, and wide enough for every row's
+        last position, so it never needs rebuilding (and recompiling) to grow a row.
+        """
+        cfg, sched = self.config, self.scheduler
+        if mixing:
+            num_rows = self.shapes.rows_for(min(cfg.max_num_seqs, len(sched.running) + len(sched.waiting)),
+                                            mixing=True)
+            width = self.shapes.block_table_width
+        else:
+            num_rows = self.shapes.rows_for(len(requests), mixing=False)
+            longest = max(sched.final_length(r) for r in requests)
+            width = self.shapes.window_width(
+                max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in requests]))
+        num_stop_ids = stop_id_columns(max((len(sched.stop_token_ids(r)) for r in requests), default=1))
         rows = DecodeState.empty(num_rows, width, num_stop_ids)
-        for i, request in enumerate(running):
+        for i, request in enumerate(requests):
             self._fill_row(rows, i, request)
         self.runner.start_decode(rows)
         self.stats.num_decode_batches += 1
         self._batch = _DecodeBatch(
-            requests=running, num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
-            next_position=rows.positions.copy(), table_len=np.array(
-                [len(r.block_table) for r in running] + [0] * (num_rows - len(running)), np.int64),
-            greedy=all(r.sampling_params.greedy for r in running), num_logprobs=self._num_logprobs(running))
+            requests=list(requests), num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
+            next_position=rows.positions.astype(np.int64), table_len=np.array(
+                [len(r.block_table) for r in requests] + [0] * (num_rows - len(requests)), np.int64),
+            greedy=all(r.sampling_params.greedy for r in requests), num_logprobs=self._num_logprobs(requests))
 
-    def _dispatch_window(self) -> bool:
-        """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
+    def _reserve_rows(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+        """Reserves the blocks the batch's live rows write in the next ``num_steps`` steps;
+        returns the batch update ``(keep, block_rows, block_values)`` and the live rows, or
+        None (nothing reserved) when a row outgrew the table or the blocks do not suffice."""
         batch = self._batch
         assert batch is not None
-        k, bs = self.config.num_scheduler_steps, self.config.block_size
+        bs = self.config.block_size
         live = [i for i, r in enumerate(batch.requests) if not r.is_finished
                 and batch.next_position[i] + 2 <= self.scheduler.final_length(r)]
-        if not live:
-            return False
-        need = [min(int(batch.next_position[i]) + k - 1, self.scheduler.last_input_position(batch.requests[i])) // bs + 1
-                for i in live]
-        if max(need) > batch.width:
+        need = [min(int(batch.next_position[i]) + num_steps - 1,
+                    self.scheduler.last_input_position(batch.requests[i])) // bs + 1 for i in live]
+        if need and max(need) > batch.width:
             batch.wants_wider_table = True
-            return False
+            return None
         missing = sum(max(0, n - len(batch.requests[i].block_table)) for i, n in zip(live, need))
         if not self.scheduler.device_blocks.can_allocate(missing):
-            return False
+            return None
         changed = []
         for i in live:
             request = batch.requests[i]
-            reserved = self.scheduler.reserve_decode_blocks(request, int(batch.next_position[i]) + k - 1)
+            reserved = self.scheduler.reserve_decode_blocks(request, int(batch.next_position[i]) + num_steps - 1)
             assert reserved is not None, "blocks were counted before reserving"
             if len(request.block_table) > batch.table_len[i]:
                 changed.append(i)
@@ -734,6 +852,17 @@ class LLMEngine:
             batch.table_len[i] = len(table)
         keep = np.zeros(batch.num_rows, bool)
         keep[live] = True
+        return keep, update_rows, update_values, live
+
+    def _dispatch_window(self) -> bool:
+        """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
+        batch = self._batch
+        assert batch is not None
+        k = self.config.num_scheduler_steps
+        update = self._reserve_rows(k)
+        if update is None or not update[3]:
+            return False
+        keep, update_rows, update_values, live = update
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
                                             max_model_len=self.config.max_model_len,
                                             num_logprobs=batch.num_logprobs)
@@ -783,8 +912,11 @@ class LLMEngine:
                               query_len=item.num_new_tokens, block_table=item.request.block_table)
             for item in out.scheduled
         ]
-        metadata = self.builder.build_host(sequences)
-        if self.config.coarse_length_bounds and metadata.num_prefills:
+        if out.num_prefills == len(out.scheduled):
+            metadata = self._prompt_section(sequences)
+        else:
+            metadata = self.builder.build_host(sequences)
+        if self.config.coarse_length_bounds and metadata.num_prefills and metadata.num_decode_tokens:
             capacity = int(metadata.block_tables.shape[1]) * self.config.block_size
             metadata = dataclasses.replace(
                 metadata, max_query_len=max(metadata.max_query_len, metadata.num_prefill_tokens),
@@ -794,6 +926,18 @@ class LLMEngine:
         positions = input_positions(metadata, sequences)
         rows = sequence_rows(metadata, sequences)
         return metadata, token_ids, positions, rows, self._sampling_arrays(out, rows, metadata.num_seqs)
+
+    def _prompt_section(self, sequences: list[ScheduledSequence]) -> Any:
+        """Host metadata of prompt chunks in one of the engine's prompt shapes
+        (`ProgramShapes.prompt_shape`), with the static length bounds its shape can hold
+        (so the shape alone selects the program)."""
+        num_tokens, num_seqs = self.shapes.prompt_shape(sum(s.query_len for s in sequences), len(sequences))
+        width = self.shapes.block_table_width
+        builder = dataclasses.replace(self.builder, batch_buckets=(num_seqs,), token_buckets=(num_tokens,),
+                                      block_table_width_buckets=(width,))
+        metadata = builder.build_host(sequences)
+        return dataclasses.replace(metadata, max_query_len=num_tokens,
+                                   max_prefill_seq_len=width * self.config.block_size)
 
     def _sampling_arrays(self, out: SchedulerOutput, rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, ...]:
         temperature = np.zeros(num_rows, np.float32)  # padding rows: greedy, ignored
@@ -840,6 +984,114 @@ class LLMEngine:
         else:
             s.num_decode_tokens += num_sampled
             s.decode_time_s += elapsed
+
+    def warmup(self, *, use_tqdm: bool = True) -> "WarmupReport":
+        """Compiles every program the configuration reaches, so that no later `step` or
+        `generate` compiles (a server must not stall a request for a compilation).
+
+        The programs and their shapes are `ProgramShapes`': decode windows and row
+        inserts of every batch size, greedy and sampled, the mixed prompt + decode steps
+        of every prompt shape (the prompt-only steps with ``decode_during_prefill``
+        False) and, with prefix caching, the copy-on-write block copies. Each runs once
+        on padding (no cache slot is written). Not covered, and compiled on first use:
+        requests asking for ``logprobs`` (a program per logprobs width), more stop ids
+        than `shapes.MIN_STOP_ID_COLUMNS`, preemption by swapping (the swap programs)
+        and the scheduled steps that follow it. With the persistent compilation cache
+        (``EngineConfig.compilation_cache``) a second start loads the programs instead.
+
+        Raises RuntimeError while requests are in the engine.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() runs before any request: this engine has unfinished requests.")
+        tasks = self._warmup_tasks()
+        start, compiles_before = time.perf_counter(), _backend_compiles
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(tasks), desc="compiling", unit="program", file=sys.stderr)
+        try:
+            for task in tasks:
+                task()
+                if bar is not None:
+                    bar.update(1)
+            jax.block_until_ready(self.runner.kv_caches)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.runner.drop_decode_state()
+            self._batch = None
+        report = WarmupReport(num_programs=len(tasks), num_compiled=_backend_compiles - compiles_before,
+                              seconds=time.perf_counter() - start)
+        logger.info("LLMEngine.warmup: %s", report)
+        self._num_traces = self.runner.num_traces
+        self.stats.num_compiled_programs = self._num_traces
+        return report
+
+    def _warmup_tasks(self) -> list[Any]:
+        """One callable per program (shape) that `warmup` runs."""
+        shapes, cfg, runner = self.shapes, self.config, self.runner
+        num_stop_ids = shapes.num_stop_id_columns
+        tasks: list[Any] = []
+
+        def window(num_rows: int, width: int, greedy: bool) -> None:
+            runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
+            runner.insert_decode_rows(np.full(num_rows, num_rows, np.int32),
+                                      DecodeState.empty(num_rows, width, num_stop_ids))
+            runner.run_decode_window(np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
+                                     np.zeros((num_rows, width), np.int32), num_steps=cfg.num_scheduler_steps,
+                                     greedy=greedy, max_model_len=cfg.max_model_len)
+
+        def mixed(num_rows: int, prompt_shape: tuple[int, int], greedy: bool) -> None:
+            width = shapes.block_table_width
+            runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
+            inputs = self._padding_prompt_inputs(*prompt_shape)
+            runner.run_mixed(np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
+                             np.zeros((num_rows, width), np.int32), *inputs, greedy=greedy,
+                             max_model_len=cfg.max_model_len)
+
+        def prompts(prompt_shape: tuple[int, int], greedy: bool) -> None:
+            runner.run_step(*self._padding_prompt_inputs(*prompt_shape), greedy=greedy)
+
+        def copies(num_pairs: int) -> None:
+            mapping = np.full((num_pairs, 2), cache_ops.PAD_BLOCK_ID, np.int32)
+            runner.kv_caches = _copy_blocks_donated(runner.kv_caches, mapping)
+
+        for greedy in (True, False):
+            for width in shapes.window_widths:
+                for num_rows in shapes.decode_rows:
+                    tasks.append(functools.partial(window, num_rows, width, greedy))
+            for prompt_shape in shapes.prompt_shapes:
+                if cfg.decode_during_prefill:
+                    for num_rows in shapes.mixed_rows:
+                        tasks.append(functools.partial(mixed, num_rows, prompt_shape, greedy))
+                else:
+                    tasks.append(functools.partial(prompts, prompt_shape, greedy))
+        if cfg.enable_prefix_caching:
+            num_pairs = 1
+            while num_pairs <= next_power_of_2(shapes.max_prompts_per_step):
+                tasks.append(functools.partial(copies, num_pairs))
+                num_pairs *= 2
+        return tasks
+
+    def _padding_prompt_inputs(self, num_tokens: int, num_seqs: int) -> tuple[Any, ...]:
+        """``(token_ids, positions, metadata, sampling)`` of a prompt section of that shape
+        holding padding sequences only (they read no key and write no slot), with the
+        leaves and static fields `_prompt_section` gives real steps."""
+        width, bs = self.shapes.block_table_width, self.config.block_size
+        owned = [num_tokens // num_seqs + (k < num_tokens % num_seqs) for k in range(num_seqs)]
+        zeros = np.zeros(num_seqs, np.int32)
+        metadata = FlashAttentionMetadata(
+            slot_mapping=np.full(num_tokens, PAD_SLOT_ID, np.int32), seq_lens=zeros,
+            query_start_loc=np.concatenate([[0], np.cumsum(owned)]).astype(np.int32),
+            seq_start_loc=np.zeros(num_seqs + 1, np.int32), context_lens=zeros,
+            block_tables=np.zeros((num_seqs, width), np.int32), num_prefills=num_seqs,
+            num_prefill_tokens=num_tokens, num_decode_tokens=0, max_query_len=num_tokens,
+            max_decode_query_len=0, max_prefill_seq_len=width * bs, max_decode_seq_len=0, block_size=bs)
+        sampling = (np.zeros(num_seqs, np.float32), np.ones(num_seqs, np.float32), np.full(num_seqs, -1, np.int32),
+                    np.zeros(num_seqs, np.uint32), np.zeros(num_seqs, np.int32))
+        tokens = np.zeros(num_tokens, np.int32)
+        return tokens, tokens, metadata, sampling
 
     def reset_stats(self) -> None:
         """Zeroes every counter (keeps the compiled-program count), e.g. after a warm-up run."""
@@ -910,6 +1162,36 @@ class LLMEngine:
         return [outputs[rid] for rid in ids]
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What `LLMEngine.warmup` did: programs run, XLA compilations it took (fewer than
+    the programs when the persistent compilation cache held them), seconds."""
+
+    num_programs: int
+    num_compiled: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"{self.num_programs} programs ready in {self.seconds:.1f} s "
+                f"({self.num_compiled} XLA compilations, the rest from the compilation cache)")
+
+
+def _use_compilation_cache(config: EngineConfig) -> str:
+    """Points JAX's persistent compilation cache at ``config``'s directory unless the
+    process chose one; returns the line saying what holds."""
+    current = jax.config.jax_compilation_cache_dir
+    if not config.compilation_cache:
+        return f"compilation cache: off (EngineConfig.compilation_cache=False){'' if not current else f'; JAX caches in {current}'}"
+    if current:
+        return f"compilation cache: {current} (set by the process)"
+    directory = config.compilation_cache_dir
+    if directory is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(base, "jax_paged_attn", "xla")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return f"compilation cache: {directory} (JAX's persistent cache; EngineConfig.compilation_cache_dir moves it)"
+
+
 @dataclasses.dataclass
 class _DecodeBatch:
     """Host view of the persistent decode batch (see `ModelRunner.run_decode_window`)."""
@@ -935,13 +1217,13 @@ class _DecodeBatch:
         done = [i for i, r in enumerate(self.requests) if r.is_finished]
         return done + list(range(len(self.requests), self.num_rows))
 
-    def needs_rebuild(self, row_buckets: tuple[int, ...] | None) -> bool:
+    def needs_rebuild(self, shapes: ProgramShapes) -> bool:
         """A request outgrew its block-table row, a decoding request is outside the batch,
         or most rows stopped (a smaller batch bucket runs faster)."""
         if self.wants_wider_table or self.missing_rows:
             return True
         live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and decode_batch_rows(live, row_buckets) < self.num_rows
+        return live > 0 and shapes.rows_for(live, mixing=False) < self.num_rows
 
 
 _copy_blocks_donated = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=(0,))

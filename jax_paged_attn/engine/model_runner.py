@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
-from jax_paged_attn.metadata import FlashAttentionMetadata
+from jax_paged_attn.metadata import FlashAttentionMetadata, concatenate_sections
 from jax_paged_attn.builder import pad_to_bucket
 from jax_paged_attn.spec import PAD_SLOT_ID
 
@@ -180,6 +180,7 @@ def decode_metadata(positions: Array, active: Array, block_tables: Array, block_
         seq_start_loc=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_lens, dtype=jnp.int32)]),
         context_lens=jnp.maximum(seq_lens - 1, 0),
         block_tables=block_tables,
+        block_size=block_size,
     )
 
 
@@ -221,6 +222,30 @@ class _Programs:
             logprobs = None if num_logprobs is None else token_logprobs(logits, tokens, num_logprobs)
             return tokens, list(new_caches), logprobs
 
+        def advance_rows(s: DecodeState, logits: Array, *, greedy: bool, max_model_len: int,
+                         num_logprobs: int | None) -> tuple[DecodeState, Array, TokenLogprobs | None]:
+            """Samples each active row's next token from its ``logits`` and moves the row
+            on (stop checks included); returns the new state, the tokens i32[R]
+            (`NO_TOKEN` for inactive rows) and their logprobs (junk for inactive rows)."""
+            if greedy:
+                sampled = greedy_tokens(logits)
+            else:
+                sampled = sample_tokens(logits, s.temperature, s.top_p, s.top_k, s.seed, s.num_generated)
+            num_generated = s.num_generated + s.active.astype(jnp.int32)
+            done = stopped(sampled, num_generated, s.positions, s.stop_ids, s.max_tokens, max_model_len)
+            logprobs = None if num_logprobs is None else token_logprobs(logits, sampled, num_logprobs)
+            out = jnp.where(s.active, sampled, NO_TOKEN)
+            s = dataclasses.replace(
+                s, tokens=jnp.where(s.active, sampled, s.tokens),
+                positions=jnp.where(s.active, s.positions + 1, s.positions),
+                num_generated=num_generated, active=s.active & ~done)
+            return s, out, logprobs
+
+        def updated(state: DecodeState, keep: Array, block_rows: Array, block_values: Array) -> DecodeState:
+            return dataclasses.replace(
+                state, active=state.active & keep,
+                block_tables=state.block_tables.at[block_rows].set(block_values, mode="drop"))
+
         def window(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
                    block_rows: Array, block_values: Array, *, num_steps: int, greedy: bool, block_size: int,
                    max_model_len: int, num_logprobs: int | None = None
@@ -228,29 +253,18 @@ class _Programs:
             self._count_trace()
             model = model_of(params)
             num_rows = state.tokens.shape[0]
-            state = dataclasses.replace(
-                state, active=state.active & keep,
-                block_tables=state.block_tables.at[block_rows].set(block_values, mode="drop"))
+            state = updated(state, keep, block_rows, block_values)
             rows = jnp.arange(num_rows, dtype=jnp.int32)
 
             def body(k: Array, carry: tuple[DecodeState, list[Array], Array, TokenLogprobs | None]):
                 s, caches, out, lp_out = carry
                 metadata = decode_metadata(s.positions, s.active, s.block_tables, block_size)
                 logits, caches = model(s.tokens, s.positions, caches, metadata, logits_indices=rows)
-                if greedy:
-                    sampled = greedy_tokens(logits)
-                else:
-                    sampled = sample_tokens(logits, s.temperature, s.top_p, s.top_k, s.seed, s.num_generated)
-                num_generated = s.num_generated + s.active.astype(jnp.int32)
-                done = stopped(sampled, num_generated, s.positions, s.stop_ids, s.max_tokens, max_model_len)
-                out = out.at[k].set(jnp.where(s.active, sampled, NO_TOKEN))
+                s, sampled, step_lp = advance_rows(s, logits, greedy=greedy, max_model_len=max_model_len,
+                                                   num_logprobs=num_logprobs)
+                out = out.at[k].set(sampled)
                 if lp_out is not None:  # rows that sampled nothing hold junk; the host skips them
-                    step_lp = token_logprobs(logits, sampled, num_logprobs)
                     lp_out = jax.tree_util.tree_map(lambda acc, x: acc.at[k].set(x), lp_out, step_lp)
-                s = dataclasses.replace(
-                    s, tokens=jnp.where(s.active, sampled, s.tokens),
-                    positions=jnp.where(s.active, s.positions + 1, s.positions),
-                    num_generated=num_generated, active=s.active & ~done)
                 return s, list(caches), out, lp_out
 
             out = jnp.full((num_steps, num_rows), NO_TOKEN, jnp.int32)
@@ -264,6 +278,33 @@ class _Programs:
                                                               (state, list(kv_caches), out, lp_out))
             return out, lp_out, state, kv_caches
 
+        def mixed(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
+                  block_rows: Array, block_values: Array, input_ids: Array, positions: Array,
+                  metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool, block_size: int,
+                  max_model_len: int, num_logprobs: int | None = None):
+            # Prompt chunks (``metadata``: prefills only, the batch's block-table width)
+            # and one decode step of every batch row, in one forward: the weights are
+            # read once for both.
+            self._count_trace()
+            state = updated(state, keep, block_rows, block_values)
+            rows_md = decode_metadata(state.positions, state.active, state.block_tables, block_size)
+            md = concatenate_sections(metadata, rows_md)
+            num_prefill_rows, num_prefill_tokens = metadata.num_seqs, metadata.num_prefill_tokens
+            num_rows = state.tokens.shape[0]
+            last_rows = jnp.concatenate([
+                jnp.maximum(metadata.query_start_loc[1:] - 1, 0).astype(jnp.int32),
+                num_prefill_tokens + jnp.arange(num_rows, dtype=jnp.int32)])
+            logits, new_caches = model_of(params)(
+                jnp.concatenate([input_ids, state.tokens]), jnp.concatenate([positions, state.positions]),
+                kv_caches, md, logits_indices=last_rows)
+            prefill_logits = logits[:num_prefill_rows]
+            tokens = greedy_tokens(prefill_logits) if greedy else sample_tokens(prefill_logits, *sampling)
+            logprobs = None if num_logprobs is None else token_logprobs(prefill_logits, tokens, num_logprobs)
+            state, out, rows_lp = advance_rows(state, logits[num_prefill_rows:], greedy=greedy,
+                                               max_model_len=max_model_len, num_logprobs=num_logprobs)
+            rows_lp = None if rows_lp is None else jax.tree_util.tree_map(lambda x: x[None], rows_lp)
+            return tokens, logprobs, out[None], rows_lp, state, list(new_caches)
+
         def insert(state: DecodeState, row_index: Array, rows: DecodeState) -> DecodeState:
             # Row ``row_index[j]`` takes ``rows``' row j; an index of R (padding) is dropped.
             return jax.tree_util.tree_map(lambda old, new: old.at[row_index].set(new, mode="drop"), state, rows)
@@ -273,6 +314,9 @@ class _Programs:
         self.window = jax.jit(window, donate_argnums=(1, 2),
                               static_argnames=("num_steps", "greedy", "block_size", "max_model_len", "num_logprobs"),
                               compiler_options=options)
+        self.mixed = jax.jit(mixed, donate_argnums=(1, 2),
+                             static_argnames=("greedy", "block_size", "max_model_len", "num_logprobs"),
+                             compiler_options=options)
 
     def _count_trace(self) -> None:  # runs only while tracing: one per compiled program
         with self._lock:
@@ -318,6 +362,10 @@ class ModelRunner:
     def window_program(self) -> Any:
         return self._programs.window
 
+    @property
+    def mixed_program(self) -> Any:
+        return self._programs.mixed
+
     def run_step(self, token_ids: np.ndarray, positions: np.ndarray, metadata: FlashAttentionMetadata,
                  sampling: tuple[np.ndarray, ...], *, greedy: bool, num_logprobs: int | None = None
                  ) -> Array | tuple[Array, TokenLogprobs]:
@@ -334,7 +382,8 @@ class ModelRunner:
 
     def start_decode(self, rows: DecodeState) -> None:
         """Uploads a new persistent batch (host rows from `DecodeState.empty`, filled in)."""
-        self._decode_state = jax.tree_util.tree_map(jnp.asarray, rows)
+        # device_put, not jnp.asarray: the latter compiles a staging program per shape.
+        self._decode_state = jax.device_put(rows)
 
     def drop_decode_state(self) -> None:
         self._decode_state = None
@@ -373,3 +422,29 @@ class ModelRunner:
         for leaf in jax.tree_util.tree_leaves(logprobs):
             leaf.copy_to_host_async()
         return out, logprobs
+
+    def run_mixed(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, token_ids: np.ndarray,
+                  positions: np.ndarray, metadata: FlashAttentionMetadata, sampling: tuple[np.ndarray, ...], *,
+                  greedy: bool, max_model_len: int, num_logprobs: int | None = None) -> tuple[Any, Any]:
+        """One forward over prompt chunks and one decode step of the persistent batch.
+
+        Args:
+          keep, block_rows, block_values: the batch's updates, as `run_decode_window`'s.
+          token_ids, positions, metadata, sampling: a prefill-only batch from the metadata
+            builder whose block table is as wide as the persistent batch's, as `run_step`'s.
+          greedy: every prompt and every batch row samples greedily (static).
+          num_logprobs: static logprobs width of the prompts' and the rows' tokens, or None.
+
+        Returns ``(prompt_result, rows_result)``: the prompts' tokens i32[P] (one per
+        metadata sequence) and the rows' tokens i32[1, R] (`NO_TOKEN` where a row sampled
+        nothing), each ``(tokens, TokenLogprobs)`` with ``num_logprobs``; on the device,
+        the rows' copy to the host started (a window of one step for the reader).
+        """
+        assert self._decode_state is not None, "start_decode first"
+        tokens, logprobs, out, rows_lp, self._decode_state, self.kv_caches = self._programs.mixed(
+            self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values, token_ids, positions,
+            metadata, sampling, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
+            num_logprobs=num_logprobs)
+        for leaf in jax.tree_util.tree_leaves((out, rows_lp)):
+            leaf.copy_to_host_async()
+        return (tokens if logprobs is None else (tokens, logprobs)), (out if rows_lp is None else (out, rows_lp))

@@ -187,6 +187,9 @@ class SchedulerConfig:
         prefilled, steps hold prefill chunks only, and running requests decode in the
         steps after (vLLM's default scheduling; an engine then decodes them in
         multi-step windows between admissions).
+      max_num_prefill_seqs: most prompt chunks (prefills) in one step; None: no limit
+        beyond the others. An engine whose prompt sections have a fixed number of
+        sequence rows sets it.
     """
 
     max_num_seqs: int = 32
@@ -194,10 +197,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     decode_during_prefill: bool = True
+    max_num_prefill_seqs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_prefill_seqs"):
             value = getattr(self, name)
+            if value is None and name == "max_num_prefill_seqs":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
 
@@ -343,6 +349,9 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, *, prefill_only: bool) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        prefill_slots = self.config.max_num_prefill_seqs
+        if prefill_slots is None:
+            prefill_slots = self.config.max_num_seqs + 1
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; preempt the youngest when blocks run out.
@@ -350,7 +359,7 @@ class Scheduler:
         while queue:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (request.in_prefill and prefill_slots <= 0):
                 continue  # budget spent: it keeps its blocks and runs next step
             while not self._prepare_blocks(request, num_new, out.copies):
                 victim = queue.pop() if queue else request
@@ -360,6 +369,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest.of(request, num_new))
                 budget -= num_new
+                prefill_slots -= scheduled[-1].is_prefill
 
         # 2. Swapped requests come back, oldest first, unless this step had to preempt.
         while not prefill_only and not out.preempted and self.swapped and budget > 0:
@@ -375,9 +385,10 @@ class Scheduler:
             assert ok, "blocks were checked before swapping in"
             scheduled.append(ScheduledRequest.of(request, num_new))
             budget -= num_new
+            prefill_slots -= scheduled[-1].is_prefill
 
         # 3. Waiting requests, oldest first, only when nobody older waits in swap.
-        while not out.preempted and not self.swapped and self.waiting and budget > 0:
+        while not out.preempted and not self.swapped and self.waiting and budget > 0 and prefill_slots > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -410,6 +421,7 @@ class Scheduler:
             _insort(self.running, request)
             scheduled.append(ScheduledRequest.of(request, num_new))
             budget -= num_new
+            prefill_slots -= 1
 
         prefills = [s for s in scheduled if s.is_prefill]
         decodes = [s for s in scheduled if not s.is_prefill]

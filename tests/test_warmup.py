@@ -1,0 +1,120 @@
+"""`LLMEngine.warmup` compiles every program a configuration reaches: afterwards no
+`generate` whose requests fit the configuration compiles anything, counted with JAX's
+own compilation events (not the engine's counters). Mixed prompt + decode steps stay
+token-identical to the dense no-cache forward."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from conftest import random_prompts
+from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA compilations (JAX's ``backend_compile_duration`` events) while active."""
+
+    def __init__(self) -> None:
+        self.count, self.active = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_s: float, **kwargs) -> None:
+        if self.active and event == BACKEND_COMPILE:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        self.count, self.active = 0, True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+
+
+CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                      num_scheduler_steps=4, compilation_cache=False,
+                      compiler_options={"xla_backend_optimization_level": 0})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM(LlamaConfig.tiny(max_position_embeddings=128), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def warm_engine(model):
+    engine = LLMEngine(model, CONFIG)
+    report = engine.warmup(use_tqdm=False)
+    shapes = engine.shapes
+    # Windows and mixed steps of every row count, greedy and sampled, plus copy-on-write sizes.
+    expected = 2 * (len(shapes.decode_rows) * len(shapes.window_widths)
+                    + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
+    assert expected <= report.num_programs <= expected + 4, (report, shapes)
+    return engine
+
+
+def test_no_compilation_after_warmup_across_batches_lengths_and_sampling(model, warm_engine):
+    engine = warm_engine
+    lengths = [[5], [3, 40, 17], [70, 2, 9, 33, 12, 6], [100, 1]]  # 6 > max_num_seqs: some wait
+    batches = [random_prompts(40 + i, lens) for i, lens in enumerate(lengths)]
+    shared = batches[2][3]
+    batches.append([shared, shared[:20] + [1, 2, 3]])  # prefix-cache hits and a copy-on-write
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=7, seed=1)
+    expected = [dense_greedy_generate(model, prompts, 9) for prompts in batches]
+    with CompileCounter() as compiles:
+        outputs = []
+        for i, prompts in enumerate(batches):
+            params = [SamplingParams(temperature=0.0, max_tokens=9 - (j % 3)) for j in range(len(prompts))]
+            if i == 1:
+                params[1] = sampled  # a sampled request among greedy ones
+            outputs.append(engine.generate(prompts, params, use_tqdm=False))
+        rid = engine.add_request(batches[0][0], SamplingParams(temperature=0.0, max_tokens=30))
+        engine.step()
+        engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert compiles.count == 0
+    for i, (outs, refs) in enumerate(zip(outputs, expected)):
+        for j, (out, ref) in enumerate(zip(outs, refs)):
+            if i == 1 and j == 1:
+                assert len(out.output_token_ids) == 7
+                continue
+            assert out.output_token_ids == ref[:9 - (j % 3)], (i, j)
+    assert outputs[4][0].num_cached_tokens > 0
+    assert engine.stats.num_mixed_steps > 0
+
+
+def test_warmup_refuses_while_requests_run(model, warm_engine):
+    rid = warm_engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        warm_engine.warmup(use_tqdm=False)
+    warm_engine.abort_request(rid)
+    warm_engine.pop_output(rid)
+
+
+def test_mixed_steps_decode_while_prompts_prefill_and_match_dense(model):
+    """Prompts admitted while others decode run in mixed steps: every such step also
+    decodes the batch's rows (one token each), and the batch is built once."""
+    engine = LLMEngine(model, dataclasses.replace(CONFIG, num_blocks=40))
+    prompts = random_prompts(50, [9, 60, 4, 50, 7, 30])
+    max_tokens = [6, 12, 20, 8, 25, 10]
+    mixed_rows_decoded = []
+    run_mixed = engine.runner.run_mixed
+
+    def watching(*args, **kwargs):
+        mixed_rows_decoded.append(int(args[0].sum()))  # live rows decoded beside the prompts
+        return run_mixed(*args, **kwargs)
+
+    engine.runner.run_mixed = watching
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
+                           use_tqdm=False)
+    expected = dense_greedy_generate(model, prompts, max(max_tokens))
+    assert [o.output_token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
+    assert engine.stats.num_mixed_steps == len(mixed_rows_decoded) > 0
+    assert max(mixed_rows_decoded) > 0  # decodes rode along with prompt chunks
+    assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
