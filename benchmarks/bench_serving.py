@@ -77,7 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # Run as a script from anywhere: make the working tree's jax_paged_attn and the other
 # benchmarks importable.
@@ -161,21 +161,23 @@ def percentiles(values: Sequence[float]) -> list[float]:
     return np.percentile(values, [50, 90, 99]).tolist() if len(values) else [float("nan")] * 3
 
 
-def run_arrivals(engine: LLMEngine, workload: Workload, arrivals_s: np.ndarray, label: str) -> dict[str, Any]:
+def run_arrivals(engine: LLMEngine, workload: Workload, arrivals_s: np.ndarray, label: str,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Drives ``engine`` through ``workload`` arriving at ``arrivals_s`` (see the module
     docstring) and measures it. TTFT and latency count from the arrival time: the
-    engine's figures (from `add_request`) plus how late the loop submitted the request."""
+    engine's figures (from `add_request`) plus how late the loop submitted the request.
+    ``clock``: the engine's clock (`time.perf_counter`)."""
     num_requests = len(workload.prompts)
     late_s = np.zeros(num_requests)
     outputs: dict[int, RequestOutput] = {}
     engine.reset_stats()
     counter = CompileCounter()
-    start = time.perf_counter()
+    start = clock()
     submitted = 0
     while submitted < num_requests or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
+        now = clock() - start
         while submitted < num_requests and arrivals_s[submitted] <= now:
-            late_s[submitted] = time.perf_counter() - start - arrivals_s[submitted]
+            late_s[submitted] = clock() - start - arrivals_s[submitted]
             engine.add_request(workload.prompts[submitted], workload.params[submitted],
                                request_id=f"{label}-{submitted}")
             submitted += 1
@@ -184,9 +186,9 @@ def run_arrivals(engine: LLMEngine, workload: Workload, arrivals_s: np.ndarray, 
                 index = int(finished.request_id.rsplit("-", 1)[1])
                 outputs[index] = engine.pop_output(finished.request_id)
         elif submitted < num_requests:
-            while time.perf_counter() - start < arrivals_s[submitted]:
+            while clock() - start < arrivals_s[submitted]:
                 pass  # idle until the next arrival: a spin, as a sleep could overshoot it
-    duration = time.perf_counter() - start
+    duration = clock() - start
     compiles = counter.count
     assert len(outputs) == num_requests, (len(outputs), num_requests)
     generated = sum(len(o.output_token_ids) for o in outputs.values())
