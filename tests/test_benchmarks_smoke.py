@@ -4,10 +4,14 @@ Checks the work arithmetic (bytes, causal FLOPs) against brute force, the input
 layouts every peer derives from, the report (ratios, target lines, tuning literals),
 the crash-resume logic of the per-suite processes, a tiny dry run of our
 implementations (implementation="xla") through the whole harness, the refusal to run
-without a GPU, where the outputs go and the exit code when nothing was measured.
+without a GPU, where the outputs go and the exit code when nothing was measured; and
+the other scripts' CPU runs (tiny model): the engine benchmarks (`bench_engine.py`'s
+table and its one-jit dense loop's tokens against the engine's, `bench_serving.py`'s
+rate sweep, arrival loop and cold / warm start-up), the parts and profile scripts.
 
 No test depends on wall-clock time: dry runs pass ``--budget-s inf`` and deadlines are
-infinite, except where a test shifts the clock itself.
+infinite, except where a test shifts the clock itself; the benchmarks' timings are
+checked for being measured, never for their values.
 """
 from __future__ import annotations
 
@@ -618,9 +622,9 @@ def test_bench_engine_quick_times_generate_and_the_one_jit_loop_gives_the_engine
     from jax_paged_attn.engine import LLMEngine
 
     bench = _loaded("bench_engine")
-    rows = bench.main(["--quick"])
+    rows = bench.main(["--quick", "--batches", "3"])
     header, cells = _table(capsys.readouterr().out, "batch")
-    assert tuple(header) == bench.TABLE_COLUMNS and len(cells) == 2
+    assert tuple(header) == bench.TABLE_COLUMNS and len(cells) == 1
     for row, row_cells in zip(rows, cells):
         assert row["rows_matching_one_jit"] == row["batch"], row
         assert min(row["engine_wall_tok_s"], row["one_jit_tok_s"], row["per_step_tok_s"]) > 0
@@ -740,7 +744,7 @@ def test_arrival_loop_submits_on_time_and_counts_the_wait_for_a_running_step():
     assert row["duration_s"] == pytest.approx(6.0, abs=0.02)  # request 2 arrives at 5 s, one 1 s step
 
 
-_SMALL_SERVING = ["--quick", "--num-requests", "10", "--max-num-seqs", "4", "--prompt-lens", "4,24",
+_SMALL_SERVING = ["--quick", "--num-requests", "8", "--max-num-seqs", "4", "--prompt-lens", "4,24",
                   "--output-lens", "2,12", "--max-model-len", "64"]
 
 
@@ -753,7 +757,7 @@ def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys
     assert [row["rate_entry"] for row in result["rows"]] == ["inf", "40"]
     assert result["parts"]["prefill_tok_s"] > 0 and result["parts"]["decode_tok_s"] > 0
     for row, row_cells in zip(result["rows"], cells):
-        assert row["requests"] == 10 and row["total_tok_s"] > row["output_tok_s"] > 0
+        assert row["requests"] == 8 and row["total_tok_s"] > row["output_tok_s"] > 0
         assert row_cells[header.index("sum of parts s")] == f"{result['sum_of_parts_s']:.2f}"
         assert int(row_cells[header.index("compiles after start")]) == row["compiles_after_start"] == 0
 
