@@ -403,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         batches = [int(b) for b in args.batches.split(",")]
     prompt_len = args.prompt_len or (8 if args.quick else 128)
     new_tokens = args.new_tokens or (8 if args.quick else 128)
+    if new_tokens < 2:
+        parser.error(f"--new-tokens must be at least 2 (decode is timed as t(N) - t(1)), got {new_tokens}")
     dense_impl = None if args.dense_impl == "auto" else args.dense_impl
     hf = _run_hf(batches, prompt_len, new_tokens) if args.hf else {}
 

@@ -354,8 +354,8 @@ def startup_child(args: argparse.Namespace, engine_options: dict[str, Any], cach
     warm = warm_up_serving(engine, workload, config.max_num_seqs)
     result = dict(construct_s=constructed - start, warm_up_s=warm.seconds, start_s=time.perf_counter() - start,
                   compiles=counter.count, cache_hits=counter.cache_hits, cache=how, warm_up=warm.how,
-                  min_compile_time_s=jax.config.jax_persistent_cache_min_compile_time_secs,
-                  min_entry_size_bytes=jax.config.jax_persistent_cache_min_entry_size_bytes)
+                  min_compile_time_s=getattr(jax.config, "jax_persistent_cache_min_compile_time_secs", None),
+                  min_entry_size_bytes=getattr(jax.config, "jax_persistent_cache_min_entry_size_bytes", None))
     print(STARTUP_RESULT_PREFIX + json.dumps(result), flush=True)
     return result
 
