@@ -1,64 +1,78 @@
 #!/usr/bin/env python3
-"""End-to-end decode throughput of `LLMEngine` beside a dense-cache XLA decode loop and
-Hugging Face transformers on the same GPU.
+"""Decode throughput and `generate` wall clock of `LLMEngine` beside dense-cache JAX
+decode loops and Hugging Face transformers on the same GPU.
 
     python benchmarks/bench_engine.py [--batches 1,32,64,128,256] [--prompt-len 128]
                                       [--new-tokens 128] [--num-scheduler-steps 16]
                                       [--implementation auto] [--dense-impl xla]
-                                      [--decode-config FIELD=VALUE,...]
-                                      [--hf] [--serving 1000] [--quick]
+                                      [--engine-option FIELD=VALUE ...]
+                                      [--decode-config FIELD=VALUE,...] [--hf] [--quick]
 
 Model: a random-weight ~1B-parameter Llama (hidden 2048, 16 layers, 32 query heads,
 8 KV heads, head_dim 64, intermediate 8192, vocab 32000), bfloat16. ``--quick`` runs a
-tiny float32 config on whatever backend JAX has (a CPU smoke run, seconds).
+tiny float32 config on whatever backend JAX has (a CPU smoke run, seconds). The mixed
+serving workload is `bench_serving.py`.
 
-For each batch size B, with B random prompts of ``--prompt-len`` tokens and greedy
-decoding of ``--new-tokens`` tokens each (EOS ignored):
+For each batch size B, B random prompts of ``--prompt-len`` tokens, greedy decoding of
+N = ``--new-tokens`` tokens each (EOS ignored). Every contender is timed by wall clock
+with the same method as `bench_hf.py` times transformers: after a warm-up, the calls
+generating N tokens and 1 token alternate twice; **generate ms** is the wall time of a
+call generating N tokens (prefill included; the first of the two / the best), and
+**decode tok/s** = ``B * (N - 1) / (best t(N) - best t(1))``: the prefill and the
+call's fixed costs cancel.
 
 * **engine**: `LLMEngine.generate` (scheduler, metadata builder, decode windows of
-  ``--num-scheduler-steps`` steps on the device, host reads overlapped). One untimed run
-  compiles every program; the timed run reports decode tokens/s over decode steps
-  (`EngineStats.decode_tokens_per_s`, host work included), the ms per step that makes,
-  the floor (every weight and the batch's K/V read once per step at 4.2 TB/s), and
-  end-to-end generated tokens/s (prefill included).
-* **dense XLA**: the same parameters with a dense per-sequence cache
-  ``[B, prompt_len + new_tokens, Hk, D]`` per layer and `jax.nn.dot_product_attention`
-  (``implementation=--dense-impl``, masked by ``key_value_seq_lengths``), one jitted
-  step per token (caches donated, greedy argmax), no host-side scheduling: what a JAX
-  user writes without paging. Its tokens/s counts B tokens per step.
-* **Hugging Face** (``--hf``): `bench_hf.py` in a subprocess (torch bf16, the same shape,
-  static cache + torch.compile, plain generate, continuous batching); its best decode
-  tok/s per batch.
+  ``--num-scheduler-steps`` steps on the device, host reads overlapped), warmed up by
+  `LLMEngine.warmup()` where the engine has it (else by one untimed `generate` of the
+  same requests). Beside its wall-clock figures: decode tok/s by the engine's own
+  counters (`EngineStats.decode_tokens_per_s` over the timed calls: decode steps only,
+  host work included), the ms per step that makes, the floor (every weight and the
+  batch's K/V read once per step at 4.2 TB/s), and `compiles after start`: XLA
+  compilations during the timed calls (JAX's monitoring events, `engine_common.py`),
+  which should be 0.
+* **one-jit dense**: what a JAX user writes without paging: the model's own layers over
+  a dense per-sequence cache ``[B, prompt_len + N, Hk, D]`` per layer and
+  `jax.nn.dot_product_attention` (``implementation=--dense-impl``), the prefill and all
+  N - 1 decode steps inside one `jax.jit` (`lax.fori_loop`, caches carried and donated,
+  greedy argmax); one program per N. Its tokens are compared with the engine's (the
+  rows whose N tokens are identical; on the float32 ``--quick`` config every row).
+* **per-step dense**: the same decode step jitted alone and dispatched once per token
+  from Python (no prefill; tok/s = B * N / the wall time of N steps).
+* **Hugging Face** (``--hf``): `bench_hf.py` in a subprocess (torch bf16, the same
+  shape, static cache + torch.compile, plain generate, continuous batching); its best
+  decode tok/s per batch.
 
-``--serving N`` adds a serving run: N requests with prompts of 32-2,048 and outputs of
-16-512 tokens submitted at once (the KV cache sized from the device's memory): total
-tok/s and time-to-first-token / time-per-output-token percentiles.
+``--engine-option FIELD=VALUE`` (repeatable) sets any `EngineConfig` field, e.g.
+``--engine-option num_scheduler_steps=32 --engine-option batch_buckets=1,32,256``.
 
-Prints markdown tables.
+Prints a markdown table.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import pathlib
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-# Run as a script from anywhere: make the working tree's jax_paged_attn importable.
+# Run as a script from anywhere: make the working tree's jax_paged_attn and the
+# benchmarks' shared module importable.
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+for _path in (_REPO, _REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from engine_common import (  # noqa: E402,F401  (parse_options: profile_engine imports it from here)
+    CompileCounter, engine_config, parse_engine_options, parse_options, warm_up)
 from jax_paged_attn import matmul, tuning  # noqa: E402
-from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jax_paged_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 Array = jax.Array
@@ -67,6 +81,74 @@ LLAMA_1B = LlamaConfig(
     vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
 )
+
+
+def build_model(quick: bool, implementation: str | None = None, matmul_implementation: str | None = None
+                ) -> tuple[LlamaForCausalLM, dict[str, Any] | None]:
+    """The benchmarks' model and the XLA compiler options of their programs: the 1.1B
+    Llama in bfloat16, or with ``quick`` the tiny float32 config (context 4,096, enough
+    for the serving workload's lengths) compiled at XLA's lowest optimization level on
+    a CPU (faster compiles for a smoke run)."""
+    if quick:
+        config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32
+        compiler_options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    else:
+        config, dtype, compiler_options = LLAMA_1B, jnp.bfloat16, None
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
+                             implementation=implementation, matmul_implementation=matmul_implementation)
+    return model, compiler_options
+
+
+# --------------------------------------------------------------------------- dense loops
+
+Attend = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array, Array]]
+
+
+def _dense_forward(model: LlamaForCausalLM, tokens: Array, positions: Array, k_caches: list[Array],
+                   v_caches: list[Array], attend: Attend) -> tuple[Array, list[Array], list[Array]]:
+    """The model's layers over dense caches: ``tokens`` / ``positions`` i32[B, S] ->
+    (greedy next token i32[B] after each row's last token, updated caches).
+    ``attend(q [B, S, Hq, D], k, v [B, S, Hk, D], k_cache, v_cache)`` writes the new
+    keys / values and returns (attention output ``[B, S, Hq, D]``, the caches)."""
+    x = model.model.embed_tokens(tokens)  # [B, S, hidden]
+    new_k, new_v = [], []
+    for layer, k_cache, v_cache in zip(model.model.layers, k_caches, v_caches):
+        attn = layer.self_attn
+        q, k, v = attn.project_qkv(layer.input_layernorm(x), positions)
+        out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache)
+        x = x + attn.o_proj(out.reshape(*x.shape[:2], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        new_k.append(k_cache)
+        new_v.append(v_cache)
+    logits = model.compute_logits(model.model.norm(x[:, -1]))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), new_k, new_v
+
+
+def _decode_attend(lengths: Array, implementation: str | None) -> Attend:
+    """One token per row at position ``lengths`` i32[B]: written to cache row ``lengths``,
+    attending to the row's first ``lengths + 1`` keys."""
+
+    def attend(q, k, v, k_cache, v_cache):
+        rows = jnp.arange(q.shape[0])
+        k_cache = k_cache.at[rows, lengths].set(k[:, 0])
+        v_cache = v_cache.at[rows, lengths].set(v[:, 0])
+        out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths + 1,
+                                           implementation=implementation)
+        return out, k_cache, v_cache
+
+    return attend
+
+
+def _prefill_attend(implementation: str | None) -> Attend:
+    """Whole prompts from position 0: causal attention over their own keys, written to
+    the caches' first rows."""
+
+    def attend(q, k, v, k_cache, v_cache):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return out, jax.lax.dynamic_update_slice_in_dim(k_cache, k, 0, axis=1), \
+            jax.lax.dynamic_update_slice_in_dim(v_cache, v, 0, axis=1)
+
+    return attend
 
 
 def make_dense_decode_step(graphdef: Any, implementation: str | None,
@@ -83,37 +165,106 @@ def make_dense_decode_step(graphdef: Any, implementation: str | None,
     def step(state: Any, k_caches: list[Array], v_caches: list[Array], tokens: Array,
              lengths: Array) -> tuple[Array, Array, list[Array], list[Array]]:
         model = nnx.merge(graphdef, state)
-        batch = tokens.shape[0]
-        rows = jnp.arange(batch)
-        x = model.model.embed_tokens(tokens)  # [B, hidden]
-        new_k, new_v = [], []
-        for layer, k_cache, v_cache in zip(model.model.layers, k_caches, v_caches):
-            attn = layer.self_attn
-            q, k, v = attn.project_qkv(layer.input_layernorm(x), lengths)  # [B, Hq, D], [B, Hk, D]
-            k_cache = k_cache.at[rows, lengths].set(k.astype(k_cache.dtype))
-            v_cache = v_cache.at[rows, lengths].set(v.astype(v_cache.dtype))
-            out = jax.nn.dot_product_attention(
-                q[:, None], k_cache, v_cache, key_value_seq_lengths=lengths + 1,
-                implementation=implementation)  # [B, 1, Hq, D]
-            x = x + attn.o_proj(out.reshape(batch, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            new_k.append(k_cache)
-            new_v.append(v_cache)
-        logits = model.compute_logits(model.model.norm(x))
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), lengths + 1, new_k, new_v
+        next_tokens, k_caches, v_caches = _dense_forward(
+            model, tokens[:, None], lengths[:, None], k_caches, v_caches, _decode_attend(lengths, implementation))
+        return next_tokens, lengths + 1, k_caches, v_caches
 
     return step
 
 
-def bench_dense(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens: int,
-                implementation: str | None, compiler_options: dict[str, Any] | None = None) -> float:
-    """Decode tokens/s of the dense-cache XLA loop (B tokens per step)."""
+def make_dense_generate(graphdef: Any, implementation: str | None,
+                        compiler_options: dict[str, Any] | None = None):
+    """Greedy generation over dense caches in one jitted program (one per ``num_tokens``).
+
+    ``generate(state, k_caches, v_caches, prompts, num_tokens) -> (tokens i32[B, num_tokens],
+    k_caches, v_caches)``: ``prompts`` i32[B, P] (equal lengths) are prefilled in one
+    forward, then ``num_tokens - 1`` decode steps run in a `lax.fori_loop`; each layer's
+    caches ``[B, >= P + num_tokens - 1, Hk, D]`` are donated and carried through the loop.
+    """
+
+    @functools.partial(jax.jit, static_argnames="num_tokens", donate_argnums=(1, 2),
+                       compiler_options=compiler_options)
+    def generate(state: Any, k_caches: list[Array], v_caches: list[Array], prompts: Array,
+                 num_tokens: int) -> tuple[Array, list[Array], list[Array]]:
+        model = nnx.merge(graphdef, state)
+        batch, prompt_len = prompts.shape
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+        first, k_caches, v_caches = _dense_forward(model, prompts, positions, k_caches, v_caches,
+                                                   _prefill_attend(implementation))
+        out = jnp.zeros((batch, num_tokens), jnp.int32).at[:, 0].set(first)
+
+        def body(i: Array, carry: tuple[Array, list[Array], list[Array], Array]):
+            tokens, k_caches, v_caches, out = carry
+            lengths = jnp.full((batch,), prompt_len - 1, jnp.int32) + i  # the input token's position
+            tokens, k_caches, v_caches = _dense_forward(
+                model, tokens[:, None], lengths[:, None], k_caches, v_caches, _decode_attend(lengths, implementation))
+            return tokens, k_caches, v_caches, out.at[:, i].set(tokens)
+
+        _, k_caches, v_caches, out = jax.lax.fori_loop(1, num_tokens, body, (first, k_caches, v_caches, out))
+        return out, k_caches, v_caches
+
+    return generate
+
+
+def dense_caches(model: LlamaForCausalLM, batch: int, max_len: int) -> tuple[list[Array], list[Array]]:
+    """Zeroed dense K and V caches ``[batch, max_len, Hk, D]``, one of each per layer."""
     cfg = model.config
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return ([jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)],
+            [jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)])
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def wall_clock_decode(run: Callable[[int], Any], batch: int, new_tokens: int, repeats: int = 2) -> dict[str, Any]:
+    """`bench_hf.py`'s method: ``run(n)`` generates ``n`` tokens per row and returns when
+    they are on the host; calls of ``new_tokens`` and of 1 token alternate ``repeats``
+    times. Returns the first and best wall ms of the ``new_tokens`` calls, the best of
+    the 1-token calls, decode tok/s = ``batch * (new_tokens - 1) / (best - best_one)``,
+    and the last ``new_tokens`` call's result (``outputs``)."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 to time decoding by difference, got {new_tokens}.")
+    full, one, outputs = [], [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = run(new_tokens)
+        full.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        run(1)
+        one.append(time.perf_counter() - start)
+    decode_s = max(min(full) - min(one), 1e-9)
+    return dict(first_ms=1e3 * full[0], best_ms=1e3 * min(full), one_token_ms=1e3 * min(one),
+                decode_tok_s=batch * (new_tokens - 1) / decode_s, outputs=outputs)
+
+
+def bench_dense_one_jit(model: LlamaForCausalLM, prompts: np.ndarray, new_tokens: int, implementation: str | None,
+                        compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one-jit dense loop (`make_dense_generate`) timed by `wall_clock_decode`;
+    ``outputs``: its tokens i64[B, new_tokens]."""
+    graphdef, state = nnx.split(model)
+    generate = make_dense_generate(graphdef, implementation, compiler_options)
+    batch, prompt_len = prompts.shape
+    caches = dense_caches(model, batch, prompt_len + new_tokens)
+    prompt_ids = jnp.asarray(prompts, jnp.int32)
+
+    def run(num_tokens: int) -> np.ndarray:
+        nonlocal caches
+        tokens, *caches = generate(state, *caches, prompt_ids, num_tokens=num_tokens)
+        return np.asarray(tokens)  # waits
+
+    run(new_tokens)  # compile both programs
+    run(1)
+    return wall_clock_decode(run, batch, new_tokens)
+
+
+def bench_dense_per_step(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens: int,
+                         implementation: str | None, compiler_options: dict[str, Any] | None = None) -> float:
+    """Decode tokens/s of the per-step dense loop: one jitted step per token from
+    Python (B tokens per step; no prefill)."""
     graphdef, state = nnx.split(model)
     step = make_dense_decode_step(graphdef, implementation, compiler_options)
-    shape = (batch, prompt_len + new_tokens, cfg.num_key_value_heads, cfg.head_dim)
-    k_caches = [jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]
-    v_caches = [jnp.zeros(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]
+    k_caches, v_caches = dense_caches(model, batch, prompt_len + new_tokens)
     tokens = jnp.ones((batch,), jnp.int32)
     start_lengths = jnp.full((batch,), prompt_len, jnp.int32)
     tokens, _, k_caches, v_caches = step(state, k_caches, v_caches, tokens, start_lengths)  # compile
@@ -126,97 +277,41 @@ def bench_dense(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens
     return batch * new_tokens / (time.perf_counter() - start)
 
 
-def bench_engine(model: LlamaForCausalLM, batch: int, prompt_len: int, new_tokens: int, *,
-                 block_size: int, max_num_batched_tokens: int, num_scheduler_steps: int,
-                 compiler_options: dict[str, Any] | None, seed: int = 0) -> dict[str, Any]:
-    """Engine decode and end-to-end tokens/s for one batch size (second of two identical runs)."""
+def bench_engine(model: LlamaForCausalLM, prompts: np.ndarray, new_tokens: int, *, block_size: int,
+                 max_num_batched_tokens: int, num_scheduler_steps: int, compiler_options: dict[str, Any] | None,
+                 engine_options: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+    """`LLMEngine.generate` of ``prompts`` i32[B, P], timed by `wall_clock_decode` after
+    a warm-up, with the engine's own decode counters over the timed calls and the XLA
+    compilations they made (``compiles_after_start``); ``outputs``: the tokens of the last
+    ``new_tokens`` call, i64[B, new_tokens]."""
+    batch, prompt_len = prompts.shape
     blocks_per_seq = -(-(prompt_len + new_tokens) // block_size)
-    config = EngineConfig(
-        num_blocks=batch * blocks_per_seq + 8, block_size=block_size, num_host_blocks=0,
-        max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, batch),
-        max_model_len=prompt_len + new_tokens, enable_prefix_caching=False,
-        num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed,
-    )
+    config = engine_config(
+        dict(num_blocks=batch * blocks_per_seq + 8, block_size=block_size, num_host_blocks=0,
+             max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, batch),
+             max_model_len=prompt_len + new_tokens, enable_prefix_caching=False,
+             num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed),
+        engine_options or {})
     engine = LLMEngine(model, config)
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, model.config.vocab_size, size=prompt_len).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts, params, use_tqdm=False)  # compiles every program of the run
-    compiled = engine.num_compiled_programs
+    prompt_lists = prompts.tolist()
+
+    def run(num_tokens: int) -> np.ndarray:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        outputs = engine.generate(prompt_lists, params, use_tqdm=False)
+        assert all(len(o.output_token_ids) == num_tokens for o in outputs)
+        return np.array([o.output_token_ids for o in outputs])
+
+    warm = warm_up(engine, lambda: run(new_tokens), "one untimed generate of the timed requests")
+    programs = engine.num_compiled_programs
     engine.reset_stats()
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    assert all(len(o.output_token_ids) == new_tokens for o in outputs)
+    counter = CompileCounter()
+    result = wall_clock_decode(run, batch, new_tokens)
     stats = engine.stats
-    result = dict(engine_tok_s=stats.decode_tokens_per_s, engine_e2e_tok_s=batch * new_tokens / wall,
-                  engine_prefill_tok_s=stats.prefill_tokens_per_s, programs=compiled,
-                  recompiled=stats.num_compiled_programs - compiled)
-    del engine, outputs
+    result.update(counter_tok_s=stats.decode_tokens_per_s, compiles_after_start=counter.count,
+                  compile_s_after_start=counter.seconds, programs=programs, warm_up=warm)
+    del engine
     gc.collect()
     return result
-
-
-def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int, max_num_seqs: int,
-                  max_num_batched_tokens: int, num_scheduler_steps: int, compiler_options: dict[str, Any] | None,
-                  seed: int = 0, prompt_lens: tuple[int, int] = (32, 2048),
-                  output_lens: tuple[int, int] = (16, 512)) -> dict[str, Any]:
-    """``num_requests`` requests with prompts of 32-2,048 and outputs of 16-512 tokens
-    (uniform; ``prompt_lens`` / ``output_lens`` change the ranges), all submitted at once: total generated tok/s, time to first token and time
-    per output token percentiles. A first run compiles the programs: ``max_num_seqs + 16``
-    of the prompts with outputs of at most 48 tokens, enough to fill every batch bucket's
-    rows and to make later prompts join a running batch (the timed run reports how many
-    more programs it compiled)."""
-    rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(prompt_lens[0], prompt_lens[1] + 1, size=num_requests)
-    output_lens = rng.integers(output_lens[0], output_lens[1] + 1, size=num_requests)
-    vocab = model.config.vocab_size
-    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in prompt_lens]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
-    max_model_len = 4096
-    # Few shapes, so few programs: batches of 16 / 64 / max_num_seqs rows, prefill steps
-    # of 256 or max_num_batched_tokens tokens, one block-table width.
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          num_scheduler_steps=num_scheduler_steps, compiler_options=compiler_options, seed=seed,
-                          enable_prefix_caching=False, coarse_length_bounds=True,
-                          batch_buckets=tuple(sorted({min(16, max_num_seqs), min(64, max_num_seqs), max_num_seqs})),
-                          token_buckets=tuple(sorted({min(256, max_num_batched_tokens), max_num_batched_tokens})),
-                          block_table_width_buckets=(-(-max_model_len // block_size),))
-    engine = LLMEngine(model, config)
-    warm = min(num_requests, max_num_seqs + 16)
-    engine.generate(prompts[:warm], [dataclasses.replace(p, max_tokens=min(p.max_tokens, 48)) for p in params[:warm]],
-                    use_tqdm=False)
-    compiled = engine.num_compiled_programs
-    engine.reset_stats()
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    generated = sum(len(o.output_token_ids) for o in outputs)
-    ttft = np.array([o.time_to_first_token_s for o in outputs]) * 1e3
-    tpot = np.array([(o.latency_s - o.time_to_first_token_s) / max(len(o.output_token_ids) - 1, 1)
-                     for o in outputs]) * 1e3
-    result = dict(requests=num_requests, wall_s=wall, generated_tok_s=generated / wall,
-                  total_tok_s=(generated + int(prompt_lens.sum())) / wall,
-                  ttft_ms=np.percentile(ttft, [50, 90, 99]).tolist(), tpot_ms=np.percentile(tpot, [50, 90, 99]).tolist(),
-                  programs=compiled, recompiled=engine.num_compiled_programs - compiled,
-                  kv_cache=next(line for line in engine.start_report.splitlines() if line.startswith("KV cache")),
-                  decode_batches=engine.stats.num_decode_batches, joined_rows=engine.stats.num_inserted_rows)
-    del engine, outputs
-    gc.collect()
-    return result
-
-
-def parse_options(text: str) -> dict[str, Any]:
-    """``"NAME=VALUE,..."`` -> a dict: ints, true / false as bools, anything else a string."""
-    options: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-        else:
-            options[key] = int(value) if value.lstrip("-").isdigit() else value
-    return options
 
 
 def parse_decode_config(text: str) -> tuning.DecodeConfig:
@@ -267,91 +362,99 @@ def _run_hf(batches: Sequence[int], prompt_len: int, new_tokens: int) -> dict[in
     return best
 
 
+TABLE_COLUMNS = (
+    "batch", "engine generate ms (first / best)", "engine decode tok/s (wall clock)",
+    "engine decode tok/s (counters)", "engine ms/step (counters)", "floor ms/step",
+    "one-jit dense generate ms (best)", "one-jit dense decode tok/s", "per-step dense decode tok/s",
+    "engine / one-jit (wall clock)", "engine / one-jit (counters)", "HF best decode tok/s", "engine / HF",
+    "rows with the one-jit tokens", "programs compiled", "compiles after start",
+)
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32,64,128,256)")
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (--quick: 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="N, at least 2; default 128 (--quick: 8)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
+                        help="set an EngineConfig field (repeatable; overrides the options above)")
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation of the model: auto (default), xla, triton")
     parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES,
                         help="the engine model's projections (jax_paged_attn.matmul.linear; default auto); the "
-                             "dense loop always uses XLA's dot")
+                             "dense loops always use XLA's dot")
     parser.add_argument("--dense-impl", default="xla", choices=("xla", "cudnn", "auto"),
-                        help="jax.nn.dot_product_attention implementation of the dense baseline")
+                        help="jax.nn.dot_product_attention implementation of the dense baselines")
     parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
                         help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "
                              "this run, e.g. pages_per_step=16,num_splits=1,num_warps=8")
     parser.add_argument("--hf", action="store_true", help="also run bench_hf.py (torch) in a subprocess first")
-    parser.add_argument("--serving", type=int, default=0, help="requests of the mixed-length serving run (0: none)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
     args = parser.parse_args(argv)
+    engine_options = parse_engine_options(args.engine_option)
     use_decode_config(args.decode_config)
 
-    if args.quick:
-        config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32  # the serving run's lengths
-        batches = [1, 4]
-        prompt_len, new_tokens = args.prompt_len or 8, args.new_tokens or 8
-        compiler_options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-    else:
-        config, dtype = LLAMA_1B, jnp.bfloat16
-        batches = [1, 32, 64, 128, 256]
-        prompt_len, new_tokens = args.prompt_len or 128, args.new_tokens or 128
-        compiler_options = None
+    batches = [1, 4] if args.quick else [1, 32, 64, 128, 256]
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
+    prompt_len = args.prompt_len or (8 if args.quick else 128)
+    new_tokens = args.new_tokens or (8 if args.quick else 128)
+    if new_tokens < 2:
+        parser.error(f"--new-tokens must be at least 2 (decode is timed as t(N) - t(1)), got {new_tokens}")
     dense_impl = None if args.dense_impl == "auto" else args.dense_impl
     hf = _run_hf(batches, prompt_len, new_tokens) if args.hf else {}
 
     start = time.perf_counter()
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
-                             implementation=args.implementation, matmul_implementation=args.matmul_implementation)
+    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     steps = args.num_scheduler_steps
-    print(f"# LLMEngine decode throughput: {num_params / 1e6:,.1f} M params, {jnp.dtype(dtype).name}, "
+    print(f"# LLMEngine generate and decode: {num_params / 1e6:,.1f} M params, {jnp.dtype(model.dtype).name}, "
           f"prompt {prompt_len}, {new_tokens} new tokens, block size {args.block_size}, {steps}-step decode "
           f"windows, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}, "
-          f"engine projections: matmul_implementation={args.matmul_implementation or 'auto'}")
+          f"engine projections: matmul_implementation={args.matmul_implementation or 'auto'}"
+          + (f", engine options {engine_options}" if engine_options else ""))
+    print(f"# wall clock as bench_hf.py: N = {new_tokens} and 1 new tokens alternate twice; decode tok/s = "
+          f"B * (N - 1) / (best t(N) - best t(1))")
     print()
-    print("| batch | engine decode tok/s | engine ms/step | floor ms/step | engine end-to-end tok/s | "
-          "engine prefill tok/s | dense xla decode tok/s | dense ms/step | best engine / dense | "
-          "HF best decode tok/s | engine / HF | programs compiled |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| " + " | ".join(TABLE_COLUMNS) + " |")
+    print("| " + " | ".join("---" for _ in TABLE_COLUMNS) + " |")
     rows = []
+    warm_ups = []
+    rng = np.random.default_rng(0)
     for batch in batches:
-        engine = bench_engine(model, batch, prompt_len, new_tokens, num_scheduler_steps=steps,
-                              block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                              compiler_options=compiler_options)
-        dense = bench_dense(model, batch, prompt_len, new_tokens, dense_impl, compiler_options)
+        prompts = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len))
+        engine = bench_engine(model, prompts, new_tokens, num_scheduler_steps=steps, block_size=args.block_size,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              compiler_options=compiler_options, engine_options=engine_options)
+        one_jit = bench_dense_one_jit(model, prompts, new_tokens, dense_impl, compiler_options)
+        per_step = bench_dense_per_step(model, batch, prompt_len, new_tokens, dense_impl, compiler_options)
         floor = weight_read_floor_ms(model, batch, prompt_len + new_tokens // 2)
-        row = dict(batch=batch, dense_tok_s=dense, floor_ms=floor, hf_tok_s=hf.get(batch), **engine)
-        rows.append(row)
+        same_rows = int(np.sum(np.all(engine["outputs"] == one_jit["outputs"], axis=1)))
         hf_rate = hf.get(batch)
-        hf_text = "n/a" if hf_rate is None else f"{hf_rate:,.0f}"
-        hf_ratio = "n/a" if hf_rate is None else f"{engine['engine_tok_s'] / hf_rate:.2f}"
-        print(f"| {batch} | {engine['engine_tok_s']:,.0f} | {1e3 * batch / max(engine['engine_tok_s'], 1e-9):.2f} | "
-              f"{floor:.2f} | {engine['engine_e2e_tok_s']:,.0f} | {engine['engine_prefill_tok_s']:,.0f} | "
-              f"{dense:,.0f} | {1e3 * batch / dense:.2f} | {engine['engine_tok_s'] / dense:.2f} | "
-              f"{hf_text} | {hf_ratio} | "
-              f"{engine['programs']} (+{engine['recompiled']} in the timed run) |", flush=True)
-    if args.serving:
-        serving = bench_serving(model, args.serving, block_size=args.block_size, max_num_seqs=256,
-                                max_num_batched_tokens=max(args.max_num_batched_tokens, 2048),
-                                num_scheduler_steps=steps, compiler_options=compiler_options)
-        print()
-        print(f"serving: {serving['requests']} requests (prompts 32-2048, outputs 16-512, all at once): "
-              f"{serving['generated_tok_s']:,.0f} generated tok/s, {serving['total_tok_s']:,.0f} total tok/s "
-              f"(prompt + generated) in {serving['wall_s']:.1f} s; TTFT p50/p90/p99 "
-              f"{'/'.join(f'{x:,.0f}' for x in serving['ttft_ms'])} ms; TPOT p50/p90/p99 "
-              f"{'/'.join(f'{x:.2f}' for x in serving['tpot_ms'])} ms; {serving['programs']} programs "
-              f"(+{serving['recompiled']} in the timed run); {serving['decode_batches']} decode batches built, "
-              f"{serving['joined_rows']} requests joined a running one; {serving['kv_cache']}", flush=True)
-        rows.append(dict(serving=serving))
+        row = dict(batch=batch, engine_generate_first_ms=engine["first_ms"], engine_generate_ms=engine["best_ms"],
+                   engine_wall_tok_s=engine["decode_tok_s"], engine_counter_tok_s=engine["counter_tok_s"],
+                   floor_ms=floor, one_jit_generate_ms=one_jit["best_ms"], one_jit_tok_s=one_jit["decode_tok_s"],
+                   per_step_tok_s=per_step, hf_tok_s=hf_rate, rows_matching_one_jit=same_rows,
+                   programs=engine["programs"], compiles_after_start=engine["compiles_after_start"])
+        rows.append(row)
+        warm_ups.append(f"batch {batch}: {engine['warm_up'].describe()}")
+        cells = (
+            batch, f"{engine['first_ms']:,.1f} / {engine['best_ms']:,.1f}", f"{engine['decode_tok_s']:,.0f}",
+            f"{engine['counter_tok_s']:,.0f}", f"{1e3 * batch / max(engine['counter_tok_s'], 1e-9):.2f}",
+            f"{floor:.2f}", f"{one_jit['best_ms']:,.1f}", f"{one_jit['decode_tok_s']:,.0f}", f"{per_step:,.0f}",
+            f"{engine['decode_tok_s'] / one_jit['decode_tok_s']:.2f}",
+            f"{engine['counter_tok_s'] / one_jit['decode_tok_s']:.2f}",
+            "n/a" if hf_rate is None else f"{hf_rate:,.0f}",
+            "n/a" if hf_rate is None else f"{engine['decode_tok_s'] / hf_rate:.2f}",
+            f"{same_rows}/{batch}", engine["programs"], engine["compiles_after_start"],
+        )
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
     print()
+    print("\n".join(warm_ups))
     print(f"total time {time.perf_counter() - start:.1f} s (compilation included)")
     return rows
 

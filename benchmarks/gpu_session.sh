@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [resources] [parts[=ARGS]] [ncu[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,10 +51,14 @@ for step in "${steps[@]}"; do
       python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
     matmul)  # the weight-streaming matmul's sweep beside XLA's dot on the decode step's products
       timeout 330 python3 benchmarks/bench_matmul.py --out "$out" --budget-s "${MATMUL_BUDGET_S:-240}" 2>&1 | tee "$out/matmul.log" ;;
-    engine)
-      timeout 330 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
-    serving)  # 1,000 mixed-length requests at once: total tok/s, TTFT / TPOT percentiles
-      timeout 420 python3 benchmarks/bench_engine.py --batches 1 --serving 1000 2>&1 | tee "$out/serving.log" ;;
+    engine)  # generate by wall clock, decode tok/s beside the one-jit and per-step dense loops
+      timeout 540 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
+    serving)  # 1,000 mixed-length requests at once and at Poisson rates (SERVING_RATES, default the
+      # script's): total tok/s, TTFT / TPOT percentiles, sum of parts, compiles after start
+      timeout 570 python3 benchmarks/bench_serving.py ${SERVING_RATES:+--rates "$SERVING_RATES"} 2>&1 \
+        | tee "$out/serving.log" ;;
+    startup)  # engine start, cold and warm persistent compilation cache (two processes)
+      timeout 420 python3 benchmarks/bench_serving.py --startup 2>&1 | tee "$out/startup.log" ;;
     resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v)
       { for variant in "--kernel prefill" "--kernel prefill --config masked_block_k=16" "--kernel decode"; do
           # shellcheck disable=SC2086

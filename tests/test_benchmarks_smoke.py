@@ -4,10 +4,14 @@ Checks the work arithmetic (bytes, causal FLOPs) against brute force, the input
 layouts every peer derives from, the report (ratios, target lines, tuning literals),
 the crash-resume logic of the per-suite processes, a tiny dry run of our
 implementations (implementation="xla") through the whole harness, the refusal to run
-without a GPU, where the outputs go and the exit code when nothing was measured.
+without a GPU, where the outputs go and the exit code when nothing was measured; and
+the other scripts' CPU runs (tiny model): the engine benchmarks (`bench_engine.py`'s
+table and its one-jit dense loop's tokens against the engine's, `bench_serving.py`'s
+rate sweep, arrival loop and cold / warm start-up), the parts and profile scripts.
 
 No test depends on wall-clock time: dry runs pass ``--budget-s inf`` and deadlines are
-infinite, except where a test shifts the clock itself.
+infinite, except where a test shifts the clock itself; the benchmarks' timings are
+checked for being measured, never for their values.
 """
 from __future__ import annotations
 
@@ -591,3 +595,179 @@ def test_parts_scripts_parse_their_shapes():
                         (decode_parts.parse_case, "0,100,8,2")):
         with pytest.raises(SystemExit, match="--case takes"):
             parse(text)
+
+
+# --------------------------------------------------------------------------- engine benchmarks
+
+
+def _loaded(name: str):
+    """The benchmarks' module ``name``, loaded once: `engine_common` registers its JAX
+    event listeners when it runs."""
+    return sys.modules.get(name) or _load(name)
+
+
+def _table(text: str, first_column: str) -> tuple[list[str], list[list[str]]]:
+    """The markdown table of ``text`` whose header starts with ``first_column``: (header, rows)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")]
+             for line in lines[start:] if line.startswith("|")]
+    end = next((i for i, row in enumerate(cells) if i > 1 and row == cells[0]), len(cells))
+    return cells[0], cells[2:end]
+
+
+def test_bench_engine_quick_times_generate_and_the_one_jit_loop_gives_the_engines_tokens(capsys):
+    """The engine table on the tiny float32 model: every contender measured, and the
+    one-jit dense loop's greedy tokens identical to the engine's on every row."""
+    from jax_paged_attn.engine import LLMEngine
+
+    bench = _loaded("bench_engine")
+    rows = bench.main(["--quick", "--batches", "3"])
+    header, cells = _table(capsys.readouterr().out, "batch")
+    assert tuple(header) == bench.TABLE_COLUMNS and len(cells) == 1
+    for row, row_cells in zip(rows, cells):
+        assert row["rows_matching_one_jit"] == row["batch"], row
+        assert min(row["engine_wall_tok_s"], row["one_jit_tok_s"], row["per_step_tok_s"]) > 0
+        assert row["engine_generate_ms"] <= row["engine_generate_first_ms"]
+        compiles = int(row_cells[header.index("compiles after start")])
+        assert compiles == row["compiles_after_start"]
+        if hasattr(LLMEngine, "warmup"):  # warmed up by it: nothing left to compile
+            assert compiles == 0, row
+
+
+def test_engine_options_reach_the_engine_config_and_unknown_fields_are_named(capsys):
+    common = _loaded("engine_common")
+    options = common.parse_engine_options(["batch_buckets=8,32", "num_scheduler_steps=4", "max_model_len=None",
+                                           "enable_prefix_caching=FALSE", "gpu_memory_utilization=0.5"])
+    assert options == dict(batch_buckets=(8, 32), num_scheduler_steps=4, max_model_len=None,
+                           enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="EngineConfig has no field 'max_num_seq'"):
+        common.parse_engine_options(["max_num_seq=8"])
+    with pytest.raises(ValueError, match="expected FIELD=VALUE"):
+        common.parse_engine_options(["max_num_seqs"])
+    config = common.engine_config(dict(max_num_seqs=4, num_scheduler_steps=16, retired_field=1), options)
+    assert (config.max_num_seqs, config.num_scheduler_steps, config.batch_buckets) == (4, 4, (8, 32))
+    assert "EngineConfig has no field retired_field: the benchmark's retired_field=1 not applied" in \
+        capsys.readouterr().out
+
+
+def test_compile_counter_counts_xla_compilations_of_this_process():
+    import jax
+
+    common = _loaded("engine_common")
+    counter = common.CompileCounter()
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(np.arange(5))
+    assert counter.count == 1 and counter.seconds > 0
+    f(np.arange(5))  # cached: no compilation
+    assert counter.count == 1
+    counter.restart()
+    f(np.arange(6))  # a new shape
+    assert counter.count == 1 and counter.cache_hits == 0
+
+
+def test_serving_workload_is_the_one_the_earlier_serving_runs_measured():
+    serving = _loaded("bench_serving")
+    workload = serving.make_workload(1000, 32000)
+    # The draws of `bench_engine.py --serving` (seed 0), whose figures README and RESULTS quote.
+    assert (workload.prompt_tokens, workload.output_tokens) == (1_072_199, 268_435)
+    assert all(32 <= len(p) <= 2048 for p in workload.prompts)
+    assert all(16 <= p.max_tokens <= 512 and p.temperature == 0.0 and p.ignore_eos for p in workload.params)
+
+
+def test_poisson_arrivals_and_the_rates_option():
+    serving = _loaded("bench_serving")
+    assert not serving.poisson_arrivals(5, float("inf")).any()
+    slow, fast = serving.poisson_arrivals(4000, 2.0), serving.poisson_arrivals(4000, 8.0)
+    assert slow[0] == 0 and np.all(np.diff(slow) >= 0)
+    np.testing.assert_allclose(slow, 4 * fast)  # one pattern, scaled by the rate
+    assert np.mean(np.diff(slow)) == pytest.approx(0.5, rel=0.05)
+    assert serving.parse_rates("8,16,inf") == ["inf", "8", "16"]
+    assert serving.parse_rates("0.5x,4") == ["inf", "0.5x", "4"]
+    assert serving.parse_rates("3") == ["3"]
+    for bad in ("0", "fast", "-2x", ""):
+        with pytest.raises(ValueError, match="--rates"):
+            serving.parse_rates(bad)
+
+
+class _StepClockEngine:
+    """An engine double on its own clock: each read of the clock advances it 1 ms; a step
+    takes 1 s and finishes every request submitted before it, its first token half-way."""
+
+    def __init__(self):
+        import types
+
+        self.now, self.pending, self.stats = 0.0, [], types.SimpleNamespace()
+
+    def clock(self):
+        self.now += 1e-3
+        return self.now
+
+    def reset_stats(self):
+        pass
+
+    def add_request(self, prompt, params, request_id):
+        self.pending.append((request_id, self.now, params.max_tokens))
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        import types
+
+        start, self.now = self.now, self.now + 1.0
+        done = [types.SimpleNamespace(request_id=rid, output_token_ids=[0] * n, time_to_first_token_s=start + 0.5 - at,
+                                      latency_s=self.now - at) for rid, at, n in self.pending]
+        self.pending = []
+        self.finished = {o.request_id: o for o in done}
+        return done
+
+    def pop_output(self, request_id):
+        return self.finished.pop(request_id)
+
+
+def test_arrival_loop_submits_on_time_and_counts_the_wait_for_a_running_step():
+    """Request 1 arrives while the first step runs: it is submitted when the step returns
+    and its TTFT counts from its arrival. The loop idles until request 2 arrives."""
+    from jax_paged_attn.engine import SamplingParams
+
+    serving = _loaded("bench_serving")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    workload = serving.Workload([[1, 2], [3], [4, 5, 6]], [params] * 3)
+    engine = _StepClockEngine()
+    row = serving.run_arrivals(engine, workload, np.array([0.0, 0.2, 5.0]), "t", clock=engine.clock)
+    assert row["requests"] == 3 and row["generated_tokens"] == 9 and row["compiles_after_start"] == 0
+    assert row["max_late_ms"] == pytest.approx(800, abs=5)  # submitted at the first step's end, 1 s
+    assert row["ttft_ms"][0] == pytest.approx(500, abs=5)  # two of three requests waited for no step
+    assert row["ttft_ms"][2] == pytest.approx(1300, abs=20)  # p99: request 1, 0.8 s late + 0.5 s
+    np.testing.assert_allclose(row["tpot_ms"], 250, atol=1)  # (1 s - 0.5 s) / 2 tokens
+    assert row["duration_s"] == pytest.approx(6.0, abs=0.02)  # request 2 arrives at 5 s, one 1 s step
+
+
+_SMALL_SERVING = ["--quick", "--num-requests", "8", "--max-num-seqs", "4", "--prompt-lens", "4,24",
+                  "--output-lens", "2,12", "--max-model-len", "64"]
+
+
+def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys):
+    serving = _loaded("bench_serving")
+    result = serving.main([*_SMALL_SERVING, "--rates", "40,inf"])
+    header, cells = _table(capsys.readouterr().out, "request rate (req/s)")
+    assert tuple(header) == serving.SERVING_COLUMNS and "total tok/s" in header
+    assert [row[0] for row in cells] == ["inf", "40"]
+    assert [row["rate_entry"] for row in result["rows"]] == ["inf", "40"]
+    assert result["parts"]["prefill_tok_s"] > 0 and result["parts"]["decode_tok_s"] > 0
+    for row, row_cells in zip(result["rows"], cells):
+        assert row["requests"] == 8 and row["total_tok_s"] > row["output_tok_s"] > 0
+        assert row_cells[header.index("sum of parts s")] == f"{result['sum_of_parts_s']:.2f}"
+        assert int(row_cells[header.index("compiles after start")]) == row["compiles_after_start"] == 0
+
+
+def test_bench_serving_startup_serves_the_second_start_from_the_persistent_cache(capsys):
+    serving = _loaded("bench_serving")
+    result = serving.main([*_SMALL_SERVING, "--startup"])
+    cold, warm = result["cold"], result["warm"]
+    assert cold["compiles"] > 0 and warm["compiles"] > 0
+    assert warm["cache_hits"] == warm["compiles"], warm  # every program read back from the cache
+    assert result["warm_over_cold"] == pytest.approx(warm["start_s"] / cold["start_s"])
+    out = capsys.readouterr().out
+    assert "| cold |" in out and "| warm |" in out and "warm / cold start:" in out

@@ -10,8 +10,6 @@ Engines here share one model structure and cache size where they can, so they sh
 compiled programs (`LLMEngine` keeps one jitted step per model structure).
 """
 import dataclasses
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -454,37 +452,6 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, capsys):
     summary = engine.stats.summary()
     assert "prefill:" in summary and "decode:" in summary and "tok/s" in summary
     assert engine.stats.num_generated_tokens == 4 * 12
-
-
-# --------------------------------------------------------------------------- benchmark smoke
-
-
-def test_bench_engine_quick_smoke(capsys):
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_engine", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = bench.main(["--quick"])
-    out = capsys.readouterr().out
-    assert "| batch |" in out
-    assert len(rows) == 2 and all(r["engine_tok_s"] > 0 and r["dense_tok_s"] > 0 for r in rows)
-
-
-def test_bench_serving_compiles_nothing_in_the_timed_run():
-    """The serving benchmark's first run fills every batch bucket and makes prompts join
-    a running batch, so the timed run (more requests than rows: admissions beside the
-    batch, joins, rebuilds as rows finish) compiles no program."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_engine", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    model = LlamaForCausalLM(LlamaConfig.tiny(max_position_embeddings=4096), rngs=nnx.Rngs(0))
-    result = bench.bench_serving(model, 40, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-                                 num_scheduler_steps=4, compiler_options=None, prompt_lens=(4, 40),
-                                 output_lens=(4, 30))
-    assert result["requests"] == 40 and result["generated_tok_s"] > 0
-    assert result["joined_rows"] > 0
-    assert result["recompiled"] == 0, result
 
 
 def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypatch):
