@@ -96,8 +96,10 @@ _compile_events = 0
 _compile_events_lock = threading.Lock()
 
 
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation or cache load
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _backend_compiles = 0
+_cache_hits = 0
 
 
 def _on_jax_event(event: str, duration_s: float, **kwargs: Any) -> None:
@@ -108,6 +110,14 @@ def _on_jax_event(event: str, duration_s: float, **kwargs: Any) -> None:
             _backend_compiles += event == _BACKEND_COMPILE_EVENT
 
 
+def _on_jax_count(event: str, **kwargs: Any) -> None:
+    global _cache_hits
+    if event == _CACHE_HIT_EVENT:
+        with _compile_events_lock:
+            _cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_on_jax_count)
 # Counts every compilation in the process, not only the runner's programs: a step that
 # first swaps or copies blocks (or allocates the host swap space) compiles those
 # programs too, and its time must not count as serving time.
@@ -1004,15 +1014,18 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() runs before any request: this engine has unfinished requests.")
         tasks = self._warmup_tasks()
-        start, compiles_before = time.perf_counter(), _backend_compiles
+        start, compiles_before, hits_before = time.perf_counter(), _backend_compiles, _cache_hits
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(tasks), desc="compiling", unit="program", file=sys.stderr)
+        seconds = []
         try:
             for task in tasks:
+                task_start = time.perf_counter()
                 task()
+                seconds.append(time.perf_counter() - task_start)
                 if bar is not None:
                     bar.update(1)
             jax.block_until_ready(self.runner.kv_caches)
@@ -1022,7 +1035,8 @@ class LLMEngine:
             self.runner.drop_decode_state()
             self._batch = None
         report = WarmupReport(num_programs=len(tasks), num_compiled=_backend_compiles - compiles_before,
-                              seconds=time.perf_counter() - start)
+                              num_cache_hits=_cache_hits - hits_before, seconds=time.perf_counter() - start,
+                              slowest_program_s=max(seconds, default=0.0))
         logger.info("LLMEngine.warmup: %s", report)
         self._num_traces = self.runner.num_traces
         self.stats.num_compiled_programs = self._num_traces
@@ -1164,16 +1178,21 @@ class LLMEngine:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-    """What `LLMEngine.warmup` did: programs run, XLA compilations it took (fewer than
-    the programs when the persistent compilation cache held them), seconds."""
+    """What `LLMEngine.warmup` did: programs (shapes) run, XLA compilations they took
+    (``num_compiled``, JAX's count, which includes the ``num_cache_hits`` executables
+    loaded from the persistent compilation cache instead), seconds in all and for the
+    slowest program."""
 
     num_programs: int
     num_compiled: int
+    num_cache_hits: int
     seconds: float
+    slowest_program_s: float
 
     def __str__(self) -> str:
-        return (f"{self.num_programs} programs ready in {self.seconds:.1f} s "
-                f"({self.num_compiled} XLA compilations, the rest from the compilation cache)")
+        return (f"{self.num_programs} programs ready in {self.seconds:.1f} s (slowest {self.slowest_program_s:.1f} s; "
+                f"{self.num_compiled - self.num_cache_hits} XLA compilations, {self.num_cache_hits} programs "
+                f"loaded from the compilation cache)")
 
 
 def _use_compilation_cache(config: EngineConfig) -> str:
