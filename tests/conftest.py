@@ -472,6 +472,31 @@ def engine_base():
                         compiler_options={"xla_backend_optimization_level": 0})
 
 
+class CompileCounter:
+    """Counts XLA compilations while active, with JAX's own events (one
+    ``backend_compile_duration`` per compilation or persistent-cache load), not a
+    counter of the package's."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        import jax
+
+        self.count, self.active = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_s: float, **kwargs: Any) -> None:
+        if self.active and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        self.count, self.active = 0, True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+
+
 def random_prompts(seed: int, lengths: Sequence[int]) -> list[list[int]]:
     """Prompts of these lengths with ids in the tiny Llama's vocabulary."""
     from jax_paged_attn.models import LlamaConfig

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import CompileCounter
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
@@ -55,6 +56,25 @@ def test_engine_preemption_is_token_exact_with_compiled_kernels(model, num_host_
         expected = dense_greedy_generate(model, prompts, 60)
     assert engine.stats.num_preemptions > 0
     assert [o.output_token_ids for o in outs] == expected
+
+
+def test_no_compilation_after_warmup_with_compiled_kernels(model):
+    """After `LLMEngine.warmup`, generate calls of other batch sizes, prompt lengths
+    (chunked, mixed with decodes), sampling and prefix-cache hits compile nothing
+    (JAX's compilation events), and greedy outputs stay the dense ones."""
+    batches = [_prompts(10 + i, lens) for i, lens in enumerate([[5], [3, 40, 17], [70, 2, 9, 33, 12, 6, 50, 8, 21, 4]])]
+    batches.append([batches[2][0], batches[2][0][:40] + [1, 2]])  # prefix-cache hits, a copy-on-write
+    with jax.default_matmul_precision("highest"):
+        expected = [dense_greedy_generate(model, prompts, 12) for prompts in batches]
+        engine = LLMEngine(model, dataclasses.replace(BASE, num_blocks=128, compilation_cache=False))
+        engine.warmup(use_tqdm=False)
+        with CompileCounter() as compiles:
+            outs = [engine.generate(prompts, _greedy(12), use_tqdm=False) for prompts in batches]
+            engine.generate(batches[1], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=2),
+                            use_tqdm=False)
+    assert compiles.count == 0
+    assert [[o.output_token_ids for o in batch] for batch in outs] == expected
+    assert outs[3][0].num_cached_tokens > 0 and engine.stats.num_mixed_steps > 0
 
 
 def test_compiled_decode_window_copies_no_cache_and_branches_on_nothing(model):

@@ -6,35 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import pytest
 from flax import nnx
 
-from conftest import random_prompts
+from conftest import CompileCounter, random_prompts
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    """Counts XLA compilations (JAX's ``backend_compile_duration`` events) while active."""
-
-    def __init__(self) -> None:
-        self.count, self.active = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration_s: float, **kwargs) -> None:
-        if self.active and event == BACKEND_COMPILE:
-            self.count += 1
-
-    def __enter__(self) -> "CompileCounter":
-        self.count, self.active = 0, True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.active = False
-
 
 CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
                       num_scheduler_steps=4, compilation_cache=False,
