@@ -147,7 +147,7 @@ def bench_engine(model: LlamaForCausalLM, batch: int, prompt_len: int, new_token
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    assert all(len(o.output_token_ids) == new_tokens for o in outputs)
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
     stats = engine.stats
     result = dict(engine_tok_s=stats.decode_tokens_per_s, engine_e2e_tok_s=batch * new_tokens / wall,
                   engine_prefill_tok_s=stats.prefill_tokens_per_s, programs=compiled,
@@ -192,9 +192,9 @@ def bench_serving(model: LlamaForCausalLM, num_requests: int, *, block_size: int
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    generated = sum(len(o.output_token_ids) for o in outputs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = np.array([o.time_to_first_token_s for o in outputs]) * 1e3
-    tpot = np.array([(o.latency_s - o.time_to_first_token_s) / max(len(o.output_token_ids) - 1, 1)
+    tpot = np.array([(o.latency_s - o.time_to_first_token_s) / max(len(o.outputs[0].token_ids) - 1, 1)
                      for o in outputs]) * 1e3
     result = dict(requests=num_requests, wall_s=wall, generated_tok_s=generated / wall,
                   total_tok_s=(generated + int(prompt_lens.sum())) / wall,

@@ -42,7 +42,7 @@ def test_engine_greedy_matches_dense_with_compiled_kernels(model):
         engine = LLMEngine(model, BASE)
         outs = engine.generate(prompts, _greedy(40), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 40)
-    assert [o.output_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
 
 
@@ -54,7 +54,7 @@ def test_engine_preemption_is_token_exact_with_compiled_kernels(model, num_host_
         outs = engine.generate(prompts, _greedy(60), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 60)
     assert engine.stats.num_preemptions > 0
-    assert [o.output_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_compiled_decode_window_copies_no_cache_and_branches_on_nothing(model):
@@ -90,4 +90,4 @@ def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
         engine = LLMEngine(model, BASE)
         outputs = engine.generate(prompts, _greedy(40), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 40)
-    assert [o.output_token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected

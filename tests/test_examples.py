@@ -113,8 +113,9 @@ def test_text_in_text_out_from_a_checkpoint(generate, checkpoint, capsys):  # no
     assert [o.prompt_token_ids for o in outputs] == [tokenizer.encode(p).ids for p in prompts]
     out = capsys.readouterr().out
     for o in outputs:
-        assert o.text == tokenizer.decode(o.output_token_ids, skip_special_tokens=True)
-        assert f"{o.prompt!r} -> {o.text!r}" in out
+        (seq,) = o.outputs
+        assert seq.text == tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        assert f"{o.prompt!r} -> {seq.text!r}  ({seq.finish_reason}, preempted 0x)" in out
     assert "verify: greedy decoding through the paged cache equals dense no-cache attention for 2/2" in out
 
 
@@ -135,7 +136,7 @@ def test_one_prompt_is_one_request_unless_told(generate, checkpoint, tmp_path, c
     _, outputs = generate.main(["--checkpoint", directory, "--prompt-ids", "1,5,6;2,7", "--num-requests", "3",
                                 "--max-tokens", "3", *FAST])
     assert [o.prompt_token_ids for o in outputs] == [[1, 5, 6], [2, 7], [1, 5, 6]]
-    assert all(o.text is not None for o in outputs)  # the checkpoint's tokenizer decodes id prompts' outputs
+    assert all(o.outputs[0].text is not None for o in outputs)  # the checkpoint's tokenizer decodes id prompts' outputs
 
 
 def test_interpret_runs_the_pallas_kernels(generate, checkpoint, capsys):  # noqa: F811

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from jax_paged_attn.engine import LLM, LLMOutput, SamplingParams
+from jax_paged_attn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from jax_paged_attn.models import dense_greedy_generate
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
 
@@ -59,16 +59,18 @@ def test_text_in_text_out_from_a_checkpoint(checkpoint):
     ids = [tokenizer.encode(p).ids for p in prompts]
     assert all(p[0] == tokenizer.token_to_id("<s>") for p in ids)  # the BOS the tokenizer adds
     expected = dense_greedy_generate(llm.model, ids, 6)
-    assert all(isinstance(o, LLMOutput) for o in outs)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
     assert [o.prompt for o in outs] == prompts
     assert [o.prompt_token_ids for o in outs] == ids
-    assert [o.output_token_ids for o in outs] == expected
-    assert [o.text for o in outs] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
-    assert all(o.text for o in outs) and all(o.finish_reason == "length" for o in outs)
-    assert [o.request_output.output_token_ids for o in outs] == expected
+    seqs = [o.outputs[0] for o in outs]
+    assert all(isinstance(c, CompletionOutput) for c in seqs) and [len(o.outputs) for o in outs] == [1, 1]
+    assert [c.token_ids for c in seqs] == expected
+    assert [c.text for c in seqs] == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+    assert all(c.text for c in seqs) and all(c.finish_reason == "length" and c.stop_reason is None for c in seqs)
+    assert all(c.index == 0 and c.logprobs is None and c.cumulative_logprob is None for c in seqs)
     # Token-id prompts give the same generation; both kinds may share one call.
     again = llm.generate([ids[0], prompts[1]], greedy(6), use_tqdm=False)
-    assert [o.output_token_ids for o in again] == expected and [o.prompt for o in again] == [None, prompts[1]]
+    assert [o.outputs[0].token_ids for o in again] == expected and [o.prompt for o in again] == [None, prompts[1]]
     assert llm.encode(prompts[1]) == ids[1] and llm.decode(ids[1]) == prompts[1]  # BOS skipped
 
 
@@ -81,7 +83,8 @@ def test_without_a_tokenizer_prompts_are_token_ids(checkpoint, tmp_path, caplog)
     assert llm.tokenizer is None
     assert len(caplog.records) == 1 and "no tokenizer.json in" in caplog.records[0].getMessage()
     (out,) = llm.generate([[1, 5, 6]], greedy(4), use_tqdm=False)
-    assert out.text is None and out.output_token_ids == dense_greedy_generate(model, [[1, 5, 6]], 4)[0]
+    assert out.prompt is None and out.outputs[0].text is None
+    assert out.outputs[0].token_ids == dense_greedy_generate(model, [[1, 5, 6]], 4)[0]
     with pytest.raises(ValueError, match=r"prompts\[1\] is text, but this LLM has no tokenizer"):
         llm.generate([[1, 2], "the cat"], greedy(4), use_tqdm=False)
 
