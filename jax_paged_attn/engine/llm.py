@@ -164,7 +164,9 @@ class LLM:
       interpret: run the Pallas kernels in interpret mode (CPU).
       tokenizer: "auto" (the checkpoint's tokenizer.json when it has one, else none,
         said in a warning), None (token ids only), a path to a tokenizer.json or its
-        directory, or a `tokenizers.Tokenizer`.
+        directory (both read with the special tokens the tokenizer_config.json /
+        special_tokens_map.json beside it name: `load_tokenizer`), or a
+        `tokenizers.Tokenizer` (used as it is).
       engine_options: fields of `EngineConfig` (``num_blocks``, ``block_size``,
         ``max_num_seqs``, ...); an unknown name raises TypeError.
 
