@@ -211,7 +211,7 @@ def test_stop_strings_across_token_boundaries(vocab_llm):
         ([words[0]], False, 1),  # right at the first token
         ([words[0][1:]], True, 1),
     ]
-    params = [dataclasses.replace(unstopped, stop=stops, include_stop_str_in_output=include, logprobs=1)
+    params = [dataclasses.replace(unstopped, stop=stops, include_stop_str_in_output=include, logprobs=2)
               for stops, include, _ in cases]
     llm.engine.reset_stats()
     outs = llm.generate([STOP_PROMPT] * len(cases), params, use_tqdm=False)

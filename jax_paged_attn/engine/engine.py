@@ -243,6 +243,20 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @staticmethod
+    def of(request: Request, index: int = 0) -> "CompletionOutput":
+        """The sequence an engine request has generated so far, numbered ``index``."""
+        reason = request.finish_reason
+        stop_reason = request.stop_reason
+        if (stop_reason is None and reason == FinishReason.STOP and request.output_token_ids
+                and request.output_token_ids[-1] in request.sampling_params.stop_token_ids):
+            stop_reason = request.output_token_ids[-1]
+        return CompletionOutput(
+            index=index, text=None, token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
+            finish_reason=reason.value if reason else None, stop_reason=stop_reason)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
@@ -275,22 +289,11 @@ class RequestOutput:
     @staticmethod
     def of(request: Request, index: int = 0) -> "RequestOutput":
         """The output of one engine request, its sequence numbered ``index``."""
-        params = request.sampling_params
-        reason = request.finish_reason
-        stop_reason = request.stop_reason
-        if (stop_reason is None and reason == FinishReason.STOP and request.output_token_ids
-                and request.output_token_ids[-1] in params.stop_token_ids):
-            stop_reason = request.output_token_ids[-1]
-        completion = CompletionOutput(
-            index=index, text=None, token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
-            finish_reason=reason.value if reason else None, stop_reason=stop_reason)
         return RequestOutput(
             request_id=request.request_id,
             prompt=None,
             prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
+            outputs=[CompletionOutput.of(request, index)],
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_prompt_tokens,
             num_preemptions=request.num_preemptions,
@@ -1040,7 +1043,7 @@ class LLMEngine:
                 continue
             num_seen[rid] = len(request.output_token_ids)
             i, j = sample_of[rid]
-            stop = stop_checker(i, j, RequestOutput.of(request, j).outputs[0])
+            stop = stop_checker(i, j, CompletionOutput.of(request, j))
             if stop is not None:
                 self.stop_request(rid, *stop)
 
