@@ -52,7 +52,7 @@ EPILOG = """examples:
   python examples/generate.py --checkpoint /path/to/Llama-3.2-1B --prompts "The capital of France is" \\
       --temperature 0
   python examples/generate.py --checkpoint /path/to/model --prompt-ids "1,15043,29892;1,450"
-  python examples/generate.py --checkpoint /path/to/model --prompts "Count: 1, 2," --stop "5" --stop "\n"
+  python examples/generate.py --checkpoint /path/to/model --prompts "Count: 1, 2," --stop " 5" --stop "."
 """
 
 
