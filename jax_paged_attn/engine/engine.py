@@ -420,9 +420,10 @@ class LLMEngine:
         `jax_paged_attn.models.LlamaForCausalLM`).
       config: `EngineConfig`.
 
-    Public methods: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
-    `pop_output`, `generate`, `reset_stats`; `stats` holds the counters, `kv_caches` the
-    current caches, `start_report` what the engine chose at start.
+    Public methods: `add_request`, `abort_request`, `stop_request`, `step`,
+    `has_unfinished_requests`, `pop_output`, `generate`, `reset_stats`; `stats` holds the
+    counters, `kv_caches` the current caches, `start_report` what the engine chose at start.
+    Outputs are vLLM's `RequestOutput` / `CompletionOutput`.
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
