@@ -4,6 +4,11 @@ The checkpoint is a tiny random-weight Llama written by `save_checkpoint`; the t
 is a word-level one trained here with Hugging Face's ``tokenizers`` (BOS added by its
 post-processor, like Llama's). Generated ids must be the dense greedy reference's and
 the text the tokenizer's decoding of them.
+
+Then vLLM's text layer over one module-scoped `LLM` (`vocab_llm`): special tokens named
+only by tokenizer_config.json / special_tokens_map.json skipped in text (kept with
+``skip_special_tokens=False``), stop strings across token boundaries, stop ids'
+``stop_reason``, ``n`` samples per prompt, and the refusals where there is no text.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from jax_paged_attn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from jax_paged_attn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams, load_tokenizer
 from jax_paged_attn.models import dense_greedy_generate
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
 
@@ -282,3 +287,19 @@ def test_stop_strings_and_n_are_refused_where_there_is_no_text(checkpoint):
         SamplingParams(n=0)
     with pytest.raises(KeyError, match="unknown request_id 'nope'"):
         llm.engine.stop_request("nope", 1)
+
+
+def test_special_tokens_the_vocabulary_lacks_are_said_and_bad_configs_named(tmp_path, caplog):
+    word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    caplog.set_level("WARNING", logger="jax_paged_attn")
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.token_to_id("<pad>") is None  # not given a new id the model has no embedding for
+    (record,) = caplog.records
+    assert "tokenizer_config.json name special tokens ['<pad>'] that" in record.getMessage()
+    (tmp_path / "special_tokens_map.json").write_text('{"eos_token": ')
+    with pytest.raises(ValueError, match="special_tokens_map.json is not valid JSON"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": 2}))
+    with pytest.raises(ValueError, match=r"special_tokens_map.json: eos_token must be a token string or an object"):
+        load_tokenizer(tmp_path / "tokenizer.json")
