@@ -296,7 +296,7 @@ def test_special_tokens_the_vocabulary_lacks_are_said_and_bad_configs_named(tmp_
     tokenizer = load_tokenizer(tmp_path)
     assert tokenizer.token_to_id("<pad>") is None  # not given a new id the model has no embedding for
     (record,) = caplog.records
-    assert "tokenizer_config.json name special tokens ['<pad>'] that" in record.getMessage()
+    assert "tokenizer_config.json: the special tokens ['<pad>'] are not in" in record.getMessage()
     (tmp_path / "special_tokens_map.json").write_text('{"eos_token": ')
     with pytest.raises(ValueError, match="special_tokens_map.json is not valid JSON"):
         load_tokenizer(tmp_path)

@@ -78,7 +78,7 @@ def load_tokenizer(path: str | os.PathLike) -> "Tokenizer":
     named = [t for t in _config_special_tokens(directory) if t.content not in already_special]
     unknown = [t.content for t in named if tokenizer.token_to_id(t.content) is None]
     if unknown:
-        logger.warning("%s name special tokens %s that %s does not hold: left out of the special tokens.",
+        logger.warning("%s: the special tokens %s are not in %s's vocabulary; left out (no id to give them).",
                        " / ".join(f for f in SPECIAL_TOKEN_FILES if os.path.isfile(os.path.join(directory, f))),
                        unknown, file)
     tokenizer.add_special_tokens([t for t in named if t.content not in unknown])
