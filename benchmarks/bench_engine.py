@@ -298,8 +298,8 @@ def bench_engine(model: LlamaForCausalLM, prompts: np.ndarray, new_tokens: int, 
     def run(num_tokens: int) -> np.ndarray:
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
         outputs = engine.generate(prompt_lists, params, use_tqdm=False)
-        assert all(len(o.output_token_ids) == num_tokens for o in outputs)
-        return np.array([o.output_token_ids for o in outputs])
+        assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
+        return np.array([o.outputs[0].token_ids for o in outputs])
 
     warm = warm_up(engine, lambda: run(new_tokens), "one untimed generate of the timed requests")
     programs = engine.num_compiled_programs

@@ -191,10 +191,10 @@ def run_arrivals(engine: LLMEngine, workload: Workload, arrivals_s: np.ndarray, 
     duration = clock() - start
     compiles = counter.count
     assert len(outputs) == num_requests, (len(outputs), num_requests)
-    generated = sum(len(o.output_token_ids) for o in outputs.values())
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     ttft = [1e3 * (outputs[i].time_to_first_token_s + late_s[i]) for i in range(num_requests)]
-    tpot = [1e3 * (o.latency_s - o.time_to_first_token_s) / (len(o.output_token_ids) - 1)
-            for o in outputs.values() if len(o.output_token_ids) > 1]
+    tpot = [1e3 * (o.latency_s - o.time_to_first_token_s) / (len(o.outputs[0].token_ids) - 1)
+            for o in outputs.values() if len(o.outputs[0].token_ids) > 1]
     stats = engine.stats
     return dict(requests=num_requests, duration_s=duration, last_arrival_s=float(arrivals_s[-1]),
                 request_rate=num_requests / duration, output_tok_s=generated / duration,
@@ -215,7 +215,7 @@ def measure_parts(engine: LLMEngine, workload: Workload, batch: int) -> dict[str
     def run(num_tokens: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
         outputs = engine.generate(prompts, params, use_tqdm=False)
-        assert all(len(o.output_token_ids) == num_tokens for o in outputs)
+        assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
 
     counter = CompileCounter()
     timed = wall_clock_decode(run, len(prompts), mean_output, repeats=1)

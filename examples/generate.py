@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_paged_attn.engine import LLM, EngineConfig, LLMOutput, Logprob, SamplingParams  # noqa: E402
+from jax_paged_attn.engine import LLM, EngineConfig, Logprob, RequestOutput, SamplingParams  # noqa: E402
 from jax_paged_attn.engine.llm import TOKENIZER_FILE  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, checkpoint_dtype, dense_greedy_generate  # noqa: E402
 from jax_paged_attn.models.checkpoint import read_config  # noqa: E402
@@ -52,6 +52,7 @@ EPILOG = """examples:
   python examples/generate.py --checkpoint /path/to/Llama-3.2-1B --prompts "The capital of France is" \\
       --temperature 0
   python examples/generate.py --checkpoint /path/to/model --prompt-ids "1,15043,29892;1,450"
+  python examples/generate.py --checkpoint /path/to/model --prompts "Count: 1, 2," --stop " 5" --stop "."
 """
 
 
@@ -127,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=0.95,
                         help="nucleus sampling: keep the most likely tokens up to this mass")
     parser.add_argument("--top-k", type=_int_at_least(-1), default=-1, help="-1 = off")
+    parser.add_argument("--stop", action="append", metavar="TEXT",
+                        help="stop string (repeat for several): a request ends when its text holds one, and "
+                             "its text ends before it; needs a tokenizer; without it: none")
+    parser.add_argument("--n", type=_int_at_least(1), default=1, help="sequences sampled per request")
     parser.add_argument("--logprobs", type=_int_at_least(0), metavar="K",
                         help="also print each generated token's logprob and rank and the top K alternatives "
                              "(K <= 20); without it: none")
@@ -171,7 +176,7 @@ def _parse_prompt_ids(parser: argparse.ArgumentParser, text: str, vocab_size: in
 
 def _format_logprobs(token: int, entry: dict[int, Logprob], k: int) -> str:
     """``'tok' -1.23 (rank 2) [top: 'a' -0.90, ...]`` for one generated token (its
-    ``LLMOutput.logprobs`` entry: the top ``k`` first, then the token if not among them)."""
+    ``CompletionOutput.logprobs`` entry: the top ``k`` first, then the token if not among them)."""
     def name(token_id: int) -> str:
         text = entry[token_id].decoded_token
         return repr(text) if text is not None else str(token_id)
@@ -180,7 +185,7 @@ def _format_logprobs(token: int, entry: dict[int, Logprob], k: int) -> str:
     return f"{name(token)} {entry[token].logprob:.2f} (rank {entry[token].rank})" + (f" [top: {top}]" if k else "")
 
 
-def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
+def main(argv: list[str] | None = None) -> tuple[LLM, list[RequestOutput]]:
     """Runs the example; returns the `LLM` and its outputs.
 
     Raises SystemExit: 2 on a usage error (reported before any model is built), 1 when
@@ -197,7 +202,8 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
         implementation = "triton"
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, logprobs=args.logprobs)
+                                max_tokens=args.max_tokens, logprobs=args.logprobs, stop=args.stop or (),
+                                n=args.n)
         engine_options = dict(
             num_blocks=args.num_blocks, block_size=args.block_size, num_host_blocks=args.num_host_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
         has_tokenizer = os.path.isfile(os.path.join(args.checkpoint, TOKENIZER_FILE))
         if not has_tokenizer and not args.prompt_ids:
             parser.error(f"--checkpoint {args.checkpoint!r} has no {TOKENIZER_FILE}: pass token ids with --prompt-ids")
+        if not has_tokenizer and args.stop:
+            parser.error(f"--stop needs text, and --checkpoint {args.checkpoint!r} has no {TOKENIZER_FILE}")
     if args.prompt_ids:
         prompts: list[str] | list[list[int]] = _parse_prompt_ids(parser, args.prompt_ids, config.vocab_size)
     else:
@@ -243,22 +251,25 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[LLMOutput]]:
     print(f"backend: {jax.default_backend()}, model: {model.config.num_hidden_layers} layers, "
           f"hidden {model.config.hidden_size}, vocab {model.config.vocab_size}, {jnp.dtype(model.dtype).name}, "
           f"attention {implementation}{' (interpret)' if args.interpret else ''}; requests: {len(outputs)}")
-    for out in outputs:
+    for out in outputs:  # vLLM's shape: a RequestOutput per prompt, a CompletionOutput per sequence
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
-        generated = out.text if out.text is not None else out.output_token_ids
-        print(f"[{out.request_id}] {prompt!r} -> {generated!r}  "
-              f"({out.finish_reason}, preempted {out.request_output.num_preemptions}x)")
-        if out.logprobs is not None:
-            print(f"    cumulative logprob {out.cumulative_logprob:.3f}; per token: "
-                  + "; ".join(_format_logprobs(token, entry, args.logprobs)
-                              for token, entry in zip(out.output_token_ids, out.logprobs)))
+        for seq in out.outputs:
+            name = out.request_id if len(out.outputs) == 1 else f"{out.request_id}, {seq.index}"
+            generated = seq.text if seq.text is not None else seq.token_ids
+            stop = "" if seq.stop_reason is None else f" {seq.stop_reason!r}"
+            print(f"[{name}] {prompt!r} -> {generated!r}  ({seq.finish_reason}{stop}, "
+                  f"preempted {out.num_preemptions}x)")
+            if seq.logprobs is not None:
+                print(f"    cumulative logprob {seq.cumulative_logprob:.3f}; per token: "
+                      + "; ".join(_format_logprobs(token, entry, args.logprobs)
+                                  for token, entry in zip(seq.token_ids, seq.logprobs)))
     print(llm.engine.stats.summary())
 
     if args.verify:
         greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         paged = llm.generate(prompts, greedy, use_tqdm=False)
         dense = dense_greedy_generate(model, [out.prompt_token_ids for out in paged], args.max_tokens)
-        same = sum(out.output_token_ids == d for out, d in zip(paged, dense))
+        same = sum(out.outputs[0].token_ids == d for out, d in zip(paged, dense))
         print(f"verify: greedy decoding through the paged cache equals dense no-cache attention for "
               f"{same}/{len(prompts)} requests")
         if same != len(prompts):

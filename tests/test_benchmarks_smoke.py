@@ -716,8 +716,9 @@ class _StepClockEngine:
         import types
 
         start, self.now = self.now, self.now + 1.0
-        done = [types.SimpleNamespace(request_id=rid, output_token_ids=[0] * n, time_to_first_token_s=start + 0.5 - at,
-                                      latency_s=self.now - at) for rid, at, n in self.pending]
+        done = [types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[0] * n)],
+                                      time_to_first_token_s=start + 0.5 - at, latency_s=self.now - at)
+                for rid, at, n in self.pending]
         self.pending = []
         self.finished = {o.request_id: o for o in done}
         return done

@@ -70,8 +70,8 @@ def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapp
     outs = run_with_arrivals(engine, prompts, greedy(max_tokens), arrivals=[0, 0, 1, 2, 2, 5, 8])
     expected = dense_greedy_generate(model, prompts, max_tokens)
     for i, (out, ref) in enumerate(zip(outs, expected)):
-        assert out.output_token_ids == ref, f"request {i} diverged from the dense reference"
-        assert out.finish_reason == "length"
+        assert out.outputs[0].token_ids == ref, f"request {i} diverged from the dense reference"
+        assert out.outputs[0].finish_reason == "length"
     stats = engine.stats
     assert stats.num_preemptions > 0 and stats.num_swapped_out_blocks > 0  # the cache was too small
     assert stats.num_recomputed_requests == 0
@@ -83,7 +83,7 @@ def test_greedy_matches_dense_when_preemption_recomputes(model):
     prompts = random_prompts(1, [40, 9, 66, 21, 33])
     engine = LLMEngine(model, dataclasses.replace(BASE, num_host_blocks=0))
     outs = run_with_arrivals(engine, prompts, greedy(80), arrivals=[0, 0, 0, 1, 1])
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 80)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 80)
     assert engine.stats.num_recomputed_requests > 0
     assert_all_blocks_free(engine)
 
@@ -95,8 +95,8 @@ def test_prefix_sharing_and_copy_on_write_match_dense(model):
     first = engine.generate([shared], greedy(6), use_tqdm=False)[0]
     outs = engine.generate(prompts, greedy(6), use_tqdm=False)
     expected = dense_greedy_generate(model, prompts, 6)
-    assert first.output_token_ids == expected[0]
-    assert [o.output_token_ids for o in outs] == expected
+    assert first.outputs[0].token_ids == expected[0]
+    assert [o.outputs[0].token_ids for o in outs] == expected
     # The repeated prompt reuses both cached blocks and recomputes only its last token,
     # which lies in a shared block: that write goes to a copy.
     assert outs[0].num_cached_tokens == 31 and outs[1].num_cached_tokens == 32
@@ -111,8 +111,8 @@ def test_multi_step_decoding_matches_dense_and_stops_on_time(model):
     cut = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in expected]
     engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, eos_token_id=eos))
     outs = run_with_arrivals(engine, prompts, greedy(24), arrivals=[0, 0, 3, 9])
-    assert [o.output_token_ids for o in outs] == cut
-    assert [o.finish_reason for o in outs] == ["stop" if eos in ref else "length" for ref in expected]
+    assert [o.outputs[0].token_ids for o in outs] == cut
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop" if eos in ref else "length" for ref in expected]
     # Decode-only stretches ran four model steps per scheduling step.
     assert engine.stats.num_steps < engine.stats.num_generated_tokens * 0.6
     assert engine.stats.num_generated_tokens == sum(len(c) for c in cut)
@@ -131,7 +131,7 @@ def test_256_step_decode_compiles_few_programs_and_matches_dense():
         block_table_width_buckets=None, coarse_length_bounds=False))
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
-    assert [len(o.output_token_ids) for o in outs] == [256, 256]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [256, 256]
     # 1 mixed prompt + decode program + 1 decode-window program: the persistent batch's
     # block tables are sized for the requests' last positions, so growing sequences
     # compile nothing.
@@ -139,7 +139,7 @@ def test_256_step_decode_compiles_few_programs_and_matches_dense():
     programs = (engine.runner.mixed_program, engine.runner.window_program)
     if all(hasattr(p, "_cache_size") for p in programs):
         assert sum(p._cache_size() for p in programs) == engine.num_compiled_programs
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(small, prompts, 256)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(small, prompts, 256)
 
 
 def test_decode_step_updates_the_donated_cache_in_place(model):
@@ -204,7 +204,7 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
     prompts = random_prompts(11, [9, 20, 4])
     traces = engine.runner.num_traces
     outs = engine.generate(prompts, greedy(30), use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 30)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 30)
     windows = events.count("dispatch")
     assert events.count("read") == windows + events.count("mixed")
     assert 29 // 4 - 1 <= windows <= 29 // 4 + 2  # 29 decoded tokens each, some in mixed steps
@@ -245,7 +245,7 @@ def test_decode_windows_run_while_requests_wait_for_blocks(model):
     # wait for blocks with a sequence slot free.
     prompts = random_prompts(12, [100, 97, 104, 99, 101])
     outs = engine.generate(prompts, greedy(20), use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
     steps_decoding = sum(1 for _, num_decodes in steps if num_decodes)
     assert len(windows) >= 10 and steps_decoding <= 2, (steps, windows)
     assert_all_blocks_free(engine)
@@ -274,7 +274,7 @@ def test_admissions_join_the_running_batch_without_draining_it(model):
     max_tokens = [6, 30, 10, 12, 25, 8]  # 4 sequence slots: the last two wait for short ones to end
     outs = engine.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     expected = dense_greedy_generate(model, prompts, max(max_tokens))
-    assert [o.output_token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
+    assert [o.outputs[0].token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
     assert engine.stats.num_inserted_rows == 2 and engine.stats.num_decode_batches == 1
     assert max(in_flight_at_prefill) > 0  # a prefill ran behind windows the host had not read
     # and the running rows got a window behind each such prefill, before the newcomer joined
@@ -293,8 +293,8 @@ def test_a_request_that_cannot_join_the_batch_rebuilds_it(model):
     params = [greedy(5), greedy(20), greedy(12), greedy(16), sampled]
     outs = engine.generate(prompts, params, use_tqdm=False)
     expected = dense_greedy_generate(model, prompts[:4], 20)
-    assert [o.output_token_ids for o in outs[:4]] == [ref[:p.max_tokens] for ref, p in zip(expected, params)]
-    assert outs[4].output_token_ids == alone.output_token_ids
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [ref[:p.max_tokens] for ref, p in zip(expected, params)]
+    assert outs[4].outputs[0].token_ids == alone.outputs[0].token_ids
     # The greedy requests joined the greedy batch beside their prompts; the sampled one
     # could not (the batch's programs are the greedy ones), so the batch was rebuilt.
     assert engine.stats.num_inserted_rows == 4 and engine.stats.num_decode_batches >= 2
@@ -323,7 +323,7 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
     expected = dense_greedy_generate(model, prompts, 24)
     for i, request_id in enumerate(ids):
         if request_id != "r1":
-            assert outputs[request_id].output_token_ids == expected[i], request_id
+            assert outputs[request_id].outputs[0].token_ids == expected[i], request_id
     assert_all_blocks_free(engine)
 
 
@@ -372,7 +372,7 @@ def test_bad_requests_are_rejected_and_others_continue(model):
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            outputs[out.request_id] = engine.pop_output(out.request_id).output_token_ids
+            outputs[out.request_id] = engine.pop_output(out.request_id).outputs[0].token_ids
     assert [outputs[i] for i in ids] == dense_greedy_generate(model, prompts, 10)
     assert_all_blocks_free(engine)
 
@@ -445,8 +445,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, capsys):
     engine = LLMEngine(model, BASE)
     others = [SamplingParams(temperature=1.0, max_tokens=12, seed=s) for s in (1, 2, 3)]
     together = engine.generate(prompts, [params] + others, use_tqdm=True)
-    assert together[0].output_token_ids == alone.output_token_ids
-    assert len({tuple(o.output_token_ids) for o in together}) == 4
+    assert together[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in together}) == 4
     err = capsys.readouterr().err
     assert ("generate: 4/4 requests" in err) or ("100%" in err)  # the stderr line, or a tqdm bar
     summary = engine.stats.summary()

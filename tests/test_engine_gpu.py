@@ -43,7 +43,7 @@ def test_engine_greedy_matches_dense_with_compiled_kernels(model):
         engine = LLMEngine(model, BASE)
         outs = engine.generate(prompts, _greedy(40), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 40)
-    assert [o.output_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
 
 
@@ -55,7 +55,7 @@ def test_engine_preemption_is_token_exact_with_compiled_kernels(model, num_host_
         outs = engine.generate(prompts, _greedy(60), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 60)
     assert engine.stats.num_preemptions > 0
-    assert [o.output_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_no_compilation_after_warmup_with_compiled_kernels(model):
@@ -73,7 +73,7 @@ def test_no_compilation_after_warmup_with_compiled_kernels(model):
             engine.generate(batches[1], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=2),
                             use_tqdm=False)
     assert compiles.count == 0
-    assert [[o.output_token_ids for o in batch] for batch in outs] == expected
+    assert [[o.outputs[0].token_ids for o in batch] for batch in outs] == expected
     assert outs[3][0].num_cached_tokens > 0 and engine.stats.num_mixed_steps > 0
 
 
@@ -110,4 +110,4 @@ def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
         engine = LLMEngine(model, BASE)
         outputs = engine.generate(prompts, _greedy(40), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 40)
-    assert [o.output_token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected

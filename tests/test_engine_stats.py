@@ -66,7 +66,7 @@ def test_swap_programs_compiled_in_a_step_count_as_compilation(clock, capsys):
     # Warm-up: the same run compiles every model program (shared by engines of one
     # model structure) and the swap programs for a host cache of 32 blocks.
     warm = LLMEngine(model, BASE)
-    expected = [o.output_token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
     assert warm.stats.num_swapped_out_blocks > 0
     # A host cache of another size: the same steps, but the swap programs (and the host
     # cache's allocation) compile again, inside steps whose model program is cached.
@@ -85,10 +85,10 @@ def test_swap_programs_compiled_in_a_step_count_as_compilation(clock, capsys):
     assert rates and float(rates[-1].replace(",", "")) > 100, rates[-5:]
     summary = stats.summary()
     assert f"in {stats.compile_steps} compiling steps" in summary
-    assert [o.output_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     # Once everything is compiled, no step counts as compiling (nothing else fires a
     # compilation event in a step), and no compilation stall is shown.
     again = LLMEngine(model, BASE)
-    assert [o.output_token_ids for o in again.generate(prompts, params, use_tqdm=False)] == expected
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, params, use_tqdm=False)] == expected
     assert again.stats.compile_steps == 0 and again.stats.compile_time_s == 0.0
     assert again.stats.num_swapped_out_blocks > 0

@@ -2,7 +2,7 @@
 
 * ``examples/generate.py``: usage errors exit with status 2 and a one-line message, no
   traceback, before any model is built; ``--help`` shows defaults and examples; text in,
-  text out from a checkpoint with a tokenizer.json; one prompt is one request unless
+  text out from a checkpoint with a tokenizer.json (``--stop``, ``--n``); one prompt is one request unless
   ``--num-requests`` says more; ``--interpret`` runs the Pallas kernels.
 * ``examples/custom_model_loop.py``: a model of its own with `PagedAttention` layers,
   decoding in its own ``fori_loop`` over `advance_step`, gives the greedy tokens of a
@@ -71,6 +71,8 @@ def test_help_shows_defaults_and_examples(generate, capsys):
     (["--temperature", "hot"], "argument --temperature: must be a number, got 'hot'"),
     (["--interpret", "--implementation", "xla"], "--interpret runs the Pallas kernels"),
     (["--checkpoint", "/nonexistent/dir"], "--checkpoint '/nonexistent/dir' is not a directory"),
+    (["--stop", "a", "--stop", ""], "stop strings must not be empty"),
+    (["--n", "0"], "argument --n: must be >= 1, got 0"),
 ])
 def test_usage_errors_exit_before_any_model_is_built(generate, monkeypatch, capsys, args, message):
     def no_model(*args, **kwargs):
@@ -95,6 +97,9 @@ def test_checkpoint_usage_errors(generate, checkpoint, tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit):
         generate.main(["--checkpoint", str(tmp_path), "--prompts", "the cat"])
     assert "has no tokenizer.json: pass token ids with --prompt-ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "1,2", "--stop", "."])
+    assert "--stop needs text, and --checkpoint" in capsys.readouterr().err
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(SystemExit):
         generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "1,2"])
@@ -113,9 +118,18 @@ def test_text_in_text_out_from_a_checkpoint(generate, checkpoint, capsys):  # no
     assert [o.prompt_token_ids for o in outputs] == [tokenizer.encode(p).ids for p in prompts]
     out = capsys.readouterr().out
     for o in outputs:
-        assert o.text == tokenizer.decode(o.output_token_ids, skip_special_tokens=True)
-        assert f"{o.prompt!r} -> {o.text!r}" in out
+        (seq,) = o.outputs
+        assert seq.text == tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        assert f"{o.prompt!r} -> {seq.text!r}  ({seq.finish_reason}, preempted 0x)" in out
     assert "verify: greedy decoding through the paged cache equals dense no-cache attention for 2/2" in out
+    # --stop (repeatable): the text ends before the first stop string; --n: sequences per request.
+    first = outputs[0].outputs[0].text.split()
+    _, stopped = generate.main(["--checkpoint", str(directory), "--prompts", prompts[0], "--temperature", "0",
+                                "--max-tokens", "5", "--stop", "zzz", "--stop", f" {first[1]}", "--n", "2", *FAST])
+    (o,) = stopped
+    assert [(c.text, c.stop_reason) for c in o.outputs] == [(first[0], f" {first[1]}")] * 2
+    out = capsys.readouterr().out
+    assert all(f"[{o.request_id}, {j}] {prompts[0]!r} -> {first[0]!r}  (stop ' {first[1]}'" in out for j in (0, 1))
 
 
 def test_one_prompt_is_one_request_unless_told(generate, checkpoint, tmp_path, caplog):  # noqa: F811
@@ -135,7 +149,7 @@ def test_one_prompt_is_one_request_unless_told(generate, checkpoint, tmp_path, c
     _, outputs = generate.main(["--checkpoint", directory, "--prompt-ids", "1,5,6;2,7", "--num-requests", "3",
                                 "--max-tokens", "3", *FAST])
     assert [o.prompt_token_ids for o in outputs] == [[1, 5, 6], [2, 7], [1, 5, 6]]
-    assert all(o.text is not None for o in outputs)  # the checkpoint's tokenizer decodes id prompts' outputs
+    assert all(o.outputs[0].text is not None for o in outputs)  # the checkpoint's tokenizer decodes id prompts' outputs
 
 
 def test_interpret_runs_the_pallas_kernels(generate, checkpoint, capsys):  # noqa: F811

@@ -40,10 +40,11 @@ def dense_logprobs(model, prompt, output):
 
 def check_against_dense(model, out, k):
     """The output's logprobs are the dense distribution's at every position."""
-    ref = dense_logprobs(model, out.prompt_token_ids, out.output_token_ids)
-    assert len(out.logprobs) == len(out.output_token_ids)
+    (seq,) = out.outputs
+    ref = dense_logprobs(model, out.prompt_token_ids, seq.token_ids)
+    assert len(seq.logprobs) == len(seq.token_ids)
     total = 0.0
-    for t, (token, entry) in enumerate(zip(out.output_token_ids, out.logprobs)):
+    for t, (token, entry) in enumerate(zip(seq.token_ids, seq.logprobs)):
         row = ref[t]
         order = np.argsort(-row, kind="stable")
         assert list(entry)[:k] == order[:k].tolist(), f"position {t}: top-{k} ids"
@@ -56,7 +57,7 @@ def check_against_dense(model, out, k):
             # 1 + tokens with a greater logprob (the window allows for float noise near ties)
             assert 1 + np.sum(row > row[tid] + ATOL) <= lp.rank <= 1 + np.sum(row > row[tid] - ATOL)
         total += row[token]
-    np.testing.assert_allclose(out.cumulative_logprob, total, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(seq.cumulative_logprob, total, rtol=1e-4, atol=1e-3)
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -138,10 +139,10 @@ def test_logprobs_match_dense_log_softmax(model, windows):
     check_against_dense(model, outs[0], 3)
     check_against_dense(model, outs[1], 0)
     check_against_dense(model, outs[3], 5)  # sampled tokens: any rank, the model's raw logprob
-    assert outs[2].logprobs is None and outs[2].cumulative_logprob is None
+    assert outs[2].outputs[0].logprobs is None and outs[2].outputs[0].cumulative_logprob is None
     for out in outs[:2]:  # greedy: the sampled token ranks first
-        assert all(entry[t].rank == 1 for t, entry in zip(out.output_token_ids, out.logprobs))
-    assert all(len(entry) == 1 for entry in outs[1].logprobs)  # logprobs=0: the sampled token only
+        assert all(entry[t].rank == 1 for t, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+    assert all(len(entry) == 1 for entry in outs[1].outputs[0].logprobs)  # logprobs=0: the sampled token only
     kinds = {kind for kind, _ in calls}
     # Prompts run in mixed steps (with the batch's decode rows), the rest in windows, or
     # in scheduled steps when windows are off.
@@ -158,7 +159,7 @@ def test_no_logprobs_runs_the_programs_without_them(model):
     outs = engine.generate(random_prompts(1, [6, 11]), SamplingParams(temperature=0.0, max_tokens=9),
                            use_tqdm=False)
     assert {kind for kind, _ in calls} == {"mixed", "window"} and {n for _, n in calls} == {None}
-    assert all(o.logprobs is None and o.cumulative_logprob is None for o in outs)
+    assert all(o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None for o in outs)
 
 
 @pytest.mark.parametrize("num_host_blocks", [32, 0], ids=["swap", "recompute"])
@@ -198,15 +199,16 @@ def test_llm_fills_decoded_tokens(checkpoint):  # noqa: F811
     _, tokenizer, model = checkpoint
     llm = LLM.from_model(model, tokenizer=tokenizer, **ENGINE)
     params = [SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), SamplingParams(temperature=0.0, max_tokens=4)]
-    out, plain = llm.generate(["the cat sat", "a dog"], params, use_tqdm=False)
+    out, plain = (o.outputs[0] for o in llm.generate(["the cat sat", "a dog"], params, use_tqdm=False))
     assert plain.logprobs is None and plain.cumulative_logprob is None
-    assert len(out.logprobs) == len(out.output_token_ids) == 4
-    for token, entry, raw in zip(out.output_token_ids, out.logprobs, out.request_output.logprobs):
+    assert len(out.logprobs) == len(out.token_ids) == 4
+    engine_out = llm.engine.generate([llm.encode("the cat sat")], params[0], use_tqdm=False)[0].outputs[0]
+    for token, entry, raw in zip(out.token_ids, out.logprobs, engine_out.logprobs):
         assert entry[token].rank == 1 and len(entry) == 2 and list(entry) == list(raw)
         for tid, lp in entry.items():
             assert lp.decoded_token == tokenizer.decode([tid], skip_special_tokens=False) and lp.decoded_token
             assert (lp.logprob, lp.rank) == (raw[tid].logprob, raw[tid].rank) and raw[tid].decoded_token is None
-    assert out.cumulative_logprob == out.request_output.cumulative_logprob
+    assert out.cumulative_logprob == engine_out.cumulative_logprob
 
 
 # --------------------------------------------------------------------------- examples/generate.py
@@ -234,7 +236,7 @@ def test_generate_example_prints_logprobs(checkpoint, capsys):  # noqa: F811
                                 "--max-tokens", "3", "--logprobs", "2", "--num-blocks", "24", "--max-num-seqs", "4",
                                 "--max-num-batched-tokens", "32"])
     out = capsys.readouterr().out
-    (o,) = outputs
+    (o,) = outputs[0].outputs
     assert len(o.logprobs) == 3 and f"cumulative logprob {o.cumulative_logprob:.3f}; per token: " in out
-    first = o.logprobs[0][o.output_token_ids[0]]
+    first = o.logprobs[0][o.token_ids[0]]
     assert f"{first.decoded_token!r} {first.logprob:.2f} (rank 1) [top: " in out

@@ -355,4 +355,4 @@ def test_engine_greedy_through_the_kernel_in_interpret_mode_matches_dense():
     with jax.default_matmul_precision("highest"):
         outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 10)
-    assert [o.output_token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected

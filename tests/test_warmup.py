@@ -59,9 +59,9 @@ def test_no_compilation_after_warmup_across_batches_lengths_and_sampling(model, 
     for i, (outs, refs) in enumerate(zip(outputs, expected)):
         for j, (out, ref) in enumerate(zip(outs, refs)):
             if i == 1 and j == 1:
-                assert len(out.output_token_ids) == 7
+                assert len(out.outputs[0].token_ids) == 7
                 continue
-            assert out.output_token_ids == ref[:9 - (j % 3)], (i, j)
+            assert out.outputs[0].token_ids == ref[:9 - (j % 3)], (i, j)
     assert outputs[4][0].num_cached_tokens > 0
     assert engine.stats.num_mixed_steps > 0
 
@@ -91,7 +91,7 @@ def test_mixed_steps_decode_while_prompts_prefill_and_match_dense(model):
     outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
                            use_tqdm=False)
     expected = dense_greedy_generate(model, prompts, max(max_tokens))
-    assert [o.output_token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
+    assert [o.outputs[0].token_ids for o in outs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
     assert engine.stats.num_mixed_steps == len(mixed_rows_decoded) > 0
     assert max(mixed_rows_decoded) > 0  # decodes rode along with prompt chunks
     assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks

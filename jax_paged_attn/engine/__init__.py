@@ -5,18 +5,21 @@
 * `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request;
   per-token logprobs (`Logprob`) on request.
 * `ModelRunner`: the device side (parameters, caches, persistent decode batch, jitted programs).
-* `LLMEngine`: the host loop: scheduled steps and overlapped decode windows.
-* `LLM`: text in, text out: a checkpoint's model and ``tokenizer.json`` (Hugging Face
-  ``tokenizers``) around an `LLMEngine`.
+* `LLMEngine`: the host loop: scheduled steps and overlapped decode windows; outputs in
+  vLLM's shape (`RequestOutput` holding one `CompletionOutput` per sampled sequence).
+* `LLM`: text in, text out: a checkpoint's model and tokenizer (``tokenizer.json`` through
+  Hugging Face ``tokenizers``, the special tokens its configs name) around an
+  `LLMEngine`; stop strings.
 """
 from jax_paged_attn.engine.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from jax_paged_attn.engine.engine import (
+    CompletionOutput,
     EngineConfig,
     EngineStats,
     LLMEngine,
     RequestOutput,
 )
-from jax_paged_attn.engine.llm import LLM, LLMOutput, load_tokenizer
+from jax_paged_attn.engine.llm import LLM, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, greedy_tokens, sample_tokens
 from jax_paged_attn.engine.scheduler import (
@@ -32,12 +35,12 @@ from jax_paged_attn.engine.scheduler import (
 __all__ = [
     "BlockAllocator",
     "CausalLM",
+    "CompletionOutput",
     "EngineConfig",
     "EngineStats",
     "FinishReason",
     "LLM",
     "LLMEngine",
-    "LLMOutput",
     "Logprob",
     "ModelConfig",
     "ModelRunner",

@@ -47,7 +47,7 @@ Example::
     model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=16))
     outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=8))
-    print(outputs[0].output_token_ids, engine.stats.summary())
+    print(outputs[0].outputs[0].token_ids, engine.stats.summary())
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -74,9 +74,10 @@ from jax_paged_attn.builder import (
     sequence_rows,
 )
 from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
+from jax_paged_attn.engine.sampling import (Logprob, SamplingParams, logprob_dicts, logprobs_bucket,
+                                            params_per_prompt)
+from jax_paged_attn.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
-from jax_paged_attn.engine.sampling import Logprob, SamplingParams, logprob_dicts, logprobs_bucket
-from jax_paged_attn.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.spec import PAD_SLOT_ID
 from jax_paged_attn.tuning import next_power_of_2
@@ -90,6 +91,10 @@ DEFAULT_SWAP_SPACE_GIB = 4.0
 
 DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS = 256
 """KV cache blocks when ``num_blocks`` is None and the device reports no memory statistics (CPU)."""
+
+StopChecker = Callable[[int, int, "CompletionOutput"], "tuple[int, int | str | None] | None"]
+"""`LLMEngine.generate`'s host-side stop hook: ``(prompt index, sequence index, the
+sequence so far) -> None`` to go on, or ``(tokens to keep, stop_reason)`` to stop."""
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"  # JAX's tracing, lowering and XLA compilation events
 _compile_events = 0
@@ -236,48 +241,111 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """A finished request.
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's ``CompletionOutput``).
 
     Attributes:
-      request_id, prompt_token_ids, output_token_ids: the request and its generation.
-      finish_reason: "length", "stop", "max_model_len" or "aborted".
-      num_cached_tokens: prompt tokens served from the prefix cache.
-      num_preemptions: times it was swapped out (or dropped for recomputation).
-      time_to_first_token_s, latency_s: from ``add_request``.
-      logprobs: with ``SamplingParams.logprobs`` set, one ``{token_id: Logprob}`` per
-        output token (the top ``logprobs`` tokens in decreasing order, then the sampled
-        token if it is not among them); else None.
-      cumulative_logprob: the sum of the output tokens' logprobs; None without
+      index: which of the request's ``SamplingParams.n`` sequences (0-based).
+      text: the generated text (`LLM` with a tokenizer); None from the bare engine or
+        without a tokenizer.
+      token_ids: the generated token ids (a stop token or EOS that ended it included).
+      cumulative_logprob: the sum of the tokens' logprobs; None without
         ``SamplingParams.logprobs``.
+      logprobs: with ``SamplingParams.logprobs`` set, one ``{token_id: Logprob}`` per
+        token (the top ``logprobs`` tokens in decreasing order, then the sampled token if
+        it is not among them); else None.
+      finish_reason: "length" (``max_tokens``), "stop" (EOS, a stop id or a stop
+        string), "max_model_len" or "aborted"; None while it runs.
+      stop_reason: what stopped it with "stop": the stop string, or the id from
+        ``stop_token_ids``; None for EOS and the other reasons (vLLM's field).
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @staticmethod
+    def of(request: Request, index: int = 0) -> "CompletionOutput":
+        """The sequence an engine request has generated so far, numbered ``index``."""
+        reason = request.finish_reason
+        stop_reason = request.stop_reason
+        if (stop_reason is None and reason == FinishReason.STOP and request.output_token_ids
+                and request.output_token_ids[-1] in request.sampling_params.stop_token_ids):
+            stop_reason = request.output_token_ids[-1]
+        return CompletionOutput(
+            index=index, text=None, token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
+            finish_reason=reason.value if reason else None, stop_reason=stop_reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A request and what it generated: vLLM's ``RequestOutput`` shape, from both
+    `LLMEngine` and `LLM`, so code written against one reads the other
+    (``out.outputs[0].token_ids``, ``out.outputs[0].text``).
+
+    Attributes:
+      request_id: the engine's id of the request (with ``n`` > 1: of its first sequence).
+      prompt: the prompt text (`LLM` with a text prompt); None for token ids.
+      prompt_token_ids: the prompt as token ids.
+      outputs: one `CompletionOutput` per sequence (``SamplingParams.n``), in index order.
+      finished: whether every sequence has finished.
+      num_cached_tokens: prompt tokens served from the prefix cache (over the sequences).
+      num_preemptions: times a sequence was swapped out or dropped for recomputation.
+      time_to_first_token_s: from ``add_request`` to the first token of any sequence.
+      latency_s: from ``add_request`` to the end of the last sequence (or now).
     """
 
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
+    finished: bool
     num_cached_tokens: int
     num_preemptions: int
     time_to_first_token_s: float | None
     latency_s: float
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
 
     @staticmethod
-    def of(request: Request) -> "RequestOutput":
+    def of(request: Request, index: int = 0) -> "RequestOutput":
+        """The output of one engine request, its sequence numbered ``index``."""
         return RequestOutput(
             request_id=request.request_id,
+            prompt=None,
             prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason.value if request.finish_reason else "",
+            outputs=[CompletionOutput.of(request, index)],
+            finished=request.is_finished,
             num_cached_tokens=request.num_cached_prompt_tokens,
             num_preemptions=request.num_preemptions,
             time_to_first_token_s=(None if request.first_token_time is None
                                    else request.first_token_time - request.arrival_time),
             latency_s=(request.finish_time or time.perf_counter()) - request.arrival_time,
-            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
-            cumulative_logprob=request.cumulative_logprob,
         )
+
+    @staticmethod
+    def merge(samples: Sequence["RequestOutput"]) -> "RequestOutput":
+        """One output of ``n`` sequences sampled from one prompt (each a one-sequence
+        output, in index order): request_id and prompt of the first, counts summed."""
+        first = samples[0]
+        if len(samples) == 1:
+            return first
+        times = [s.time_to_first_token_s for s in samples if s.time_to_first_token_s is not None]
+        return dataclasses.replace(
+            first, outputs=[dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)],
+            finished=all(s.finished for s in samples),
+            num_cached_tokens=sum(s.num_cached_tokens for s in samples),
+            num_preemptions=sum(s.num_preemptions for s in samples),
+            time_to_first_token_s=min(times) if times else None,
+            latency_s=max(s.latency_s for s in samples))
 
 
 @dataclasses.dataclass
@@ -384,9 +452,10 @@ class LLMEngine:
         `jax_paged_attn.models.LlamaForCausalLM`).
       config: `EngineConfig`.
 
-    Public methods: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
-    `pop_output`, `generate`, `reset_stats`; `stats` holds the counters, `kv_caches` the
-    current caches, `start_report` what the engine chose at start.
+    Public methods: `add_request`, `abort_request`, `stop_request`, `step`,
+    `has_unfinished_requests`, `pop_output`, `generate`, `reset_stats`; `stats` holds the
+    counters, `kv_caches` the current caches, `start_report` what the engine chose at start.
+    Outputs are vLLM's `RequestOutput` / `CompletionOutput`.
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig | None = None) -> None:
@@ -483,11 +552,23 @@ class LLMEngine:
 
         Raises ValueError / TypeError naming the problem (empty prompt, prompt too long
         for the model's max context, token ids out of range, stop ids outside the
-        vocabulary, duplicate id, a request the cache could never hold).
+        vocabulary, duplicate id, a request the cache could never hold, ``n`` > 1 or stop
+        strings: see below).
+
+        One request is one sequence: ``SamplingParams.n`` > 1 is taken by `generate`
+        (which adds ``n`` requests). Stop strings need text, which the engine does not
+        have: `LLM` (with a tokenizer) checks them and ends the request with
+        `stop_request`.
         """
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if params.n != 1:
+            raise ValueError(f"sampling_params.n={params.n}: add_request adds one sequence; LLMEngine.generate "
+                             f"and LLM.generate sample n per prompt.")
+        if params.stop:
+            raise ValueError(f"sampling_params.stop={list(params.stop)!r}: stop strings need text and the engine "
+                             f"works on token ids; use LLM (with a tokenizer) or stop_token_ids.")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"sampling_params.stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}).")
@@ -510,6 +591,38 @@ class LLMEngine:
         program (the device runs them in order) can hand them to another request.
         """
         self.scheduler.abort(request_id)
+
+    def stop_request(self, request_id: str, num_output_tokens: int, stop_reason: int | str | None = None) -> None:
+        """Ends a request as stopped after its first ``num_output_tokens`` output tokens,
+        for a stop the host decides (`LLM`'s stop strings).
+
+        The later tokens and their logprobs are dropped, ``finish_reason`` becomes "stop"
+        and ``stop_reason`` the given one; a running request's blocks are freed as by
+        `abort_request`. A request that already finished (by length, EOS, a stop id in
+        the same decode window) may be cut back too, until it is popped.
+
+        Raises KeyError for an unknown id, ValueError for an aborted request or a count
+        outside ``[1, tokens generated]``.
+        """
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request_id {request_id!r}.")
+        if request.finish_reason == FinishReason.ABORTED:
+            raise ValueError(f"request {request_id!r} was aborted; it cannot be stopped.")
+        generated = len(request.output_token_ids)
+        if isinstance(num_output_tokens, bool) or not isinstance(num_output_tokens, (int, np.integer)) \
+                or not 1 <= num_output_tokens <= generated:
+            raise ValueError(f"num_output_tokens must be an int in [1, {generated}] (the tokens request "
+                             f"{request_id!r} has generated), got {num_output_tokens!r}.")
+        if not request.is_finished:
+            self.scheduler.abort(request_id)  # frees its blocks; later windows record nothing for it
+        request.finish_reason = FinishReason.STOP
+        request.stop_reason = stop_reason
+        del request.output_token_ids[num_output_tokens:]
+        if request.output_logprobs is not None:
+            del request.output_logprobs[num_output_tokens:]
+            request.cumulative_logprob = sum(
+                entry[token].logprob for token, entry in zip(request.output_token_ids, request.output_logprobs))
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out (or a window is in flight)."""
@@ -1119,61 +1232,87 @@ class LLMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        stop_checker: StopChecker | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt until all finish; outputs come back in prompt order.
 
         Args:
           prompts: token-id sequences.
-          sampling_params: one `SamplingParams` for all, or one per prompt.
-          use_tqdm: show a progress bar (requests done, tokens so far, tokens/s over the
-            steps that compiled nothing, and the time spent in steps that compiled).
+          sampling_params: one `SamplingParams` for all, or one per prompt. A prompt
+            whose params set ``n`` > 1 runs as ``n`` requests (sample ``j`` seeded
+            ``seed + j`` when ``seed`` is set) gathered into one output.
+          use_tqdm: show a progress bar (sequences done, tokens so far, tokens/s over
+            the steps that compiled nothing, and the time spent in steps that compiled).
+          stop_checker: for stops the host decides (`LLM` passes its stop strings'
+            check): after every step, called as ``stop_checker(i, j, completion)`` for
+            each sequence ``j`` of prompt ``i`` that has new tokens (also one that has
+            just finished); returning ``(num_tokens, stop_reason)`` ends it there
+            (`stop_request`). Prompts with ``SamplingParams.stop`` need one.
+
+        Returns one `RequestOutput` per prompt: the same vLLM-shaped class as `LLM`
+        returns (``outputs[j].token_ids``, ``finish_reason``, ``stop_reason``, ...), with
+        ``prompt`` and ``text`` None (the engine has no tokenizer), so code moves
+        between the two unchanged; the timings and counts are the engine's own.
 
         Every prompt is validated before any runs: a bad one raises ValueError naming
         its index (``prompts[i]: ...``), and requests already in the engine are untouched.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}.")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
-                    f"pass one SamplingParams or one per prompt."
-                )
-        else:
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, a sequence of them or None, got "
-                f"{type(sampling_params).__name__}.")
-        ids = []
+        params_list = params_per_prompt(sampling_params, len(prompts))
+        samples: list[list[str]] = []  # per prompt, its sequences' request ids
+        sample_of: dict[str, tuple[int, int]] = {}
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            samples.append([])
             try:
-                ids.append(self.add_request(prompt, params))
+                if params.stop and stop_checker is None:
+                    raise ValueError(f"sampling_params.stop={list(params.stop)!r}: stop strings need text and "
+                                     f"the engine works on token ids; use LLM (with a tokenizer) or stop_token_ids.")
+                one = dataclasses.replace(params, n=1, stop=())  # the stops are stop_checker's
+                for j in range(params.n):
+                    seed = one.seed if one.seed is None else (one.seed + j) % 2**32
+                    samples[i].append(self.add_request(prompt, dataclasses.replace(one, seed=seed)))
+                    sample_of[samples[i][-1]] = (i, j)
             except (ValueError, TypeError) as e:
-                for rid in ids:
+                for rid in sample_of:
                     self.abort_request(rid)
                     self.scheduler.pop_finished(rid)
                 raise type(e)(f"prompts[{i}]: {e}") from e
-        pending = set(ids)
-        progress = _Progress(len(ids), use_tqdm)
+        pending = set(sample_of)
+        num_seen = dict.fromkeys(pending, 0)  # output tokens stop_checker has seen
+        progress = _Progress(len(pending), use_tqdm)
         outputs: dict[str, RequestOutput] = {}
         try:
             while pending:
                 tokens_before = self.stats.num_generated_tokens
                 compiles_before = self.stats.compile_steps
                 start_time = time.perf_counter()
-                finished = self.step()
+                self.step()
                 elapsed_s = time.perf_counter() - start_time
-                mine = [f for f in finished if f.request_id in pending]
-                for f in mine:
-                    pending.discard(f.request_id)
-                    outputs[f.request_id] = self.pop_output(f.request_id)
-                progress.update(len(mine), self.stats.num_generated_tokens - tokens_before, elapsed_s,
+                if stop_checker is not None:
+                    self._check_host_stops(pending, num_seen, sample_of, stop_checker)
+                done = [rid for rid in pending if self.scheduler.requests[rid].is_finished]
+                for rid in done:
+                    pending.discard(rid)
+                    outputs[rid] = self.pop_output(rid)
+                progress.update(len(done), self.stats.num_generated_tokens - tokens_before, elapsed_s,
                                 compiled=self.stats.compile_steps > compiles_before)
         finally:
             progress.close()
-        return [outputs[rid] for rid in ids]
+        return [RequestOutput.merge([outputs[rid] for rid in ids]) for ids in samples]
+
+    def _check_host_stops(self, pending: set[str], num_seen: dict[str, int], sample_of: dict[str, tuple[int, int]],
+                          stop_checker: StopChecker) -> None:
+        """Asks ``stop_checker`` about every pending sequence with new tokens (`generate`)."""
+        for rid in pending:
+            request = self.scheduler.requests[rid]
+            if len(request.output_token_ids) == num_seen[rid]:
+                continue
+            num_seen[rid] = len(request.output_token_ids)
+            i, j = sample_of[rid]
+            stop = stop_checker(i, j, CompletionOutput.of(request, j))
+            if stop is not None:
+                self.stop_request(rid, *stop)
 
 
 @dataclasses.dataclass(frozen=True)

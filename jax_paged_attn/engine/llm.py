@@ -5,23 +5,37 @@ one, tokenizer.json)::
 
     llm = LLM("/path/to/Llama-3.2-1B", num_blocks=1024)
     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=16))
-    print(outputs[0].text)
+    print(outputs[0].outputs[0].text)
 
 Or around a model already built, with token-id prompts when there is no tokenizer::
 
     llm = LLM.from_model(LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
-    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))[0].output_token_ids)
+    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))[0].outputs[0].token_ids)
+
+Outputs take vLLM's shape: one `RequestOutput` per prompt (``prompt``,
+``prompt_token_ids``), holding one `CompletionOutput` per sampled sequence
+(``SamplingParams.n``) with its ``text``, ``token_ids``, ``logprobs``,
+``cumulative_logprob``, ``finish_reason`` and ``stop_reason``.
 
 Tokenization uses Hugging Face's ``tokenizers`` library (the Rust tokenizer that
 ``tokenizer.json`` describes; transformers is not needed): prompts are encoded with the
 tokenizer's special tokens (a BOS where its post-processor adds one, as
-``AutoTokenizer`` does) and outputs decoded without them. `LLM` uses only the engine's
-public API (`LLMEngine`, `EngineConfig`, `LLMEngine.generate`); the engine decides when a
-request ends (``max_tokens``, the stop ids, the end-of-sequence id).
+``AutoTokenizer`` does). The special tokens are those transformers knows: tokenizer.json's
+added tokens marked special, and the tokens ``tokenizer_config.json`` and
+``special_tokens_map.json`` beside it name (``bos_token``, ``eos_token``, ...,
+``additional_special_tokens``, ``added_tokens_decoder`` entries marked special); output
+text leaves them out unless ``SamplingParams.skip_special_tokens`` is False.
+
+The engine decides when a request ends by tokens (``max_tokens``, the stop ids, the
+end-of-sequence id); stop strings (``SamplingParams.stop``) need text, so `LLM` checks
+them on the host after every engine step, decoding each sequence's new tokens, and ends
+a sequence whose text holds one (`LLMEngine.generate`'s ``stop_checker``). `LLM` uses
+only the engine's public API.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Sequence
@@ -29,49 +43,26 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from flax import nnx
 
-from jax_paged_attn.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jax_paged_attn.engine.sampling import Logprob, SamplingParams
+from jax_paged_attn.engine.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from jax_paged_attn.engine.sampling import Logprob, SamplingParams, params_per_prompt
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from tokenizers import AddedToken, Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+"""Files beside tokenizer.json that name special tokens (transformers reads both)."""
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class LLMOutput:
-    """One finished prompt of `LLM.generate`.
-
-    Attributes:
-      request_id: the engine's id of the request.
-      prompt: the prompt text, or None for a token-id prompt.
-      prompt_token_ids: the prompt as token ids (the tokenizer's encoding of ``prompt``).
-      text: the generated tokens decoded (special tokens skipped), or None without a
-        tokenizer.
-      output_token_ids: the generated token ids (an end-of-sequence id included).
-      finish_reason: "length", "stop", "max_model_len" or "aborted" (`RequestOutput`).
-      request_output: the engine's `RequestOutput` (timings, preemptions, cached tokens).
-      logprobs: with ``SamplingParams.logprobs``: one ``{token_id: Logprob}`` per output
-        token (`RequestOutput.logprobs`), each ``decoded_token`` the token's text when
-        there is a tokenizer; else None.
-      cumulative_logprob: the sum of the output tokens' logprobs, or None.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str | None
-    output_token_ids: list[int]
-    finish_reason: str
-    request_output: RequestOutput
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-
-
 def load_tokenizer(path: str | os.PathLike) -> "Tokenizer":
-    """A `tokenizers.Tokenizer` from a ``tokenizer.json`` file or a directory holding one."""
+    """A `tokenizers.Tokenizer` from a ``tokenizer.json`` file or a directory holding one,
+    with the special tokens the ``tokenizer_config.json`` and ``special_tokens_map.json``
+    beside it name registered as special (as transformers does), so decoding can skip
+    them. A named token the vocabulary lacks is left out (said once in a warning):
+    transformers would give it a new id, which the model has no embedding for."""
     from tokenizers import Tokenizer
 
     path = os.fspath(path)
@@ -79,9 +70,66 @@ def load_tokenizer(path: str | os.PathLike) -> "Tokenizer":
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no tokenizer file {file!r} (a Hugging Face {TOKENIZER_FILE}).")
     try:
-        return Tokenizer.from_file(file)
+        tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # the Rust library raises its own Exception type for bad files
         raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from e
+    directory = os.path.dirname(file)
+    already_special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    named = [t for t in _config_special_tokens(directory) if t.content not in already_special]
+    unknown = [t.content for t in named if tokenizer.token_to_id(t.content) is None]
+    if unknown:
+        logger.warning("%s: the special tokens %s are not in %s's vocabulary; left out (no id to give them).",
+                       " / ".join(f for f in SPECIAL_TOKEN_FILES if os.path.isfile(os.path.join(directory, f))),
+                       unknown, file)
+    tokenizer.add_special_tokens([t for t in named if t.content not in unknown])
+    return tokenizer
+
+
+def _config_special_tokens(directory: str) -> "list[AddedToken]":
+    """The special tokens ``tokenizer_config.json`` and ``special_tokens_map.json`` in
+    ``directory`` name (those files that exist), first mention first."""
+    found: dict[str, AddedToken] = {}
+    for name in SPECIAL_TOKEN_FILES:
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}.")
+        entries = [(key, config.get(key)) for key in NAMED_SPECIAL_TOKENS]
+        additional = config.get("additional_special_tokens") or []
+        if not isinstance(additional, list):
+            raise ValueError(f"{file}: additional_special_tokens must be a list, got {additional!r}.")
+        entries += [(f"additional_special_tokens[{i}]", v) for i, v in enumerate(additional)]
+        decoder = config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict):
+            raise ValueError(f"{file}: added_tokens_decoder must be an object, got {decoder!r}.")
+        entries += [(f"added_tokens_decoder[{k!r}]", v) for k, v in decoder.items()
+                    if not isinstance(v, dict) or v.get("special")]
+        for key, value in entries:
+            token = _special_token(value, f"{file}: {key}")
+            if token is not None:
+                found.setdefault(token.content, token)
+    return list(found.values())
+
+
+def _special_token(value: Any, where: str) -> "AddedToken | None":
+    """A special `AddedToken` from a config entry: a string, or an AddedToken object
+    (``{"content": ..., "lstrip": ..., ...}``, as transformers saves them); None: unset."""
+    from tokenizers import AddedToken
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return AddedToken(value, special=True, normalized=False)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        options = {k: bool(value[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+        return AddedToken(value["content"], special=True, **{"normalized": False, **options})
+    raise ValueError(f"{where} must be a token string or an object with a 'content' string, got {value!r}.")
 
 
 def _engine_config(engine_options: dict[str, Any]) -> EngineConfig:
@@ -116,7 +164,9 @@ class LLM:
       interpret: run the Pallas kernels in interpret mode (CPU).
       tokenizer: "auto" (the checkpoint's tokenizer.json when it has one, else none,
         said in a warning), None (token ids only), a path to a tokenizer.json or its
-        directory, or a `tokenizers.Tokenizer`.
+        directory (both read with the special tokens the tokenizer_config.json /
+        special_tokens_map.json beside it name: `load_tokenizer`), or a
+        `tokenizers.Tokenizer` (used as it is).
       engine_options: fields of `EngineConfig` (``num_blocks``, ``block_size``,
         ``max_num_seqs``, ...); an unknown name raises TypeError.
 
@@ -178,9 +228,11 @@ class LLM:
         """Token ids of ``text`` (with the tokenizer's special tokens, e.g. a BOS)."""
         return list(self._require_tokenizer("encode").encode(text).ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``, special tokens (BOS, EOS, ...) skipped."""
-        return self._require_tokenizer("decode").decode([int(t) for t in token_ids], skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; special tokens (BOS, EOS, those the tokenizer's configs
+        name, ...) skipped unless ``skip_special_tokens`` is False."""
+        return self._require_tokenizer("decode").decode([int(t) for t in token_ids],
+                                                        skip_special_tokens=skip_special_tokens)
 
     def _require_tokenizer(self, what: str) -> "Tokenizer":
         if self.tokenizer is None:
@@ -201,6 +253,27 @@ class LLM:
 
         return [{t: dataclasses.replace(lp, decoded_token=text(t)) for t, lp in entry.items()} for entry in logprobs]
 
+    def _text_of(self, completion: CompletionOutput, params: SamplingParams, num_tokens: int | None = None) -> str:
+        """The text of a sequence's first ``num_tokens`` tokens (all by default), before
+        any stop-string cut: without the text of a stop token that ended it (EOS or a
+        stop id) unless ``include_stop_str_in_output`` (vLLM's rule)."""
+        ids = completion.token_ids[:num_tokens]
+        stopped_by_token = completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
+        if stopped_by_token and len(ids) == len(completion.token_ids) and not params.include_stop_str_in_output:
+            ids = ids[:-1]
+        return self.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _completion_text(self, completion: CompletionOutput, params: SamplingParams) -> str:
+        """The sequence's output text: cut before its stop string (after it with
+        ``include_stop_str_in_output``)."""
+        text = self._text_of(completion, params)
+        stop = completion.stop_reason
+        if isinstance(stop, str):
+            cut = text.find(stop)
+            assert cut >= 0, "a sequence stopped by a string keeps the tokens that hold it"
+            text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
+        return text
+
     # ------------------------------------------------------------ generate
     def generate(
         self,
@@ -208,23 +281,43 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-    ) -> list[LLMOutput]:
+    ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in prompt order.
 
         Args:
           prompts: a list whose entries are each a text (needs a tokenizer) or a list of
             token ids; both kinds may be mixed.
           sampling_params: one `SamplingParams` for all prompts or one per prompt (None:
-            the engine's default).
+            vLLM's defaults).
           use_tqdm: show progress.
+
+        Returns one `RequestOutput` per prompt (vLLM's shape): ``prompt`` (None for a
+        token-id prompt), ``prompt_token_ids`` and ``outputs``, one `CompletionOutput`
+        per sequence (``SamplingParams.n``): ``text`` (None without a tokenizer),
+        ``token_ids``, ``logprobs`` (each ``decoded_token`` the token's text),
+        ``cumulative_logprob``, ``finish_reason``, ``stop_reason``.
+
+        Stop strings (``SamplingParams.stop``) are looked for in each sequence's text
+        after every engine step (so across token boundaries); the first token whose text
+        completes one ends the sequence there: no later token is generated for it (the
+        engine may already have computed a few, in the decode windows in flight) or
+        returned.
 
         Raises:
           TypeError / ValueError naming ``prompts[i]`` for a bad prompt (text without a
-          tokenizer, ids out of the vocabulary, ...); nothing runs then.
+          tokenizer, ids out of the vocabulary, ...) or ``sampling_params`` (stop strings
+          without a tokenizer); nothing runs then.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of texts or of token-id lists, got {type(prompts).__name__} "
                             f"(for one prompt pass [prompt]).")
+        params_list = params_per_prompt(sampling_params, len(prompts))
+        if self.tokenizer is None:
+            for i, params in enumerate(params_list):
+                if params.stop:
+                    where = "sampling_params" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}]"
+                    raise ValueError(f"{where}.stop={list(params.stop)!r}: stop strings need a tokenizer and this "
+                                     f"LLM has none (pass tokenizer=, or use stop_token_ids).")
         token_ids: list[list[int]] = []
         texts: list[str | None] = []
         for i, prompt in enumerate(prompts):
@@ -239,19 +332,52 @@ class LLM:
                 texts.append(None)
             else:
                 raise TypeError(f"prompts[{i}] must be a text or a list of token ids, got {type(prompt).__name__}.")
-        results = self.engine.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        checker = _StopStrings(self, params_list) if any(p.stop for p in params_list) else None
+        results = self.engine.generate(token_ids, params_list, use_tqdm=use_tqdm, stop_checker=checker)
+        if self.tokenizer is None:
+            return results
         token_text: dict[int, str] = {}  # each distinct id decoded once per call
         return [
-            LLMOutput(
-                request_id=out.request_id,
-                prompt=text,
-                prompt_token_ids=list(out.prompt_token_ids),
-                text=None if self.tokenizer is None else self.decode(out.output_token_ids),
-                output_token_ids=list(out.output_token_ids),
-                finish_reason=out.finish_reason,
-                request_output=out,
-                logprobs=self._decoded_logprobs(out.logprobs, token_text),
-                cumulative_logprob=out.cumulative_logprob,
-            )
-            for text, out in zip(texts, results)
+            dataclasses.replace(out, prompt=text, outputs=[
+                dataclasses.replace(c, text=self._completion_text(c, params),
+                                    logprobs=self._decoded_logprobs(c.logprobs, token_text))
+                for c in out.outputs])
+            for text, params, out in zip(texts, params_list, results)
         ]
+
+
+class _StopStrings:
+    """`LLMEngine.generate`'s ``stop_checker`` for one `LLM.generate` call: finds the
+    first token whose text completes one of the prompt's stop strings.
+
+    Each check decodes the sequence's tokens once (a sequence gains a token per step or
+    a decode window's tokens at once); only when the text holds a stop string are the
+    new tokens' prefixes decoded one by one, to find the token that completed it.
+    """
+
+    def __init__(self, llm: LLM, params: list[SamplingParams]) -> None:
+        self.llm = llm
+        self.params = params
+        self.num_clean: dict[tuple[int, int], int] = {}  # tokens whose text holds no stop string
+
+    def __call__(self, prompt_index: int, sample_index: int, completion: CompletionOutput) -> tuple[int, str] | None:
+        params = self.params[prompt_index]
+        if not params.stop:
+            return None
+        key = (prompt_index, sample_index)
+        if _first_stop(self.llm._text_of(completion, params), params.stop) is None:
+            self.num_clean[key] = len(completion.token_ids)
+            return None
+        for num_tokens in range(self.num_clean.get(key, 0) + 1, len(completion.token_ids) + 1):
+            stop = _first_stop(self.llm._text_of(completion, params, num_tokens), params.stop)
+            if stop is not None:
+                return num_tokens, stop
+        raise AssertionError("the whole text holds a stop string, so some prefix does")
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> str | None:
+    """The stop string that occurs first in ``text`` (at equal positions, the first
+    listed), or None."""
+    found = [(text.find(stop), i) for i, stop in enumerate(stops)]
+    found = [f for f in found if f[0] >= 0]
+    return stops[min(found)[1]] if found else None

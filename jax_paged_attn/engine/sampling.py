@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,24 @@ class SamplingParams:
         the model's own distribution, ``log_softmax`` of the raw float32 logits, before
         temperature, top-p and top-k (what vLLM V1 returns by default, its
         "raw_logprobs"; vLLM 0.6 returned the processed distribution's).
+      n: sequences to sample from the prompt (>= 1), each its own completion
+        (`CompletionOutput.index`). Sample ``j`` of a seeded request draws with seed
+        ``seed + j`` (vLLM's rule), so the samples differ and each is reproducible;
+        unseeded samples get distinct seeds from the engine. Greedy samples are
+        identical copies. `LLMEngine.generate` and `LLM.generate` take ``n``;
+        `LLMEngine.add_request` adds one sequence.
+      stop: a string or strings that end the generation when the output text contains
+        one (a match may span tokens; the earliest match in the text wins). The text
+        ends before the stop string, the token ids with the token that completed it
+        (later ones are dropped), ``finish_reason`` is "stop" and ``stop_reason`` the
+        string. Needs text: `LLM` with a tokenizer (the bare engine refuses it).
+      include_stop_str_in_output: keep the matched stop string at the end of the text;
+        and keep a stop token's text (EOS, ``stop_token_ids``), which is otherwise left
+        out of the text (vLLM's rule; the id stays in the token ids).
+      skip_special_tokens: leave the tokenizer's special tokens (BOS, EOS, those its
+        tokenizer_config.json names, ...) out of the text (default); False keeps them.
+        Text options (``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``)
+        act in `LLM`; the engine itself returns token ids only.
     """
 
     temperature: float = 1.0
@@ -79,6 +97,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    stop: str | Sequence[str] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         temperature = _as_float(self.temperature, "temperature")
@@ -97,24 +119,56 @@ class SamplingParams:
         if seed is not None and not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}.")
         try:
-            stop = tuple(_as_int(t, "stop_token_ids") for t in self.stop_token_ids)
+            stop_ids = tuple(_as_int(t, "stop_token_ids") for t in self.stop_token_ids)
         except TypeError as e:
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}.") from e
         logprobs = None if self.logprobs is None else _as_int(self.logprobs, "logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        n = _as_int(self.n, "n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1 (sequences per prompt), got {self.n!r}.")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a str or a sequence of str, got {self.stop!r}.")
+        if any(not s for s in stop):
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r}.")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", TOP_K_DISABLED if top_k == 0 else top_k)
         object.__setattr__(self, "max_tokens", max_tokens)
         object.__setattr__(self, "seed", seed)
-        object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         object.__setattr__(self, "logprobs", logprobs)
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "include_stop_str_in_output", bool(self.include_stop_str_in_output))
+        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def params_per_prompt(sampling_params: "SamplingParams | Sequence[SamplingParams] | None",
+                      num_prompts: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt from what ``generate`` takes: one for all (None:
+    the defaults, vLLM's) or a sequence of one per prompt. TypeError / ValueError name
+    ``sampling_params``."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; "
+                             f"pass one SamplingParams or one per prompt.")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}.")
+        return params
+    raise TypeError(f"sampling_params must be a SamplingParams, a sequence of them or None, got "
+                    f"{type(sampling_params).__name__}.")
 
 
 def _as_float(x: object, name: str) -> float:

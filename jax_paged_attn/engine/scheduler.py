@@ -77,6 +77,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # set by a stop the host decides (`LLMEngine.stop_request`)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
