@@ -95,3 +95,17 @@ def test_mixed_steps_decode_while_prompts_prefill_and_match_dense(model):
     assert engine.stats.num_mixed_steps == len(mixed_rows_decoded) > 0
     assert max(mixed_rows_decoded) > 0  # decodes rode along with prompt chunks
     assert engine.scheduler.device_blocks.num_free_blocks == engine.config.num_blocks
+
+
+def test_llm_warms_up_on_accelerators_or_when_asked(model, monkeypatch):
+    from jax_paged_attn.engine import LLM
+
+    calls = []
+    monkeypatch.setattr(LLMEngine, "warmup", lambda self, **kwargs: calls.append(self))
+    options = dict(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16, compilation_cache=False)
+    LLM.from_model(model, **options)  # the cpu backend: no warm-up unless asked
+    assert calls == []
+    llm = LLM.from_model(model, warmup=True, **options)
+    assert calls == [llm.engine]
+    with pytest.raises(TypeError, match="warmup must be a bool"):
+        LLM.from_model(model, warmup="yes", **options)

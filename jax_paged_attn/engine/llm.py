@@ -40,6 +40,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -167,6 +168,10 @@ class LLM:
         directory (both read with the special tokens the tokenizer_config.json /
         special_tokens_map.json beside it name: `load_tokenizer`), or a
         `tokenizers.Tokenizer` (used as it is).
+      warmup: compile every program of the engine now (`LLMEngine.warmup`), so that no
+        `generate` stalls on a compilation; None: on accelerators, not on the CPU
+        backend (where compiling every shape takes longer than most CPU runs need;
+        programs then compile on first use), said once in the log.
       engine_options: fields of `EngineConfig` (``num_blocks``, ``block_size``,
         ``max_num_seqs``, ...); an unknown name raises TypeError.
 
@@ -183,6 +188,7 @@ class LLM:
         implementation: str | None = None,
         interpret: bool = False,
         tokenizer: "str | os.PathLike | Tokenizer | None" = "auto",
+        warmup: bool | None = None,
         **engine_options: Any,
     ) -> None:
         # The front end loads checkpoints; the engine itself never imports a model.
@@ -200,28 +206,41 @@ class LLM:
         tokenizer = _as_tokenizer(tokenizer)
         model = load_llama(checkpoint_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                            implementation=implementation, interpret=interpret)
-        self._setup(model, tokenizer, config)
+        self._setup(model, tokenizer, config, warmup)
 
     @classmethod
     def from_model(
         cls,
         model: nnx.Module,
         tokenizer: "str | os.PathLike | Tokenizer | None" = None,
+        warmup: bool | None = None,
         **engine_options: Any,
     ) -> "LLM":
         """An `LLM` over ``model`` (a `LlamaForCausalLM`, or any model `LLMEngine` runs).
 
         ``tokenizer``: None (token-id prompts only), a path to a tokenizer.json or its
-        directory, or a `tokenizers.Tokenizer`. ``engine_options``: `EngineConfig` fields.
+        directory, or a `tokenizers.Tokenizer`. ``warmup``: as `LLM`'s.
+        ``engine_options``: `EngineConfig` fields.
         """
         llm = cls.__new__(cls)
-        llm._setup(model, _as_tokenizer(tokenizer), _engine_config(engine_options))
+        llm._setup(model, _as_tokenizer(tokenizer), _engine_config(engine_options), warmup)
         return llm
 
-    def _setup(self, model: nnx.Module, tokenizer: "Tokenizer | None", config: EngineConfig) -> None:
+    def _setup(self, model: nnx.Module, tokenizer: "Tokenizer | None", config: EngineConfig,
+               warmup: bool | None) -> None:
+        if warmup is not None and not isinstance(warmup, bool):
+            raise TypeError(f"warmup must be a bool or None, got {warmup!r}.")
         self.model = model
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, config)
+        if warmup is None:
+            warmup = jax.default_backend() != "cpu"
+            if not warmup:
+                logger.info("LLM: no warm-up on the cpu backend (compiling every program shape takes longer "
+                            "there than most CPU runs need); programs compile on first use. Pass warmup=True "
+                            "to compile them at start.")
+        if warmup:
+            self.engine.warmup()
 
     # ------------------------------------------------------------ tokens <-> text
     def encode(self, text: str) -> list[int]:
