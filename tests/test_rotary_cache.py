@@ -223,8 +223,11 @@ def test_paged_attention_reads_the_keys_the_fused_op_wrote():
     key = reference.rotary_embedding(qkv[:, :, group], cos, sin)
     out, new_kv = layer.paged_attention(query.reshape(num_tokens, -1), key.reshape(num_tokens, -1),
                                         qkv[:, :, group + 1].reshape(num_tokens, -1), kv, md, **common)
-    np.testing.assert_array_equal(np.asarray(fused_kv), np.asarray(new_kv))
-    np.testing.assert_array_equal(np.asarray(fused_out), np.asarray(out))
+    # The fused op runs as one jitted program (a kernel call is a jitted callee), whose
+    # fused float32 arithmetic may round the last bit differently from the op-by-op
+    # rotation: equal to float32 rounding, not bitwise.
+    np.testing.assert_allclose(np.asarray(fused_kv), np.asarray(new_kv), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(fused_out), np.asarray(out), rtol=1e-5, atol=1e-6)
 
 
 def _args(**overrides):
