@@ -296,27 +296,6 @@ def _resolve_block_size(md: FlashAttentionMetadata, block_size: Any, *, required
     return block_size
 
 
-def _check_slots_follow_block_tables(md: FlashAttentionMetadata, block_size: int) -> None:
-    """Decode metadata of unknown block size, concrete arrays: each live sequence's slot
-    must be that of its last position through its block-table row with ``block_size``."""
-    slots, seq_lens, tables = (np.asarray(x).astype(np.int64) for x in (md.slot_mapping, md.seq_lens,
-                                                                        md.block_tables))
-    last = seq_lens - 1
-    column = last // block_size
-    rows = np.nonzero((slots >= 0) & (seq_lens > 0) & (column < tables.shape[1]))[0]
-    if rows.size == 0:
-        return
-    expected = tables[rows, column[rows]] * block_size + last[rows] % block_size
-    wrong = np.nonzero(expected != slots[rows])[0]
-    if wrong.size:
-        i = int(rows[wrong[0]])
-        raise ValueError(
-            f"block_size={block_size} does not match the metadata: metadata.slot_mapping[{i}] = {slots[i]}, but "
-            f"position {last[i]} of sequence {i} through metadata.block_tables[{i}] is slot "
-            f"{expected[wrong[0]]} with block_size={block_size}. Pass the block size the metadata was built "
-            f"with (sliding-window metadata, whose block tables are truncated, cannot advance).")
-
-
 def validate_metadata(metadata: FlashAttentionMetadata, *, block_size: int | None = None,
                       num_blocks: int | None = None) -> None:
     """Checks that `metadata` is consistent; raises ValueError / TypeError naming the field.
@@ -325,8 +304,10 @@ def validate_metadata(metadata: FlashAttentionMetadata, *, block_size: int | Non
     (cumulative offsets, bounds, slot and block-id ranges) run when the arrays are
     concrete (host metadata from the builder, or eager device arrays). ``block_size``
     (default: ``metadata.block_size``; when both are given they must agree) enables the
-    block-table coverage check, ``block_size`` with ``num_blocks`` the range checks of
-    slots and block ids.
+    block-table checks: every row covers its ``seq_len``, and every slot other than
+    `PAD_SLOT_ID` is its token's position through its sequence's row (token ``j`` of a
+    sequence is position ``seq_len - query_len + j``). ``block_size`` with
+    ``num_blocks`` enables the range checks of slots and block ids.
     """
     md = metadata
     if not isinstance(md, FlashAttentionMetadata):
@@ -416,6 +397,48 @@ def validate_metadata(metadata: FlashAttentionMetadata, *, block_size: int | Non
             raise ValueError(
                 f"sequence {i} has seq_len {seq_lens[i]}, needing {needed[i]} blocks of {block_size}, "
                 f"but metadata.block_tables has only {tables.shape[1]} columns.")
+        _check_slots_lie_in_block_tables(slots, seq_lens, query_lens, qsl, tables, block_size,
+                                         block_size_unrecorded=md.block_size is None)
+
+
+def _check_slots_lie_in_block_tables(slots: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                                     qsl: np.ndarray, tables: np.ndarray, block_size: int, *,
+                                     block_size_unrecorded: bool) -> None:
+    """Each written token's slot is its position's slot through its sequence's table row.
+
+    A sequence's new tokens are the last ``query_len`` of its ``seq_len`` keys, so token
+    ``j`` sits at ``seq_len - query_len + j`` of the row; that holds for prefill chunks,
+    prefix-cache hits and sliding-window decodes alike (a truncated row and its shortened
+    ``seq_len`` drop the same leading blocks). A slot elsewhere would write the token's
+    K/V where its attention never reads it (another sequence's block, possibly). For
+    metadata that does not record its block size, a mismatch most likely means the
+    ``block_size`` argument is not the one it was built with, and the error says so.
+    Vectorized over tokens: one pass of NumPy, no per-token Python.
+    """
+    written = np.nonzero(slots != PAD_SLOT_ID)[0]
+    if written.size == 0:
+        return
+    seq_of_token = np.searchsorted(qsl, written, side="right") - 1
+    position = (seq_lens - query_lens)[seq_of_token] + written - qsl[seq_of_token]
+    column = position // block_size
+    inside = (position >= 0) & (position < seq_lens[seq_of_token]) & (column < tables.shape[1])
+    expected = np.full(written.shape, -1, np.int64)
+    expected[inside] = (tables[seq_of_token[inside], column[inside]] * block_size
+                        + position[inside] % block_size)
+    wrong = np.nonzero(expected != slots[written])[0]
+    if wrong.size == 0:
+        return
+    k = int(wrong[0])
+    i, b, pos = int(written[k]), int(seq_of_token[k]), int(position[k])
+    live_blocks = tables[b, :-(-int(seq_lens[b]) // block_size)].tolist()
+    where = (f"block {slots[i] // block_size} is not in its table {live_blocks}"
+             if slots[i] // block_size not in live_blocks else f"position {pos} there is slot {expected[k]}")
+    problem = (f"metadata.slot_mapping[{i}] = {slots[i]} is not where sequence {b}'s token at position {pos} "
+               f"of metadata.block_tables[{b}] goes with block_size={block_size}: {where}.")
+    if block_size_unrecorded:
+        raise ValueError(f"block_size={block_size} does not match the metadata: {problem} Pass the block size "
+                         f"the metadata was built with.")
+    raise ValueError(f"{problem} Its K/V would be written where its attention never reads it.")
 
 
 # --------------------------------------------------------------------------- advance_step
@@ -502,7 +525,6 @@ def advance_step(
     md = metadata
     if not isinstance(md, FlashAttentionMetadata):
         raise TypeError(f"metadata must be a FlashAttentionMetadata, got {type(md).__name__}.")
-    known_block_size = md.block_size
     block_size = _resolve_block_size(md, block_size, required=True)
     if md.num_prefills != 0 or md.num_prefill_tokens != 0 or md.max_prefill_seq_len != 0:
         raise ValueError(
@@ -531,10 +553,6 @@ def advance_step(
             f"sampled_token_ids must have shape [N] or [N, 1] with N <= num_seqs = {num_seqs}, got {shape}.")
     num_sampled = shape[0]
     num_queries = _check_num_queries(num_queries, num_seqs, num_sampled)
-    if known_block_size is None and all(checks.is_concrete(x) for x in (md.slot_mapping, md.seq_lens,
-                                                                        md.block_tables)):
-        _check_slots_follow_block_tables(md, block_size)
-
     if checks.is_concrete(md.seq_lens) and checks.is_concrete(md.block_tables) \
             and checks.is_concrete(num_queries):
         lens = np.asarray(md.seq_lens)[: int(np.asarray(num_queries))]

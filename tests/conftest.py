@@ -10,9 +10,9 @@ Implementations (`IMPLEMENTATIONS`, used as ``@parametrize_impl``):
   Nothing is skipped silently: without a GPU these tests fail.
 
 Decode tests also run the Mosaic GPU decode kernel (`DECODE_MOSAIC_IMPLEMENTATIONS`):
-``mosaic_gpu`` in Mosaic GPU interpret mode (on jax 0.10.2 with `mosaic_interpret_compat`,
-which adds what that interpreter lacks and 0.11's has: transposed wgmma operands and
-``layout_cast``), and ``mosaic_gpu_gpu`` compiled for a Hopper GPU, marked ``gpu``.
+``mosaic_gpu`` in Mosaic GPU interpret mode (on jax 0.10.2 the package adds what that
+interpreter lacks and 0.11's has, `jax_paged_attn.kernels.common.mosaic_interpret_params`),
+and ``mosaic_gpu_gpu`` compiled for a Hopper GPU, marked ``gpu``.
 
 Varlen-only tests at 16-bit dtypes use ``@parametrize_varlen_impl``
 (`VARLEN_IMPLEMENTATIONS`), which adds the Mosaic GPU prefill kernel: ``mosaic_gpu`` in
@@ -50,7 +50,6 @@ import numpy as np
 import pytest
 
 import jax_paged_attn
-import mosaic_interpret_compat
 import oracle
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -93,7 +92,6 @@ IMPLEMENTATIONS = [
 ]
 parametrize_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 
-mosaic_interpret_compat.install()  # jax 0.10.2's Mosaic GPU interpreter learns what 0.11's runs
 MOSAIC_GPU_INTERPRET = Implementation("mosaic_gpu", interpret=True, max_examples=4)
 MOSAIC_GPU_COMPILED = Implementation("mosaic_gpu", interpret=False, max_examples=40)
 DECODE_MOSAIC_IMPLEMENTATIONS = [

@@ -63,26 +63,62 @@ def test_prefix_cache_lookup_shares_and_survives_free_until_evicted():
     h1 = hash_block_tokens(h0, [5, 6, 7, 8])
     assert hash_block_tokens(None, [5, 6, 7, 8]) != h1  # the parent chains the prefix in
     block = alloc.allocate()
-    assert alloc.register(block, h0)
-    assert not alloc.register(alloc.allocate(), h0)  # content already cached elsewhere
-    assert alloc.lookup(h0) == block and alloc.ref_count(block) == 2
-    assert alloc.lookup(h1) is None
+    assert alloc.register(block, h0, [1, 2, 3, 4], parent_block=None)
+    assert not alloc.register(alloc.allocate(), h0, [1, 2, 3, 4], parent_block=None)  # cached elsewhere
+    assert alloc.lookup(h0, [1, 2, 3, 4], parent_block=None) == block and alloc.ref_count(block) == 2
+    assert alloc.lookup(h1, [5, 6, 7, 8], parent_block=block) is None
     alloc.free(block)
     alloc.free(block)
     # Unreferenced but cached: counted free, still found by hash.
     assert alloc.num_free_blocks == 1 and alloc.contains(h0)
-    assert alloc.lookup(h0) == block and alloc.ref_count(block) == 1
+    assert alloc.lookup(h0, [1, 2, 3, 4], parent_block=None) == block and alloc.ref_count(block) == 1
     alloc.free(block)
     # Allocating with no plain free block evicts it and forgets its hash.
     assert alloc.allocate() == block
-    assert not alloc.contains(h0) and alloc.lookup(h0) is None
+    assert not alloc.contains(h0) and alloc.lookup(h0, [1, 2, 3, 4], parent_block=None) is None
+
+
+def test_prefix_cache_hit_needs_equal_tokens_and_the_same_parent_content():
+    alloc = BlockAllocator(6, 2)
+    digest = b"every block collides"
+    first, second = alloc.allocate(), alloc.allocate()
+    assert alloc.register(first, digest, [1, 2], parent_block=None)
+    # Other tokens, or the same tokens at another place in the sequence: a miss, no reference.
+    assert alloc.lookup(digest, [3, 4], parent_block=None) is None
+    assert alloc.lookup(digest, [1, 2], parent_block=second) is None
+    assert alloc.lookup(digest, [1, 2], parent_block=first) is None
+    assert alloc.ref_count(first) == 1
+    # A child is found only after the very content it was registered after.
+    child = alloc.allocate()
+    assert alloc.register(child, b"child", [5, 6], parent_block=first)
+    assert alloc.lookup(b"child", [5, 6], parent_block=first) == child
+    assert not alloc.register(alloc.allocate(), b"orphan", [7, 8], parent_block=second)  # uncached parent
+    # Once the parent's block is evicted and reused, its old children no longer match it.
+    alloc.free_many([first, child, child])
+    refilled = [alloc.allocate() for _ in range(3)]
+    assert first in refilled and not alloc.contains(digest)
+    assert alloc.register(first, digest, [1, 2], parent_block=None)
+    assert alloc.lookup(b"child", [5, 6], parent_block=first) is None
+
+
+def test_children_of_a_block_computed_twice_are_still_registered():
+    alloc = BlockAllocator(4, 2)
+    cached, twin = alloc.allocate(), alloc.allocate()
+    d0 = hash_block_tokens(None, [1, 2])
+    assert alloc.register(cached, d0, [1, 2], parent_block=None)
+    assert not alloc.register(twin, d0, [1, 2], parent_block=None)  # same content, already cached
+    child = alloc.allocate()
+    d1 = hash_block_tokens(d0, [3, 4])
+    assert alloc.register(child, d1, [3, 4], parent_block=twin)
+    assert alloc.lookup(d1, [3, 4], parent_block=cached) == child
 
 
 def test_prefix_caching_disabled_never_shares():
     alloc = BlockAllocator(2, 4, enable_prefix_caching=False)
     block = alloc.allocate()
-    assert not alloc.register(block, 123)
-    assert alloc.lookup(123) is None
+    digest = hash_block_tokens(None, [1, 2, 3, 4])
+    assert not alloc.register(block, digest, [1, 2, 3, 4], parent_block=None)
+    assert alloc.lookup(digest, [1, 2, 3, 4], parent_block=None) is None
 
 
 def test_copy_on_write():
@@ -96,9 +132,10 @@ def test_copy_on_write():
     assert new_block != block and copy == (block, new_block)
     assert alloc.ref_count(block) == 1 and alloc.ref_count(new_block) == 1
     # Cached content is copied even with one holder, so the hash stays truthful.
-    assert alloc.register(block, 77)
+    digest = hash_block_tokens(None, range(16))
+    assert alloc.register(block, digest, range(16), parent_block=None)
     newer, copy = alloc.cow(block)
-    assert copy == (block, newer) and alloc.contains(77) and alloc.ref_count(block) == 0
+    assert copy == (block, newer) and alloc.contains(digest) and alloc.ref_count(block) == 0
     # No room for the copy.
     full = BlockAllocator(1, 16)
     b = full.allocate()

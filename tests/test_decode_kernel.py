@@ -3,9 +3,9 @@ first cut) against the reference.
 
 Every kernel run here is in Pallas interpret mode on the CPU; cross-lowering for CUDA
 checks that the Triton lowering accepts the kernel. The Mosaic GPU kernel runs in the
-Mosaic GPU interpreter (on jax 0.10.2 with `mosaic_interpret_compat`); its cross-lowering
-tests are in tests/test_lowering.py. Unused cache pages
-are filled with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
+Mosaic GPU interpreter (on jax 0.10.2 too: the package teaches that interpreter what it
+lacks); its cross-lowering tests are in tests/test_lowering.py. Unused cache pages are
+filled with NaN and block-table entries past a sequence hold garbage ids, so a kernel that
 reads outside a sequence's keys shows up as NaN or as a wrong value.
 
 Tolerance (FlashAttention-3 style): the kernel's error against the float32 reference
@@ -524,6 +524,40 @@ def test_mosaic_matches_reference_in_interpret_mode(case: Case) -> None:
     block-table entries past each sequence, splits, windows, ALiBi, soft-cap, row blocks."""
     inputs = make_inputs(case)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+_FRESH_PROCESS_MOSAIC_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+import jax_paged_attn
+
+rng = np.random.default_rng(0)
+bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+q, k_cache, v_cache = bf16(2, 1, 4, 64), bf16(8, 16, 1, 64), bf16(8, 16, 1, 64)
+lens, table = jnp.asarray([20, 5], jnp.int32), jnp.asarray([[3, 1], [6, 0]], jnp.int32)
+got, want = [jax_paged_attn.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, causal=True,
+                                                    implementation=name, interpret=name != "xla")
+             for name in ("mosaic_gpu", "xla")]
+np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2)
+print("jax", jax.__version__, "ok")
+"""
+
+
+def test_mosaic_interpret_needs_no_test_code_in_a_fresh_process() -> None:
+    """A user's first call, in a process where nothing of the tests ran: Mosaic GPU decode
+    in interpret mode runs (and matches the reference) on this jax. (Mosaic GPU prefill
+    needs nothing of the interpreter that jax 0.10 lacks: its interpret form has no
+    ``layout_cast`` and no transposed operand.)"""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_MOSAIC_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["jax", jax.__version__, "ok"]
 
 
 def test_mosaic_every_tile_boundary() -> None:

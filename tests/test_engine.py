@@ -104,6 +104,23 @@ def test_prefix_sharing_and_copy_on_write_match_dense(model):
     assert_all_blocks_free(engine)
 
 
+def test_colliding_block_hashes_share_nothing_wrong_and_match_dense(model, monkeypatch):
+    # Every block hash collides (a deliberately bad hash): hits are still exact, because
+    # the cache compares a hit's tokens and its parent block.
+    from jax_paged_attn.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "hash_block_tokens", lambda parent, tokens: b"collide")
+    first, other = random_prompts(4, [32, 32])
+    prompts = [other, first[:16] * 2, first, other[:16] + first[:16]]
+    engine = LLMEngine(model, BASE)
+    engine.generate([first], greedy(1), use_tqdm=False)
+    outs = engine.generate(prompts, greedy(6), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 6)
+    # Only first's block 0 is cached (its other blocks' hash is taken); only exact matches hit it.
+    assert [o.num_cached_tokens for o in outs] == [0, 16, 16, 0]
+    assert_all_blocks_free(engine)
+
+
 def test_multi_step_decoding_matches_dense_and_stops_on_time(model):
     prompts = random_prompts(8, [6, 33, 12, 20])
     expected = dense_greedy_generate(model, prompts, 24)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jax_paged_attn.models import (
     load_llama,
     save_checkpoint,
 )
-from jax_paged_attn.models.checkpoint import hf_parameter_map
+from jax_paged_attn.models.checkpoint import checkpoint_dtype, hf_parameter_map
 from jax_paged_attn.models.llama import apply_rope, jit_forward, jit_forward_dense, rope_inverse_frequencies
 from conftest import lower_for_cuda
 
@@ -422,6 +423,39 @@ def test_checkpoint_errors_name_tensor_and_file(tmp_path, model):
         load_checkpoint(other, tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_llama(tmp_path / "nowhere")
+
+
+def test_unreadable_safetensors_files_are_checkpoint_errors_naming_the_file(tmp_path, model):
+    save_checkpoint(model, model.config, tmp_path)
+    path = tmp_path / "model.safetensors"
+    whole = path.read_bytes()
+    target = LlamaForCausalLM(model.config, rngs=nnx.Rngs(9), implementation="xla")
+    for content in (b"", whole[:5], whole[:20], whole[:-40]):  # empty, cut in the header, cut in the data
+        path.write_bytes(content)
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))} is not a readable safetensors file"):
+            load_checkpoint(target, tmp_path)
+    _edit_config(tmp_path, torch_dtype=None, dtype=None)  # the dtype is then read from the tensors
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))} is not a readable safetensors file"):
+        checkpoint_dtype(tmp_path)
+
+
+@pytest.mark.parametrize("index, problem", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object, got list"),
+    ('{"metadata": {}}', "has no 'weight_map'"),
+    ('{"weight_map": ["model.norm.weight"]}', "'weight_map' must map tensor names to file names, got list"),
+    ('{"weight_map": {"model.norm.weight": 3}}', r"'weight_map'\['model.norm.weight'\] must be a file name"),
+    ('{"weight_map": {"model.norm.weight": "model-00009-of-00009.safetensors"}}',
+     r"lists file\(s\) that do not exist: \['model-00009-of-00009.safetensors'\]"),
+    ('{"weight_map": {"model.norm.weight": "../model.safetensors"}}', "must be a file name in the checkpoint"),
+])
+def test_malformed_index_is_a_checkpoint_error_naming_the_file(tmp_path, model, index, problem):
+    save_checkpoint(model, model.config, tmp_path, max_shard_bytes=60_000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index_path.write_text(index)
+    target = LlamaForCausalLM(model.config, rngs=nnx.Rngs(9), implementation="xla")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(index_path))}.*{problem}"):
+        load_checkpoint(target, tmp_path)
 
 
 def _edit_config(directory, **changes) -> None:

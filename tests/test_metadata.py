@@ -194,6 +194,46 @@ def test_validate_metadata_reports_inconsistencies():
         validate_metadata(dataclasses.replace(host, query_start_loc=qsl))
 
 
+def test_validate_metadata_refuses_a_slot_outside_its_sequences_block_table():
+    host = jax.tree_util.tree_map(np.asarray, mixed_metadata())
+    qsl = host.query_start_loc
+    # Token 0 of prefill 1 (a chunk at position 16), the decode of 17 tokens, and a padding token.
+    chunk_row, decode_row, padding_row = int(qsl[1]), int(qsl[2]), int(qsl[-1]) - 1
+    assert host.slot_mapping[chunk_row] == 4 * 16 and host.slot_mapping[padding_row] == PAD_SLOT_ID
+    cases = {
+        chunk_row: 200 * 16,  # in range, in nobody's block table
+        decode_row: 1 * 16 + 3,  # prefill 0's block
+        chunk_row + 1: 3 * 16 + 1,  # its own table's block for another position
+    }
+    for row, slot in cases.items():
+        slots = host.slot_mapping.copy()
+        slots[row] = slot
+        with pytest.raises(ValueError, match=rf"metadata.slot_mapping\[{row}\] = {slot}"):
+            validate_metadata(dataclasses.replace(host, slot_mapping=slots), num_blocks=NUM_BLOCKS)
+    # Padding slots stay allowed anywhere, and so does a token the window skips.
+    slots = host.slot_mapping.copy()
+    slots[chunk_row] = PAD_SLOT_ID
+    validate_metadata(dataclasses.replace(host, slot_mapping=slots))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_builder_metadata_passes_the_slot_and_block_table_check(sliding_window):
+    sequences = [
+        ScheduledSequence.prompt(50, [1, 2, 3, 4], context_len=20),
+        ScheduledSequence.prompt(30, [5, 6]),
+        ScheduledSequence.decode(70, [10, 11, 12, 13, 14, 15, 16]),  # truncated by a window
+        ScheduledSequence.decode(33, [17, 18, 19], query_len=3),
+        ScheduledSequence.decode(16, [20]),
+    ]
+    builder = FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, chunked_prefill=True,
+                                            sliding_window=sliding_window)
+    md = builder.build_host(sequences)
+    validate_metadata(md, num_blocks=NUM_BLOCKS)
+    hit = [ScheduledSequence.prompt(40, [1, 2, 3], context_len=32, prefix_cache_hit=True),
+           ScheduledSequence.prompt(20, [6, 7])]
+    validate_metadata(FlashAttentionMetadataBuilder(block_size=BLOCK_SIZE).build_host(hit))
+
+
 # --------------------------------------------------------------------------- advance_step
 
 

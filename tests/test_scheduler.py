@@ -10,6 +10,7 @@ the scheduler ever lost, overwrote or mis-mapped a token, this check fails.
 import numpy as np
 import pytest
 
+from jax_paged_attn.engine import scheduler as scheduler_module
 from jax_paged_attn.engine.sampling import SamplingParams
 from jax_paged_attn.engine.scheduler import (
     FinishReason,
@@ -271,6 +272,32 @@ def test_prefix_sharing_under_preemption_keeps_tokens():
     assert s.num_preemptions > 0 and s.num_prefix_cache_hit_tokens > 0
     for i, p in enumerate(prompts):
         assert s.requests[f"r{i}"].output_token_ids == expected_output(p, 9)
+
+
+def test_prefix_cache_hits_are_exact_even_when_every_block_hash_collides(monkeypatch):
+    # A deliberately bad hash: every block of every request collides. A hit must still
+    # compare the block's tokens and its parent chain, so nobody reads another's K/V
+    # (the simulated cache checks every earlier token a request reads).
+    monkeypatch.setattr(scheduler_module, "hash_block_tokens", lambda parent, tokens: b"collide")
+    s = make_scheduler(block_size=4)
+    cache = SimulatedCache(s, 64)
+    first = list(range(10, 22))  # three full blocks
+    s.add_request("first", first, greedy(2), seed=0)
+    drain(s, cache)
+    prompts = {
+        "other": list(range(40, 52)),  # same length, no token in common
+        "repeats": first[:4] * 3,  # blocks 1 and 2 hold block 0's tokens at later positions
+        "same": first,  # only block 0 is cached: every later block's hash is already taken
+        "shifted": [90, 91, 92, 93] + first[:8],  # first's blocks one block later
+    }
+    for rid, prompt in prompts.items():
+        s.add_request(rid, prompt, greedy(6), seed=0)
+    drain(s, cache)
+    for rid, prompt in prompts.items():
+        assert s.requests[rid].output_token_ids == expected_output(prompt, 6), rid
+    cached = {rid: s.requests[rid].num_cached_prompt_tokens for rid in prompts}
+    assert cached == {"other": 0, "repeats": 4, "same": 4, "shifted": 0}
+    assert s.device_blocks.num_free_blocks == 64
 
 
 def test_stop_tokens_eos_and_abort():

@@ -72,7 +72,7 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)  # device block ids
     host_block_table: list[int] = dataclasses.field(default_factory=list)  # while swapped
-    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full blocks, in order
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
@@ -588,20 +588,22 @@ class Scheduler:
             return []
         self._extend_hashes(request, request.num_tokens)
         hits = []
-        for block_hash in request.block_hashes:
-            block = self.device_blocks.lookup(block_hash)
+        for index, block_hash in enumerate(request.block_hashes):
+            block = self.device_blocks.lookup(block_hash, self._block_tokens(request, index),
+                                              parent_block=hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
         return hits
 
+    def _block_tokens(self, request: Request, index: int) -> list[int]:
+        return [request.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size)]
+
     def _extend_hashes(self, request: Request, num_known_tokens: int) -> None:
-        bs = self.block_size
-        while (len(request.block_hashes) + 1) * bs <= num_known_tokens:
+        while (len(request.block_hashes) + 1) * self.block_size <= num_known_tokens:
             index = len(request.block_hashes)
             parent = request.block_hashes[-1] if request.block_hashes else None
-            tokens = [request.token_at(p) for p in range(index * bs, (index + 1) * bs)]
-            request.block_hashes.append(hash_block_tokens(parent, tokens))
+            request.block_hashes.append(hash_block_tokens(parent, self._block_tokens(request, index)))
 
     def _register_full_blocks(self, request: Request) -> None:
         """Offers blocks that became full and computed to the prefix cache."""
@@ -612,7 +614,9 @@ class Scheduler:
             return
         self._extend_hashes(request, num_full * self.block_size)
         for index in range(request.num_registered_blocks, num_full):
-            self.device_blocks.register(request.block_table[index], request.block_hashes[index])
+            self.device_blocks.register(request.block_table[index], request.block_hashes[index],
+                                        self._block_tokens(request, index),
+                                        parent_block=request.block_table[index - 1] if index else None)
         request.num_registered_blocks = num_full
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -115,13 +115,87 @@ def mosaic_smem_union(*groups: tuple, interpret: bool) -> object:
 
 def mosaic_interpret_params() -> object:
     """Mosaic GPU interpret-mode parameters (``InterpretGPUParams``): public as
-    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10."""
+    ``plgpu.InterpretGPUParams`` from jax 0.11, only internal in jax 0.10. Every Mosaic
+    GPU kernel run in interpret mode asks for them first, so on jax 0.10 this is where
+    the interpreter learns what the kernels need of it (`_teach_jax010_mosaic_interpreter`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:
+        _teach_jax010_mosaic_interpreter()
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+_jax010_mosaic_interpreter_taught = False
+
+
+def _teach_jax010_mosaic_interpreter() -> None:
+    """Gives jax 0.10's Mosaic GPU interpreter the two things the Mosaic GPU kernels use
+    and only jax 0.11's interpreter runs: a wgmma whose shared-memory operand carries a
+    transpose (decode's Q K^T), and a CPU rule for ``layout_cast`` (a register-layout
+    hint, the identity on values). Without them interpret mode fails on jax 0.10 (no
+    MLIR rule for ``layout_cast`` on cpu). Only jax < 0.11 calls this (jax 0.11 has
+    public ``InterpretGPUParams`` and both features), once per process; the compiled
+    kernels never go through the interpreter, so nothing changes for them.
+
+    The wgmma callback is jax 0.10's own (read the operands from the interpreter's shared
+    memory, add ``a @ b`` to the accumulator) with the transpose applied to the operand
+    that has one, as jax 0.11's callback does. It replaces the module attribute that the
+    interpreter looks up at each wgmma."""
+    global _jax010_mosaic_interpreter_taught
+    if _jax010_mosaic_interpreter_taught:
+        return
+    import numpy as np
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+    from jax._src.pallas.mosaic_gpu import core as mosaic_core
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as callbacks
+    from jax._src.state import types as state_types
+
+    def split_transpose(transforms) -> tuple[tuple, tuple[int, ...] | None]:
+        """(the indexing transforms, the permutation of a trailing transpose or None)."""
+        rest, permutation = [], None
+        for transform in tuple(transforms):
+            if isinstance(transform, state_types.TransposeTransform):
+                if permutation is not None:
+                    raise NotImplementedError("a wgmma operand with two transposes")
+                permutation = tuple(int(p) for p in transform.permutation)
+            elif permutation is not None:
+                raise NotImplementedError("a wgmma operand indexed after its transpose")
+            else:
+                rest.append(transform)
+        return tuple(rest), permutation
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms,
+              acc_dtype, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms,
+              source_info=None):
+        device_id, thread_id = int(device_id), int(thread_id)
+        key = callbacks.HostAllocationKey.from_array
+        acc_key, a_key, b_key = key(acc_allocation_key_as_array), key(a_allocation_key_as_array), \
+            key(b_allocation_key_as_array)
+        a_index, a_perm = split_transpose(callbacks._remove_noop_transforms(a_transforms))
+        b_index, b_perm = split_transpose(callbacks._remove_noop_transforms(b_transforms))
+        acc_index = jax.tree.map(int, callbacks._remove_noop_transforms(acc_transforms))
+        memory = callbacks._get_shared_memory()
+        thread = memory.get_global_thread_id(device_id, thread_id)
+        log = interpret_utils.GPULoggingInfo(device_id=device_id, thread_id=thread_id, source_info=source_info,
+                                             grid_point_coords=tuple(int(x) for x in grid_point_coords))
+        a, _, _ = memory.get_buffer_content(a_key, interpret_utils.to_range(jax.tree.map(int, a_index)), thread,
+                                            logging_info=log)
+        b, _, _ = memory.get_buffer_content(b_key, interpret_utils.to_range(jax.tree.map(int, b_index)), thread,
+                                            logging_info=log)
+        a = np.transpose(a, a_perm) if a_perm else a
+        b = np.transpose(b, b_perm) if b_perm else b
+        acc_range = interpret_utils.to_range(acc_index)
+        acc, _, _ = memory.get_buffer_content(acc_key, acc_range, thread, logging_info=log)
+        result = acc + np.matmul(a.astype(np.float32), b.astype(np.float32), dtype=acc_dtype)
+        memory.store_buffer_content(acc_key, acc_range, result, thread, logging_info=log)
+        return token
+
+    callbacks.wgmma = wgmma
+    mlir.register_lowering(mosaic_core.layout_cast_p, mlir.lower_fun(lambda x, new_layout: x, multiple_results=False))
+    _jax010_mosaic_interpreter_taught = True
 
 
 def quarantine_nonfinite_values(masked_scores: Array, v: Array, correction: Array

@@ -11,9 +11,9 @@ with its measured config (`tuning.MOSAIC_DECODE_MEASURED`: a producer and one co
 warpgroup, one wave of programs), reads 3,495-3,622 GB/s of K/V, 0.97-0.99x the Triton
 decode kernel in alternating rounds, so auto does not run it; the 64-row wgmma tile
 makes a GQA group of 4 a sixteenth of the tensor-core work it pays. Mosaic GPU
-interpret mode runs it from jax 0.11 (jax 0.10's interpreter has no rule for
-``layout_cast`` and no transposed wgmma operands; the tests add both there,
-tests/mosaic_interpret_compat.py).
+interpret mode runs it on jax 0.10 and 0.11 (jax 0.10's interpreter has no rule for
+``layout_cast`` and no transposed wgmma operands; `common.mosaic_interpret_params` adds
+both there).
 
 What one program does (grid: KV heads x row blocks, sequences, KV splits; one warpgroup,
 or with ``tiling.compute_warpgroups`` > 0 a producer warpgroup and that many compute

@@ -156,6 +156,41 @@ def _read_json(path: str) -> Any:
             raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
+@contextlib.contextmanager
+def _open_safetensors(path: str) -> Iterator[Any]:
+    """``safetensors.safe_open(path)`` (numpy) whose failures to read the file, at opening
+    or at reading a tensor, are `CheckpointError`s naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({e}); it may be empty or truncated "
+            f"(an interrupted download or copy).") from e
+
+
+def _read_index(index_path: str) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json``, checked: tensor name ->
+    a file name in the checkpoint's directory."""
+    index = _read_json(index_path)
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path} must hold a JSON object, got {type(index).__name__}.")
+    if "weight_map" not in index:
+        raise CheckpointError(f"{index_path} has no 'weight_map' (tensor name -> shard file).")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index_path}: 'weight_map' must map tensor names to file names, got {type(weight_map).__name__}.")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+            raise CheckpointError(
+                f"{index_path}: 'weight_map'[{name!r}] must be a file name in the checkpoint's directory, "
+                f"got {file!r}.")
+    return weight_map
+
+
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``directory/config.json`` (FileNotFoundError without one)."""
     path = os.path.join(os.fspath(directory), CONFIG_FILE)
@@ -225,10 +260,8 @@ def checkpoint_dtype(directory: str | os.PathLike) -> jnp.dtype:
         return jnp.dtype(name)
     files = _tensor_files(directory)
     found = set()
-    from safetensors import safe_open
-
     for file, names in _by_file(files):
-        with safe_open(file, framework="np") as f:
+        with _open_safetensors(file) as f:
             for name in names:
                 dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
                 if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
@@ -247,24 +280,18 @@ def _tensor_files(directory: str) -> dict[str, str]:
     """Tensor name -> safetensors file path, from the index or the file(s) present."""
     index_path = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_path} has no 'weight_map' dict.")
-        files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
-        absent = sorted({f for f in files.values() if not os.path.isfile(f)})
+        weight_map = _read_index(index_path)
+        absent = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(directory, file))})
         if absent:
             raise CheckpointError(f"{index_path} lists file(s) that do not exist: {absent}.")
-        return files
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
     shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not shards:
         raise CheckpointError(f"no *.safetensors file (nor {INDEX_FILE}) in {directory!r}.")
-    from safetensors import safe_open
-
     files = {}
     for shard in shards:
         path = os.path.join(directory, shard)
-        with safe_open(path, framework="np") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 if name in files:
                     raise CheckpointError(f"tensor {name!r} appears in both {files[name]} and {path}.")
@@ -299,8 +326,6 @@ def load_checkpoint(
         (each named with its file, expected and found shape / dtype). All problems are
         reported at once; the model is left unchanged when any is found.
     """
-    from safetensors import safe_open
-
     directory = os.fspath(directory)
     config = read_config(directory)
     # eos_token_id says when to stop generating, not how to compute: it may differ.
@@ -329,7 +354,7 @@ def load_checkpoint(
 
     # First pass: shapes and dtypes from the headers only, so nothing is loaded when any is wrong.
     for path, names in _by_file({n: files[n] for n in expected if n in files}):
-        with safe_open(path, framework="np") as f:
+        with _open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -364,7 +389,7 @@ def load_checkpoint(
 
         def read(name: str) -> np.ndarray:
             if files[name] not in opened:
-                opened[files[name]] = stack.enter_context(safe_open(files[name], framework="np"))
+                opened[files[name]] = stack.enter_context(_open_safetensors(files[name]))
             return opened[files[name]].get_tensor(name)
 
         for param_path, names in parts.items():
