@@ -115,7 +115,7 @@ def test_colliding_block_hashes_share_nothing_wrong_and_match_dense(model, monke
     engine = LLMEngine(model, BASE)
     engine.generate([first], greedy(1), use_tqdm=False)
     outs = engine.generate(prompts, greedy(6), use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == dense_greedy_generate(model, prompts, 6)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 6)
     # Only first's block 0 is cached (its other blocks' hash is taken); only exact matches hit it.
     assert [o.num_cached_tokens for o in outs] == [0, 16, 16, 0]
     assert_all_blocks_free(engine)
