@@ -101,7 +101,8 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
         else:
             covers = [set(itertools.combinations([(a, v[a]) for a in varying], 2)) for v in values]
         uncovered = set().union(*covers)
-        kept: set[int] = set()
+        kept = {0}  # a test with one case (no varying parameter) keeps it
+        uncovered -= covers[0]
         while uncovered:
             best = max((i for i in range(len(group)) if i not in kept), key=lambda i: len(covers[i] & uncovered))
             kept.add(best)
