@@ -5,8 +5,7 @@ Without --checkpoint: a small random-weight Llama with a byte-level tokenizer (o
 per byte) on whatever backend JAX has (the CPU by default): the generations are
 gibberish, the point is the engine at work. With --checkpoint: a Hugging Face Llama /
 Mistral directory (config.json + *.safetensors, read locally, no download); text prompts
-need its tokenizer.json, --prompt-ids work without one. Decoding is greedy unless
---temperature says otherwise.
+need its tokenizer.json, --prompt-ids work without one.
 """
 from __future__ import annotations
 
