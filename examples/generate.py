@@ -20,17 +20,12 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jax_paged_attn.engine import LLM, EngineConfig, Logprob, RequestOutput, SamplingParams  # noqa: E402
-from jax_paged_attn.engine.llm import TOKENIZER_FILE  # noqa: E402
-from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, checkpoint_dtype, dense_greedy_generate  # noqa: E402
-from jax_paged_attn.models.checkpoint import read_config  # noqa: E402
-
+# JAX and the package are imported by `main` after the arguments are parsed, so --help
+# and usage errors answer at once instead of after seconds of imports.
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+    from jax_paged_attn.engine import LLM, Logprob, RequestOutput
 
 DEFAULT_PROMPTS = [
     "The paged KV cache stores keys and values in blocks of",
@@ -39,18 +34,17 @@ DEFAULT_PROMPTS = [
     "JAX compiles a program once per",
 ]
 
-# Byte-level vocabulary: small enough that the random model runs in seconds on a CPU.
-RANDOM_MODEL = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                           max_position_embeddings=1024)
+# `LlamaConfig` fields of the random model. Byte-level vocabulary: small enough that the
+# model runs in seconds on a CPU.
+RANDOM_MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
 
 EPILOG = """examples:
   python examples/generate.py --verify                          # random model; greedy paged == dense?
   python examples/generate.py --max-tokens 32 --temperature 0.8 --top-p 0.95
   python examples/generate.py --num-blocks 12 --max-tokens 48 --num-requests 8   # tiny cache: preemption
   python examples/generate.py --implementation triton --interpret --max-tokens 4  # Pallas kernels on a CPU
-  python examples/generate.py --checkpoint /path/to/Llama-3.2-1B --prompts "The capital of France is" \\
-      --temperature 0
+  python examples/generate.py --checkpoint /path/to/Llama-3.2-1B --prompts "The capital of France is"
   python examples/generate.py --checkpoint /path/to/model --prompt-ids "1,15043,29892;1,450"
   python examples/generate.py --checkpoint /path/to/model --prompts "Count: 1, 2," --stop " 5" --stop "."
 """
@@ -124,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=_int_at_least(1), metavar="N",
                         help="requests to run, cycling through the prompts; without it: one per prompt")
     parser.add_argument("--max-tokens", type=_int_at_least(1), default=32, help="tokens to generate per request")
-    parser.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.8, help="0 = greedy")
-    parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=0.95,
-                        help="nucleus sampling: keep the most likely tokens up to this mass")
+    parser.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0,
+                        help="0 = greedy (the default); > 0 samples at that temperature")
+    parser.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus sampling (with --temperature > 0): keep the most likely tokens up to "
+                             "this mass; 1 = off")
     parser.add_argument("--top-k", type=_int_at_least(-1), default=-1, help="-1 = off")
     parser.add_argument("--stop", action="append", metavar="TEXT",
                         help="stop string (repeat for several): a request ends when its text holds one, and "
@@ -194,6 +190,15 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[RequestOutput]]:
     parser = build_parser()
     args = parser.parse_args(argv)
 
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_paged_attn.engine import LLM, EngineConfig, SamplingParams
+    from jax_paged_attn.engine.llm import TOKENIZER_FILE
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, checkpoint_dtype, dense_greedy_generate
+    from jax_paged_attn.models.checkpoint import read_config
+
     # Every usage error is reported here, before a model is built or loaded.
     implementation = args.implementation
     if args.interpret:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[RequestOutput]]:
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     has_tokenizer = True
-    config = RANDOM_MODEL
+    config = LlamaConfig(**RANDOM_MODEL)
     dtype = jnp.dtype(jnp.float32 if args.dtype == "auto" else args.dtype)
     if args.checkpoint:
         if not os.path.isdir(args.checkpoint):
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list[RequestOutput]]:
         llm = LLM(args.checkpoint, dtype=dtype, implementation=implementation, interpret=args.interpret,
                   tokenizer="auto" if has_tokenizer else None, **engine_options)
     else:
-        model = LlamaForCausalLM(RANDOM_MODEL, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype,
+        model = LlamaForCausalLM(config, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype,
                                  implementation=implementation, interpret=args.interpret)
         llm = LLM.from_model(model, tokenizer=byte_tokenizer(), **engine_options)
     model = llm.model

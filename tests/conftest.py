@@ -31,6 +31,17 @@ flash-attention kernel does in the input dtype (`oracle` module docstring).
 Hypothesis profiles: ``ci`` (default; derandomized, no example database, no deadline)
 and ``explore`` (random, more examples): ``pytest --hypothesis-profile=explore``.
 
+Full products (``--full``): the interpret-mode kernel grids run, by default, a covering
+subset of their cases. A test marked ``@pytest.mark.covering`` keeps, per implementation,
+cases until every value of each parameter (every pair of values, when three or more
+vary) appears in one (`mark_outside_covering_subsets`); an API test's kernel case marked
+``@pytest.mark.covered_by(impl, *node_ids)`` leaves its check to the kernel grids' named
+cases (`mark_covered_by_kernel_grids` checks they run by default); a hand-made grid whose ids
+name their features keeps cases until every feature appears in one (`covering_cases`).
+The other cases carry the ``full`` marker: deselected on a CPU unless ``pytest --full``
+is given, and always run in the GPU suite (``-m gpu``), where they compile. The ``xla``
+reference cases always run.
+
 ``JPA_REPORT_FAILURES_AT_ONCE=1`` prints each failure's traceback when it happens, not
 in the summary at the end, so a run stopped by a time limit still says why its
 failures failed (`benchmarks/gpu_session.sh` sets it).
@@ -39,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import sys
 from typing import Any, Sequence
@@ -51,6 +63,140 @@ import pytest
 
 import jax_paged_attn
 import oracle
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the cases marked `full`: the whole parameter products of the interpret-mode "
+                          "kernel grids (by default a covering subset runs)")
+
+
+def _axis_value(value: Any) -> str:
+    return value.name if isinstance(value, Implementation) else repr(value)
+
+
+def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
+    """Marks ``full`` the cases of each ``@pytest.mark.covering`` test that a covering
+    subset of its parameter product leaves out.
+
+    Per test and implementation (the ``impl`` parameter: every kernel keeps its cases;
+    the ``xla`` reference's cases and ``gpu`` cases are all kept), the subset takes cases
+    greedily in collection order until every value of each other parameter appears in one,
+    and, when three or more parameters vary, every pair of values."""
+    groups: dict[tuple, list[pytest.Item]] = {}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", None)
+        if not params or not item.get_closest_marker("covering") or item.get_closest_marker("gpu"):
+            continue
+        impl = params.get("impl")
+        if isinstance(impl, Implementation) and not impl.interpret:
+            continue
+        groups.setdefault((item.module.__name__, item.originalname, _axis_value(impl)), []).append(item)
+    for group in groups.values():
+        values = [{axis: _axis_value(v) for axis, v in item.callspec.params.items() if axis != "impl"}
+                  for item in group]
+        varying = sorted(a for a in values[0] if len({v.get(a) for v in values}) > 1)
+        if len(varying) <= 2:
+            covers = [{(a, v[a]) for a in varying} for v in values]
+        else:
+            covers = [set(itertools.combinations([(a, v[a]) for a in varying], 2)) for v in values]
+        uncovered = set().union(*covers)
+        kept = {0}  # a test with one case (no varying parameter) keeps it
+        uncovered -= covers[0]
+        while uncovered:
+            best = max((i for i in range(len(group)) if i not in kept), key=lambda i: len(covers[i] & uncovered))
+            kept.add(best)
+            uncovered -= covers[best]
+        for i, item in enumerate(group):
+            if i not in kept and not item.get_closest_marker("full"):
+                item.add_marker(pytest.mark.full)
+
+
+def mark_covered_by_kernel_grids(items: list[pytest.Item]) -> None:
+    """Marks ``full`` the CPU cases of implementation ``impl`` of a test marked
+    ``@pytest.mark.covered_by(impl, *node_ids)``: the kernel grids' cases ``node_ids`` check
+    the same kernel on the same feature. Each named case must exist and run by default
+    (checked whenever its file is collected)."""
+    default = {item.nodeid for item in items if not item.get_closest_marker("full")}
+    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    missing = []
+    for item in items:
+        impl = getattr(getattr(item, "callspec", None), "params", {}).get("impl")
+        if not isinstance(impl, Implementation) or not impl.interpret or item.get_closest_marker("gpu"):
+            continue
+        for mark in item.iter_markers("covered_by"):
+            impl_name, *node_ids = mark.args
+            if impl.name != impl_name:
+                continue
+            item.add_marker(pytest.mark.full)
+            missing += [f"{item.nodeid}: {n}" for n in node_ids
+                        if n.split("::", 1)[0] in collected_files and n not in default]
+    if missing:
+        raise pytest.UsageError("covered_by names cases that do not run by default:\n" + "\n".join(missing))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the cases outside the covering subsets ``full``; without ``--full``, deselects
+    the ``full`` cases that run on the CPU (a ``gpu`` case always runs: on the GPU the
+    whole products are cheap)."""
+    mark_outside_covering_subsets(items)
+    mark_covered_by_kernel_grids(items)
+    if config.getoption("--full"):
+        return
+    dropped = [item for item in items if item.get_closest_marker("full") and not item.get_closest_marker("gpu")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        dropped_ids = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in dropped_ids]
+
+
+def covering_cases(cases: Sequence[Any], *, id_of: Any = str, keep: Sequence[str] = ()) -> list[Any]:
+    """``cases`` (a hand-made grid whose ids name their features, ``"paged-bs32-gqa4-d64"``)
+    as `pytest.param` s, those outside a covering subset marked ``full``.
+
+    The subset holds every feature (each ``-``-separated word of an id) of the cases that
+    run on a CPU in at least one of them: a greedy set cover in the grid's order, plus the
+    ids ``keep`` names. A case already a `pytest.param` keeps its id and marks; a ``gpu``
+    case is left as it is (it runs, and only, on the GPU).
+    """
+    def unwrap(case: Any) -> tuple[tuple, str | None, tuple]:
+        if isinstance(case, type(pytest.param(None))):
+            return case.values, case.id, tuple(case.marks)
+        return (case,), None, ()
+
+    entries = [unwrap(c) for c in cases]
+    names = [i if i is not None else id_of(v[0] if len(v) == 1 else v) for v, i, _ in entries]
+    features = [set(n.split("-")) for n in names]
+    kept = {i for i, (n, (_, _, marks)) in enumerate(zip(names, entries))
+            if n in keep or any(getattr(m, "name", None) == "gpu" for m in marks)}
+    on_gpu_only = set(kept) - {i for i, n in enumerate(names) if n in keep}
+    uncovered = (set().union(set(), *(f for i, f in enumerate(features) if i not in on_gpu_only))
+                 - set().union(set(), *(features[i] for i in kept - on_gpu_only)))
+    while uncovered:
+        best = max((i for i in range(len(names)) if i not in kept), key=lambda i: len(features[i] & uncovered))
+        kept.add(best)
+        uncovered -= features[best]
+    return [pytest.param(*values, id=names[i], marks=marks if i in kept else (*marks, pytest.mark.full))
+            for i, (values, _, marks) in enumerate(entries)]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: frees JAX's compiled programs and collects the heap now,
+    then freezes what is left out of later collections.
+
+    The worker reports that it finished after this hook; the controller then closes its
+    gateway, and execnet sends the worker a SIGINT if it is still running 5 s later.
+    pytest's own unconfigure runs a full ``gc.collect()``, which over the heap of a long
+    run took longer than that on a loaded machine: the KeyboardInterrupt then landed in
+    the first Python code after the collection (hypothesis's gc callback) and ended a
+    green run with a PytestUnraisableExceptionWarning traceback. Collected here, before
+    the report, that last collection has next to nothing to walk."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+        gc.freeze()
+
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``JPA_REPORT_FAILURES_AT_ONCE`` set: a failure's traceback, printed at once

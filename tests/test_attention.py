@@ -49,6 +49,17 @@ from conftest import (
 from jax_paged_attn import reference
 from jax_paged_attn.spec import AttentionSpec
 
+pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
+
+# The Mosaic GPU prefill kernel's cases here that its grids in test_prefill_kernel.py check
+# on the same feature (against the reference, itself checked here against the oracle) run
+# with --full (`conftest.mark_covered_by_kernel_grids`).
+MOSAIC_PREFILL = "tests/test_prefill_kernel.py::test_mosaic_kernel_matches_reference[{}]"
+MOSAIC_OTHER_CHECKS = "tests/test_prefill_kernel.py::test_mosaic_other_nonfinite_checks_match_reference[{}]"
+MOSAIC_NONFINITE = [f"tests/test_prefill_kernel.py::test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them[{i}]"
+                    for i in ("bk64-False-product-interpret", "bk64-True-key_flags-interpret",
+                              "bk128-parts-True-product-interpret")]
+
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 
@@ -207,6 +218,7 @@ def test_packed_dtypes(rng, impl, dtype, causal):
     check_against_oracle(problem, impl, causal=causal)
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-prefix-cached-mqa-d80-f16"))
 @parametrize_varlen_impl
 def test_packed_fewer_queries_than_keys(rng, impl):
     # Bottom-right alignment with Sq < Sk in the packed layout (chunked prefill).
@@ -241,6 +253,8 @@ def test_softcap(rng, impl, softcap):
     assert np.abs(out - uncapped).max() > 1e-3, "softcap was ignored"
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-gqa2-d80-window-left-only"),
+                        MOSAIC_PREFILL.format("paged-bs16-mha-d64-window-both-sides"))
 @parametrize_varlen_impl
 def test_packed_window(rng, impl):
     problem = make_varlen_problem(rng, [9, 30], [14, 30], dtype=jnp.bfloat16)
@@ -255,6 +269,7 @@ def test_packed_head_sizes(rng, impl, head_size):
     check_against_oracle(problem, impl, causal=True)
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-empty-sequences"))
 @parametrize_varlen_impl
 def test_packed_padded_batch(rng, impl):
     # Empty sequences in the middle and at the end, NaN rows past cu_seqlens_q[-1] and
@@ -266,6 +281,8 @@ def test_packed_padded_batch(rng, impl):
     assert not out[13:].any()
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-gqa4-d64-bf16-causal-ragged"),
+                        MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("paged", [False, True])
 def test_rows_outside_every_sequence_are_zero_under_jit(rng, impl, paged):
@@ -298,6 +315,7 @@ def test_length_one_sequences(rng, impl, paged):
 # --------------------------------------------------------------------------- rows that see no key
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-more-queries-than-keys-causal"))
 @parametrize_varlen_impl
 def test_packed_more_queries_than_keys_causal(rng, impl):
     # Sq=6 > Sk=2: query i aligns with key i - 4, so queries 0..3 see nothing; a
@@ -394,6 +412,7 @@ MOSAIC_NONFINITE_CASES = [name for name, (build, _, _) in NONFINITE_CASES.items(
                           if "cache_seqlens" not in build and build.get("dtype") != jnp.float32]
 
 
+@pytest.mark.covered_by("mosaic_gpu", *MOSAIC_NONFINITE)
 @pytest.mark.parametrize("impl", MOSAIC_IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", MOSAIC_NONFINITE_CASES)
 def test_nonfinite_keys_reach_only_the_rows_that_see_them_mosaic(rng, impl, name):
@@ -471,6 +490,8 @@ def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
+                        MOSAIC_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_block_sizes(rng, impl, block_size):
@@ -486,6 +507,7 @@ def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
     check_against_oracle(problem, impl, causal=True)
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("decode_len", [1, 4])
 def test_paged_varlen_decode_batch(rng, impl, decode_len):
@@ -516,6 +538,9 @@ def test_paged_alibi(rng, impl, causal):
     assert np.abs(out - problem.oracle(causal=causal)).max() > 1e-3, "alibi_slopes were ignored"
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
+                        MOSAIC_PREFILL.format("paged-bs32-mqa-d128-f16-causal-window"),
+                        MOSAIC_PREFILL.format("paged-bs16-mha-d64-window-both-sides"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 8), (8, 2), (8, 1)])
 def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
@@ -524,6 +549,8 @@ def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
     check_against_oracle(problem, impl, causal=True)
 
 
+@pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-fp8e4m3-bs16-gqa4-d64-bf16-causal"),
+                        MOSAIC_OTHER_CHECKS.format("paged-fp8e5m2-bs32-mqa-d80-f16-alibi-key_flags"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_paged_fp8_cache(rng, impl, cache_dtype):
@@ -638,8 +665,28 @@ MOSAIC_DECODE_SCENARIOS = {
 }
 
 
+# Scenarios whose features the Mosaic GPU decode grid of test_decode_kernel.py checks (on
+# the interpreter, against the reference) run with --full; the head and block sizes only
+# these scenarios have run by default.
+MOSAIC_DECODE_GRID = "tests/test_decode_kernel.py::test_mosaic_matches_reference_in_interpret_mode[mgpu-{}]"
+MOSAIC_DECODE_COVERED_BY = {
+    "gqa2-d64-causal": ["gqa4-d64-causal-bf16-3splits-2stages"],
+    "mqa-d128-bs32-sq4-noncausal": ["mqa-d128-bs32-window-alibi-softcap-f16-128keys",
+                                    "gqa32-d64-sq3-noncausal-2rowblocks"],
+    "gqa2-d64-f16-everything": ["mqa-d128-bs32-window-alibi-softcap-f16-128keys"],
+    "gqa2-d128-fp8e4m3-causal": ["specialized-1wg-gqa8-d128-fp8e4m3-window-alibi-2splits"],
+    "gqa2-d64-fp8e5m2-sq4-noncausal": ["gqa4-d64-bs32-fp8e5m2-softcap-f16", "gqa32-d64-sq3-noncausal-2rowblocks"],
+    "gqa2-d64-sq4-causal": ["items3-2wg-gqa4-d128-sq4-causal-window"],
+    "gqa2-d64-sq3-window": ["gqa4-d64-sq2-two-sided-window"],
+}
+
+
 @pytest.mark.parametrize("impl", DECODE_MOSAIC_IMPLEMENTATIONS)
-@pytest.mark.parametrize("scenario", list(MOSAIC_DECODE_SCENARIOS))
+@pytest.mark.parametrize("scenario", [
+    pytest.param(name, id=name, marks=[pytest.mark.covered_by("mosaic_gpu", *(MOSAIC_DECODE_GRID.format(case)
+                                                                               for case in covered))]
+                 if (covered := MOSAIC_DECODE_COVERED_BY.get(name)) else [])
+    for name in MOSAIC_DECODE_SCENARIOS])
 def test_decode_mosaic_gpu(rng, impl, scenario):
     build, attention = (dict(x) for x in MOSAIC_DECODE_SCENARIOS[scenario])
     if attention.pop("alibi", False):

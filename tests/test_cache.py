@@ -31,6 +31,8 @@ from jax_paged_attn.kernels import triton_cache
 from jax_paged_attn.cache import PAD_BLOCK_ID, PAD_SLOT_ID
 from conftest import cuda_lowering_target
 
+pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
+
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 2
 HEAD_SIZE = 32

@@ -28,7 +28,9 @@ from jax_paged_attn import decode, plans, reference, tuning
 from jax_paged_attn.kernels import mosaic_decode, triton_decode
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
-from conftest import lower_for_cuda
+from conftest import covering_cases, lower_for_cuda
+
+pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
 
 # Absolute slack on top of 2x the reference's own rounding error: the kernel rounds
 # the softmax probabilities to the input dtype before the P @ V dot (as FlashAttention does).
@@ -166,7 +168,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("case", GRID, ids=str)
+@pytest.mark.parametrize("case", covering_cases(GRID))
 def test_public_api_matches_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """flash_attn_with_kvcache(implementation="triton") over the scenario grid."""
     if case.config is not None:
@@ -518,7 +520,7 @@ MOSAIC_GRID = [
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_GRID, ids=str)
+@pytest.mark.parametrize("case", covering_cases(MOSAIC_GRID))
 def test_mosaic_matches_reference_in_interpret_mode(case: Case) -> None:
     """The Mosaic GPU kernel in Mosaic GPU interpret mode (CPU): NaN pages and garbage
     block-table entries past each sequence, splits, windows, ALiBi, soft-cap, row blocks."""

@@ -15,6 +15,7 @@ import json
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_paged_attn.models
+from jax_paged_attn.engine import LLM
 from test_llm import checkpoint  # noqa: F401  (fixture: tiny checkpoint + tokenizer.json)
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -56,6 +59,18 @@ def test_help_shows_defaults_and_examples(generate, capsys):
     assert "{auto,xla,triton}" in out and "--interpret" in out and "--num-requests" in out
     assert "examples:\n  python examples/generate.py --verify" in out
     assert "(default: None)" not in out  # options without a default say what happens without them
+    assert "0 = greedy (the default)" in out and "--temperature TEMPERATURE" in out
+
+
+def test_help_answers_before_jax_is_imported():
+    """--help parses the arguments before the heavy imports: no JAX, Flax or package module loads."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(EXAMPLES / "generate.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: ")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported  # -X importtime listed the imports
+    heavy = sorted(m for m in imported if m.split(".")[0] in {"jax", "jaxlib", "flax", "numpy", "jax_paged_attn"})
+    assert not heavy, heavy
 
 
 @pytest.mark.parametrize("args, message", [
@@ -78,9 +93,9 @@ def test_usage_errors_exit_before_any_model_is_built(generate, monkeypatch, caps
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the arguments were checked")
 
-    monkeypatch.setattr(generate, "LlamaForCausalLM", no_model)
-    monkeypatch.setattr(generate.LLM, "__init__", no_model)
-    monkeypatch.setattr(generate.LLM, "from_model", no_model)
+    monkeypatch.setattr(jax_paged_attn.models, "LlamaForCausalLM", no_model)  # generate.main imports it late
+    monkeypatch.setattr(LLM, "__init__", no_model)
+    monkeypatch.setattr(LLM, "from_model", no_model)
     with pytest.raises(SystemExit) as exit_:
         generate.main(args)
     assert exit_.value.code == 2
@@ -92,7 +107,7 @@ def test_usage_errors_exit_before_any_model_is_built(generate, monkeypatch, caps
 
 def test_checkpoint_usage_errors(generate, checkpoint, tmp_path, monkeypatch, capsys):  # noqa: F811
     directory = checkpoint[0]
-    monkeypatch.setattr(generate.LLM, "__init__", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("model loaded"))
     shutil.copy(directory / "config.json", tmp_path / "config.json")  # no tokenizer.json, no weights
     with pytest.raises(SystemExit):
         generate.main(["--checkpoint", str(tmp_path), "--prompts", "the cat"])

@@ -100,6 +100,18 @@ def test_without_a_tokenizer_prompts_are_token_ids(checkpoint, tmp_path, caplog)
     assert LLM.from_model(model, tokenizer=tokenizer).tokenizer is tokenizer
 
 
+def test_a_missing_checkpoint_is_said_once(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="jax_paged_attn")
+    with pytest.raises(FileNotFoundError, match=r"checkpoint directory '.*does-not-exist' does not exist\.$"):
+        LLM(tmp_path / "does-not-exist")
+    with pytest.raises(FileNotFoundError, match=r"no config\.json in checkpoint directory"):
+        LLM(tmp_path)  # exists, but holds no checkpoint
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        LLM(tmp_path / "config.json")
+    assert not caplog.records  # no tokenizer warning before (or besides) the error
+
+
 def test_bad_arguments_are_named(checkpoint):
     directory, _, model = checkpoint
     with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['num_block'\]"):

@@ -33,6 +33,8 @@ import jax_paged_attn as jpa
 from jax_paged_attn.kv_view import cache_planes
 from conftest import lower_for_cuda
 
+pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 MOSAIC_GPU_CALL = "custom_call @mosaic_gpu"  # @mosaic_gpu_v2 in jax 0.10

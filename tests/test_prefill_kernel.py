@@ -27,9 +27,11 @@ import pytest
 
 import jax_paged_attn
 from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, lower_for_cuda,
-                      make_varlen_problem, poison_keys)
+                      covering_cases, make_varlen_problem, poison_keys)
 from jax_paged_attn import plans, prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
+
+pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -152,7 +154,7 @@ MAIN_GRID = [
 ]
 
 
-@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID])
+@pytest.mark.parametrize("build, attention", covering_cases([pytest.param(b, a, id=i) for i, b, a in MAIN_GRID]))
 def test_kernel_matches_reference(build, attention):
     problem = make_varlen_problem(np.random.default_rng(0), **build)
     out = _api(problem, "triton", attention)
@@ -189,8 +191,8 @@ MOSAIC_KEY_FLAG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
-                                              if i in MOSAIC_INTERPRET_CASES])
+@pytest.mark.parametrize("build, attention", covering_cases([pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
+                                                             if i in MOSAIC_INTERPRET_CASES]))
 def test_mosaic_kernel_matches_reference(build, attention):
     problem = make_varlen_problem(np.random.default_rng(0), **build)
     out = _api(problem, "mosaic_gpu", attention)
@@ -288,7 +290,8 @@ TILINGS = [
 ]
 
 
-@pytest.mark.parametrize("config, build, attention", [pytest.param(c, b, a, id=i) for i, c, b, a in TILINGS])
+@pytest.mark.parametrize("config, build, attention", covering_cases([pytest.param(c, b, a, id=i)
+                                                                     for i, c, b, a in TILINGS]))
 def test_tilings_match_reference(config, build, attention):
     problem = make_varlen_problem(np.random.default_rng(2), **build)
     out = _kernel_with_config(problem, config, attention)
@@ -525,7 +528,7 @@ def _tiling_params(cases):
     return params
 
 
-@pytest.mark.parametrize("config, build, attention", _tiling_params(MOSAIC_TILINGS))
+@pytest.mark.parametrize("config, build, attention", covering_cases(_tiling_params(MOSAIC_TILINGS)))
 def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
     """Interpreted on a CPU host, compiled on a GPU host (the gpu-marked cases run only
     there: the interpreter can hang on them, see `MOSAIC_TILINGS`)."""

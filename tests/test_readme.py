@@ -1,8 +1,9 @@
-"""README.md's examples run as written.
+"""README.md's examples run as written, and README leads with use.
 
 Every fenced ``python`` block right after a ``<!-- test:run NAME -->`` line is executed
 here, in a fresh namespace, so the quickstart and the attention example cannot drift
-from the code. The commands the README gives point at files and options that exist.
+from the code; every other ``python`` block is marked ``<!-- fragment -->`` (and says so
+in its text). The commands the README gives point at files and options that exist.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 RUNNABLE = re.compile(r"<!-- test:run (?P<name>[\w-]+) -->\n```python\n(?P<code>.*?)\n```", re.DOTALL)
 BLOCKS = {m["name"]: m["code"] for m in RUNNABLE.finditer(README)}
+SECTIONS = re.findall(r"^## (.+)$", README, re.MULTILINE)
 
 
 def run_block(name: str) -> str:
@@ -41,6 +43,24 @@ def test_quickstart_runs():
 
 def test_attention_example_runs():
     run_block("attention")  # it asserts the decode step equals the prefill rows itself
+
+
+def test_every_python_block_runs_or_is_marked_a_fragment():
+    markers = re.findall(r"(?:^(<!-- [^\n]* -->)\n)?^```python$", README, re.MULTILINE)
+    assert len(markers) >= 4
+    assert all(m.startswith("<!-- test:run ") or m == "<!-- fragment -->" for m in markers), markers
+
+
+def test_readme_leads_with_use():
+    """What it is, install, quickstart, the attention API, the model / engine API, then the
+    figures (one table, linking to RESULTS.md); no run-time stamps outside RESULTS.md."""
+    order = ["Install", "Quickstart", "Attention API", "KV cache and metadata", "Layers, models, engine",
+             "Current figures"]
+    found = [next(i for i, title in enumerate(SECTIONS) if title.startswith(name)) for name in order]
+    assert found == sorted(found) and found[0] == 0, SECTIONS
+    figures = README.split("## Current figures", 1)[1].split("\n## ", 1)[0]
+    assert "benchmarks/RESULTS.md" in figures and figures.count("\n| --- |") == 1
+    assert not re.search(r"\d\d:\d\d UTC|earlier run", README)
 
 
 @pytest.mark.parametrize("path", ["examples/generate.py", "examples/custom_model_loop.py"])

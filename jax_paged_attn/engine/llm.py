@@ -193,9 +193,11 @@ class LLM:
     ) -> None:
         # The front end loads checkpoints; the engine itself never imports a model.
         from jax_paged_attn.models import load_llama
+        from jax_paged_attn.models.checkpoint import read_hf_config
 
         config = _engine_config(engine_options)  # bad options fail before the weights load
         checkpoint_dir = os.fspath(checkpoint_dir)
+        read_hf_config(checkpoint_dir)  # a missing directory or config.json is said first, and alone
         if isinstance(tokenizer, str) and tokenizer == "auto":
             if os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_FILE)):
                 tokenizer = checkpoint_dir

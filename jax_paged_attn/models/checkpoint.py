@@ -192,10 +192,16 @@ def _read_index(index_path: str) -> dict[str, str]:
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``directory/config.json`` (FileNotFoundError without one)."""
-    path = os.path.join(os.fspath(directory), CONFIG_FILE)
+    """The parsed ``directory/config.json``: FileNotFoundError when ``directory`` does not
+    exist or holds no config.json, NotADirectoryError when it is a file."""
+    directory = os.fspath(directory)
+    if not os.path.exists(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist.")
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"checkpoint directory {directory!r} is a file, not a directory.")
+    path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(directory)!r}.")
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {directory!r}.")
     hf_config = _read_json(path)
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(hf_config).__name__}.")
