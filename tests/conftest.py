@@ -672,6 +672,26 @@ def lower_for_cuda(fn: Any, *args: Any) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def count_in_calls(stablehlo_text: str, needle: str) -> int:
+    """Occurrences of ``needle`` that ``@main`` of a StableHLO module reaches, counting a
+    function's once per call (a kernel call is a jitted callee that the layers share:
+    `jax_paged_attn.dispatch`, so its text stands once however many layers call it)."""
+    import re
+
+    bodies: dict[str, str] = {}
+    for match in re.finditer(r'func\.func (?:public |private )?@("[^"]+"|[\w$.-]+)\(', stablehlo_text):
+        end = stablehlo_text.find("func.func ", match.end())
+        bodies[match.group(1)] = stablehlo_text[match.end():end if end >= 0 else len(stablehlo_text)]
+
+    @functools.cache
+    def count(name: str) -> int:
+        body = bodies[name]
+        callees = re.findall(r'call @("[^"]+"|[\w$.-]+)\(', body)
+        return body.count(needle) + sum(count(callee) for callee in callees if callee in bodies)
+
+    return count("main")
+
+
 def assert_no_data_dependent_branch(stablehlo_text: str) -> None:
     """No ``stablehlo.if``, and every ``stablehlo.case`` branches on a constant index (or on
     a case over one): `lax.platform_dependent`'s kernel-or-reference choice, which XLA

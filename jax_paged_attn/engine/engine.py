@@ -1347,7 +1347,12 @@ def _use_compilation_cache(config: EngineConfig) -> str:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "jax_paged_attn", "xla")
     jax.config.update("jax_compilation_cache_dir", directory)
-    return f"compilation cache: {directory} (JAX's persistent cache; EngineConfig.compilation_cache_dir moves it)"
+    # Every program, not only those over JAX's default second of compile time: a warm
+    # start should trace and load, never compile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return (f"compilation cache: {directory} (JAX's persistent cache, every program kept; "
+            f"EngineConfig.compilation_cache_dir moves it)")
 
 
 @dataclasses.dataclass
