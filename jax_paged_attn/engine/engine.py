@@ -70,7 +70,6 @@ from jax_paged_attn.builder import (
     ScheduledSequence,
     input_positions,
     pack_per_token,
-    pad_to_bucket,
     sequence_rows,
 )
 from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
@@ -1161,20 +1160,23 @@ class LLMEngine:
         num_stop_ids = shapes.num_stop_id_columns
         tasks: list[Any] = []
 
+        def no_row_update(num_rows: int, width: int) -> tuple[np.ndarray, ...]:
+            # (keep, block_rows, block_values): every row stopped, no block-table row changed.
+            return (np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
+                    np.zeros((num_rows, width), np.int32))
+
         def window(num_rows: int, width: int, greedy: bool) -> None:
             runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
             runner.insert_decode_rows(np.full(num_rows, num_rows, np.int32),
                                       DecodeState.empty(num_rows, width, num_stop_ids))
-            runner.run_decode_window(np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
-                                     np.zeros((num_rows, width), np.int32), num_steps=cfg.num_scheduler_steps,
+            runner.run_decode_window(*no_row_update(num_rows, width), num_steps=cfg.num_scheduler_steps,
                                      greedy=greedy, max_model_len=cfg.max_model_len)
 
         def mixed(num_rows: int, prompt_shape: tuple[int, int], greedy: bool) -> None:
             width = shapes.block_table_width
             runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
             inputs = self._padding_prompt_inputs(*prompt_shape)
-            runner.run_mixed(np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
-                             np.zeros((num_rows, width), np.int32), *inputs, greedy=greedy,
+            runner.run_mixed(*no_row_update(num_rows, width), *inputs, greedy=greedy,
                              max_model_len=cfg.max_model_len)
 
         def prompts(prompt_shape: tuple[int, int], greedy: bool) -> None:
