@@ -211,6 +211,11 @@ hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, data
 hypothesis.settings.register_profile("explore", deadline=None, max_examples=200)
 hypothesis.settings.load_profile("ci")
 
+# The engine keeps its programs in JAX's persistent compilation cache under ~/.cache
+# unless the process turned the cache off. A test run neither writes the user's cache nor
+# loads what an earlier run left there (a compilation a test counts would be a cache hit).
+jax.config.update("jax_enable_compilation_cache", False)
+
 
 # --------------------------------------------------------------------------- implementations
 

@@ -496,3 +496,29 @@ def test_the_start_report_says_when_auto_prefills_through_the_mosaic_gpu_kernel(
     assert ("rows per sequence) through the Mosaic GPU kernel" in report) == mosaic
     assert (f"head size {head_dim} on this GPU" in report) == mosaic
     assert tuning.target_device().kind == "NVIDIA H200"  # a CPU host plans for the H200
+
+
+def test_the_engine_keeps_the_process_choice_of_compilation_cache(tmp_path):
+    from jax_paged_attn.engine import engine as engine_module
+
+    options = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+               "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in options}
+    try:
+        # conftest turned JAX's cache off for the run: an engine leaves it off and says so
+        assert engine_module._use_compilation_cache(EngineConfig()) == (
+            "compilation cache: off (the process set jax_enable_compilation_cache=False)")
+        assert jax.config.jax_compilation_cache_dir == saved["jax_compilation_cache_dir"]
+        jax.config.update("jax_enable_compilation_cache", True)
+        line = engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir=str(tmp_path)))
+        assert line.startswith(f"compilation cache: {tmp_path} ")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        # a directory the process set is kept
+        assert engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere")) == (
+            f"compilation cache: {tmp_path} (set by the process)")
+        assert engine_module._use_compilation_cache(EngineConfig(compilation_cache=False)).startswith(
+            "compilation cache: off (EngineConfig.compilation_cache=False)")
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)

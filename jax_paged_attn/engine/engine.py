@@ -183,8 +183,9 @@ class EngineConfig:
         faster on a CPU; None for the defaults.
       compilation_cache: keep compiled programs in JAX's persistent compilation cache,
         so a second start loads them instead of compiling (`LLMEngine.warmup`). The
-        cache is JAX's, process-wide: an engine turns it on only where the process has
-        not set ``jax_compilation_cache_dir`` itself, and keeps a directory already set.
+        cache is JAX's, process-wide: an engine keeps a directory the process set
+        (``jax_compilation_cache_dir``), leaves the cache off where the process turned it
+        off (``jax_enable_compilation_cache=False``), and otherwise turns it on.
       compilation_cache_dir: its directory; None: ``$XDG_CACHE_HOME/jax_paged_attn/xla``
         (``~/.cache/jax_paged_attn/xla``).
     """
@@ -1342,6 +1343,8 @@ def _use_compilation_cache(config: EngineConfig) -> str:
     current = jax.config.jax_compilation_cache_dir
     if not config.compilation_cache:
         return f"compilation cache: off (EngineConfig.compilation_cache=False){'' if not current else f'; JAX caches in {current}'}"
+    if not jax.config.jax_enable_compilation_cache:
+        return "compilation cache: off (the process set jax_enable_compilation_cache=False)"
     if current:
         return f"compilation cache: {current} (set by the process)"
     directory = config.compilation_cache_dir
