@@ -135,7 +135,8 @@ def _teach_jax010_mosaic_interpreter() -> None:
     and only jax 0.11's interpreter runs: a wgmma whose shared-memory operand carries a
     transpose (decode's Q K^T), and a CPU rule for ``layout_cast`` (a register-layout
     hint, the identity on values). Without them interpret mode fails on jax 0.10 (no
-    MLIR rule for ``layout_cast`` on cpu). Only jax < 0.11 calls this (jax 0.11 has
+    MLIR rule for ``layout_cast`` on cpu). It also gets jax 0.11's compile-once run of a
+    simulated thread (`_run_thread_jaxpr`). Only jax < 0.11 calls this (jax 0.11 has
     public ``InterpretGPUParams`` and both features), once per process; the compiled
     kernels never go through the interpreter, so nothing changes for them.
 
@@ -150,6 +151,7 @@ def _teach_jax010_mosaic_interpreter() -> None:
     from jax._src.interpreters import mlir
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
     from jax._src.pallas.mosaic_gpu import core as mosaic_core
+    from jax._src.pallas.mosaic.interpret import thread_map
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as callbacks
     from jax._src.state import types as state_types
 
@@ -195,7 +197,23 @@ def _teach_jax010_mosaic_interpreter() -> None:
 
     callbacks.wgmma = wgmma
     mlir.register_lowering(mosaic_core.layout_cast_p, mlir.lower_fun(lambda x, new_layout: x, multiple_results=False))
+    thread_map._run_jaxpr = _run_thread_jaxpr
     _jax010_mosaic_interpreter_taught = True
+
+
+def _eval_thread_jaxpr(jaxpr, consts, *args) -> None:
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def _run_thread_jaxpr(jaxpr, consts, *args) -> None:
+    """One simulated thread (warpgroup) of a grid program, for jax 0.10's Mosaic GPU
+    interpreter. Its own version jits a function it defines anew at each call, so every
+    thread of every grid program traced, lowered and compiled the kernel body again (two
+    thirds of a warp-specialized decode kernel's interpret time). A function defined once
+    lets JAX's caches serve the same body, as jax 0.11's interpreter does; each thread
+    still runs an AOT-compiled call, since the threads wait on each other at barriers."""
+    compiled = jax.jit(_eval_thread_jaxpr, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+    compiled(consts, *args)
 
 
 def quarantine_nonfinite_values(masked_scores: Array, v: Array, correction: Array
