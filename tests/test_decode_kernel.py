@@ -28,7 +28,7 @@ from jax_paged_attn import decode, plans, reference, tuning
 from jax_paged_attn.kernels import mosaic_decode, triton_decode
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
-from conftest import covering_cases, lower_for_cuda
+from conftest import CompileCounter, covering_cases, lower_for_cuda
 
 pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
 
@@ -745,3 +745,30 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(cache_dtype, 
     stale NaN page left of every window; only the rows that see them are non-finite."""
     _assert_poisoned_rows_match(cache_dtype=cache_dtype, interpret=interpret, lowering=MOSAIC,
                                 config=MosaicDecodeConfig(num_splits=num_splits, num_stages=2))
+
+
+
+def test_mosaic_interpret_compiles_a_thread_body_once_for_every_program() -> None:
+    """The Mosaic GPU interpreter runs each warpgroup of a grid program as a thread with
+    its own compiled body; jax 0.10's recompiled that body for every thread of every
+    program (48 times here; `kernels.common._run_thread_jaxpr` gives it jax 0.11's
+    compile-once). A warp-specialized kernel over 4 sequences x 2 splits, three
+    warpgroups a program: the thread body compiles once. Counted with JAX's compile
+    events, by the jitted function's name (jax 0.11's interpreter names it ``_run``)."""
+    case = next(c for c in MOSAIC_GRID if c.name == "mgpu-specialized-2wg-gqa4-d64-bs32-softcap-f16-2splits")
+    inputs = make_inputs(case)
+    thread_bodies = []
+    active = [True]
+
+    def on_compile(event: str, duration_s: float, **kwargs) -> None:
+        if active[0] and event == CompileCounter.EVENT and kwargs.get("fun_name") in (
+                "jit(_run)", "jit(_eval_thread_jaxpr)"):
+            thread_bodies.append(kwargs["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        out = jax.block_until_ready(run_kernel(case, inputs))
+    finally:
+        active[0] = False
+    assert len(thread_bodies) == 1, thread_bodies
+    assert_matches_reference(case, inputs, out)
