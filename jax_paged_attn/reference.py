@@ -2,9 +2,19 @@
 fallback implementation on any backend (CPU, or a GPU feature no kernel covers).
 
 Every function here is jit-able with the documented static arguments. Scores are
-computed in float32 whatever the input dtype; outputs take the query's dtype. A NaN or
-inf in K or V makes the (query, head) rows that see its key non-finite and changes no
-other row.
+computed in float32 whatever the input dtype; outputs take the query's dtype.
+
+The NaN rule, which every implementation follows: a NaN or inf in a key's V (one channel
+is enough) makes the whole (query, head) row of every query that sees that key NaN, in
+every channel; K acts through the score, and a score of NaN or +inf does the same (a
+score of -inf, or one soft-capped to a finite value, is an ordinary score). Nothing a
+query does not see reaches its row, whatever it holds. Whole rows, not the channels
+plain arithmetic would give (``sum_k p_k v_k[c]`` is non-finite only in channel ``c``):
+a bad score already poisons whole rows through the softmax's max and sum, and a tile
+whose mask hides keys from some of its rows keeps their values out cheaply only a row at
+a time (a flag per key and row; per channel would take a second matmul there). A
+kernel's unmasked tiles compute the plain product and check each output row once, after
+the KV loop (`kernels.common.nan_rows_scale`).
 The mask conventions are documented in `jax_paged_attn.spec`.
 
 Layouts (vLLM's):

@@ -15,6 +15,9 @@ Rules (flash-attention 2 as vLLM uses it), for one sequence with Sq queries and 
   when ``right >= 0`` (``window_size = (left, right)``, -1 = unbounded);
 * GQA / MQA: query head h reads KV head ``h // (Hq // Hk)``;
 * softmax over the visible keys; a query that sees no key outputs 0;
+* a NaN / inf in the values, or a NaN / +inf score, of a key a query sees makes that
+  (query, head) row NaN in every channel (plain arithmetic would make only some
+  channels non-finite); nothing a query does not see reaches it;
 * fp8 caches hold ``x / scale``: the oracle reads ``cache * scale``.
 
 ``emulate_dtype`` turns the oracle into the *low-precision reference* of
@@ -111,7 +114,8 @@ def attention_one_sequence(
             row = scores[i, seen]
             unnormalized = np.exp(row - row.max())
             weights = _round(unnormalized, emulate_dtype)
-            out[i, h, :] = (weights @ v[seen, kv_head, :]) / unnormalized.sum()
+            row_out = (weights @ v[seen, kv_head, :]) / unnormalized.sum()
+            out[i, h, :] = row_out if np.isfinite(row_out).all() else np.nan
     return _round(out, emulate_dtype)
 
 

@@ -392,7 +392,31 @@ NONFINITE_CASES = {
 @parametrize_impl
 @pytest.mark.parametrize("name", list(NONFINITE_CASES))
 def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
-    build, attention, poison = NONFINITE_CASES[name]
+    _assert_poisoned_problem_matches_oracle(rng, impl, *NONFINITE_CASES[name])
+
+
+# One NaN rule: a non-finite value in ONE channel of V at a visible key makes the whole
+# (query, head) row NaN, as a non-finite key does; the product alone would spread it to
+# that channel only. Keys seen in unmasked interior tiles, by a single query token (no
+# mask hides a loaded key), and at a masked tile's edge. Every implementation, the
+# Mosaic GPU kernels (prefill for the packed case, decode for the kvcache ones) too.
+ONE_CHANNEL_CASES = {
+    "packed-causal-interior": (dict(q_lens=[130, 7]), dict(causal=True),
+                               {0: [(3, "v", INF, (0, 5)), (100, "v", NAN, (1, 0))], 1: [(6, "v", INF, (1, 31))]}),
+    "kvcache-one-token": (dict(cache_seqlens=[40, 9], num_queries=1), {},
+                          {0: [(5, "v", INF, (0, 2))], 1: [(8, "v", NAN, (1, 7))]}),
+    "kvcache-causal-three-tokens": (dict(cache_seqlens=[37], num_queries=3), dict(causal=True),
+                                    {0: [(2, "v", INF, (0, 4)), (36, "v", INF, (1, 1))]}),
+}
+
+
+@parametrize_varlen_impl
+@pytest.mark.parametrize("name", list(ONE_CHANNEL_CASES))
+def test_one_nonfinite_channel_makes_whole_rows_nan(rng, impl, name):
+    _assert_poisoned_problem_matches_oracle(rng, impl, *ONE_CHANNEL_CASES[name])
+
+
+def _assert_poisoned_problem_matches_oracle(rng, impl, build, attention, poison):
     if "cache_seqlens" in build:
         build = dict(build)
         problem = make_kvcache_problem(rng, build.pop("cache_seqlens"), build.pop("num_queries"), **build)

@@ -55,7 +55,9 @@ warpgroups, below):
   to 0 and flagged, the flags go through shared memory to reach the score tile's column
   layout, and the rows that see a flagged key get a NaN correction, so their output is
   NaN and every other row's is not (`kernels.common.quarantine_nonfinite_values`, the
-  Triton kernels' form);
+  Triton kernels' form); the epilogue makes a row whose accumulator holds a NaN / inf in
+  any channel NaN in every channel (`kernels.common.nan_rows_scale`, the reference's
+  NaN rule: an unmasked tile's product alone reaches only the value's channel);
 * with one split it writes the normalized output in q's dtype; with several, its
   normalized f32 partial output and natural log-sum-exp (-inf for a row that saw no
   key), merged by `decode.combine_splits`.
@@ -497,7 +499,7 @@ def _decode_kernel(
         # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
-        inv_sum = 1.0 / safe_sum
+        inv_sum = common.nan_rows_scale(1.0 / safe_sum, *acc)
         if v_dequant:
             inv_sum = inv_sum * scales_ref[1]  # fp8 V is x / v_scale
         o_rows = o_ref.at[seq, head_block] if lse_ref is None else o_ref.at[split, seq, head_block]

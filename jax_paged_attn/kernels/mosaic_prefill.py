@@ -108,7 +108,10 @@ that see a flagged key become NaN; or (``"probe"``, the default at D 64 and 128)
 runs from the ring as in an unmasked block, into a fresh accumulator whose row 0 is checked: a
 non-finite value anywhere among the block's values makes every row of that product
 non-finite (0 * NaN), and only then is the block redone the "key_flags" way. So a NaN
-or inf in K or V reaches exactly the rows that see its key, as in the reference. With
+or inf in K or V reaches exactly the rows that see its key, as in the reference; the
+epilogue makes a row non-finite in any channel (an unmasked block's or the "product"
+check's (row, column) NaN) NaN in every channel (`common.nan_rows_scale`, the
+reference's NaN rule). With
 ``precheck_values`` (`tuning.MosaicPrefillConfig`, packed keys) the wrapper first reduces
 the packed values to one flag; while every value is finite there is nothing to keep from
 any row, and a masked block runs whole, only its scores masked. (Masked blocks load
@@ -749,7 +752,7 @@ def _prefill_kernel(
                         pl.when(wg == 0)(pingpong.meet)
                 with jax.named_scope("epilogue"):
                     # One reciprocal per row; a row that sees no key -> 0.
-                    inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+                    inv_sum = common.nan_rows_scale(1.0 / jnp.where(l_sum > 0, l_sum, 1.0), acc)
                     if v_fp8:
                         inv_sum = inv_sum * v_scale
                     out = acc * ops.row_bcast(inv_sum, out_shape)

@@ -23,7 +23,9 @@ One program handles one (row block of one KV head, sequence, KV split):
   so NaN garbage in unused pages cannot reach the output; with several query tokens
   and a causal / window mask, masked tiles also keep non-finite values out of the
   P·V of rows that cannot see them (`common.quarantine_nonfinite_values`, as in the
-  prefill kernel: two vectors of extra state instead of the ``[M, T]`` mask);
+  prefill kernel: two vectors of extra state instead of the ``[M, T]`` mask); after the
+  loops a row whose accumulator holds a NaN / inf in any channel is NaN in all of them
+  (`common.nan_rows_scale`, the reference's NaN rule);
 * the head dim is padded to a power of 2 inside the kernel with masked loads and
   stores; the caller's cache is never copied.
 
@@ -237,7 +239,7 @@ def _decode_kernel(
 
     # A row that saw no key has row_sum 0 and acc 0: it outputs 0, never NaN.
     seen = row_sum > 0
-    inv_sum = 1.0 / jnp.where(seen, row_sum, 1.0)
+    inv_sum = common.nan_rows_scale(1.0 / jnp.where(seen, row_sum, 1.0), acc)
     if v_scale is not None:
         inv_sum = inv_sum * v_scale
     out = acc * inv_sum[:, None]

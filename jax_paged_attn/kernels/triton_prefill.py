@@ -28,7 +28,10 @@ A masked score is removed with ``where`` (a NaN key never reaches the softmax of
 that cannot see it); in blocks where a causal / window mask hides loaded keys from some
 rows, P·V runs over finite values and the rows that see a non-finite value get a NaN
 running output (`common.quarantine_nonfinite_values`): a NaN or inf in K or V
-reaches exactly the rows that see its key. Unmasked blocks need neither.
+reaches exactly the rows that see its key. Unmasked blocks need neither. After the KV
+loop a row whose accumulator is non-finite in any channel (an unmasked block's product
+puts a non-finite value into its own channel only) is NaN in every channel
+(`common.nan_rows_scale`, the reference's NaN rule).
 """
 from __future__ import annotations
 
@@ -224,7 +227,7 @@ def _prefill_kernel(
         acc, _, l_sum = carry[:3]
 
         # One reciprocal per row instead of a division per element; sees no key -> 0.
-        inv_sum = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+        inv_sum = common.nan_rows_scale(1.0 / jnp.where(l_sum > 0, l_sum, 1.0), acc)
         if v_fp8:
             inv_sum = inv_sum * v_scale
         out = acc * inv_sum[:, None]
