@@ -522,3 +522,42 @@ def test_the_engine_keeps_the_process_choice_of_compilation_cache(tmp_path):
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(model, monkeypatch):
+    """The block count is in every cache program's shape. A cold start's allocator peak
+    (XLA's autotuner allocates while it compiles) is higher than a warm start's, so a
+    count from the peak gave a second start other programs than the persistent
+    compilation cache held: the count comes from what is alive and XLA's buffer
+    assignment, a multiple of KV_CACHE_BLOCK_QUANTUM."""
+    from jax_paged_attn.engine import engine as engine_module
+
+    config = dataclasses.replace(BASE, num_blocks=None, gpu_memory_utilization=0.5)
+    bytes_per_block = sum(int(c.nbytes) for c in model.allocate_kv_caches(1, config.block_size))
+    activations = engine_module._largest_step_activation_bytes(model, config, model.config.max_position_embeddings)
+    assert activations > 0
+    limit, in_use = 128 << 20, 16 << 20  # a few thousand blocks of the tiny model
+
+    def blocks(peak: int, alive: int = in_use) -> tuple[int, str]:
+        stats = dict(bytes_limit=limit, bytes_in_use=alive, peak_bytes_in_use=peak)
+        monkeypatch.setattr(engine_module, "_device_memory_stats", lambda device: stats)
+        return engine_module._kv_cache_blocks_for_memory(model, config, model.config.max_position_embeddings)
+
+    cold, line = blocks(peak=96 << 20)
+    warm, _ = blocks(peak=in_use)
+    assert cold == warm
+    quantum = engine_module.KV_CACHE_BLOCK_QUANTUM
+    assert cold % quantum == 0
+    assert cold * bytes_per_block + in_use + activations <= limit * 0.5
+    assert (cold + quantum) * bytes_per_block + in_use + activations > limit * 0.5
+    assert f"{cold} blocks fit" in line
+    # more arrays alive (the weights of another model): fewer blocks
+    assert blocks(peak=in_use, alive=in_use + (8 << 20))[0] < cold
+    # no room: a clear error naming the option
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        blocks(peak=limit, alive=limit // 2)
+    # the engine uses it
+    monkeypatch.setattr(engine_module, "_device_memory_stats",
+                        lambda device: dict(bytes_limit=limit, bytes_in_use=in_use, peak_bytes_in_use=limit))
+    engine = LLMEngine(model, config)
+    assert engine.config.num_blocks == cold

@@ -39,8 +39,10 @@ makes a second start load them instead.
 
 Memory: unless ``num_blocks`` is given, the KV cache takes what the device has left
 beside the weights and the largest step's activations, up to ``gpu_memory_utilization``
-of its memory (vLLM's rule; measured with a profiling run), and the engine says what it
-chose. The caches are donated to every program, so writes are in place.
+of its memory (vLLM's rule; the activations from XLA's buffer assignment of the largest
+step, not from a profiling run's peak, so that every start picks the same count and the
+same program shapes), and the engine says what it chose. The caches are donated to
+every program, so writes are in place.
 
 Example::
 
@@ -135,7 +137,8 @@ class EngineConfig:
     Attributes:
       num_blocks: blocks of the device KV cache (per layer); None: as many as fit in
         ``gpu_memory_utilization`` of the device's memory beside the weights and the
-        activations of the largest step (a profiling run measures them). Devices that
+        activations of the largest step (XLA's buffer assignment of it states them), a
+        multiple of `KV_CACHE_BLOCK_QUANTUM` where that many fit. Devices that
         report no memory statistics (CPU) get `DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS`.
       gpu_memory_utilization: fraction of the device's memory the engine may use in all
         (weights, activations and KV cache) when ``num_blocks`` is None.
@@ -1437,33 +1440,60 @@ def _matmul_report(model: Any) -> str:
     return f"{impl} (chosen by the model's matmul_implementation argument)"
 
 
+KV_CACHE_BLOCK_QUANTUM = 256
+"""A KV cache sized from memory holds a multiple of this many blocks (when that many fit):
+the count is in the shape of every program that takes the cache, so it must not move
+with a process's allocation history, or a second start would miss every such program in
+the persistent compilation cache."""
+
+
+def _device_memory_stats(device: Any) -> dict[str, int] | None:
+    """The device's allocator statistics (``bytes_limit``, ``bytes_in_use``, ...), or None
+    where the backend reports none (CPU)."""
+    return device.memory_stats() if hasattr(device, "memory_stats") else None
+
+
 def _kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: int) -> tuple[int, str]:
-    """KV cache blocks that fit beside the weights and the largest step's activations
-    in ``gpu_memory_utilization`` of the device's memory; and the line saying so."""
+    """KV cache blocks that fit beside what the device holds now (the weights) and the
+    largest step's activations in ``gpu_memory_utilization`` of the device's memory,
+    rounded down to a multiple of `KV_CACHE_BLOCK_QUANTUM`; and the line saying so.
+
+    Every term is a function of the model, the configuration and the arrays alive now:
+    the activations are XLA's buffer assignment for the largest step's program, not the
+    allocator's peak, which also counts whatever the process compiled or freed before
+    (XLA's autotuner allocates while it compiles, so a cold start's peak is higher than
+    a warm start's)."""
     device = jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = _device_memory_stats(device)
     if not stats or "bytes_limit" not in stats:
         n = DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS
         return n, (f"KV cache sized to {n} blocks: the {device.platform} device reports no memory statistics "
                    f"(pass EngineConfig.num_blocks to choose)")
-    peak = _profile_peak_bytes(model, config, max_model_len)
+    in_use = int(stats.get("bytes_in_use", 0))
+    activations = _largest_step_activation_bytes(model, config, max_model_len)
     one = model.allocate_kv_caches(1, config.block_size)
     bytes_per_block = sum(int(c.nbytes) for c in one)
     del one
-    budget = int(stats["bytes_limit"] * config.gpu_memory_utilization) - peak
-    n = budget // bytes_per_block
+    allowed = int(stats["bytes_limit"] * config.gpu_memory_utilization)
+    n = (allowed - in_use - activations) // bytes_per_block
     if n < 1:
         raise ValueError(
-            f"no room for a KV cache: the weights and activations take {peak / (1 << 30):.2f} GiB of the "
-            f"{config.gpu_memory_utilization:.0%} ({stats['bytes_limit'] * config.gpu_memory_utilization / (1 << 30):.2f} GiB) "
-            f"allowed by gpu_memory_utilization; raise it or lower max_num_batched_tokens.")
-    return n, (f"KV cache sized by gpu_memory_utilization={config.gpu_memory_utilization}: weights + peak "
-               f"activations {peak / (1 << 30):.2f} GiB (profiled), {n} blocks fit")
+            f"no room for a KV cache: the weights (and other arrays alive) take {in_use / (1 << 30):.2f} GiB and the "
+            f"largest step's activations {activations / (1 << 30):.2f} GiB of the "
+            f"{config.gpu_memory_utilization:.0%} ({allowed / (1 << 30):.2f} GiB) allowed by gpu_memory_utilization; "
+            f"raise it or lower max_num_batched_tokens.")
+    if n >= KV_CACHE_BLOCK_QUANTUM:
+        n -= n % KV_CACHE_BLOCK_QUANTUM
+    return n, (f"KV cache sized by gpu_memory_utilization={config.gpu_memory_utilization}: arrays alive "
+               f"(weights) {in_use / (1 << 30):.2f} GiB + the largest step's activations "
+               f"{activations / (1 << 30):.2f} GiB (XLA's buffer assignment), {n} blocks fit (a multiple of "
+               f"{KV_CACHE_BLOCK_QUANTUM}: the same count, and the same programs, at every start)")
 
 
-def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) -> int:
-    """Peak device bytes of a forward over ``max_num_batched_tokens`` prompt tokens with no
-    cache (vLLM's profiling run), weights included."""
+def _largest_step_activation_bytes(model: Any, config: EngineConfig, max_model_len: int) -> int:
+    """Device bytes a forward over ``max_num_batched_tokens`` prompt tokens with no cache
+    (vLLM's profiling run) needs beside the weights: its other inputs, its outputs and
+    its temporaries, as XLA's buffer assignment of the compiled program states them."""
     from flax import nnx
 
     from jax_paged_attn.builder import FlashAttentionMetadataBuilder as Builder
@@ -1479,7 +1509,6 @@ def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) ->
     graphdef, state = nnx.split(model)
     empty = [jax.numpy.zeros((0,), model.dtype) for _ in range(model.config.num_hidden_layers)]
 
-    @jax.jit
     def forward(state: Any, ids: Array, positions: Array, md: Any) -> Array:
         rows = jax.numpy.maximum(md.query_start_loc[1:] - 1, 0)
         logits, _ = nnx.merge(graphdef, state)(ids, positions, empty, md, logits_indices=rows)
@@ -1487,8 +1516,13 @@ def _profile_peak_bytes(model: Any, config: EngineConfig, max_model_len: int) ->
 
     ids = np.zeros(total, np.int32)
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
-    forward(state, ids, positions, metadata).block_until_ready()
-    return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
+    compiled = jax.jit(forward).trace(state, ids, positions, metadata).lower().compile()
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError(f"the {jax.default_backend()} backend states no memory figures for a compiled program, so "
+                           f"the KV cache cannot be sized from memory: pass EngineConfig.num_blocks.")
+    inputs = sum(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves((ids, positions, metadata)))
+    return int(memory.temp_size_in_bytes) + int(memory.output_size_in_bytes) + inputs
 
 
 def _to_host(result: Any) -> tuple[np.ndarray, Any]:
