@@ -350,7 +350,8 @@ def startup_child(args: argparse.Namespace, engine_options: dict[str, Any], cach
     constructed = time.perf_counter()
     warm = warm_up_serving(engine, workload, config.max_num_seqs)
     result = dict(construct_s=constructed - start, warm_up_s=warm.seconds, start_s=time.perf_counter() - start,
-                  compiles=counter.count, cache_hits=counter.cache_hits, cache=how, warm_up=warm.how,
+                  compiles=counter.count, cache_hits=counter.cache_hits, compile_s=counter.seconds,
+                  kv_cache_blocks=engine.config.num_blocks, cache=how, warm_up=warm.how,
                   min_compile_time_s=getattr(jax.config, "jax_persistent_cache_min_compile_time_secs", None),
                   min_entry_size_bytes=getattr(jax.config, "jax_persistent_cache_min_entry_size_bytes", None))
     print(STARTUP_RESULT_PREFIX + json.dumps(result), flush=True)
@@ -381,11 +382,14 @@ def measure_startup(forwarded: list[str]) -> dict[str, Any]:
           f"{cold['min_compile_time_s']} s, min entry size {cold['min_entry_size_bytes']} bytes); "
           f"warm-up by {cold['warm_up']}")
     print()
-    print("| cache | construction s | warm-up s | start s | XLA compilations | served by the cache |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    # The block count is in every cache program's shape: two starts that size the cache
+    # differently share no such program through the cache.
+    print("| cache | construction s | warm-up s | start s | XLA compilations | served by the cache | "
+          "compile s (incl. cache reads) | KV cache blocks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, run in runs.items():
         print(f"| {label} | {run['construct_s']:.2f} | {run['warm_up_s']:.2f} | {run['start_s']:.2f} | "
-              f"{run['compiles']} | {run['cache_hits']} |")
+              f"{run['compiles']} | {run['cache_hits']} | {run['compile_s']:.2f} | {run['kv_cache_blocks']} |")
     print()
     print(f"warm / cold start: {ratio:.2f}")
     return dict(cold=cold, warm=warm, warm_over_cold=ratio)

@@ -769,6 +769,7 @@ def test_bench_serving_startup_serves_the_second_start_from_the_persistent_cache
     cold, warm = result["cold"], result["warm"]
     assert cold["compiles"] > 0 and warm["compiles"] > 0
     assert warm["cache_hits"] == warm["compiles"], warm  # every program read back from the cache
+    assert warm["kv_cache_blocks"] == cold["kv_cache_blocks"]  # the same cache shape, the same programs
     assert result["warm_over_cold"] == pytest.approx(warm["start_s"] / cold["start_s"])
     out = capsys.readouterr().out
-    assert "| cold |" in out and "| warm |" in out and "warm / cold start:" in out
+    assert "| cold |" in out and "| warm |" in out and "warm / cold start:" in out and "| KV cache blocks |" in out
