@@ -326,7 +326,10 @@ def use_decode_config(text: str | None) -> None:
         return
     decode_config = parse_decode_config(text)
     tuning.decode_config = lambda *_, **__: decode_config
-    print(f"decode kernel config for this run: {decode_config}")
+    # The engine's program store keys programs by source, not by a patched function: a
+    # stored program would keep the tables' config.
+    jax.config.update("jax_enable_compilation_cache", False)
+    print(f"decode kernel config for this run: {decode_config} (compilation cache and program store off)")
 
 
 def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:

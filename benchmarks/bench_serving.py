@@ -53,7 +53,10 @@ bucket and to make later prompts join a running batch).
 **Start-up** (``--startup``): starts the engine (`LLMEngine` construction, which sizes
 the KV cache, and the warm-up above) twice, each in its own process, with JAX's
 persistent compilation cache in one fresh temporary directory: cold (empty cache), then
-warm; prints both times and warm / cold. Where `EngineConfig` has
+warm; prints both times and warm / cold, the programs each start traced and loaded from
+the engine's program store (kept in the cache directory), its XLA compilations and those
+JAX's cache served, and the KV cache block count (a different count would be other
+programs). Where `EngineConfig` has
 ``compilation_cache_dir`` the directory goes there (the engine's own settings apply),
 else this script sets ``jax_compilation_cache_dir`` and caches every program
 (``jax_persistent_cache_min_compile_time_secs=0``,
@@ -352,10 +355,19 @@ def startup_child(args: argparse.Namespace, engine_options: dict[str, Any], cach
     result = dict(construct_s=constructed - start, warm_up_s=warm.seconds, start_s=time.perf_counter() - start,
                   compiles=counter.count, cache_hits=counter.cache_hits, compile_s=counter.seconds,
                   kv_cache_blocks=engine.config.num_blocks, cache=how, warm_up=warm.how,
+                  traced=engine.runner.num_traces, **_program_store_counts(engine),
                   min_compile_time_s=getattr(jax.config, "jax_persistent_cache_min_compile_time_secs", None),
                   min_entry_size_bytes=getattr(jax.config, "jax_persistent_cache_min_entry_size_bytes", None))
     print(STARTUP_RESULT_PREFIX + json.dumps(result), flush=True)
     return result
+
+
+def _program_store_counts(engine: Any) -> dict[str, int | None]:
+    """Programs the engine's program store loaded, wrote, and could not serialize (None:
+    no store)."""
+    store = getattr(engine.runner, "program_store", None)
+    return dict(programs_loaded=getattr(store, "num_loaded", None), programs_stored=getattr(store, "num_stored", None),
+                programs_unserializable=getattr(store, "num_unserializable", None))
 
 
 def measure_startup(forwarded: list[str]) -> dict[str, Any]:
@@ -384,12 +396,13 @@ def measure_startup(forwarded: list[str]) -> dict[str, Any]:
     print()
     # The block count is in every cache program's shape: two starts that size the cache
     # differently share no such program through the cache.
-    print("| cache | construction s | warm-up s | start s | XLA compilations | served by the cache | "
-          "compile s (incl. cache reads) | KV cache blocks |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| cache | construction s | warm-up s | start s | programs traced | programs loaded (program store) | "
+          "XLA compilations | served by JAX's cache | compile s (incl. cache reads) | KV cache blocks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, run in runs.items():
         print(f"| {label} | {run['construct_s']:.2f} | {run['warm_up_s']:.2f} | {run['start_s']:.2f} | "
-              f"{run['compiles']} | {run['cache_hits']} | {run['compile_s']:.2f} | {run['kv_cache_blocks']} |")
+              f"{run.get('traced', 'n/a')} | {run.get('programs_loaded', 'n/a')} | {run['compiles']} | "
+              f"{run['cache_hits']} | {run['compile_s']:.2f} | {run['kv_cache_blocks']} |")
     print()
     print(f"warm / cold start: {ratio:.2f}")
     return dict(cold=cold, warm=warm, warm_over_cold=ratio)

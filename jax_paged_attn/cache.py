@@ -140,7 +140,14 @@ def allocate_kv_cache(
 def _zeros(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding | None) -> Array:
     """Zeros in a buffer XLA owns. (On CPU, `jax.device_put` of a NumPy array may alias
     the NumPy memory; XLA cannot reuse such a buffer, so donating it would copy.)"""
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+    return _zeros_program(shape, jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    # One jitted function per cache shape: a fresh jit of a fresh partial would compile
+    # again for every engine that allocates the same caches.
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def host_kv_cache_sharding(device: jax.Device | None = None) -> jax.sharding.Sharding:

@@ -767,8 +767,12 @@ def test_bench_serving_startup_serves_the_second_start_from_the_persistent_cache
     serving = _loaded("bench_serving")
     result = serving.main([*_SMALL_SERVING, "--startup"])
     cold, warm = result["cold"], result["warm"]
-    assert cold["compiles"] > 0 and warm["compiles"] > 0
-    assert warm["cache_hits"] == warm["compiles"], warm  # every program read back from the cache
+    assert cold["compiles"] > 0 and cold["programs_stored"] > 0
+    # the engine's programs come back from its program store, untraced; what else
+    # compiles comes back from JAX's cache
+    assert warm["programs_loaded"] == cold["programs_stored"] and warm["programs_stored"] == 0, warm
+    assert warm["traced"] <= cold["programs_unserializable"], warm  # XLA:CPU cannot serialize some sorts
+    assert warm["cache_hits"] == warm["compiles"], warm
     assert warm["kv_cache_blocks"] == cold["kv_cache_blocks"]  # the same cache shape, the same programs
     assert result["warm_over_cold"] == pytest.approx(warm["start_s"] / cold["start_s"])
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
+from conftest import CompileCounter, assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
 from jax_paged_attn.engine import (
     EngineConfig,
     LLMEngine,
@@ -561,3 +561,75 @@ def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(mo
                         lambda device: dict(bytes_limit=limit, bytes_in_use=in_use, peak_bytes_in_use=limit))
     engine = LLMEngine(model, config)
     assert engine.config.num_blocks == cold
+
+
+def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkeypatch, tmp_path, caplog):
+    """Compiled programs kept by source, model, JAX and device: a second start loads them
+    (no tracing, no XLA compilation of the engine's programs) and generates the same
+    tokens; an unreadable file is compiled again and replaced; another model or other
+    XLA options get programs of their own."""
+    from jax_paged_attn.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
+    config = dataclasses.replace(BASE, max_model_len=64)
+    prompts = random_prompts(11, (5, 20, 9))
+
+    def start() -> tuple[LLMEngine, list[list[int]]]:
+        engine = LLMEngine(model, config)
+        assert str(tmp_path) in engine.start_report
+        engine.warmup(use_tqdm=False)
+        return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(6), use_tqdm=False)]
+
+    first, tokens = start()
+    stored = first.runner.program_store.num_stored
+    # XLA:CPU cannot serialize some sorts (the sampled programs', in some processes):
+    # those compile at each start; every program it could write comes back
+    unserializable = first.runner.program_store.num_unserializable
+    assert stored > 0 and first.runner.program_store.num_loaded == 0
+    assert tokens == dense_greedy_generate(model, prompts, 6)
+    traces = first.runner.num_traces
+    with CompileCounter() as counter:
+        second, again = start()
+    assert again == tokens
+    assert second.runner.program_store.num_loaded == stored and second.runner.program_store.num_stored == 0
+    assert second.runner.num_traces - traces <= unserializable  # nothing else traced anew
+    assert counter.count <= unserializable
+
+    files = sorted(tmp_path.glob("*.jaxexe"))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # a torn file
+    with caplog.at_level("WARNING"):
+        third, again = start()
+    assert again == tokens and third.runner.program_store.num_stored == 1  # the torn one, replaced
+    assert "could not be loaded" in caplog.text
+    other = LLMEngine(model, dataclasses.replace(config, compiler_options={"xla_backend_optimization_level": 1}))
+    other.warmup(use_tqdm=False)
+    assert other.runner.program_store.num_loaded == 0
+    assert other.runner.program_store.num_stored + other.runner.program_store.num_unserializable >= stored
+
+
+def test_the_program_store_keys_programs_by_the_jax_options_in_effect(model, tmp_path):
+    """A program traced under ``jax.default_matmul_precision("highest")`` is another
+    program: the store must not hand the default one out under the context (jit itself
+    retraces there)."""
+    from jax_paged_attn.engine import program_store
+
+    calls = []
+
+    @jax.jit
+    def matmul(w, x):
+        calls.append(jax.config.jax_default_matmul_precision)
+        return x @ w
+
+    store = program_store.ProgramStore(tmp_path, ["test"])
+    stored = program_store.StoredProgram(matmul, "matmul", store, params_first=True)
+    w, x = jnp.ones((8, 8)), jnp.ones((2, 8))
+    stored(w, x)
+    with jax.default_matmul_precision("highest"):
+        stored(w, x)
+    stored(w, x)
+    assert calls == [None, "highest"] and store.num_stored == 2
+    again = program_store.StoredProgram(matmul, "matmul", program_store.ProgramStore(tmp_path, ["test"]),
+                                        params_first=True)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_array_equal(again(w, x), x @ w)
+    assert again.store.num_loaded == 1 and len(calls) == 2

@@ -111,3 +111,24 @@ def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
         outputs = engine.generate(prompts, _greedy(40), use_tqdm=False)
         expected = dense_greedy_generate(model, prompts, 40)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_second_engine_loads_its_compiled_kernels_from_the_program_store(model, monkeypatch, tmp_path):
+    """The engine's programs, Pallas kernels inside, serialized on the GPU and loaded by
+    a second engine untraced, generate the same tokens as the dense forward."""
+    from jax_paged_attn.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
+    prompts = _prompts(4, [7, 40, 19])
+    with jax.default_matmul_precision("highest"):
+        expected = dense_greedy_generate(model, prompts, 12)
+        runs = []
+        for _ in range(2):
+            engine = LLMEngine(model, BASE)
+            engine.warmup(use_tqdm=False)
+            tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, _greedy(12), use_tqdm=False)]
+            runs.append((engine.runner.program_store, engine.runner.num_traces, tokens))
+    (first, traces, tokens), (second, traces_after, again) = runs
+    assert tokens == expected and again == expected
+    assert first.num_stored > 0 and first.num_unserializable == 0
+    assert second.num_loaded == first.num_stored and traces_after == traces

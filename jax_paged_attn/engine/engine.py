@@ -188,7 +188,12 @@ class EngineConfig:
         so a second start loads them instead of compiling (`LLMEngine.warmup`). The
         cache is JAX's, process-wide: an engine keeps a directory the process set
         (``jax_compilation_cache_dir``), leaves the cache off where the process turned it
-        off (``jax_enable_compilation_cache=False``), and otherwise turns it on.
+        off (``jax_enable_compilation_cache=False``), and otherwise turns it on. With
+        it the engine also keeps its own compiled programs in the cache directory's
+        ``jax_paged_attn_programs`` (`jax_paged_attn.engine.program_store`), keyed by
+        the package's and the model's source, JAX and the device, so that a second
+        start loads them without tracing or lowering. A process that replaces functions
+        of the package at run time should turn this off: such a change is not in the key.
       compilation_cache_dir: its directory; None: ``$XDG_CACHE_HOME/jax_paged_attn/xla``
         (``~/.cache/jax_paged_attn/xla``).
     """
@@ -489,7 +494,8 @@ class LLMEngine:
             num_blocks, line = _kv_cache_blocks_for_memory(model, config, max_model_len)
             report.append(line)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  compiler_options=config.compiler_options)
+                                  compiler_options=config.compiler_options, program_store=_program_store_dir(config))
+        report.append(self.runner.program_store_line)
         bytes_per_block = sum(int(c.nbytes) for c in self.runner.kv_caches) // num_blocks
         num_host_blocks = config.num_host_blocks
         if num_host_blocks is None:
@@ -1338,6 +1344,15 @@ class WarmupReport:
         return (f"{self.num_programs} programs ready in {self.seconds:.1f} s (slowest {self.slowest_program_s:.1f} s; "
                 f"{self.num_compiled - self.num_cache_hits} XLA compilations, {self.num_cache_hits} programs "
                 f"loaded from the compilation cache)")
+
+
+def _program_store_dir(config: EngineConfig) -> str | None:
+    """Where the engine keeps its compiled programs (`program_store`): beside JAX's
+    persistent compilation cache, in its directory, and off when that cache is off."""
+    if not config.compilation_cache or not jax.config.jax_enable_compilation_cache:
+        return None
+    directory = jax.config.jax_compilation_cache_dir
+    return os.path.join(directory, "jax_paged_attn_programs") if directory else None
 
 
 def _use_compilation_cache(config: EngineConfig) -> str:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged_attn.engine import program_store as store_lib
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata, concatenate_sections
 from jax_paged_attn.builder import pad_to_bucket
@@ -336,18 +337,39 @@ class ModelRunner:
       model: a `CausalLM`.
       num_blocks, block_size: the device KV cache (per layer).
       compiler_options: XLA options of the jitted programs (``jax.jit``'s).
+      program_store: a directory of compiled programs (`program_store.ProgramStore`): each
+        program is loaded from it, or compiled and written to it, on its first call;
+        None: the programs are plain ``jax.jit`` functions.
     """
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int,
-                 compiler_options: Mapping[str, Any] | None = None) -> None:
+                 compiler_options: Mapping[str, Any] | None = None, program_store: str | None = None) -> None:
         check_model(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         self.params: tuple[Array, ...] = tuple(leaves)
         self.block_size = block_size
         self.kv_caches: list[Array] = list(model.allocate_kv_caches(num_blocks, block_size))
-        self._programs = _programs(graphdef, treedef, tuple(sorted((compiler_options or {}).items())))
+        options = tuple(sorted((compiler_options or {}).items()))
+        self._programs = _programs(graphdef, treedef, options)
         self._decode_state: DecodeState | None = None
+        programs = self._programs
+        self._step, self._window, self._mixed, self._insert = programs.step, programs.window, programs.mixed, programs.insert
+        self.program_store_line = "program store: off"
+        if program_store is not None:
+            key, reason = store_lib.model_key(model, self.params, options)
+            if reason:
+                self.program_store_line = f"program store: off ({reason}: its programs cannot be keyed by source)"
+            else:
+                self.program_store = store_lib.ProgramStore(program_store, key)
+                self._step = store_lib.StoredProgram(programs.step, "step", self.program_store, params_first=True)
+                self._window = store_lib.StoredProgram(programs.window, "window", self.program_store,
+                                                       params_first=True)
+                self._mixed = store_lib.StoredProgram(programs.mixed, "mixed", self.program_store, params_first=True)
+                self._insert = store_lib.StoredProgram(programs.insert, "insert", self.program_store,
+                                                       params_first=False)
+                self.program_store_line = (f"program store: {program_store} (compiled programs by source, model, "
+                                           f"JAX and device; a second start loads them without tracing)")
 
     @property
     def num_traces(self) -> int:
@@ -375,7 +397,7 @@ class ModelRunner:
         With ``num_logprobs`` (static: each value is its own program) it returns
         ``(tokens, TokenLogprobs)``, leading dim ``[B]``.
         """
-        tokens, self.kv_caches, logprobs = self._programs.step(
+        tokens, self.kv_caches, logprobs = self._step(
             self.params, self.kv_caches, token_ids, positions, metadata, sampling, greedy=greedy,
             num_logprobs=num_logprobs)
         return tokens if logprobs is None else (tokens, logprobs)
@@ -394,7 +416,7 @@ class ModelRunner:
         row j (host rows from `DecodeState.empty` with the batch's row count, width and
         stop-id columns; an index equal to the row count pads and is ignored)."""
         assert self._decode_state is not None, "start_decode first"
-        self._decode_state = self._programs.insert(self._decode_state, row_index, rows)
+        self._decode_state = self._insert(self._decode_state, row_index, rows)
 
     def run_decode_window(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, *,
                           num_steps: int, greedy: bool, max_model_len: int, num_logprobs: int | None = None
@@ -412,7 +434,7 @@ class ModelRunner:
         copied to the host with the tokens.
         """
         assert self._decode_state is not None, "start_decode first"
-        out, logprobs, self._decode_state, self.kv_caches = self._programs.window(
+        out, logprobs, self._decode_state, self.kv_caches = self._window(
             self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values,
             num_steps=num_steps, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
             num_logprobs=num_logprobs)
@@ -441,7 +463,7 @@ class ModelRunner:
         the rows' copy to the host started (a window of one step for the reader).
         """
         assert self._decode_state is not None, "start_decode first"
-        tokens, logprobs, out, rows_lp, self._decode_state, self.kv_caches = self._programs.mixed(
+        tokens, logprobs, out, rows_lp, self._decode_state, self.kv_caches = self._mixed(
             self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values, token_ids, positions,
             metadata, sampling, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
             num_logprobs=num_logprobs)
