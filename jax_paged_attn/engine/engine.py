@@ -34,8 +34,9 @@ programs). Three kinds of step:
 Compilation: a program compiles once per distinct *static* shape of its inputs, and
 the engine pads every batch to one of the few shapes `jax_paged_attn.engine.shapes`
 fixes at start. `LLMEngine.warmup` (which `LLM` calls) compiles all of them, so no
-later call compiles; JAX's persistent compilation cache (``EngineConfig.compilation_cache``)
-makes a second start load them instead.
+later call compiles; with ``EngineConfig.compilation_cache`` a second start loads them
+instead (the engine's program store, `jax_paged_attn.engine.program_store`, untraced;
+anything else from JAX's persistent compilation cache).
 
 Memory: unless ``num_blocks`` is given, the KV cache takes what the device has left
 beside the weights and the largest step's activations, up to ``gpu_memory_utilization``
@@ -1128,8 +1129,8 @@ class LLMEngine:
         on padding (no cache slot is written). Not covered, and compiled on first use:
         requests asking for ``logprobs`` (a program per logprobs width), more stop ids
         than `shapes.MIN_STOP_ID_COLUMNS`, preemption by swapping (the swap programs)
-        and the scheduled steps that follow it. With the persistent compilation cache
-        (``EngineConfig.compilation_cache``) a second start loads the programs instead.
+        and the scheduled steps that follow it. With ``EngineConfig.compilation_cache`` a
+        second start loads the programs from the program store instead, untraced.
 
         Raises RuntimeError while requests are in the engine.
         """
