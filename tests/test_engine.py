@@ -594,6 +594,9 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
     assert second.runner.program_store.num_loaded == stored and second.runner.program_store.num_stored == 0
     assert second.runner.num_traces - traces <= unserializable  # nothing else traced anew
     assert counter.count <= unserializable
+    cache = second.runner.kv_caches[0]
+    second.generate(prompts[:1], greedy(2), use_tqdm=False)
+    assert cache.is_deleted()  # a loaded program still takes the caches donated: in place
 
     files = sorted(tmp_path.glob("*.jaxexe"))
     files[0].write_bytes(files[0].read_bytes()[:100])  # a torn file
