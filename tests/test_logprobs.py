@@ -190,7 +190,7 @@ def test_logprobs_survive_preemption(model, num_host_blocks):
 def test_window_program_with_logprobs_has_no_conditional():
     small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(5))
     engine = LLMEngine(small, dataclasses.replace(BASE, num_scheduler_steps=2))
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=8, logprobs=2))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=8, logprobs=3))
     engine.step()  # prefill
     engine.step()  # starts the persistent batch
     runner = engine.runner
@@ -200,7 +200,7 @@ def test_window_program_with_logprobs_has_no_conditional():
         text = runner.window_program.trace(
             runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
             np.zeros((rows, width), np.int32), num_steps=2, greedy=False, block_size=16, max_model_len=512,
-            num_logprobs=2).lower(lowering_platforms=("cuda",)).as_text()
+            num_logprobs=4).lower(lowering_platforms=("cuda",)).as_text()
     assert_no_data_dependent_branch(text)
 
 
