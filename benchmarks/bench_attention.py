@@ -503,12 +503,20 @@ class Timer:
     (tens of microseconds, more than a third of a 0.3 ms decode step) overlaps the
     previous call's GPU work instead of being counted, as in the jitted loops that run
     these ops. ``calls`` is chosen so that a sample lasts at least ``sample_ms`` (at
-    least 2, at most 64). torch: CUDA events around each call (GPU time).
+    least ``min_calls``, at most 64). torch: CUDA events around each call (GPU time).
+    `dry_run`: the fewest calls, for a CPU run that checks a script (its times mean
+    nothing there; an interpret-mode kernel call takes seconds).
     """
 
     warmup: int = 3
     reps: int = 10
     sample_ms: float = 2.0
+    min_calls: int = 2
+
+    @classmethod
+    def dry_run(cls) -> "Timer":
+        """One untimed call and one timed sample of one call."""
+        return cls(warmup=1, reps=1, min_calls=1)
 
     def jax(self, call: Callable[[], Any]) -> tuple[float, float, Any]:
         """Returns (median ms per call, first-call seconds, last output) of the zero-arg `call`."""
@@ -520,7 +528,7 @@ class Timer:
             start = time.perf_counter()
             out = _block(call())
             single_ms = (time.perf_counter() - start) * 1e3
-        calls = int(min(64, max(2, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
+        calls = int(min(64, max(self.min_calls, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
         times = []
         for _ in range(self.reps):
             start = time.perf_counter()
@@ -1602,6 +1610,11 @@ def run_suite_isolated(suite: str, jobs: Sequence[Job], args: argparse.Namespace
     return rows, meta
 
 
+def run_timer(args: argparse.Namespace) -> Timer:
+    """``--warmup`` / ``--reps``; a ``--tiny`` dry run times samples of one call (`Timer.dry_run`)."""
+    return Timer(args.warmup, args.reps, min_calls=1 if args.tiny else Timer.min_calls)
+
+
 def child_main(args: argparse.Namespace) -> int:
     """A suite's process: runs its jobs from ``--child-start`` on, one JSON line per row."""
     suite = args.suites[0]
@@ -1610,7 +1623,7 @@ def child_main(args: argparse.Namespace) -> int:
     pathlib.Path(args.child_meta).write_text(json.dumps(meta))
     print(f"[{suite}] process {os.getpid()}: {meta['gpu']} | torch {meta['torch']} | jobs {args.child_start}.."
           f"{args.child_start + len(jobs) - 1}", flush=True)
-    ctx = Context(Timer(args.warmup, args.reps), Deadline(args.child_deadline), ours_implementation=args.ours_impl,
+    ctx = Context(run_timer(args), Deadline(args.child_deadline), ours_implementation=args.ours_impl,
                   interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
     with open(args.child_rows, "w") as sink:
         def emit(row: Row) -> None:
@@ -1861,7 +1874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 meta = {**child_meta, **meta} if child_meta else meta
             else:
                 suite_rows = []
-                ctx = Context(Timer(args.warmup, args.reps), deadline, ours_implementation=args.ours_impl,
+                ctx = Context(run_timer(args), deadline, ours_implementation=args.ours_impl,
                               interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
                 run_jobs(jobs, ctx, lambda row: suite_rows.append(dataclasses.asdict(row)))
             rows += suite_rows

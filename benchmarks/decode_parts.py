@@ -82,7 +82,7 @@ def main() -> int:
 
     base = dataclasses.replace(tuning.MOSAIC_DECODE_MEASURED, **parse_overrides(args.config))
     configs = [base] + [dataclasses.replace(base, **parse_overrides(v)) for v in args.versus]
-    timer = Timer(warmup=1, reps=1) if args.interpret else Timer(reps=args.reps)
+    timer = Timer.dry_run() if args.interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     cases = [parse_case(text) for text in args.case] or (INTERPRET_CASES if args.interpret else DECODE_CASES)
     for index, case in enumerate(cases):

@@ -106,7 +106,7 @@ def main() -> int:
 
     overrides = parse_overrides(args.config)
     interpret = args.interpret
-    timer = Timer(warmup=1, reps=1) if interpret else Timer(reps=args.reps)
+    timer = Timer.dry_run() if interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, config overrides {overrides or 'none'}")
     shapes = [parse_shape(text) for text in args.case] or (INTERPRET_SHAPES if interpret else SHAPES)
     for batch, seq, q_heads, kv_heads, head_size in shapes:

@@ -616,13 +616,20 @@ def _table(text: str, first_column: str) -> tuple[list[str], list[list[str]]]:
     return cells[0], cells[2:end]
 
 
+# The engine benchmarks' smoke runs on an engine with one batch and one token bucket: a
+# program per count (half the programs of the scripts' --quick buckets, each a compile);
+# every part of the scripts still runs.
+_ONE_PROGRAM_PER_COUNT = ["--max-num-batched-tokens", "32", "--engine-option", "batch_buckets=4,",
+                          "--engine-option", "token_buckets=32,"]
+
+
 def test_bench_engine_quick_times_generate_and_the_one_jit_loop_gives_the_engines_tokens(capsys):
     """The engine table on the tiny float32 model: every contender measured, and the
     one-jit dense loop's greedy tokens identical to the engine's on every row."""
     from jax_paged_attn.engine import LLMEngine
 
     bench = _loaded("bench_engine")
-    rows = bench.main(["--quick", "--batches", "3"])
+    rows = bench.main(["--quick", "--batches", "3", *_ONE_PROGRAM_PER_COUNT])
     header, cells = _table(capsys.readouterr().out, "batch")
     assert tuple(header) == bench.TABLE_COLUMNS and len(cells) == 1
     for row, row_cells in zip(rows, cells):
@@ -746,7 +753,7 @@ def test_arrival_loop_submits_on_time_and_counts_the_wait_for_a_running_step():
 
 
 _SMALL_SERVING = ["--quick", "--num-requests", "8", "--max-num-seqs", "4", "--prompt-lens", "4,24",
-                  "--output-lens", "2,12", "--max-model-len", "64"]
+                  "--output-lens", "2,12", "--max-model-len", "64", *_ONE_PROGRAM_PER_COUNT]
 
 
 def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys):

@@ -118,9 +118,10 @@ except NotImplementedError as error:
     print("explicit:", error)
 print("reason:", dispatch.lowering_unavailable_reason("triton"))
 from flax import nnx
-from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_dense
 model = LlamaForCausalLM(LlamaConfig.tiny(hidden_size=128, intermediate_size=256), rngs=nnx.Rngs(0))
-print("llama dense forward:", model.forward_dense(jnp.array([[1, 2, 3]])).shape)
+# (jitted: one compile, where eagerly each of its ops compiles alone)
+print("llama dense forward:", jit_forward_dense(model)(jnp.array([[1, 2, 3]])).shape)
 from jax_paged_attn import matmul
 try:
     matmul.weight_streaming_matmul(jnp.ones((2, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16))

@@ -6,7 +6,8 @@ it starts (so it cannot be set inside a pytest process that already initialized 
 must not leak into the other tests). The subprocess runs `_equivalence_main` and checks,
 for 2-, 4- and 8-way tensor parallelism, that logits and KV caches equal the single-
 device ones through a chunked prefill and decode steps, and that parameters and caches
-are laid out as documented.
+are laid out as documented (4-way with ``--full`` only: 2- and 8-way already hold several
+KV heads a device and one).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax_paged_attn import parallel
 
 NUM_HOST_DEVICES = 8
+TP_SIZES_VARIABLE = "JPA_TEST_TP_SIZES"  # the tensor-parallel sizes the subprocess checks
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -98,8 +100,11 @@ def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_sharded_model_matches_single_device():
+def test_sharded_model_matches_single_device(request):
+    """2- and 8-way (several KV heads a device, one); 4-way too with ``--full``."""
     env = dict(os.environ)
+    sizes = (2, 4, 8) if request.config.getoption("--full") else (2, 8)
+    env[TP_SIZES_VARIABLE] = ",".join(map(str, sizes))
     force_devices = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + force_devices).strip()
     env["JAX_PLATFORMS"] = "cpu"
@@ -107,7 +112,7 @@ def test_sharded_model_matches_single_device():
     result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr[-6000:]}"
-    assert "checked tp=2 tp=4 tp=8" in result.stdout, result.stdout
+    assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------- the subprocess
@@ -169,7 +174,7 @@ def _equivalence_main() -> None:
     checked = []
     with tempfile.TemporaryDirectory() as directory:
         save_checkpoint(reference, config, directory)
-        for tp in (2, 4, 8):
+        for tp in map(int, os.environ.get(TP_SIZES_VARIABLE, "2,4,8").split(",")):
             mesh = parallel.tensor_parallel_mesh(tp)
             model = load_llama(directory, dtype=jnp.float32, implementation="xla", mesh=mesh)
             layer0 = model.model.layers[0]
