@@ -101,7 +101,8 @@ def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
 
 
 def test_sharded_model_matches_single_device(request):
-    """2- and 8-way (several KV heads a device, one); 4-way too with ``--full``."""
+    """2- and 8-way (several KV heads a device, one); 4-way too with ``--full``; then
+    the engine at 2-way (`_engine_main`)."""
     env = dict(os.environ)
     sizes = (2, 4, 8) if request.config.getoption("--full") else (2, 8)
     env[TP_SIZES_VARIABLE] = ",".join(map(str, sizes))
@@ -113,6 +114,7 @@ def test_sharded_model_matches_single_device(request):
                             timeout=600)
     assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr[-6000:]}"
     assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in result.stdout, result.stdout
+    assert "checked the engine at tp=2" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------- the subprocess
@@ -221,5 +223,55 @@ def _equivalence_main() -> None:
     print("checked " + " ".join(checked))
 
 
+def _engine_main() -> None:
+    """The engine on a 2-way mesh: greedy tokens equal the single-device model's through
+    preemption by swapping and copy-on-write of shared prefix blocks (the caches sharded
+    by KV head), and the compiled decode window
+    holds the two all-reduces per layer and nothing else but the vocabulary-parallel
+    argmax's gather of one (value, index) pair per device and row."""
+    import dataclasses
+
+    from flax import nnx
+
+    from conftest import engine_base, random_prompts
+    from jax_paged_attn.engine import LLMEngine, SamplingParams
+    from jax_paged_attn.engine.model_runner import DecodeState
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)
+    reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=parallel.tensor_parallel_mesh(2))
+    greedy = SamplingParams(temperature=0.0, max_tokens=80)
+    prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
+    want = dense_greedy_generate(reference, prompts, 80)
+    base = engine_base()
+    # Swapping moves sharded blocks to the host and back (recomputing is prefill again).
+    engine = LLMEngine(model, dataclasses.replace(base, num_host_blocks=32))
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)] == want
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_swapped_out_blocks > 0, engine.stats
+    cache = engine.runner.kv_caches[0]
+    assert cache.sharding.is_equivalent_to(parallel.kv_cache_sharding(model.mesh), cache.ndim)
+    (shared,) = random_prompts(2, [32])
+    prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]
+    engine = LLMEngine(model, base)
+    engine.generate([shared], greedy, use_tqdm=False)
+    outs = engine.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 80)
+    assert engine.stats.num_copied_blocks >= 1 and outs[1].num_cached_tokens == 32
+
+    runner, rows, width = engine.runner, 4, 16
+    hlo = runner.window_program.lower(
+        runner.params, runner.kv_caches, jax.device_put(DecodeState.empty(rows, width, 8)), np.zeros(rows, bool),
+        np.full(rows, rows, np.int32), np.zeros((rows, width), np.int32), num_steps=4, greedy=True, block_size=16,
+        max_model_len=64).compile().as_text()
+    found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+    assert {name: found.count(name) for name in set(found)} == {
+        "all-reduce": 2 * config.num_hidden_layers, "all-gather": 2}, found
+    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
+    assert all(f"[{rows},2]" in line for line in gathers), gathers  # (max, index) per device and row
+    print("checked the engine at tp=2")
+
+
 if __name__ == "__main__":
     _equivalence_main()
+    _engine_main()
