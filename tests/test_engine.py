@@ -582,8 +582,9 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
 
     first, tokens = start()
     stored = first.runner.program_store.num_stored
-    # XLA:CPU cannot serialize some sorts (the sampled programs', in some processes):
-    # those compile at each start; every program it could write comes back
+    # XLA:CPU cannot serialize a sort's executable once it ran, and an earlier test in
+    # this process may have run the same sampled programs without the store: those
+    # compile again; every program the store could write comes back
     unserializable = first.runner.program_store.num_unserializable
     assert stored > 0 and first.runner.program_store.num_loaded == 0
     assert tokens == dense_greedy_generate(model, prompts, 6)

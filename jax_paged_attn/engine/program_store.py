@@ -173,11 +173,13 @@ class ProgramStore:
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         except Exception as error:  # noqa: BLE001 - the program runs; only the next start pays
-            # XLA:CPU cannot serialize every executable (some sorts); such a program is
-            # compiled (or read from JAX's cache) at every start.
+            # XLA:CPU cannot serialize an executable with a sort once it has run, and
+            # JAX hands back the executable its jit already compiled and ran in this
+            # process (an engine without the store ran the same program): such a program
+            # is compiled (or read from JAX's cache) at the next start.
             self.num_unserializable += 1
-            logger.warning("program store: %s cannot be serialized on this backend (%s: %s); it is compiled at "
-                           "each start", path.name, type(error).__name__, error)
+            logger.warning("program store: %s cannot be serialized on this backend (%s: %s); it is compiled again at "
+                           "the next start", path.name, type(error).__name__, error)
             return compiled
         try:
             data = pickle.dumps((payload, in_tree, out_tree))
