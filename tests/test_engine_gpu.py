@@ -119,12 +119,15 @@ def test_a_second_engine_loads_its_compiled_kernels_from_the_program_store(model
     from jax_paged_attn.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
+    # Pages of 32: programs no earlier test of this module ran (an executable JAX already
+    # ran may not serialize: see the program store's warning).
+    config = dataclasses.replace(BASE, block_size=32, num_blocks=32, num_host_blocks=32)
     prompts = _prompts(4, [7, 40, 19])
     with jax.default_matmul_precision("highest"):
         expected = dense_greedy_generate(model, prompts, 12)
         runs = []
         for _ in range(2):
-            engine = LLMEngine(model, BASE)
+            engine = LLMEngine(model, config)
             engine.warmup(use_tqdm=False)
             tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, _greedy(12), use_tqdm=False)]
             runs.append((engine.runner.program_store, engine.runner.num_traces, tokens))
