@@ -495,7 +495,8 @@ class LLMEngine:
             num_blocks, line = _kv_cache_blocks_for_memory(model, config, max_model_len)
             report.append(line)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  compiler_options=config.compiler_options, program_store=_program_store_dir(config))
+                                  compiler_options=config.compiler_options,
+                                  program_store_dir=_program_store_dir(config))
         report.append(self.runner.program_store_line)
         bytes_per_block = sum(int(c.nbytes) for c in self.runner.kv_caches) // num_blocks
         num_host_blocks = config.num_host_blocks

@@ -337,13 +337,13 @@ class ModelRunner:
       model: a `CausalLM`.
       num_blocks, block_size: the device KV cache (per layer).
       compiler_options: XLA options of the jitted programs (``jax.jit``'s).
-      program_store: a directory of compiled programs (`program_store.ProgramStore`): each
+      program_store_dir: a directory of compiled programs (`program_store.ProgramStore`): each
         program is loaded from it, or compiled and written to it, on its first call;
         None: the programs are plain ``jax.jit`` functions.
     """
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int,
-                 compiler_options: Mapping[str, Any] | None = None, program_store: str | None = None) -> None:
+                 compiler_options: Mapping[str, Any] | None = None, program_store_dir: str | None = None) -> None:
         check_model(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -355,21 +355,20 @@ class ModelRunner:
         self._decode_state: DecodeState | None = None
         programs = self._programs
         self._step, self._window, self._mixed, self._insert = programs.step, programs.window, programs.mixed, programs.insert
+        self.program_store: store_lib.ProgramStore | None = None
         self.program_store_line = "program store: off"
-        if program_store is not None:
-            key, reason = store_lib.model_key(model, self.params, options)
+        if program_store_dir is not None:
+            key, reason = store_lib.model_key(graphdef, model, self.params, options)
             if reason:
                 self.program_store_line = f"program store: off ({reason}: its programs cannot be keyed by source)"
             else:
-                self.program_store = store_lib.ProgramStore(program_store, key)
-                self._step = store_lib.StoredProgram(programs.step, "step", self.program_store, params_first=True)
-                self._window = store_lib.StoredProgram(programs.window, "window", self.program_store,
-                                                       params_first=True)
-                self._mixed = store_lib.StoredProgram(programs.mixed, "mixed", self.program_store, params_first=True)
-                self._insert = store_lib.StoredProgram(programs.insert, "insert", self.program_store,
-                                                       params_first=False)
-                self.program_store_line = (f"program store: {program_store} (compiled programs by source, model, "
-                                           f"JAX and device; a second start loads them without tracing)")
+                store = self.program_store = store_lib.ProgramStore(program_store_dir, key)
+                self._step, self._window, self._mixed = (
+                    store_lib.StoredProgram(getattr(programs, name), name, store, params_first=True)
+                    for name in ("step", "window", "mixed"))
+                self._insert = store_lib.StoredProgram(programs.insert, "insert", store, params_first=False)
+                self.program_store_line = (f"program store: {program_store_dir} (compiled programs by source, "
+                                           f"model, JAX and device; a second start loads them without tracing)")
 
     @property
     def num_traces(self) -> int:

@@ -3,7 +3,7 @@ tracing, lowering and compiling them again.
 
 JAX's persistent compilation cache keys a program by its lowered module, so a warm
 start still traces and lowers every program (about 1.5 s each for a 16-layer model's
-decode window on a server CPU) before the cache can answer. The store keys a program by
+decode window on a 2-core CPU host) before the cache can answer. The store keys a program by
 what determines it instead: the package's source, the source files of the model's
 classes, JAX's version and configuration, the devices, the XLA options, the parameters'
 shapes and the call's static arguments and shapes; the executable comes back from
@@ -80,18 +80,16 @@ def model_source_files(model: Any) -> tuple[list[pathlib.Path], str | None]:
     return files, None
 
 
-def model_key(model: Any, params: tuple, compiler_options: Any) -> tuple[list[str], str | None]:
+def model_key(graphdef: Any, model: Any, params: tuple, compiler_options: Any) -> tuple[list[str], str | None]:
     """The key lines of ``model``'s programs (`environment_key`, the package's and the
-    model's source, its structure and static attributes, its parameters' shapes, the XLA
-    options) and None; or ``([], reason)`` when the model cannot be keyed."""
-    from flax import nnx
-
+    model's source, its structure and static attributes (``graphdef``, its nnx graph
+    definition), its parameters' shapes, the XLA options) and None; or ``([], reason)``
+    when the model cannot be keyed."""
     if _trace_context is None:
         return [], f"jax {jax.__version__} does not expose the options a trace depends on"
     files, reason = model_source_files(model)
     if reason:
         return [], reason
-    graphdef, _ = nnx.split(model)
     # Function attributes print with their addresses, which differ between processes;
     # their code is in the source digests.
     structure = re.sub(r"0x[0-9a-f]+", "0x?", repr(graphdef))
