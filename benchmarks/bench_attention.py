@@ -263,6 +263,10 @@ DECODE_CASES = (
     DecodeCase(8, 32768, 32, 8, 128),
     DecodeCase(256, 1024, 32, 8, 128),
     DecodeCase(32, 8192, 64, 8, 128),
+    # Head size 64 (the 1.1B Llama of bench_engine.py): 128-byte K/V rows per head, a
+    # table key (64, 16, 4) of its own.
+    DecodeCase(256, 1024, 32, 8, 64),
+    DecodeCase(32, 4096, 32, 8, 64),
 )
 PREFILL_CASES = (
     AttentionCase.dense_prefill(8, 2048, 32, 8, 128),
@@ -274,7 +278,7 @@ _MIXED = mixed_lengths(16, 64, 4096, seed=0)
 VARLEN_CASES = (AttentionCase("mixed", _MIXED, _MIXED, 32, 8, 128),)
 PREFIX_CASES = tuple(
     AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 128, page_size=page) for page in (16, 64)
-)
+) + (AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 64, page_size=16),)
 CACHE_CASES = (
     CacheCase("decode step", seqs=256, tokens_per_seq=1, context=1024, kv_heads=8, head_dim=128),
     CacheCase("prefill", seqs=16, tokens_per_seq=2048, context=2048, kv_heads=8, head_dim=128),
@@ -1339,6 +1343,8 @@ def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
             (2, 1, 4, 1024), (2, 2, 4, 1024), (2, 2, 5, 1024), (2, 8, 4, 1024),
             (4, 4, 3, 1024), (4, 4, 4, 1024), (4, 8, 3, 1024), (4, 8, 4, 1024), (4, 2, 3, 1024),
             (2, 4, 4, 2048), (2, 4, 4, 4096), (4, 4, 3, 2048), (2, 4, 4, 512),
+            # Longer tiles for head size 64 (half the bytes per key of D 128).
+            (8, 4, 3, 1024), (8, 4, 4, 1024), (8, 8, 3, 1024), (4, 4, 5, 1024),
         )
         base = DecodeConfig(prefetch_page_ids=True)
         grid = [dataclasses.replace(base, pages_per_step=p, num_warps=w, num_stages=st, target_programs=t)
@@ -1445,6 +1451,8 @@ class Job:
 
 def select_cases(suite: str, args: argparse.Namespace) -> tuple[Any, ...]:
     cases = TINY_CASES[suite] if args.tiny else FULL_CASES[suite]
+    if args.shapes:
+        cases = tuple(c for c in cases if any(text in c.label for text in args.shapes))
     return cases[:1] if args.quick else cases
 
 
@@ -1754,6 +1762,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="also write the markdown to benchmarks/RESULTS.md (TUNING.md with --tune), the "
                              "committed copy; never done by default")
     parser.add_argument("--quick", action="store_true", help="first shape of each suite, smaller sweeps")
+    parser.add_argument("--shapes", default=None, metavar="TEXT,...",
+                        help="only the shapes whose label holds one of these texts (e.g. D64 or 'B256 ctx1024')")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-clock budget of the whole run from its start, compile included; inf for none "
                              "(default: %(default)s)")
@@ -1791,6 +1801,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.stem is not None and (not args.stem or "/" in args.stem or args.stem.startswith(".")):
         parser.error(f"--stem must be a plain file name, got {args.stem!r}")
     args.peer_names = None if args.peers is None else {p for p in args.peers.split(",") if p}
+    args.shapes = [t for t in args.shapes.split(",") if t] if args.shapes else []
     known = {impl.name for suite in args.suites for impl in SUITE_IMPLS.get(suite, ())}
     # (A suite's child process gets the run's peers, some of them other suites': the
     # parent checked them against every suite of the run.)
@@ -1804,6 +1815,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        "--max-configs", str(args.max_configs)]
     if args.peers is not None:
         args.forwarded += ["--peers", args.peers]
+    if args.shapes:
+        args.forwarded += ["--shapes", ",".join(args.shapes)]
     return args
 
 

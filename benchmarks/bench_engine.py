@@ -6,7 +6,8 @@ decode loops and Hugging Face transformers on the same GPU.
                                       [--new-tokens 128] [--num-scheduler-steps 16]
                                       [--implementation auto] [--dense-impl xla]
                                       [--engine-option FIELD=VALUE ...]
-                                      [--decode-config FIELD=VALUE,...] [--hf] [--quick]
+                                      [--decode-config FIELD=VALUE,...] [--warm-up engine|requests]
+                                      [--hf] [--quick]
 
 Model: a random-weight ~1B-parameter Llama (hidden 2048, 16 layers, 32 query heads,
 8 KV heads, head_dim 64, intermediate 8192, vocab 32000), bfloat16. ``--quick`` runs a
@@ -23,8 +24,9 @@ call's fixed costs cancel.
 
 * **engine**: `LLMEngine.generate` (scheduler, metadata builder, decode windows of
   ``--num-scheduler-steps`` steps on the device, host reads overlapped), warmed up by
-  `LLMEngine.warmup()` where the engine has it (else by one untimed `generate` of the
-  same requests). Beside its wall-clock figures: decode tok/s by the engine's own
+  `LLMEngine.warmup()` where the engine has it (else, or with ``--warm-up requests``,
+  by untimed `generate` calls of the same requests, which compile only the programs
+  they reach: minutes less per batch on a GPU). Beside its wall-clock figures: decode tok/s by the engine's own
   counters (`EngineStats.decode_tokens_per_s` over the timed calls: decode steps only,
   host work included), the ms per step that makes, the floor (every weight and the
   batch's K/V read once per step at 4.2 TB/s), and `compiles after start`: XLA
@@ -279,7 +281,8 @@ def bench_dense_per_step(model: LlamaForCausalLM, batch: int, prompt_len: int, n
 
 def bench_engine(model: LlamaForCausalLM, prompts: np.ndarray, new_tokens: int, *, block_size: int,
                  max_num_batched_tokens: int, num_scheduler_steps: int, compiler_options: dict[str, Any] | None,
-                 engine_options: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+                 engine_options: dict[str, Any] | None = None, seed: int = 0,
+                 whole_engine_warm_up: bool = True) -> dict[str, Any]:
     """`LLMEngine.generate` of ``prompts`` i32[B, P], timed by `wall_clock_decode` after
     a warm-up, with the engine's own decode counters over the timed calls and the XLA
     compilations they made (``compiles_after_start``); ``outputs``: the tokens of the last
@@ -301,7 +304,8 @@ def bench_engine(model: LlamaForCausalLM, prompts: np.ndarray, new_tokens: int, 
         assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
         return np.array([o.outputs[0].token_ids for o in outputs])
 
-    warm = warm_up(engine, lambda: run(new_tokens), "one untimed generate of the timed requests")
+    warm = warm_up(engine, lambda: (run(new_tokens), run(1)), "untimed generate calls of the timed requests",
+                   whole_engine=whole_engine_warm_up)
     programs = engine.num_compiled_programs
     engine.reset_stats()
     counter = CompileCounter()
@@ -396,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                         help="replace the Triton decode kernel's tile config (tuning.DecodeConfig fields) for "
                              "this run, e.g. pages_per_step=16,num_splits=1,num_warps=8")
     parser.add_argument("--hf", action="store_true", help="also run bench_hf.py (torch) in a subprocess first")
+    parser.add_argument("--warm-up", default="engine", choices=("engine", "requests"),
+                        help="engine: engine.warmup() compiles every program of the configuration (what LLM "
+                             "does); requests: untimed generate calls of the timed requests compile only the "
+                             "programs they reach (minutes less on a GPU; the timed calls' compiles are "
+                             "counted either way)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
     args = parser.parse_args(argv)
     engine_options = parse_engine_options(args.engine_option)
@@ -432,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         prompts = rng.integers(0, model.config.vocab_size, size=(batch, prompt_len))
         engine = bench_engine(model, prompts, new_tokens, num_scheduler_steps=steps, block_size=args.block_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              compiler_options=compiler_options, engine_options=engine_options)
+                              compiler_options=compiler_options, engine_options=engine_options,
+                              whole_engine_warm_up=args.warm_up == "engine")
         one_jit = bench_dense_one_jit(model, prompts, new_tokens, dense_impl, compiler_options)
         per_step = bench_dense_per_step(model, batch, prompt_len, new_tokens, dense_impl, compiler_options)
         floor = weight_read_floor_ms(model, batch, prompt_len + new_tokens // 2)

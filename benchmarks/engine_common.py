@@ -151,13 +151,16 @@ class WarmUp:
                 f"({self.compile_s:.1f} s)")
 
 
-def warm_up(engine: Any, fallback: Any, fallback_name: str) -> WarmUp:
-    """``engine.warmup()`` where the engine has it (it compiles every program its
-    configuration can reach), else ``fallback()`` (an untimed run of the benchmark's
-    own requests), timed and counted."""
+def warm_up(engine: Any, fallback: Any, fallback_name: str, *, whole_engine: bool = True) -> WarmUp:
+    """``engine.warmup()`` where the engine has it and ``whole_engine`` (it compiles
+    every program its configuration can reach), else ``fallback()`` (an untimed run of
+    the benchmark's own requests: only the programs they reach), timed and counted."""
     counter = CompileCounter()
     start = time.perf_counter()
-    if hasattr(engine, "warmup"):
+    if not whole_engine:
+        fallback()
+        how = f"{fallback_name} (only the programs the benchmark's requests reach)"
+    elif hasattr(engine, "warmup"):
         engine.warmup()
         how = "engine.warmup()"
     else:
