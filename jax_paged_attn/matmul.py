@@ -196,23 +196,6 @@ def streams(x: Array, implementation: str | None, w: Array | None = None) -> boo
     return implementation == "weight_streaming"
 
 
-def fuses_layers(x: Array, implementation: str | None) -> bool:
-    """Whether a decoder layer's serving forward of ``x`` ``[..., K]`` runs fused (the
-    residual add + RMSNorm kernel summing `linear_partials`, SwiGLU in `gated_linear`):
-    where `streams` takes its products, and also past `tuning.MATMUL_MAX_ROWS` rows up
-    to `tuning.FUSED_LAYERS_MAX_ROWS` (XLA's GEMMs, ``S = 1`` partials) for an
-    implementation that would stream them at fewer rows: "weight_streaming", or auto
-    with 16-bit ``x`` where `auto_takes_kernel`."""
-    check_implementation(implementation)
-    if streams(x, implementation):
-        return True
-    if math.prod(x.shape[:-1]) > tuning.FUSED_LAYERS_MAX_ROWS:
-        return False
-    if implementation in (None, "auto"):
-        return jnp.dtype(x.dtype).itemsize == 2 and auto_takes_kernel()
-    return implementation == "weight_streaming"
-
-
 def linear_partials(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
     """`linear`'s product as partial products ``[S, ..., *out]`` whose sum over axis 0 is
     ``x @ w``: the kernel's float32 split-K partials where `streams` says so, else the
@@ -240,7 +223,6 @@ def gated_linear(x: Array, w: Array, *, implementation: str | None = None, inter
 AUTO_CHOICE = ("on the H200 through CUDA, products of at most 128 rows of 16-bit activations through the "
                "weight-streaming kernel, with the fused decoder layers (residual add + RMSNorm in one kernel, "
                "SwiGLU inside the gate/up product): 0.88 / 1.01 ms per decode step at batch 1 / 32 against "
-               "0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products "
-               "(forwards of up to 256 rows keep the fused norms), float32, with a mesh and on other GPUs "
-               "(not measured there)")
+               "0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products, "
+               "float32, with a mesh and on other GPUs (not measured there)")
 """What auto runs for linear layers, and why, in words (the engine's start report)."""

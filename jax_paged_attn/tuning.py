@@ -609,14 +609,6 @@ MATMUL_MAX_ROWS = 128
 ``rows x block_n`` registers per program, and past a few hundred rows a product is no
 longer bound by its weight reads (XLA's GEMMs take it)."""
 
-FUSED_LAYERS_MAX_ROWS = 256
-"""The largest forward (in tokens) that runs the fused decoder layers where the
-weight-streaming kernel is chosen (`jax_paged_attn.matmul.fuses_layers`): past
-`MATMUL_MAX_ROWS` rows its products are XLA's GEMMs, but the residual add + RMSNorm and
-the rotary + cache write stay one kernel each, where XLA runs an add, a reduction and an
-elementwise kernel per norm (a decode batch of 256 rows). Larger forwards, prefill
-chunks of thousands of tokens, keep XLA's fusions."""
-
 MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig] = {
     # (K, N, rows rounded up to a power of 2 >= 16) -> the sweep's best config on an H200
     # (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2). Comments: us per product

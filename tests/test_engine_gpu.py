@@ -100,9 +100,8 @@ def test_compiled_decode_window_copies_no_cache_and_branches_on_nothing(model):
 
 
 def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
-    """Decode steps' projections through the compiled weight-streaming kernel (steps of
-    129-256 tokens: XLA's dot inside the fused layers; larger ones unfused): tokens equal
-    the dense forward's."""
+    """Decode steps' projections through the compiled weight-streaming kernel (prefill
+    steps of more than 128 tokens keep XLA's dot): tokens equal the dense forward's."""
     config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="triton",
                              matmul_implementation="weight_streaming")

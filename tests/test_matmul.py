@@ -257,31 +257,8 @@ def test_llama_fused_decoder_layers_match_dense(attention):
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation=attention, interpret=True,
                              matmul_implementation="weight_streaming")
     assert model._norm_implementation() == attention
-    assert model.fuses_residual_norms(jnp.zeros((tuning.FUSED_LAYERS_MAX_ROWS, 128)))
-    assert not model.fuses_residual_norms(jnp.zeros((tuning.FUSED_LAYERS_MAX_ROWS + 1, 128)))
-    runner = Runner(model, jit_forward(model), jit_forward_dense(model), chunked_prefill=True)
-    chunked_prefill_beside_decodes(runner, decode_steps=1)
-
-
-def test_fused_layers_past_the_kernels_rows_run_xla_products_and_match_dense(monkeypatch):
-    """Forwards of more than `tuning.MATMUL_MAX_ROWS` and at most
-    `tuning.FUSED_LAYERS_MAX_ROWS` tokens keep the fused norms around XLA's products
-    (``S = 1`` partials); larger ones run unfused. With the limits lowered to 8 and 24
-    rows, the chunked-prefill steps (32 and 17 tokens) and the decodes (2) take the three
-    paths, and every step's logits equal the dense forward's."""
-    from test_llama import Runner, chunked_prefill_beside_decodes
-    from jax_paged_attn.models import jit_forward, jit_forward_dense
-
-    monkeypatch.setattr(tuning, "MATMUL_MAX_ROWS", 8)
-    monkeypatch.setattr(tuning, "FUSED_LAYERS_MAX_ROWS", 24)
-    config = LlamaConfig.tiny(hidden_size=128, intermediate_size=256)
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="triton", interpret=True,
-                             matmul_implementation="weight_streaming")
-    x = lambda rows: jnp.zeros((rows, 128))
-    assert matmul.streams(x(8), "weight_streaming") and not matmul.streams(x(9), "weight_streaming")
-    assert model.fuses_residual_norms(x(24)) and not model.fuses_residual_norms(x(25))
-    assert not matmul.fuses_layers(x(9), "xla")
-    assert not matmul.fuses_layers(jnp.zeros((9, 128), jnp.bfloat16), None)  # auto: no kernel on a CPU
+    assert model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS, 128)))
+    assert not model.fuses_residual_norms(jnp.zeros((tuning.MATMUL_MAX_ROWS + 1, 128)))
     runner = Runner(model, jit_forward(model), jit_forward_dense(model), chunked_prefill=True)
     chunked_prefill_beside_decodes(runner, decode_steps=1)
 

@@ -662,8 +662,7 @@ class LlamaForCausalLM(nnx.Module):
         XLA's dot: `jax_paged_attn.matmul.AUTO_CHOICE`). With the kernel, a
         forward of at most `tuning.MATMUL_MAX_ROWS` tokens also fuses each residual add
         into the next RMSNorm and the SwiGLU into the gate/up product
-        (`LlamaDecoderLayer.fused`); larger forwards use XLA's dot, those of at most
-        `tuning.FUSED_LAYERS_MAX_ROWS` tokens (decode batches) with the fused norms. The dense
+        (`LlamaDecoderLayer.fused`); larger forwards (prefills) use XLA's dot. The dense
         forward and the LM head always use XLA's dot.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
@@ -805,13 +804,13 @@ class LlamaForCausalLM(nnx.Module):
 
     def fuses_residual_norms(self, x: Array) -> bool:
         """Whether the serving forward of these ``[T, hidden]`` tokens runs the fused
-        decoder layers (`LlamaDecoderLayer.fused`, `jax_paged_attn.matmul.fuses_layers`):
-        with ``matmul_implementation="weight_streaming"`` or auto's choice of the kernel,
-        for at most `tuning.FUSED_LAYERS_MAX_ROWS` tokens; the kernel takes the products
-        of at most `tuning.MATMUL_MAX_ROWS` of them (split-K partials, which the fused
-        residual add + norm sums), XLA's dot the larger ones. Static: x's shape and dtype."""
+        decoder layers (`LlamaDecoderLayer.fused`): when the weight-streaming kernel takes
+        its products (`jax_paged_attn.matmul.streams`: ``matmul_implementation=
+        "weight_streaming"`` or auto's choice, at most `tuning.MATMUL_MAX_ROWS` tokens),
+        whose split-K partials the fused residual add + norm sums. Static: x's shape
+        and dtype."""
         layers = self.model.layers
-        return bool(layers) and matmul.fuses_layers(x, layers[0].mlp.matmul_implementation)
+        return bool(layers) and matmul.streams(x, layers[0].mlp.matmul_implementation)
 
     def _norm_implementation(self) -> str | None:
         """The fused norm's implementation from the attention's: XLA with XLA, the Triton
