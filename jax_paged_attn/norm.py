@@ -9,6 +9,7 @@ kernel's reference and the CPU's implementation.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -86,19 +87,31 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
     # (update, weight[, residual]): no None among platform_dependent's operands
     args = (flat, weight) if flat_residual is None else (flat, weight, flat_residual)
 
-    def reference(flat, weight, flat_residual=None):
-        return add_rms_norm_reference(flat, flat_residual, weight, eps=eps, dtype=dtype)
-
-    def kernel(flat, weight, flat_residual=None):
-        from jax_paged_attn.kernels import triton_norm
-
-        return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype,
-                                             tiling=plans.plan_add_rms_norm(num_rows, num_cols, flat.shape[0]),
-                                             interpret=interpret)
-
+    # Partials of module-level functions with hashable arguments: `dispatch` shares one
+    # jitted callee between equal calls (every layer's norm), where a closure would be
+    # a new callee per call.
+    reference = functools.partial(_reference_call, eps=float(eps), dtype=dtype)
+    kernel = functools.partial(_kernel_call, eps=float(eps), dtype=dtype, interpret=bool(interpret),
+                               tiling=plans.plan_add_rms_norm(num_rows, num_cols, flat.shape[0]))
     if num_rows == 0:
         hidden, normed = reference(*args)
     else:
         hidden, normed = dispatch.run_implementation(implementation, args, reference_fn=reference,
                                                      kernel_fn=kernel, unsupported_reason=lambda: None)
     return hidden.reshape(*lead, num_cols), normed.reshape(*lead, num_cols)
+
+
+def _reference_call(flat: Array, weight: Array, flat_residual: Array | None = None, *, eps: float,
+                    dtype: Any) -> tuple[Array, Array]:
+    """`add_rms_norm_reference` in `dispatch.run_implementation`'s argument order."""
+    return add_rms_norm_reference(flat, flat_residual, weight, eps=eps, dtype=dtype)
+
+
+def _kernel_call(flat: Array, weight: Array, flat_residual: Array | None = None, *, eps: float, dtype: Any,
+                 tiling: Any, interpret: bool) -> tuple[Array, Array]:
+    """The Triton kernel in `dispatch.run_implementation`'s argument order."""
+    from jax_paged_attn.kernels import triton_norm
+
+    return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype, tiling=tiling,
+                                         interpret=interpret)
+
