@@ -188,7 +188,7 @@ def _traced_once(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
     program instead of once per layer (Pallas tracing and lowering were 80 % of the
     time to lower an engine's decode program, about 10 s on a 16-layer model). An
     eager call compiles one program, not one per operation (the reference's eager
-    calls compiled ~45 programs each). Inside a jitted caller XLA inlines the callee,
+    calls compiled ~50 programs each). Inside a jitted caller XLA inlines the callee,
     so buffers stay in place. Calls whose static arguments are not hashable run ``fn``
     directly."""
     try:

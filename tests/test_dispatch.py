@@ -229,3 +229,39 @@ def test_kernel_implementations_and_their_lowerings():
         dispatch.kernel_lowering("mosaic")
 
 
+
+
+def test_an_eager_reference_call_compiles_one_program_and_equal_calls_share_it():
+    """implementation="xla" outside jit: the reference runs as one jitted callee (one XLA
+    compilation, not one per operation), which a second call of the same shapes and
+    static arguments reuses without compiling; the fused norm's callee is shared the
+    same way (one entry of the shared table for equal calls)."""
+    import numpy as np
+
+    from conftest import CompileCounter
+    from jax_paged_attn import norm
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((3, 1, 4, 32)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((6, 16, 2, 32)), jnp.float32)
+    lens = jnp.array([5, 17, 30], jnp.int32)
+    table = jnp.array([[0, 1], [2, 3], [4, 5]], jnp.int32)
+    call = lambda rows=3: jpa.flash_attn_with_kvcache(q[:rows], cache, cache, lens[:rows], table[:rows],
+                                                     causal=True, implementation="xla")
+    call(rows=2)  # other shapes first: the default scales' conversion (two scalar ops) compiles once
+    counter = CompileCounter()
+    with counter:
+        first = call()
+    assert counter.count == 1  # op by op, the reference compiled 51 programs
+    with counter:
+        again = call()
+    assert counter.count == 0
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    weight = jnp.ones((64,), jnp.float32)
+    norm.add_rms_norm(x, x, weight, eps=1e-6, implementation="xla")
+    entries = len(dispatch._TRACED_ONCE)
+    with counter:
+        norm.add_rms_norm(x, x, weight, eps=1e-6, implementation="xla")
+    assert len(dispatch._TRACED_ONCE) == entries and counter.count == 0
