@@ -100,21 +100,32 @@ def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_sharded_model_matches_single_device(request):
-    """2- and 8-way (several KV heads a device, one); 4-way too with ``--full``; then
-    the engine at 2-way (`_engine_main`)."""
-    env = dict(os.environ)
-    sizes = (2, 4, 8) if request.config.getoption("--full") else (2, 8)
-    env[TP_SIZES_VARIABLE] = ",".join(map(str, sizes))
+def _run_on_host_devices(part: str, env_changes: dict[str, str]) -> str:
+    """Runs this file's ``part`` (`_equivalence_main` or `_engine_main`) in a subprocess
+    with `NUM_HOST_DEVICES` forced CPU devices; returns its stdout."""
+    env = dict(os.environ, **env_changes)
     force_devices = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + force_devices).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), part], env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr[-6000:]}"
-    assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in result.stdout, result.stdout
-    assert "checked the engine at tp=2" in result.stdout, result.stdout
+    return result.stdout
+
+
+def test_sharded_model_matches_single_device(request):
+    """2- and 8-way (several KV heads a device, one); 4-way too with ``--full``."""
+    sizes = (2, 4, 8) if request.config.getoption("--full") else (2, 8)
+    out = _run_on_host_devices("equivalence", {TP_SIZES_VARIABLE: ",".join(map(str, sizes))})
+    assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in out, out
+
+
+def test_sharded_engine_matches_single_device():
+    """The engine at 2-way (`_engine_main`), in a process of its own: the pytest-xdist
+    workers run it beside the model's equivalence."""
+    out = _run_on_host_devices("engine", {})
+    assert "checked the engine at tp=2" in out, out
 
 
 # --------------------------------------------------------------------------- the subprocess
@@ -273,5 +284,4 @@ def _engine_main() -> None:
 
 
 if __name__ == "__main__":
-    _equivalence_main()
-    _engine_main()
+    {"equivalence": _equivalence_main, "engine": _engine_main}[sys.argv[1]]()
