@@ -114,4 +114,3 @@ def _kernel_call(flat: Array, weight: Array, flat_residual: Array | None = None,
 
     return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype, tiling=tiling,
                                          interpret=interpret)
-
