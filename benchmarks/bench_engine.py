@@ -26,8 +26,8 @@ call's fixed costs cancel.
   ``--num-scheduler-steps`` steps on the device, host reads overlapped), warmed up by
   `LLMEngine.warmup()` where the engine has it (else, or with ``--warm-up requests``,
   by untimed `generate` calls of the same requests, which compile only the programs
-  they reach: minutes less per batch on a GPU). Beside its wall-clock figures: decode tok/s by the engine's own
-  counters (`EngineStats.decode_tokens_per_s` over the timed calls: decode steps only,
+  they reach: minutes less per batch on a GPU). Beside its wall-clock figures: decode
+  tok/s by the engine's own counters (`EngineStats.decode_tokens_per_s` over the timed calls: decode steps only,
   host work included), the ms per step that makes, the floor (every weight and the
   batch's K/V read once per step at 4.2 TB/s), and `compiles after start`: XLA
   compilations during the timed calls (JAX's monitoring events, `engine_common.py`),

@@ -157,13 +157,12 @@ def warm_up(engine: Any, fallback: Any, fallback_name: str, *, whole_engine: boo
     the benchmark's own requests: only the programs they reach), timed and counted."""
     counter = CompileCounter()
     start = time.perf_counter()
-    if not whole_engine:
-        fallback()
-        how = f"{fallback_name} (only the programs the benchmark's requests reach)"
-    elif hasattr(engine, "warmup"):
+    if whole_engine and hasattr(engine, "warmup"):
         engine.warmup()
         how = "engine.warmup()"
     else:
         fallback()
-        how = f"{fallback_name} (this LLMEngine has no warmup())"
+        why = "only the programs the benchmark's requests reach" if not whole_engine else \
+            "this LLMEngine has no warmup()"
+        how = f"{fallback_name} ({why})"
     return WarmUp(how, time.perf_counter() - start, counter.count, counter.seconds)
