@@ -242,7 +242,7 @@ class Implementation:
         return {"implementation": self.name, "interpret": self.interpret}
 
 
-XLA = Implementation("xla", interpret=False, max_examples=25)
+XLA = Implementation("xla", interpret=False, max_examples=12)
 TRITON_INTERPRET = Implementation("triton", interpret=True, max_examples=6)
 TRITON_GPU = Implementation("triton", interpret=False, max_examples=40)
 

@@ -244,7 +244,9 @@ def test_llama_serving_forward_through_the_kernel_matches_xla():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("attention", ["xla", "triton"])
+# attention="xla" runs the same fused layers with the norm's reference (checked against
+# the kernel in test_norm.py): a ``--full`` case, the "triton" one covers the fusion.
+@pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.full), "triton"])
 def test_llama_fused_decoder_layers_match_dense(attention):
     """With the kernel, a serving forward of decode-sized batches fuses each residual add
     into the next RMSNorm (`jax_paged_attn.norm`) and the SwiGLU into the gate/up product

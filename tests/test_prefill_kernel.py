@@ -629,12 +629,15 @@ def test_mosaic_precheck_values_applies_to_packed_keys_only():
         plans.check_mosaic_prefill_config(dataclasses.replace(config, precheck_values=1))
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("nonfinite_check", ["key_flags", "probe"])
 @pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
                                               if i in MOSAIC_KEY_FLAG_CASES])
 def test_mosaic_other_nonfinite_checks_match_reference(build, attention, nonfinite_check):
     """The ``"key_flags"`` and ``"probe"`` masked blocks on finite inputs (ragged packed
-    and paged sequences, a window, fp8 values): the same attention as the reference."""
+    and paged sequences, a window, fp8 values): the same attention as the reference. By
+    default each problem runs once and each check on at least one of them (``--full``:
+    every pair)."""
     problem = make_varlen_problem(np.random.default_rng(0), **build)
     config = dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP, nonfinite_check=nonfinite_check)
     out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU)
