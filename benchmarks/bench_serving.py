@@ -7,7 +7,8 @@ with a cold and a warm persistent compilation cache.
                                        [--max-num-seqs 256] [--max-num-batched-tokens 8192]
                                        [--num-scheduler-steps 16] [--block-size 16]
                                        [--engine-option FIELD=VALUE ...] [--no-parts]
-                                       [--implementation auto] [--decode-config ...] [--quick]
+                                       [--implementation auto] [--decode-config ...] [--profile DIR]
+                                       [--quick]
     python benchmarks/bench_serving.py --startup [--quick] [--engine-option FIELD=VALUE ...]
 
 Model: `bench_engine.py`'s (the random-weight 1.1B Llama in bfloat16; ``--quick``: the
@@ -66,6 +67,11 @@ else this script sets ``jax_compilation_cache_dir`` and caches every program
 benchmark's (``--max-num-seqs`` etc., and: no prefix caching, coarse length bounds,
 batch buckets 16 / 64 / max_num_seqs, token buckets 256 / max_num_batched_tokens, one
 block-table width for ``--max-model-len``, 4,096).
+
+**Profile** (``--profile DIR``): after the timed runs, the workload submitted at once runs
+again under JAX's profiler (trace kept in DIR); prints the GPU's busy time beside the
+run's wall clock, and microseconds over the run by kernel family and by kernel
+(`profile_engine.py`'s summary).
 
 Prints markdown tables.
 """
@@ -322,9 +328,31 @@ def run_serving(args: argparse.Namespace, engine_options: dict[str, Any]) -> dic
         print(f"rate {row['rate_entry']}: {row['decode_batches']} decode batches built, {row['joined_rows']} requests "
               f"joined a running batch, {row['preemptions']} preemptions; requests submitted up to "
               f"{row['max_late_ms']:,.0f} ms after their arrival (a step was running)")
+    if args.profile:
+        result["profile"] = profile_run(engine, workload, pathlib.Path(args.profile))
     del engine
     gc.collect()
     return result
+
+
+def profile_run(engine: LLMEngine, workload: Workload, trace_dir: pathlib.Path) -> dict[str, Any]:
+    """The workload submitted at once, run again under JAX's profiler (after the timed
+    runs, so their figures carry no tracing cost): where the GPU's time goes, by kernel
+    family and kernel, in seconds over the whole run, beside the GPU's busy time and the
+    run's wall clock (the difference: the GPU idle between kernels)."""
+    from profile_engine import busy_us, device_kernel_events, summarize
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        row = run_arrivals(engine, workload, np.zeros(len(workload.prompts)), "profile")
+    traces = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = device_kernel_events(traces[-1]) if traces else []
+    busy_s = busy_us(events) / 1e6
+    print(f"\n# profiled run (all at once, under the profiler): {row['duration_s']:.2f} s wall, GPU busy "
+          f"{busy_s:.2f} s ({len(events):,} kernels and copies; trace in {trace_dir}); "
+          f"microseconds over the whole run:")
+    print(summarize(events, 1, top=24, per="run"), flush=True)
+    return dict(duration_s=row["duration_s"], busy_s=busy_s, events=len(events))
 
 
 # --------------------------------------------------------------------------- start-up
@@ -448,6 +476,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES)
     parser.add_argument("--decode-config", default=None, metavar="FIELD=VALUE,...",
                         help="replace the Triton decode kernel's tile config for this run (bench_engine.py's)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after the timed runs, run the workload at once again under JAX's profiler (trace in "
+                             "DIR) and print where the GPU's time goes")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model, small workload: a CPU smoke run")
     args = parser.parse_args(argv)
     quick = args.quick

@@ -106,7 +106,9 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def summarize(events: Sequence[dict[str, Any]], num_steps: int, top: int = 14) -> str:
+def summarize(events: Sequence[dict[str, Any]], num_steps: int, top: int = 14, per: str = "step") -> str:
+    """Kernel families and the largest kernels: counts and microseconds per ``num_steps``
+    (``per`` names that unit in the headers)."""
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         per_name[e["name"]].append(float(e.get("dur", 0)))
@@ -115,10 +117,10 @@ def summarize(events: Sequence[dict[str, Any]], num_steps: int, top: int = 14) -
         fam = families[kernel_family(name)]
         fam[0] += len(durs)
         fam[1] += sum(durs)
-    lines = ["| kernel family | kernels / step | us / step |", "| --- | --- | --- |"]
+    lines = [f"| kernel family | kernels / {per} | us / {per} |", "| --- | --- | --- |"]
     for fam, (count, total) in sorted(families.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {fam} | {count / num_steps:.1f} | {total / num_steps:.1f} |")
-    lines += ["", "| kernel | per step | us / step | us each |", "| --- | --- | --- | --- |"]
+    lines += ["", f"| kernel | per {per} | us / {per} | us each |", "| --- | --- | --- | --- |"]
     for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"| `{name[:90]}` | {len(durs) / num_steps:.1f} | {sum(durs) / num_steps:.1f} | "
                      f"{np.mean(durs):.1f} |")

@@ -91,7 +91,9 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
     Per test and implementation (the ``impl`` parameter: every kernel keeps its cases;
     the ``xla`` reference's cases and ``gpu`` cases are all kept), the subset takes cases
     greedily in collection order until every value of each other parameter appears in one,
-    and, when three or more parameters vary, every pair of values."""
+    and, when three or more parameters vary, every pair of values (unless the mark says
+    ``covering(pairs=False)``: each value once, for parameters whose values exercise
+    separate parts of a kernel)."""
     groups: dict[tuple, list[pytest.Item]] = {}
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", None)
@@ -105,7 +107,8 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
         values = [{axis: _axis_value(v) for axis, v in item.callspec.params.items() if axis != "impl"}
                   for item in group]
         varying = sorted(a for a in values[0] if len({v.get(a) for v in values}) > 1)
-        if len(varying) <= 2:
+        pairs = group[0].get_closest_marker("covering").kwargs.get("pairs", True)
+        if len(varying) <= 2 or not pairs:
             covers = [{(a, v[a]) for a in varying} for v in values]
         else:
             covers = [set(itertools.combinations([(a, v[a]) for a in varying], 2)) for v in values]

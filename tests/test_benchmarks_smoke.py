@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -227,6 +228,7 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     assert "## Targets" in markdown and "### prefix:" in markdown and "implementation='xla'" in markdown
 
 
+@pytest.mark.full  # the harness's other smokes run by default; the Mosaic kernel's own tests check it
 def test_mosaic_gpu_tier_is_timed_beside_ours_and_checked_against_it(tmp_path):
     """--peers ours_mosaic_gpu adds our Mosaic GPU prefill kernel (here in its
     interpreter) to the prefill and prefix suites; its output is compared with ours."""
@@ -430,16 +432,15 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     """`prefill_parts.py --interpret`: the plan, the kernel alone (its output equal to
     the whole call's, or the script raises) and the whole call, on one small shape in
     the Mosaic GPU interpreter; a config field from the command line reaches the kernel;
-    two ``--versus`` variants, each checked against the config's output, timed in the
-    same rounds."""
+    a ``--versus`` variant of two fields, checked against the config's output, timed in
+    the same rounds."""
     parts = _load("prefill_parts")
     monkeypatch.setattr(sys, "argv", ["prefill_parts.py", "--interpret", "--reps", "1",
-                                      "--config", "nonfinite_check='probe'", "--versus", "heads_per_program=2",
+                                      "--config", "nonfinite_check='probe'",
                                       "--versus", "nonfinite_check='key_flags'", "masked_block_k=64"])
     assert parts.main() == 0
     out = capsys.readouterr().out
     assert "alternating rounds, medians: config's kernel " in out
-    assert "versus {'heads_per_program': 2}: " in out
     assert "versus {'nonfinite_check': 'key_flags', 'masked_block_k': 64}: " in out
     assert "config overrides {'nonfinite_check': 'probe'}" in out
     assert "B2 S80 Hq2 Hk1 D64, MosaicPrefillConfig(" in out
@@ -610,8 +611,8 @@ def _table(text: str, first_column: str) -> tuple[list[str], list[list[str]]]:
     """The markdown table of ``text`` whose header starts with ``first_column``: (header, rows)."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")]
-             for line in lines[start:] if line.startswith("|")]
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start:])  # a table ends at its first other line
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
     end = next((i for i, row in enumerate(cells) if i > 1 and row == cells[0]), len(cells))
     return cells[0], cells[2:end]
 
@@ -756,10 +757,15 @@ _SMALL_SERVING = ["--quick", "--num-requests", "8", "--max-num-seqs", "4", "--pr
                   "--output-lens", "2,12", "--max-model-len", "64", *_ONE_PROGRAM_PER_COUNT]
 
 
-def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys):
+def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys, tmp_path):
+    """Two rates, the sum of parts, and ``--profile``: the workload once more under JAX's
+    profiler, its trace written and summarized (a CPU trace has no GPU kernels)."""
     serving = _loaded("bench_serving")
-    result = serving.main([*_SMALL_SERVING, "--rates", "40,inf"])
-    header, cells = _table(capsys.readouterr().out, "request rate (req/s)")
+    result = serving.main([*_SMALL_SERVING, "--rates", "40,inf", "--profile", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "# profiled run (all at once, under the profiler): " in out and "| kernel family | kernels / run |" in out
+    assert result["profile"]["duration_s"] > 0 and list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    header, cells = _table(out, "request rate (req/s)")
     assert tuple(header) == serving.SERVING_COLUMNS and "total tok/s" in header
     assert [row[0] for row in cells] == ["inf", "40"]
     assert [row["rate_entry"] for row in result["rows"]] == ["inf", "40"]

@@ -553,6 +553,7 @@ def _poisoned_long_problem(paged: bool) -> VarlenProblem:
                                  1: [(25, "v", inf)]})
 
 
+@pytest.mark.covering(pairs=False)
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
                                        pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("nonfinite_check", tuning.MOSAIC_NONFINITE_CHECKS)
@@ -563,8 +564,9 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts,
     test, every way of finding the rows that see a non-finite value (a 0/1 matrix
     product; per-key flags through shared memory; the probe of P·V that redoes the
     block with per-key flags), and 128-key blocks whose masked ones
-    run in 64-key parts: the single-warpgroup form in the interpreter, the default
-    (warp-specialized, ping-pong) form compiled on a GPU."""
+    run in 64-key parts: the single-warpgroup form in the interpreter (by default each
+    check, layout and block size once; ``--full``: every combination), the default
+    (warp-specialized, ping-pong) form compiled on a GPU, every combination."""
     problem = _poisoned_long_problem(paged) if masked_parts else _poisoned_problem(paged)
     base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
     config = dataclasses.replace(base, nonfinite_check=nonfinite_check)
@@ -629,7 +631,7 @@ def test_mosaic_precheck_values_applies_to_packed_keys_only():
         plans.check_mosaic_prefill_config(dataclasses.replace(config, precheck_values=1))
 
 
-@pytest.mark.covering
+@pytest.mark.covering(pairs=False)
 @pytest.mark.parametrize("nonfinite_check", ["key_flags", "probe"])
 @pytest.mark.parametrize("build, attention", [pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
                                               if i in MOSAIC_KEY_FLAG_CASES])
