@@ -343,7 +343,12 @@ def profile_run(engine: LLMEngine, workload: Workload, trace_dir: pathlib.Path) 
     from profile_engine import busy_us, device_kernel_events, summarize
 
     trace_dir.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    # Device activity only: with the host's events too, a run of ~10 s outgrew what the
+    # trace's JSON export keeps, and it kept well under half the kernels.
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 0
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=options):
         row = run_arrivals(engine, workload, np.zeros(len(workload.prompts)), "profile")
     traces = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = device_kernel_events(traces[-1]) if traces else []
