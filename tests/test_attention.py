@@ -260,8 +260,20 @@ def test_packed_window(rng, impl):
     check_against_oracle(problem, impl, window_size=(5, 3))
 
 
+MOSAIC_TILING = "tests/test_prefill_kernel.py::test_mosaic_ring_and_paged_copies_match_reference[{}]"
+# The Mosaic GPU kernel grids' cases at each head size (in its interpreter by default).
+MOSAIC_PREFILL_AT_HEAD_SIZE = {
+    32: MOSAIC_TILING.format("single-ring3-paged-bs48-three-copies-per-block"),
+    64: MOSAIC_PREFILL.format("packed-gqa4-d64-bf16-causal-ragged"),
+    80: MOSAIC_PREFILL.format("packed-prefix-cached-mqa-d80-f16"),
+    128: MOSAIC_PREFILL.format("paged-bs32-mqa-d128-f16-causal-window"),
+    256: MOSAIC_PREFILL.format("paged-bs16-gqa2-d256-bf16-causal"),
+}
+
+
 @parametrize_varlen_impl
-@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 256])
+@pytest.mark.parametrize("head_size", [pytest.param(d, marks=pytest.mark.covered_by("mosaic_gpu", case))
+                                       for d, case in MOSAIC_PREFILL_AT_HEAD_SIZE.items()])
 def test_packed_head_sizes(rng, impl, head_size):
     problem = make_varlen_problem(rng, [6, 19], num_q_heads=2, num_kv_heads=1, head_size=head_size,
                                   dtype=jnp.bfloat16)
