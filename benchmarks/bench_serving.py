@@ -340,7 +340,7 @@ def profile_run(engine: LLMEngine, workload: Workload, trace_dir: pathlib.Path) 
     runs, so their figures carry no tracing cost): where the GPU's time goes, by kernel
     family and kernel, in seconds over the whole run, beside the GPU's busy time and the
     run's wall clock (the difference: the GPU idle between kernels)."""
-    from profile_engine import busy_us, device_kernel_events, summarize
+    from profile_engine import busy_us, device_kernel_events, idle_gaps_us, summarize
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     # Device activity only: with the host's events too, a run of ~10 s outgrew what the
@@ -356,8 +356,14 @@ def profile_run(engine: LLMEngine, workload: Workload, trace_dir: pathlib.Path) 
     print(f"\n# profiled run (all at once, under the profiler): {row['duration_s']:.2f} s wall, GPU busy "
           f"{busy_s:.2f} s ({len(events):,} kernels and copies; trace in {trace_dir}); "
           f"microseconds over the whole run:")
-    print(summarize(events, 1, top=24, per="run"), flush=True)
-    return dict(duration_s=row["duration_s"], busy_s=busy_s, events=len(events))
+    print(summarize(events, 1, top=24, per="run"))
+    gaps = idle_gaps_us(events)
+    print("\n| idle gap between busy intervals | gaps | seconds |\n| --- | --- | --- |")
+    for label, count, total in gaps:
+        print(f"| {label} | {count:,} | {total / 1e6:.3f} |")
+    sys.stdout.flush()
+    return dict(duration_s=row["duration_s"], busy_s=busy_s, events=len(events),
+                idle_gaps=[dict(range=label, gaps=count, seconds=total / 1e6) for label, count, total in gaps])
 
 
 # --------------------------------------------------------------------------- start-up

@@ -90,6 +90,27 @@ def busy_us(events: Sequence[dict[str, Any]]) -> float:
     return total
 
 
+def idle_gaps_us(events: Sequence[dict[str, Any]], bounds_us: Sequence[float] = (10, 100, 1000)
+                 ) -> list[tuple[str, int, float]]:
+    """The device's idle time between its busy intervals, by gap length: ``(range, gaps,
+    microseconds)`` for gaps below each of ``bounds_us`` and above the last. Short gaps
+    are launch overhead between kernels; long ones, the device waiting for the host."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events)
+    edges = [0.0, *bounds_us, float("inf")]
+    counts, totals = [0] * (len(edges) - 1), [0.0] * (len(edges) - 1)
+    end = None
+    for start, stop in spans:
+        if end is not None and start > end:
+            gap = start - end
+            k = next(i for i in range(len(edges) - 1) if gap < edges[i + 1])
+            counts[k] += 1
+            totals[k] += gap
+        end = stop if end is None else max(end, stop)
+    labels = [f"< {bounds_us[0]:g} us"] + [f"{a:g}-{b:g} us" for a, b in zip(bounds_us, bounds_us[1:])] + \
+        [f">= {bounds_us[-1]:g} us"]
+    return list(zip(labels, counts, totals))
+
+
 def kernel_family(name: str) -> str:
     """A coarse class of a kernel's name, for the per-step summary."""
     lowered = name.lower()

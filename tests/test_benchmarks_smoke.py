@@ -345,6 +345,15 @@ def test_profile_engine_quick_smoke(capsys, tmp_path):
     assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
 
 
+def test_idle_gaps_are_split_by_length_between_merged_busy_intervals():
+    """Overlapping events are one busy interval; each gap between intervals lands in the
+    range of its length."""
+    profile = _load("profile_engine")
+    events = [dict(ts=0, dur=5), dict(ts=2, dur=4), dict(ts=8, dur=2), dict(ts=200, dur=10), dict(ts=5000, dur=1)]
+    assert profile.idle_gaps_us(events) == [("< 10 us", 1, 2.0), ("10-100 us", 0, 0.0), ("100-1000 us", 1, 190.0),
+                                             (">= 1000 us", 1, 4790.0)]
+
+
 def test_profile_engine_decode_config_replaces_the_table_for_the_run(capsys, monkeypatch):
     from jax_paged_attn import tuning
 
@@ -764,6 +773,7 @@ def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys
     result = serving.main([*_SMALL_SERVING, "--rates", "40,inf", "--profile", str(tmp_path)])
     out = capsys.readouterr().out
     assert "# profiled run (all at once, under the profiler): " in out and "| kernel family | kernels / run |" in out
+    assert "| idle gap between busy intervals | gaps | seconds |" in out
     assert result["profile"]["duration_s"] > 0 and list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))
     header, cells = _table(out, "request rate (req/s)")
     assert tuple(header) == serving.SERVING_COLUMNS and "total tok/s" in header
