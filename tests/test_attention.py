@@ -526,7 +526,7 @@ def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
 
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
-                        MOSAIC_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"))
+                        MOSAIC_PREFILL.format("paged-bs32-mqa-d128-f16-causal-window"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_block_sizes(rng, impl, block_size):

@@ -437,6 +437,10 @@ def test_matmul_benchmark_dry_run_times_both_and_checks_the_kernel(tmp_path, mon
     assert "| 3 |" in capsys.readouterr().out  # the per-step table
 
 
+# A --full case: the script times the Mosaic GPU kernel in its interpreter call after call (minutes
+# of a CPU run for the suite); the kernel itself is checked by the kernel tests, and the script
+# runs on the GPU in the sessions that measure with it (`gpu_session.sh parts`).
+@pytest.mark.full
 def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypatch, capsys):
     """`prefill_parts.py --interpret`: the plan, the kernel alone (its output equal to
     the whole call's, or the script raises) and the whole call, on one small shape in
@@ -458,6 +462,10 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     assert " plan " in out and " kernel " in out and " kernel_once " in out
 
 
+# A --full case: the script times the Mosaic GPU kernel in its interpreter call after call (minutes
+# of a CPU run for the suite); the kernel itself is checked by the kernel tests, and the script
+# runs on the GPU in the sessions that measure with it (`gpu_session.sh parts`).
+@pytest.mark.full
 def test_decode_parts_dry_run_compares_configs_and_the_triton_kernel(monkeypatch, capsys):
     """`decode_parts.py --interpret`: the Mosaic GPU decode kernel with the default config
     and a warp-specialized one taking both sequences in one program, and the Triton

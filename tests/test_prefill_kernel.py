@@ -184,6 +184,10 @@ MOSAIC_INTERPRET_CASES = [
     "packed-empty-sequences",
 ]
 
+# ``--full`` cases: ALiBi and soft-cap run in the interpreter by default in `MOSAIC_TILINGS`'
+# cases (paged, with ALiBi slopes, a soft-cap, GQA), whose masks and scores are these.
+MOSAIC_INTERPRET_FULL_ONLY = {"packed-gqa2-d64-alibi-causal", "paged-bs32-gqa2-d64-f16-softcap-causal"}
+
 # The ``"key_flags"`` and ``"probe"`` masked blocks (`tuning.MosaicPrefillConfig.nonfinite_check`) on a
 # few of them: packed with lead keys, paged with a window, fp8 values.
 MOSAIC_KEY_FLAG_CASES = [
@@ -193,8 +197,9 @@ MOSAIC_KEY_FLAG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("build, attention", covering_cases([pytest.param(b, a, id=i) for i, b, a in MAIN_GRID
-                                                             if i in MOSAIC_INTERPRET_CASES]))
+@pytest.mark.parametrize("build, attention", covering_cases([
+    pytest.param(b, a, id=i, marks=[pytest.mark.full] if i in MOSAIC_INTERPRET_FULL_ONLY else [])
+    for i, b, a in MAIN_GRID if i in MOSAIC_INTERPRET_CASES]))
 def test_mosaic_kernel_matches_reference(build, attention):
     problem = make_varlen_problem(np.random.default_rng(0), **build)
     out = _api(problem, "mosaic_gpu", attention)
