@@ -245,8 +245,8 @@ class Implementation:
         return {"implementation": self.name, "interpret": self.interpret}
 
 
-XLA = Implementation("xla", interpret=False, max_examples=12)
-TRITON_INTERPRET = Implementation("triton", interpret=True, max_examples=6)
+XLA = Implementation("xla", interpret=False, max_examples=8)
+TRITON_INTERPRET = Implementation("triton", interpret=True, max_examples=4)
 TRITON_GPU = Implementation("triton", interpret=False, max_examples=40)
 
 IMPLEMENTATIONS = [

@@ -243,6 +243,8 @@ def test_mosaic_gpu_tier_is_timed_beside_ours_and_checked_against_it(tmp_path):
         assert row["check_against"] == "ours" and row["check_max_abs_diff"] < report.AGREEMENT_ATOL
 
 
+# A --full case: every bench_attention.py run on a GPU runs its suites in child processes.
+@pytest.mark.full
 def test_isolated_suite_runs_in_a_child_process(tmp_path):
     args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "jax_elementwise", "--ours-impl", "xla",
                              "--reps", "1", "--warmup", "1"])
@@ -333,6 +335,8 @@ def test_peers_of_several_suites_reach_each_suites_process():
     assert child.peer_names == {"cudnn", "cudnn_paged"} and child.max_configs == 2
 
 
+# A --full case: bench_serving.py's --profile smoke runs its trace reading and summary by default.
+@pytest.mark.full
 def test_profile_engine_quick_smoke(capsys, tmp_path):
     """profile_engine.py runs end to end on the CPU (tiny model): timings for the window,
     a variant and the dense step, and the optimized HLO of the window kept under --out."""
@@ -424,6 +428,9 @@ def test_kernel_resources_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
     assert "no GPU here" in capsys.readouterr().err
 
 
+# A --full case: the weight-streaming kernel's own tests check it; the script runs in the GPU
+# sessions that measure it (`gpu_session.sh matmul`).
+@pytest.mark.full
 def test_matmul_benchmark_dry_run_times_both_and_checks_the_kernel(tmp_path, monkeypatch, capsys):
     bench_matmul = _load("bench_matmul")
     monkeypatch.setattr(sys, "argv", ["bench_matmul.py", "--interpret", "--rows", "3", "--budget-s", "inf",
