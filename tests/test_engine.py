@@ -226,13 +226,49 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
     assert events.count("read") == windows + events.count("mixed")
     assert 29 // 4 - 1 <= windows <= 29 // 4 + 2  # 29 decoded tokens each, some in mixed steps
     # After the last prompt step, before every read but the last, the next window is
-    # already queued (a mixed step's rows are read with the step, right after it).
+    # already queued (a mixed step's rows are read with the step, after the next one is
+    # dispatched or before the first window).
     if "mixed" in events:
-        events = events[len(events) - events[::-1].index("mixed") + 1:]  # past its read
+        events = events[len(events) - events[::-1].index("mixed"):]
+        while events[0] == "read":  # the last two mixed steps' rows
+            events = events[1:]
     for i, event in enumerate(events):
         if event == "read" and events[i + 1:].count("read"):
             assert events[:i].count("dispatch") >= events[:i + 1].count("read") + 1, events
     assert engine.runner.num_traces - traces <= 2  # the mixed step and one window program
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_scheduling):
+    """With ``async_scheduling`` the host dispatches mixed step n + 1 before it reads step
+    n (so the device never waits for the host's bookkeeping between them); without it,
+    each mixed step is read before the next is scheduled. Chunked prompts, admissions
+    and a tiny cache (preemption) give the same tokens as the dense reference either way."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, async_scheduling=async_scheduling))
+    events = []
+    run_mixed, read_mixed = engine.runner.run_mixed, engine._read_mixed
+
+    def counting_mixed(*args, **kwargs):
+        events.append("dispatch")
+        return run_mixed(*args, **kwargs)
+
+    def counting_read(*args, **kwargs):
+        events.append("read")
+        return read_mixed(*args, **kwargs)
+
+    engine.runner.run_mixed, engine._read_mixed = counting_mixed, counting_read
+    prompts = random_prompts(16, [45, 17, 70, 3, 30, 12])
+    outs = run_with_arrivals(engine, prompts, greedy(64), arrivals=[0, 0, 1, 2, 4, 6])
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 64)
+    assert events.count("dispatch") == events.count("read") == engine.stats.num_mixed_steps >= 6
+    unread_at_dispatch = [events[:i].count("dispatch") - events[:i].count("read")
+                          for i, e in enumerate(events) if e == "dispatch"]
+    if async_scheduling:
+        assert sum(n == 1 for n in unread_at_dispatch) >= 4, events  # steps back to back
+    else:
+        assert set(unread_at_dispatch) == {0}, events
+    assert engine.stats.num_preemptions > 0
+    assert_all_blocks_free(engine)
 
 
 def test_persistent_batch_rows():
@@ -332,7 +368,7 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
         for out in engine.step():
             outputs[out.request_id] = engine.pop_output(out.request_id)
         batch = engine._batch
-        if not aborted and batch is not None and batch.inflight:
+        if not aborted and batch is not None and batch.inflight and engine.scheduler.requests["r1"] in batch.requests:
             engine.abort_request("r1")  # in the batch, with a window in flight
             aborted = True
     # Every request joined the batch from its mixed prompt step; the last took r1's row.

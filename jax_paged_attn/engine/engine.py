@@ -28,7 +28,10 @@ programs). Three kinds of step:
   read once for both and no running request waits behind a long prompt (vLLM's
   chunked-prefill scheduling, Sarathi's mixed batches). Requests that finish their
   prompt take free rows of the batch (rows whose request ended, then padding rows)
-  through one small device update. With ``decode_during_prefill`` False, prompts run
+  through one small device update. With ``async_scheduling`` the host dispatches
+  mixed step ``n + 1`` before it reads step ``n``'s tokens (the scheduler counts step
+  ``n``'s prompt tokens as computed at its dispatch), so the device does not idle
+  while the host records a step. With ``decode_during_prefill`` False, prompts run
   in prefill-only steps dispatched behind the windows in flight instead.
 
 Compilation: a program compiles once per distinct *static* shape of its inputs, and
@@ -182,6 +185,13 @@ class EngineConfig:
         rows ride along. False: admissions run prefill-only steps beside the batch's
         decode windows (the running requests' time per output token then rises while
         prompts are admitted).
+      async_scheduling: True (default): with ``decode_during_prefill``, the host
+        schedules and dispatches mixed step ``n + 1`` before it reads step ``n``'s
+        tokens, so the device runs the next step while the host records the last one
+        (vLLM's asynchronous scheduling). A request whose prompt ends in step ``n``
+        joins the decode rows from step ``n + 2``. Outputs do not depend on it; False
+        waits for each mixed step before scheduling the next (the device then idles
+        for the host's bookkeeping between steps).
       compiler_options: XLA compiler options of the jitted programs (``jax.jit``'s
         ``compiler_options``), e.g. ``{"xla_backend_optimization_level": 0}`` to compile
         faster on a CPU; None for the defaults.
@@ -216,6 +226,7 @@ class EngineConfig:
     coarse_length_bounds: bool = False
     num_scheduler_steps: int = 8
     decode_during_prefill: bool = True
+    async_scheduling: bool = True
     compiler_options: Mapping[str, Any] | None = None
     compilation_cache: bool = True
     compilation_cache_dir: str | None = None
@@ -529,6 +540,7 @@ class LLMEngine:
         self._model = model
         self._host_caches: list[Array] | None = None
         self._batch: _DecodeBatch | None = None
+        self._unread_mixed: _UnreadMixedStep | None = None  # a mixed step dispatched, not yet read
         self._num_traces = 0
         self._compile_events_before = _compile_events
         self.stats = EngineStats()
@@ -637,7 +649,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out (or a window is in flight)."""
-        return self.scheduler.has_unfinished() or bool(self._batch and self._batch.inflight)
+        return (self.scheduler.has_unfinished() or bool(self._batch and self._batch.inflight)
+                or self._unread_mixed is not None)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """Removes a finished (or aborted) request from the engine and returns its output."""
@@ -699,17 +712,19 @@ class LLMEngine:
         start_time = time.perf_counter()
         traces_before = self.runner.num_traces
         self._compile_events_before = _compile_events  # see `_record`
+        finished: list[Request] = []
+        num_drained = 0
+        if self._unread_mixed is not None and not self._can_mix():
+            finished, num_drained = self._read_mixed()  # no mixed step follows it
         if self._decode_window_ready():
             window = self._decode_window_step()
             if window is not None:
-                finished, num_tokens = window
-                self._record(None, num_tokens, time.perf_counter() - start_time,
+                more, num_tokens = window
+                self._record(None, num_tokens + num_drained, time.perf_counter() - start_time,
                              self.runner.num_traces - traces_before)
-                return [RequestOutput.of(r) for r in finished]
-        finished: list[Request] = []
-        num_drained = 0
+                return [RequestOutput.of(r) for r in finished + more]
         if self._can_mix():
-            result = self._mixed_step(start_time, traces_before)
+            result = self._mixed_step(start_time, traces_before, finished, num_drained)
             if isinstance(result, list):
                 return result
             finished, num_drained = result  # no mixed step could run: a scheduled one follows
@@ -810,30 +825,41 @@ class LLMEngine:
         if batch.width != self.shapes.block_table_width or batch.num_rows not in self.shapes.mixed_rows:
             return False
         members = {r.request_id for r in batch.requests}
+        if self._unread_mixed is not None:  # they join after that step is read
+            members.update(r.request_id for r in self._unread_mixed.prompts)
         return all(r.in_prefill or r.request_id in members for r in self.scheduler.running)
 
-    def _mixed_step(self, start_time: float, traces_before: int) -> list[RequestOutput] | tuple[list[Request], int]:
+    def _mixed_step(self, start_time: float, traces_before: int, finished: list[Request],
+                    num_read: int) -> list[RequestOutput] | tuple[list[Request], int]:
         """Runs prompt chunks and one decode step of the persistent batch in one program.
 
-        The batch is (re)built first when it cannot take part as it is. Returns the
-        requests that finished, or, when no mixed step can run (a row's next block or
-        the prompts' blocks do not fit: the scheduler must preempt), ``(finished,
-        num_tokens)`` of what was read on the way, for a scheduled step to follow.
+        The batch is (re)built first when it cannot take part as it is. With
+        ``async_scheduling`` the step is dispatched before the previous mixed step is
+        read, and stays unread until the next call. Returns the requests that finished
+        (with ``finished``, those the caller read before), or, when no mixed step could
+        run (a row's next block or the prompts' blocks do not fit: the scheduler must
+        preempt), ``(finished, num_tokens)`` of everything read, for a scheduled step to
+        follow.
         """
         sched = self.scheduler
-        finished: list[Request] = []
-        num_read = 0
+        finished = list(finished)
         if not self._batch_takes_prompts():
-            finished, num_read = self._drain()
+            more, n = self._drain()
+            finished += more
+            num_read += n
             self._start_batch([r for r in sched.running if not r.in_prefill], mixing=True)
         batch = self._batch
         assert batch is not None
         update = self._reserve_rows(1)
-        if update is None:
-            return finished, num_read
-        out = sched.schedule_prefills()
-        self._run_block_ops(out)
-        if out.is_empty:
+        out = None
+        if update is not None:
+            out = sched.schedule_prefills()
+            self._run_block_ops(out)
+        if out is None or out.is_empty:
+            if self._unread_mixed is not None:
+                more, n = self._read_mixed()
+                finished += more
+                num_read += n
             return finished, num_read
         keep, block_rows, block_values, live = update
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
@@ -844,24 +870,50 @@ class LLMEngine:
         prompt_result, rows_result = self.runner.run_mixed(
             keep, block_rows, block_values, token_ids, positions, metadata, sampling, greedy=greedy,
             max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
+        sched.commit(out)  # the next schedule starts each prompt where this step leaves it
         batch.inflight.append((rows_result, list(batch.requests)))
         batch.next_position[live] += 1
-        tokens, logprobs = _to_host(prompt_result)  # waits for the step
-        sampled = {item.request.request_id: int(tokens[row]) for item, row in zip(out.scheduled, rows) if item.samples}
+        self.stats.num_mixed_steps += 1
+        previous, self._unread_mixed = self._unread_mixed, _UnreadMixedStep(out, prompt_result, rows, rows_result,
+                                                                            prompts)
+        if previous is not None:  # this step runs on the device while the host reads that one
+            more, n = self._read_mixed(previous)
+            finished += more
+            num_read += n
+        if not self.config.async_scheduling:
+            more, n = self._read_mixed()
+            finished += more
+            num_read += n
+        self._record(out, num_read, time.perf_counter() - start_time, self.runner.num_traces - traces_before)
+        return [RequestOutput.of(r) for r in finished]
+
+    def _read_mixed(self, step: "_UnreadMixedStep | None" = None) -> tuple[list[Request], int]:
+        """Waits for a dispatched mixed step (default: the unread one): records its
+        prompts' tokens and its decode rows' (with any window before them), and puts
+        the prompts that start decoding into the batch's free rows."""
+        if step is None:
+            step, self._unread_mixed = self._unread_mixed, None
+        assert step is not None
+        tokens, logprobs = _to_host(step.prompt_result)  # waits for the step
+        sampled = {item.request.request_id: int(tokens[row])
+                   for item, row in zip(step.out.scheduled, step.rows) if item.samples}
         if logprobs is not None:
-            for item, row in zip(out.scheduled, rows):
-                if item.samples:
+            for item, row in zip(step.out.scheduled, step.rows):
+                if item.samples and not item.request.is_finished:
                     _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
-        finished += sched.update(out, sampled)
-        while batch.inflight:  # done with the step: free the rows that stopped
+        finished = self.scheduler.record_sampled(step.out, sampled)
+        num_read = len(sampled)
+        batch = self._batch
+        assert batch is not None
+        while batch.inflight:  # through this step's decode rows: their stopped rows free
+            result = batch.inflight[0][0]
             more, n = self._read_window()
             finished += more
             num_read += n
-        self._join_batch([r for r in prompts if not r.is_finished])
-        self.stats.num_mixed_steps += 1
-        self._record(out, len(sampled) + num_read, time.perf_counter() - start_time,
-                     self.runner.num_traces - traces_before)
-        return [RequestOutput.of(r) for r in finished]
+            if result is step.rows_result:
+                break
+        self._join_batch([r for r in step.prompts if not r.is_finished])
+        return finished, num_read
 
     def _can_prefill_beside_batch(self) -> bool:
         """Whether the next step may prefill while the persistent batch keeps its windows
@@ -1027,6 +1079,8 @@ class LLMEngine:
         """Reads every window in flight and retires the persistent batch (the host then
         knows every request's tokens exactly, as a scheduled step needs)."""
         finished, num_tokens = [], 0
+        if self._unread_mixed is not None:
+            finished, num_tokens = self._read_mixed()
         while self._batch is not None and self._batch.inflight:
             more, n = self._read_window()
             finished += more
@@ -1378,6 +1432,17 @@ def _use_compilation_cache(config: EngineConfig) -> str:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return (f"compilation cache: {directory} (JAX's persistent cache, every program kept; "
             f"EngineConfig.compilation_cache_dir moves it)")
+
+
+@dataclasses.dataclass
+class _UnreadMixedStep:
+    """A mixed step dispatched and committed whose tokens the host has not read."""
+
+    out: SchedulerOutput
+    prompt_result: Any  # the prompt rows' sampled tokens (and logprobs)
+    rows: np.ndarray  # each scheduled item's row in prompt_result
+    rows_result: Any  # its decode rows' entry in the batch's windows in flight
+    prompts: list[Request]  # the requests whose prompt ends in the step
 
 
 @dataclasses.dataclass

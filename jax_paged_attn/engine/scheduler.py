@@ -455,7 +455,8 @@ class Scheduler:
 
     # --------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Records a finished step: computed tokens, new full blocks, sampled tokens.
+        """Records a finished step: computed tokens, new full blocks, sampled tokens
+        (`commit` then `record_sampled`).
 
         Args:
           out: the step's `SchedulerOutput`.
@@ -463,15 +464,33 @@ class Scheduler:
 
         Returns the requests that finished in this step.
         """
+        self.commit(out)
+        return self.record_sampled(out, sampled)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Counts a dispatched step's tokens as computed and offers its full blocks to the
+        prefix cache, before its sampled tokens are known.
+
+        An engine that schedules step n + 1 while step n runs commits step n at its
+        dispatch, so the next schedule starts each prompt where step n left it; the
+        device runs the steps in order, so a block step n fills is written before a
+        later step reads it (a prefix hit included).
+        """
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted before the step was dispatched
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self._register_full_blocks(request)
+
+    def record_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Appends the tokens a committed step sampled; returns the requests that finished
+        (requests aborted while the step ran are skipped)."""
         finished = []
         now = time.perf_counter()
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:  # aborted while the step ran
-                continue
-            request.num_computed_tokens += item.num_new_tokens
-            self._register_full_blocks(request)
-            if not item.samples:
+            if request.is_finished or not item.samples:
                 continue
             token = sampled[request.request_id]
             request.output_token_ids.append(int(token))
