@@ -225,16 +225,16 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
     windows = events.count("dispatch")
     assert events.count("read") == windows + events.count("mixed")
     assert 29 // 4 - 1 <= windows <= 29 // 4 + 2  # 29 decoded tokens each, some in mixed steps
-    # After the last prompt step, before every read but the last, the next window is
-    # already queued (a mixed step's rows are read with the step, after the next one is
-    # dispatched or before the first window).
-    if "mixed" in events:
-        events = events[len(events) - events[::-1].index("mixed"):]
-        while events[0] == "read":  # the last two mixed steps' rows
-            events = events[1:]
-    for i, event in enumerate(events):
-        if event == "read" and events[i + 1:].count("read"):
-            assert events[:i].count("dispatch") >= events[:i + 1].count("read") + 1, events
+    # Before every read but the last, the next program (a window or a mixed step, whose
+    # rows are read like a window's) is already queued behind the one read.
+    in_flight, reads_left = 0, events.count("read")
+    for event in events:
+        if event == "read":
+            reads_left -= 1
+            assert in_flight >= (2 if reads_left else 1), events
+            in_flight -= 1
+        else:
+            in_flight += 1
     assert engine.runner.num_traces - traces <= 2  # the mixed step and one window program
 
 
@@ -246,7 +246,7 @@ def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_sch
     and a tiny cache (preemption) give the same tokens as the dense reference either way."""
     engine = LLMEngine(model, dataclasses.replace(BASE, async_scheduling=async_scheduling))
     events = []
-    run_mixed, read_mixed = engine.runner.run_mixed, engine._read_mixed
+    run_mixed, read_prompt_tokens = engine.runner.run_mixed, engine._read_prompt_tokens
 
     def counting_mixed(*args, **kwargs):
         events.append("dispatch")
@@ -254,9 +254,10 @@ def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_sch
 
     def counting_read(*args, **kwargs):
         events.append("read")
-        return read_mixed(*args, **kwargs)
+        return read_prompt_tokens(*args, **kwargs)
 
-    engine.runner.run_mixed, engine._read_mixed = counting_mixed, counting_read
+    engine.runner.run_mixed, engine._read_prompt_tokens = counting_mixed, counting_read
+    engine.runner.insert_decode_rows = None  # prompts join the batch inside the mixed step
     prompts = random_prompts(16, [45, 17, 70, 3, 30, 12])
     outs = run_with_arrivals(engine, prompts, greedy(64), arrivals=[0, 0, 1, 2, 4, 6])
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 64)
@@ -268,6 +269,27 @@ def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_sch
     else:
         assert set(unread_at_dispatch) == {0}, events
     assert engine.stats.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_whose_first_token_ends_it_stops_in_its_mixed_step(model):
+    """A prompt that ends in a mixed step joins the batch on the device with the token
+    the step sampled, so the device decides whether that token ends it (EOS, a stop id,
+    ``max_tokens=1``) before the next step: such a row decodes nothing more."""
+    prompts = random_prompts(17, [12, 30, 7, 21, 9])
+    expected = dense_greedy_generate(model, prompts, 12)
+    eos = expected[1][0]  # request 1's first token is EOS
+    params = [greedy(12), greedy(12), greedy(1), SamplingParams(temperature=0.0, max_tokens=12,
+                                                                  stop_token_ids=[expected[3][0]]), greedy(12)]
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, eos_token_id=eos))
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    cut = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in expected]
+    assert outs[1].outputs[0].token_ids == [eos] and outs[1].outputs[0].finish_reason == "stop"
+    assert outs[2].outputs[0].token_ids == expected[2][:1] and outs[2].outputs[0].finish_reason == "length"
+    assert outs[3].outputs[0].token_ids == expected[3][:1] and outs[3].outputs[0].stop_reason == expected[3][0]
+    for i in (0, 4):
+        assert outs[i].outputs[0].token_ids == cut[i][:12]
+    assert engine.stats.num_generated_tokens == sum(len(o.outputs[0].token_ids) for o in outs)
     assert_all_blocks_free(engine)
 
 

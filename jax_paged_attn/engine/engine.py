@@ -28,11 +28,13 @@ programs). Three kinds of step:
   read once for both and no running request waits behind a long prompt (vLLM's
   chunked-prefill scheduling, Sarathi's mixed batches). Requests that finish their
   prompt take free rows of the batch (rows whose request ended, then padding rows)
-  through one small device update. With ``async_scheduling`` the host dispatches
-  mixed step ``n + 1`` before it reads step ``n``'s tokens (the scheduler counts step
-  ``n``'s prompt tokens as computed at its dispatch), so the device does not idle
-  while the host records a step. With ``decode_during_prefill`` False, prompts run
-  in prefill-only steps dispatched behind the windows in flight instead.
+  in the same program, with the token it just sampled. A mixed step is read like a
+  window: with ``async_scheduling`` the host dispatches the next mixed step or window
+  before it reads the last one's tokens (the scheduler counts a step's prompt tokens
+  as computed at its dispatch), so the device does not idle while the host records a
+  step. With ``decode_during_prefill`` False, prompts run in prefill-only steps
+  dispatched behind the windows in flight, and their requests take free rows through
+  one small device update.
 
 Compilation: a program compiles once per distinct *static* shape of its inputs, and
 the engine pads every batch to one of the few shapes `jax_paged_attn.engine.shapes`
@@ -186,12 +188,13 @@ class EngineConfig:
         decode windows (the running requests' time per output token then rises while
         prompts are admitted).
       async_scheduling: True (default): with ``decode_during_prefill``, the host
-        schedules and dispatches mixed step ``n + 1`` before it reads step ``n``'s
-        tokens, so the device runs the next step while the host records the last one
-        (vLLM's asynchronous scheduling). A request whose prompt ends in step ``n``
-        joins the decode rows from step ``n + 2``. Outputs do not depend on it; False
-        waits for each mixed step before scheduling the next (the device then idles
-        for the host's bookkeeping between steps).
+        schedules and dispatches mixed step ``n + 1`` (or the next decode window)
+        before it reads step ``n``'s tokens, so the device runs the next program while
+        the host records the last one (vLLM's asynchronous scheduling); a request whose
+        prompt ends in step ``n`` decodes in step ``n + 1`` either way (it joins the
+        batch on the device, with the token step ``n`` sampled). Outputs do not depend
+        on it; False reads each mixed step before scheduling the next (the device then
+        idles for the host's bookkeeping between steps).
       compiler_options: XLA compiler options of the jitted programs (``jax.jit``'s
         ``compiler_options``), e.g. ``{"xla_backend_optimization_level": 0}`` to compile
         faster on a CPU; None for the defaults.
@@ -540,7 +543,6 @@ class LLMEngine:
         self._model = model
         self._host_caches: list[Array] | None = None
         self._batch: _DecodeBatch | None = None
-        self._unread_mixed: _UnreadMixedStep | None = None  # a mixed step dispatched, not yet read
         self._num_traces = 0
         self._compile_events_before = _compile_events
         self.stats = EngineStats()
@@ -649,8 +651,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out (or a window is in flight)."""
-        return (self.scheduler.has_unfinished() or bool(self._batch and self._batch.inflight)
-                or self._unread_mixed is not None)
+        return self.scheduler.has_unfinished() or bool(self._batch and self._batch.inflight)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """Removes a finished (or aborted) request from the engine and returns its output."""
@@ -712,19 +713,17 @@ class LLMEngine:
         start_time = time.perf_counter()
         traces_before = self.runner.num_traces
         self._compile_events_before = _compile_events  # see `_record`
-        finished: list[Request] = []
-        num_drained = 0
-        if self._unread_mixed is not None and not self._can_mix():
-            finished, num_drained = self._read_mixed()  # no mixed step follows it
         if self._decode_window_ready():
             window = self._decode_window_step()
             if window is not None:
-                more, num_tokens = window
-                self._record(None, num_tokens + num_drained, time.perf_counter() - start_time,
+                finished, num_tokens = window
+                self._record(None, num_tokens, time.perf_counter() - start_time,
                              self.runner.num_traces - traces_before)
-                return [RequestOutput.of(r) for r in finished + more]
+                return [RequestOutput.of(r) for r in finished]
+        finished: list[Request] = []
+        num_drained = 0
         if self._can_mix():
-            result = self._mixed_step(start_time, traces_before, finished, num_drained)
+            result = self._mixed_step(start_time, traces_before)
             if isinstance(result, list):
                 return result
             finished, num_drained = result  # no mixed step could run: a scheduled one follows
@@ -825,41 +824,33 @@ class LLMEngine:
         if batch.width != self.shapes.block_table_width or batch.num_rows not in self.shapes.mixed_rows:
             return False
         members = {r.request_id for r in batch.requests}
-        if self._unread_mixed is not None:  # they join after that step is read
-            members.update(r.request_id for r in self._unread_mixed.prompts)
         return all(r.in_prefill or r.request_id in members for r in self.scheduler.running)
 
-    def _mixed_step(self, start_time: float, traces_before: int, finished: list[Request],
-                    num_read: int) -> list[RequestOutput] | tuple[list[Request], int]:
-        """Runs prompt chunks and one decode step of the persistent batch in one program.
+    def _mixed_step(self, start_time: float, traces_before: int) -> list[RequestOutput] | tuple[list[Request], int]:
+        """Runs prompt chunks and one decode step of the persistent batch in one program;
+        the prompts that end take free rows of the batch in it.
 
-        The batch is (re)built first when it cannot take part as it is. With
-        ``async_scheduling`` the step is dispatched before the previous mixed step is
-        read, and stays unread until the next call. Returns the requests that finished
-        (with ``finished``, those the caller read before), or, when no mixed step could
-        run (a row's next block or the prompts' blocks do not fit: the scheduler must
-        preempt), ``(finished, num_tokens)`` of everything read, for a scheduled step to
-        follow.
+        The batch is (re)built first when it cannot take part as it is. The step queues
+        behind the windows in flight; with ``async_scheduling`` the oldest program in
+        flight is read only while another runs. Returns the requests that finished, or,
+        when no mixed step could run (a row's next block or the prompts' blocks do not
+        fit: the scheduler must preempt), ``(finished, num_tokens)`` of what was read on
+        the way, for a scheduled step to follow.
         """
         sched = self.scheduler
-        finished = list(finished)
+        finished: list[Request] = []
+        num_read = 0
         if not self._batch_takes_prompts():
-            more, n = self._drain()
-            finished += more
-            num_read += n
+            finished, num_read = self._drain()
             self._start_batch([r for r in sched.running if not r.in_prefill], mixing=True)
         batch = self._batch
         assert batch is not None
         update = self._reserve_rows(1)
-        out = None
-        if update is not None:
-            out = sched.schedule_prefills()
-            self._run_block_ops(out)
-        if out is None or out.is_empty:
-            if self._unread_mixed is not None:
-                more, n = self._read_mixed()
-                finished += more
-                num_read += n
+        if update is None:
+            return finished, num_read
+        out = sched.schedule_prefills()
+        self._run_block_ops(out)
+        if out.is_empty:
             return finished, num_read
         keep, block_rows, block_values, live = update
         metadata, token_ids, positions, rows, sampling = self._prepare_inputs(out)
@@ -867,53 +858,64 @@ class LLMEngine:
         greedy = batch.greedy and all(item.request.sampling_params.greedy for item in out.scheduled)
         asks = [k for k in (batch.num_logprobs, self._num_logprobs(prompts)) if k is not None]
         num_logprobs = max(asks) if asks else None
+        join_index, join_rows, joining = self._joining_rows(out, rows, metadata.num_seqs)
         prompt_result, rows_result = self.runner.run_mixed(
-            keep, block_rows, block_values, token_ids, positions, metadata, sampling, greedy=greedy,
-            max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
+            keep, block_rows, block_values, token_ids, positions, metadata, sampling, join_index, join_rows,
+            greedy=greedy, max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
         sched.commit(out)  # the next schedule starts each prompt where this step leaves it
-        batch.inflight.append((rows_result, list(batch.requests)))
+        batch.inflight.append(_InFlight(rows_result, list(batch.requests), _PromptTokens(out, prompt_result, rows)))
         batch.next_position[live] += 1
+        for row, request in joining:
+            if row == len(batch.requests):  # free rows list the padding rows last, in order
+                batch.requests.append(request)
+            else:
+                batch.requests[row] = request
+            batch.next_position[row] = request.num_tokens  # the position of the token it samples
+            batch.table_len[row] = len(request.block_table)
         self.stats.num_mixed_steps += 1
-        previous, self._unread_mixed = self._unread_mixed, _UnreadMixedStep(out, prompt_result, rows, rows_result,
-                                                                            prompts)
-        if previous is not None:  # this step runs on the device while the host reads that one
-            more, n = self._read_mixed(previous)
-            finished += more
-            num_read += n
-        if not self.config.async_scheduling:
-            more, n = self._read_mixed()
+        self.stats.num_inserted_rows += len(joining)
+        # Read while the next program runs (async scheduling), or everything now.
+        while len(batch.inflight) > (1 if self.config.async_scheduling else 0):
+            more, n = self._read_window()
             finished += more
             num_read += n
         self._record(out, num_read, time.perf_counter() - start_time, self.runner.num_traces - traces_before)
         return [RequestOutput.of(r) for r in finished]
 
-    def _read_mixed(self, step: "_UnreadMixedStep | None" = None) -> tuple[list[Request], int]:
-        """Waits for a dispatched mixed step (default: the unread one): records its
-        prompts' tokens and its decode rows' (with any window before them), and puts
-        the prompts that start decoding into the batch's free rows."""
-        if step is None:
-            step, self._unread_mixed = self._unread_mixed, None
-        assert step is not None
-        tokens, logprobs = _to_host(step.prompt_result)  # waits for the step
-        sampled = {item.request.request_id: int(tokens[row])
-                   for item, row in zip(step.out.scheduled, step.rows) if item.samples}
-        if logprobs is not None:
-            for item, row in zip(step.out.scheduled, step.rows):
-                if item.samples and not item.request.is_finished:
-                    _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
-        finished = self.scheduler.record_sampled(step.out, sampled)
-        num_read = len(sampled)
+    def _joining_rows(self, out: SchedulerOutput, rows: np.ndarray, num_seqs: int
+                      ) -> tuple[np.ndarray, DecodeState, list[tuple[int, Request]]]:
+        """The batch rows that the requests whose prompt ends in ``out`` take in the mixed
+        step (`ModelRunner.run_mixed`'s ``join_index`` and ``join_rows``, and the
+        ``(row, request)`` pairs). When they do not all fit (rows, block-table width,
+        stop ids, the batch's static greedy / logprobs choice) none joins, and the batch
+        is rebuilt before the next step instead."""
         batch = self._batch
         assert batch is not None
-        while batch.inflight:  # through this step's decode rows: their stopped rows free
-            result = batch.inflight[0][0]
-            more, n = self._read_window()
-            finished += more
-            num_read += n
-            if result is step.rows_result:
-                break
-        self._join_batch([r for r in step.prompts if not r.is_finished])
-        return finished, num_read
+        join_index = np.full(num_seqs, batch.num_rows, np.int32)  # padding entries are dropped
+        join_rows = DecodeState.empty(num_seqs, batch.width, batch.num_stop_ids)
+        items = [(item.request, seq) for item, seq in zip(out.scheduled, rows) if item.samples]
+        if not items:
+            return join_index, join_rows, []
+        free = batch.free_rows()
+        if len(items) > len(free) or not all(self._fits_batch(request) for request, _ in items):
+            batch.missing_rows = True
+            return join_index, join_rows, []
+        joining = []
+        for (request, seq), row in zip(items, free):
+            self._fill_row(join_rows, seq, request, sampled_later=True)
+            join_index[seq] = row
+            joining.append((row, request))
+        return join_index, join_rows, joining
+
+    def _fits_batch(self, request: Request) -> bool:
+        """Whether ``request`` can decode in a row of the current batch as it is."""
+        batch = self._batch
+        assert batch is not None
+        return (len(request.block_table) <= batch.width
+                and self.scheduler.last_input_position(request) // self.config.block_size + 1 <= batch.width
+                and len(self.scheduler.stop_token_ids(request)) <= batch.num_stop_ids
+                and (request.sampling_params.greedy or not batch.greedy)
+                and self._num_logprobs([request]) == batch.num_logprobs)
 
     def _can_prefill_beside_batch(self) -> bool:
         """Whether the next step may prefill while the persistent batch keeps its windows
@@ -937,13 +939,7 @@ class LLMEngine:
         if not requests:
             return
         free = batch.free_rows()
-        fits = len(requests) <= len(free) and all(
-            len(r.block_table) <= batch.width
-            and self.scheduler.last_input_position(r) // self.config.block_size + 1 <= batch.width
-            and len(self.scheduler.stop_token_ids(r)) <= batch.num_stop_ids
-            and (r.sampling_params.greedy or not batch.greedy)
-            and self._num_logprobs([r]) == batch.num_logprobs
-            for r in requests)
+        fits = len(requests) <= len(free) and all(self._fits_batch(r) for r in requests)
         if not fits:
             batch.missing_rows = True
             return
@@ -961,16 +957,19 @@ class LLMEngine:
         self.runner.insert_decode_rows(row_index, values)
         self.stats.num_inserted_rows += len(requests)
 
-    def _fill_row(self, rows: DecodeState, i: int, request: Request) -> None:
-        """Host row ``i`` of a `DecodeState` from a decoding request."""
+    def _fill_row(self, rows: DecodeState, i: int, request: Request, *, sampled_later: bool = False) -> None:
+        """Host row ``i`` of a `DecodeState` from a decoding request; ``sampled_later``:
+        as the request will be after the token a dispatched step samples for it (whose
+        value the device fills in)."""
         params = request.sampling_params
         stops = self.scheduler.stop_token_ids(request)
+        num_pending = 1 if sampled_later else 0
         rows.tokens[i] = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
-        rows.positions[i] = request.num_tokens - 1
+        rows.positions[i] = request.num_tokens - 1 + num_pending
         rows.active[i] = True
         rows.block_tables[i, :len(request.block_table)] = request.block_table
         rows.temperature[i], rows.top_p[i], rows.top_k[i] = params.temperature, params.top_p, params.top_k
-        rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids)
+        rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids) + num_pending
         rows.max_tokens[i] = params.max_tokens
         rows.stop_ids[i, :len(stops)] = stops
 
@@ -1052,19 +1051,23 @@ class LLMEngine:
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=batch.greedy,
                                             max_model_len=self.config.max_model_len,
                                             num_logprobs=batch.num_logprobs)
-        batch.inflight.append((out, list(batch.requests)))  # the rows' requests when dispatched
+        batch.inflight.append(_InFlight(out, list(batch.requests)))  # the rows' requests when dispatched
         batch.next_position[live] += k
         return True
 
     def _read_window(self) -> tuple[list[Request], int]:
-        """Waits for the oldest window in flight and records its tokens."""
+        """Waits for the oldest window (or mixed step) in flight and records its tokens:
+        a mixed step's prompt tokens first, then its rows'."""
         batch = self._batch
         assert batch is not None and batch.inflight
-        result, requests = batch.inflight.popleft()
-        tokens, logprobs = _to_host(result)  # [K, R]; waits for that window only
+        entry = batch.inflight.popleft()
+        finished, num_tokens = [], 0
+        if entry.prompt is not None:
+            finished, num_tokens = self._read_prompt_tokens(entry.prompt)
+        requests = entry.requests
+        tokens, logprobs = _to_host(entry.result)  # [K, R]; waits for that window only
         now = time.perf_counter()
         counts = (tokens != NO_TOKEN).sum(axis=0)
-        finished, num_tokens = [], 0
         for i in np.nonzero(counts[:len(requests)])[0]:
             request = requests[i]
             n = int(counts[i])
@@ -1075,12 +1078,21 @@ class LLMEngine:
             num_tokens += n
         return finished, num_tokens
 
+    def _read_prompt_tokens(self, step: "_PromptTokens") -> tuple[list[Request], int]:
+        """Records the tokens a mixed step sampled for the prompts that ended in it."""
+        tokens, logprobs = _to_host(step.result)  # waits for the step
+        sampled = {item.request.request_id: int(tokens[row])
+                   for item, row in zip(step.out.scheduled, step.rows) if item.samples}
+        if logprobs is not None:
+            for item, row in zip(step.out.scheduled, step.rows):
+                if item.samples and not item.request.is_finished:
+                    _append_logprobs(item.request, tokens[row:row + 1], logprobs, np.s_[row:row + 1])
+        return self.scheduler.record_sampled(step.out, sampled), len(sampled)
+
     def _drain(self) -> tuple[list[Request], int]:
         """Reads every window in flight and retires the persistent batch (the host then
         knows every request's tokens exactly, as a scheduled step needs)."""
         finished, num_tokens = [], 0
-        if self._unread_mixed is not None:
-            finished, num_tokens = self._read_mixed()
         while self._batch is not None and self._batch.inflight:
             more, n = self._read_window()
             finished += more
@@ -1242,7 +1254,9 @@ class LLMEngine:
             width = shapes.block_table_width
             runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
             inputs = self._padding_prompt_inputs(*prompt_shape)
-            runner.run_mixed(*no_row_update(num_rows, width), *inputs, greedy=greedy,
+            num_seqs = prompt_shape[1]
+            no_join = (np.full(num_seqs, num_rows, np.int32), DecodeState.empty(num_seqs, width, num_stop_ids))
+            runner.run_mixed(*no_row_update(num_rows, width), *inputs, *no_join, greedy=greedy,
                              max_model_len=cfg.max_model_len)
 
         def prompts(prompt_shape: tuple[int, int], greedy: bool) -> None:
@@ -1434,15 +1448,22 @@ def _use_compilation_cache(config: EngineConfig) -> str:
             f"EngineConfig.compilation_cache_dir moves it)")
 
 
-@dataclasses.dataclass
-class _UnreadMixedStep:
-    """A mixed step dispatched and committed whose tokens the host has not read."""
+@dataclasses.dataclass(frozen=True)
+class _PromptTokens:
+    """The prompt part of a mixed step in flight (dispatched and committed, not read)."""
 
     out: SchedulerOutput
-    prompt_result: Any  # the prompt rows' sampled tokens (and logprobs)
-    rows: np.ndarray  # each scheduled item's row in prompt_result
-    rows_result: Any  # its decode rows' entry in the batch's windows in flight
-    prompts: list[Request]  # the requests whose prompt ends in the step
+    result: Any  # the prompt sequences' sampled tokens (and logprobs), on the device
+    rows: np.ndarray  # each scheduled item's sequence index in ``result``
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A decode window or mixed step dispatched and not yet read."""
+
+    result: Any  # the rows' tokens i32[K, R] (and logprobs), on the device
+    requests: list[Request]  # row i's request when it was dispatched
+    prompt: _PromptTokens | None = None  # a mixed step's prompt part
 
 
 @dataclasses.dataclass
@@ -1457,7 +1478,7 @@ class _DecodeBatch:
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
     greedy: bool
     num_logprobs: int | None = None  # the window programs' static num_logprobs
-    # (window output, the rows' requests when it was dispatched), oldest first
+    # `_InFlight` windows and mixed steps, oldest first
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
     missing_rows: bool = False  # a decoding request could not join (`LLMEngine._join_batch`)

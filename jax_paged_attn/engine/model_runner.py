@@ -242,6 +242,10 @@ class _Programs:
                 num_generated=num_generated, active=s.active & ~done)
             return s, out, logprobs
 
+        def insert(state: DecodeState, row_index: Array, rows: DecodeState) -> DecodeState:
+            # Row ``row_index[j]`` takes ``rows``' row j; an index of R (padding) is dropped.
+            return jax.tree_util.tree_map(lambda old, new: old.at[row_index].set(new, mode="drop"), state, rows)
+
         def updated(state: DecodeState, keep: Array, block_rows: Array, block_values: Array) -> DecodeState:
             return dataclasses.replace(
                 state, active=state.active & keep,
@@ -281,11 +285,13 @@ class _Programs:
 
         def mixed(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
                   block_rows: Array, block_values: Array, input_ids: Array, positions: Array,
-                  metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool, block_size: int,
-                  max_model_len: int, num_logprobs: int | None = None):
+                  metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], join_index: Array,
+                  join_rows: DecodeState, *, greedy: bool, block_size: int, max_model_len: int,
+                  num_logprobs: int | None = None):
             # Prompt chunks (``metadata``: prefills only, the batch's block-table width)
             # and one decode step of every batch row, in one forward: the weights are
-            # read once for both.
+            # read once for both. Then the prompts that ended take their rows, with the
+            # token just sampled, so the next program decodes them without the host.
             self._count_trace()
             state = updated(state, keep, block_rows, block_values)
             rows_md = decode_metadata(state.positions, state.active, state.block_tables, block_size)
@@ -304,11 +310,11 @@ class _Programs:
             state, out, rows_lp = advance_rows(state, logits[num_prefill_rows:], greedy=greedy,
                                                max_model_len=max_model_len, num_logprobs=num_logprobs)
             rows_lp = None if rows_lp is None else jax.tree_util.tree_map(lambda x: x[None], rows_lp)
+            first_done = stopped(tokens, join_rows.num_generated, join_rows.positions - 1, join_rows.stop_ids,
+                                 join_rows.max_tokens, max_model_len)
+            joined = dataclasses.replace(join_rows, tokens=tokens, active=join_rows.active & ~first_done)
+            state = insert(state, join_index, joined)
             return tokens, logprobs, out[None], rows_lp, state, list(new_caches)
-
-        def insert(state: DecodeState, row_index: Array, rows: DecodeState) -> DecodeState:
-            # Row ``row_index[j]`` takes ``rows``' row j; an index of R (padding) is dropped.
-            return jax.tree_util.tree_map(lambda old, new: old.at[row_index].set(new, mode="drop"), state, rows)
 
         self.insert = jax.jit(insert, donate_argnums=(0,))
         self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy", "num_logprobs"), compiler_options=options)
@@ -445,27 +451,36 @@ class ModelRunner:
         return out, logprobs
 
     def run_mixed(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, token_ids: np.ndarray,
-                  positions: np.ndarray, metadata: FlashAttentionMetadata, sampling: tuple[np.ndarray, ...], *,
+                  positions: np.ndarray, metadata: FlashAttentionMetadata, sampling: tuple[np.ndarray, ...],
+                  join_index: np.ndarray, join_rows: DecodeState, *,
                   greedy: bool, max_model_len: int, num_logprobs: int | None = None) -> tuple[Any, Any]:
-        """One forward over prompt chunks and one decode step of the persistent batch.
+        """One forward over prompt chunks and one decode step of the persistent batch,
+        then the prompts that ended join the batch.
 
         Args:
           keep, block_rows, block_values: the batch's updates, as `run_decode_window`'s.
           token_ids, positions, metadata, sampling: a prefill-only batch from the metadata
             builder whose block table is as wide as the persistent batch's, as `run_step`'s.
+          join_index: i32[P] (P = the metadata's sequences): the batch row that prompt
+            sequence ``p`` takes after the step, or ``R`` (the row count: it joins no row).
+          join_rows: a host `DecodeState` of P rows (the batch's width and stop-id
+            columns) describing each joining sequence as it will be after its sampled
+            token: ``positions`` that token's position, ``num_generated`` counting it;
+            ``tokens`` is ignored (the step's sampled token is taken) and a row whose
+            token already ends it is inactive.
           greedy: every prompt and every batch row samples greedily (static).
           num_logprobs: static logprobs width of the prompts' and the rows' tokens, or None.
 
         Returns ``(prompt_result, rows_result)``: the prompts' tokens i32[P] (one per
         metadata sequence) and the rows' tokens i32[1, R] (`NO_TOKEN` where a row sampled
         nothing), each ``(tokens, TokenLogprobs)`` with ``num_logprobs``; on the device,
-        the rows' copy to the host started (a window of one step for the reader).
+        their copies to the host started (the rows' a window of one step for the reader).
         """
         assert self._decode_state is not None, "start_decode first"
         tokens, logprobs, out, rows_lp, self._decode_state, self.kv_caches = self._mixed(
             self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values, token_ids, positions,
-            metadata, sampling, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
+            metadata, sampling, join_index, join_rows, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
             num_logprobs=num_logprobs)
-        for leaf in jax.tree_util.tree_leaves((out, rows_lp)):
+        for leaf in jax.tree_util.tree_leaves((tokens, logprobs, out, rows_lp)):
             leaf.copy_to_host_async()
         return (tokens if logprobs is None else (tokens, logprobs)), (out if rows_lp is None else (out, rows_lp))
