@@ -31,16 +31,15 @@ flash-attention kernel does in the input dtype (`oracle` module docstring).
 Hypothesis profiles: ``ci`` (default; derandomized, no example database, no deadline)
 and ``explore`` (random, more examples): ``pytest --hypothesis-profile=explore``.
 
-Full products (``--full``): the interpret-mode kernel grids run, by default, a covering
-subset of their cases. A test marked ``@pytest.mark.covering`` keeps, per implementation,
+Full products (``--full``): the interpret-mode kernel grids and the ``xla`` path's
+grids run, by default, a covering subset of their cases. A test marked ``@pytest.mark.covering`` keeps, per implementation,
 cases until every value of each parameter (every pair of values, when three or more
 vary) appears in one (`mark_outside_covering_subsets`); an API test's kernel case marked
 ``@pytest.mark.covered_by(impl, *node_ids)`` leaves its check to the kernel grids' named
 cases (`mark_covered_by_kernel_grids` checks they run by default); a hand-made grid whose ids
 name their features keeps cases until every feature appears in one (`covering_cases`).
 The other cases carry the ``full`` marker: deselected on a CPU unless ``pytest --full``
-is given, and always run in the GPU suite (``-m gpu``), where they compile. The ``xla``
-reference cases always run.
+is given, and always run in the GPU suite (``-m gpu``), where they compile.
 
 ``JPA_REPORT_FAILURES_AT_ONCE=1`` prints each failure's traceback when it happens, not
 in the summary at the end, so a run stopped by a time limit still says why its
@@ -88,8 +87,8 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
     """Marks ``full`` the cases of each ``@pytest.mark.covering`` test that a covering
     subset of its parameter product leaves out.
 
-    Per test and implementation (the ``impl`` parameter: every kernel keeps its cases;
-    the ``xla`` reference's cases and ``gpu`` cases are all kept), the subset takes cases
+    Per test and implementation (the ``impl`` parameter: every kernel, and the ``xla``
+    path, keeps its own cases; ``gpu`` cases are all kept), the subset takes cases
     greedily in collection order until every value of each other parameter appears in one,
     and, when three or more parameters vary, every pair of values (unless the mark says
     ``covering(pairs=False)``: each value once, for parameters whose values exercise
@@ -100,7 +99,7 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
         if not params or not item.get_closest_marker("covering") or item.get_closest_marker("gpu"):
             continue
         impl = params.get("impl")
-        if isinstance(impl, Implementation) and not impl.interpret:
+        if isinstance(impl, Implementation) and not impl.interpret and impl.name != "xla":
             continue
         groups.setdefault((item.module.__name__, item.originalname, _axis_value(impl)), []).append(item)
     for group in groups.values():

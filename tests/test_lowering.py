@@ -271,6 +271,7 @@ def test_the_offsets_fix_is_not_installed_over_an_unexpected_lowering(monkeypatc
     assert "no longer chooses the offset width" in triton_offsets.REASON
 
 
+@pytest.mark.covering(pairs=False)  # each value once by default; every case with --full
 @pytest.mark.parametrize(
     "dtype,head_size,block_size,group,num_q_tokens,options",
     [
@@ -378,6 +379,7 @@ def test_decode_fp8_pages_lower_to_mosaic_gpu_kernel(q_dtype, cache_dtype, head_
     assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
 
 
+@pytest.mark.covering(pairs=False)  # each value once by default; every case with --full
 @pytest.mark.parametrize("paged, head_size, q_dtype, kv_dtype, block_size", [
     (False, 64, jnp.bfloat16, jnp.bfloat16, None),
     (False, 128, jnp.float16, jnp.float16, None),
@@ -429,6 +431,7 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
     assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
 
 
+@pytest.mark.covering(pairs=False)  # each value once by default; every case with --full
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax", "persistent", "slab-output",
                                   "masked-parts", "probe", "probe-masked-parts", "precheck-values",

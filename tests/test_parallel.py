@@ -265,9 +265,10 @@ def _engine_main() -> None:
     (shared,) = random_prompts(2, [32])
     prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]
     engine = LLMEngine(model, base)
-    engine.generate([shared], greedy, use_tqdm=False)
-    outs = engine.generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 80)
+    short = dataclasses.replace(greedy, max_tokens=8)  # sharing is decided at the prompt
+    engine.generate([shared], short, use_tqdm=False)
+    outs = engine.generate(prompts, short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 8)
     assert engine.stats.num_copied_blocks >= 1 and outs[1].num_cached_tokens == 32
 
     runner, rows, width = engine.runner, 4, 16
