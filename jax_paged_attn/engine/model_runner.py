@@ -3,7 +3,7 @@ jitted programs that run on them.
 
 The scheduler (`jax_paged_attn.engine.scheduler`) decides on the host what runs; this
 module owns everything that lives on the device between steps and never reads a device
-value back by itself. Two programs:
+value back by itself. Three programs:
 
 * **step** (`ModelRunner.run_step`): one forward + sampling over any batch the metadata
   builder describes (prefill chunks, decodes, both). Used for admission, chunked
@@ -17,8 +17,12 @@ value back by itself. Two programs:
   nothing more to the cache (`PAD_SLOT_ID`) and samples nothing. The host sends only
   what changed: the blocks appended to rows since the last window and the rows it
   aborted.
+* **mixed step** (`ModelRunner.run_mixed`): prompt chunks and one decode step of the
+  persistent batch in one forward; the prompts that end in it take free rows of the
+  batch with the token just sampled (its stop check on the device), so the next
+  program decodes them without a host round trip.
 
-Neither program holds a data-dependent branch (XLA would copy the predicate to the host
+No program holds a data-dependent branch (XLA would copy the predicate to the host
 and make the call wait for the whole step): the sampler is chosen statically (greedy or
 not), and stopped rows are masked. Log probabilities likewise: a static ``num_logprobs``
 (None: none, the programs are unchanged) compiles a variant that also returns the
