@@ -866,12 +866,7 @@ class LLMEngine:
         batch.inflight.append(_InFlight(rows_result, list(batch.requests), _PromptTokens(out, prompt_result, rows)))
         batch.next_position[live] += 1
         for row, request in joining:
-            if row == len(batch.requests):  # free rows list the padding rows last, in order
-                batch.requests.append(request)
-            else:
-                batch.requests[row] = request
-            batch.next_position[row] = request.num_tokens  # the position of the token it samples
-            batch.table_len[row] = len(request.block_table)
+            self._take_row(row, request, next_position=request.num_tokens)  # the token it samples
         self.stats.num_mixed_steps += 1
         self.stats.num_inserted_rows += len(joining)
         # Read while the next program runs (async scheduling), or everything now.
@@ -948,14 +943,21 @@ class LLMEngine:
         for j, (row, request) in enumerate(zip(free, requests)):
             self._fill_row(values, j, request)
             row_index[j] = row
-            if row == len(batch.requests):  # free rows list the padding rows last, in order
-                batch.requests.append(request)
-            else:
-                batch.requests[row] = request
-            batch.next_position[row] = request.num_tokens - 1
-            batch.table_len[row] = len(request.block_table)
+            self._take_row(row, request, next_position=request.num_tokens - 1)
         self.runner.insert_decode_rows(row_index, values)
         self.stats.num_inserted_rows += len(requests)
+
+    def _take_row(self, row: int, request: Request, *, next_position: int) -> None:
+        """Gives ``row`` of the batch's host view to ``request``, whose next input sits at
+        ``next_position`` (free rows list the padding rows last, in order)."""
+        batch = self._batch
+        assert batch is not None
+        if row == len(batch.requests):
+            batch.requests.append(request)
+        else:
+            batch.requests[row] = request
+        batch.next_position[row] = next_position
+        batch.table_len[row] = len(request.block_table)
 
     def _fill_row(self, rows: DecodeState, i: int, request: Request, *, sampled_later: bool = False) -> None:
         """Host row ``i`` of a `DecodeState` from a decoding request; ``sampled_later``:
