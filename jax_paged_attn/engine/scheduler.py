@@ -478,7 +478,7 @@ class Scheduler:
         """
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:  # aborted before the step was dispatched
+            if request.is_finished:  # aborted since it was scheduled
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self._register_full_blocks(request)
