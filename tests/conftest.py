@@ -32,9 +32,10 @@ Hypothesis profiles: ``ci`` (default; derandomized, no example database, no dead
 and ``explore`` (random, more examples): ``pytest --hypothesis-profile=explore``.
 
 Full products (``--full``): the interpret-mode kernel grids and the ``xla`` path's
-grids run, by default, a covering subset of their cases. A test marked ``@pytest.mark.covering`` keeps, per implementation,
-cases until every value of each parameter (every pair of values, when three or more
-vary) appears in one (`mark_outside_covering_subsets`); an API test's kernel case marked
+grids run, by default, a covering subset of their cases. A test marked
+``@pytest.mark.covering`` keeps, per implementation, cases until every value of each
+parameter (every pair of values, when three or more vary) appears in one
+(`mark_outside_covering_subsets`); an API test's kernel case marked
 ``@pytest.mark.covered_by(impl, *node_ids)`` leaves its check to the kernel grids' named
 cases (`mark_covered_by_kernel_grids` checks they run by default); a hand-made grid whose ids
 name their features keeps cases until every feature appears in one (`covering_cases`).
@@ -98,9 +99,7 @@ def mark_outside_covering_subsets(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", None)
         if not params or not item.get_closest_marker("covering") or item.get_closest_marker("gpu"):
             continue
-        impl = params.get("impl")
-        if isinstance(impl, Implementation) and not impl.interpret and impl.name != "xla":
-            continue
+        impl = params.get("impl")  # compiled implementations run only in gpu cases, skipped above
         groups.setdefault((item.module.__name__, item.originalname, _axis_value(impl)), []).append(item)
     for group in groups.values():
         values = [{axis: _axis_value(v) for axis, v in item.callspec.params.items() if axis != "impl"}
