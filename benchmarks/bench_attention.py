@@ -692,6 +692,25 @@ def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
                         lambda o: to_numpy(o)[:, 0])
 
 
+def decode_auto(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
+    """What a user's call runs: `flash_attn_with_kvcache` with ``implementation=None``
+    (auto: the kernel the package picks for this GPU), checked against ours."""
+    api = _ours_api()
+    fn = jax.jit(functools.partial(api.flash_attn_with_kvcache, causal=True, implementation=None,
+                                   interpret=ctx.interpret))
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    return ctx.time_jax(lambda: fn(*args), lambda o: to_numpy(o)[:, 0], note=f"auto ran the {auto_kernel(fn, *args)}")
+
+
+def auto_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Which kernel the jitted ``fn`` runs on ``args``, read from its lowered module (the
+    custom calls a Pallas kernel lowers to), so the note says what auto really chose."""
+    text = fn.lower(*args, **kwargs).as_text()
+    markers = (("Mosaic GPU kernel", "custom_call @mosaic_gpu"), ("Triton kernel", "__gpu$xla.gpu.triton"))
+    kernels = [name for name, marker in markers if marker in text]
+    return " and ".join(kernels) if kernels else "XLA reference"
+
+
 def mosaic_decode_grid(quick: bool) -> list[Any]:
     """MosaicDecodeConfigs the ours_mosaic_gpu peer sweeps, the package default first:
     (tile_keys, num_stages, target_programs, compute_warpgroups, items_per_program).
@@ -872,6 +891,8 @@ def decode_torch_varlen_paged(ctx: Context, case: DecodeCase, x: DecodeInputs) -
 DECODE_IMPLS = (
     Impl("ours", "jax_paged_attn.flash_attn_with_kvcache (implementation='triton' unless --ours-impl), "
                  "vLLM cache layout, permuted block table", decode_ours, is_ours=True),
+    Impl("auto", "jax_paged_attn.flash_attn_with_kvcache(implementation=None): the kernel the package runs by "
+                 "default on this GPU", decode_auto),
     Impl("ours_mosaic_gpu", "our decode kernel's Mosaic GPU lowering (first cut; what "
                             "implementation='mosaic_gpu' runs), best of a MosaicDecodeConfig sweep, same inputs "
                             "as ours", decode_ours_mosaic_gpu),
@@ -903,6 +924,18 @@ def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implem
         implementation=implementation or ctx.ours_implementation, interpret=ctx.interpret))
     return ctx.time_jax(lambda: fn(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, block_table=x.block_table),
                         to_numpy)
+
+
+def attention_auto(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
+    """What a user's call runs: `flash_attn_varlen_func` with ``implementation=None``
+    (auto), checked against ours."""
+    api = _ours_api()
+    fn = jax.jit(functools.partial(
+        api.flash_attn_varlen_func, max_seqlen_q=x.max_q, max_seqlen_k=x.max_k, causal=True,
+        implementation=None, interpret=ctx.interpret))
+    args, kwargs = (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k), dict(block_table=x.block_table)
+    return ctx.time_jax(lambda: fn(*args, **kwargs), to_numpy,
+                        note=f"auto ran the {auto_kernel(fn, *args, **kwargs)}")
 
 
 def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
@@ -1102,11 +1135,14 @@ _OURS_ATTENTION = Impl("ours", "jax_paged_attn.flash_attn_varlen_func (implement
 _OURS_MOSAIC_GPU = Impl("ours_mosaic_gpu", "jax_paged_attn.flash_attn_varlen_func(implementation='mosaic_gpu'): "
                                            "our Pallas Mosaic GPU prefill kernel (Hopper; first cut, "
                                            "warp-specialized), same inputs as ours", attention_ours_mosaic_gpu)
+_AUTO_ATTENTION = Impl("auto", "jax_paged_attn.flash_attn_varlen_func(implementation=None): the kernel the "
+                                "package runs by default on this GPU", attention_auto)
 _XLA_REFERENCE = Impl("xla_ref", "jax_paged_attn.flash_attn_varlen_func(implementation='xla'), our reference "
                                  "(skipped when its f32 scores would not fit)", attention_xla_reference)
 
 PREFILL_IMPLS = (
     _OURS_ATTENTION,
+    _AUTO_ATTENTION,
     _OURS_MOSAIC_GPU,
     Impl("stock_mha", "jax.experimental.pallas.ops.gpu.attention.mha (Pallas Triton), KV heads repeated",
          prefill_stock_mha),
@@ -1119,6 +1155,7 @@ PREFILL_IMPLS = (
 )
 VARLEN_IMPLS = (
     _OURS_ATTENTION,
+    _AUTO_ATTENTION,
     _OURS_MOSAIC_GPU,
     Impl("cudnn_padded", "jax.nn.dot_product_attention(implementation='cudnn') on the batch padded to the "
                          "longest sequence, with query/key lengths", varlen_cudnn_padded),
@@ -1129,6 +1166,7 @@ VARLEN_IMPLS = (
 )
 PREFIX_IMPLS = (
     _OURS_ATTENTION,
+    _AUTO_ATTENTION,
     _OURS_MOSAIC_GPU,
     Impl("cudnn_paged", "JAX cuDNN paged_attention, MaskType.CAUSAL (top-left aligned: not the same "
                         "function)", prefix_cudnn_paged("CAUSAL")),

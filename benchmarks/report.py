@@ -24,23 +24,43 @@ AGREEMENT_ATOL = 5e-2
 """Outputs further than this from ours (max |Δ|, bf16 data of unit variance) are flagged."""
 
 
+AUTO = "auto"
+"""The column of what a user's call runs (``implementation=None``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """``ours / peer >= minimum`` on every shape of ``suite`` where both ran."""
+    """``subject / peer >= minimum`` on every shape of ``suite`` where both ran; with no
+    peer, the subject's own throughput ``>= minimum`` (GB/s or TFLOP/s)."""
 
     suite: str
-    peer: str
+    peer: str | None
     minimum: float
+    subject: str = OURS
 
     def describe(self) -> str:
-        return f"{self.suite}: ours/{self.peer} >= {self.minimum:g} on every shape"
+        if self.peer is None:
+            return f"{self.suite}: {self.subject} >= {self.minimum:g} on every shape"
+        return f"{self.suite}: {self.subject}/{self.peer} >= {self.minimum:g} on every shape"
 
 
 TARGETS = (
     Target("decode", "stock_pallas", 1.6),
     Target("prefill", "stock_mha", 1.0),
     Target("prefill", "cudnn", 0.75),
+    Target("decode", None, 3800.0, subject=AUTO),
+    Target("prefill", "torch_sdpa_cudnn", 1.0, subject=AUTO),
+    Target("varlen", "cudnn_padded", 1.5, subject=AUTO),
+    Target("prefix", None, 500.0, subject=AUTO),
 )
+
+RATIO_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "decode": ((AUTO, "torch_sdpa_cudnn"),),
+    "prefill": ((AUTO, "torch_sdpa_cudnn"), (AUTO, "cudnn")),
+    "varlen": ((AUTO, "cudnn_padded"),),
+}
+"""Extra columns of a suite's table, ``subject / peer`` (time ratio, > 1: subject faster):
+what a user's default call gains over the strongest peers."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -68,6 +88,22 @@ def _ours_row(rows: Sequence[Row], suite: str, case: str) -> Row | None:
         if row["suite"] == suite and row["case"] == case and row.get("is_ours") and row["status"] == "ok":
             return row
     return None
+
+
+def _measured(rows: Sequence[Row], suite: str, case: str, impl: str) -> Row | None:
+    """The row of ``impl`` on ``case`` when it measured something (ours: `_ours_row`)."""
+    if impl == OURS:
+        return _ours_row(rows, suite, case)
+    for row in rows:
+        if row["suite"] == suite and row["case"] == case and row["impl"] == impl:
+            return row if row["status"] == "ok" and row.get("value") else None
+    return None
+
+
+def pair_ratio(rows: Sequence[Row], suite: str, case: str, subject: str, peer: str) -> float | None:
+    """``subject``'s throughput over ``peer``'s on one shape (= peer's time / subject's), or None."""
+    a, b = _measured(rows, suite, case, subject), _measured(rows, suite, case, peer)
+    return None if a is None or b is None else a["value"] / b["value"]
 
 
 def attach_ratios(rows: list[Row]) -> list[Row]:
@@ -126,10 +162,13 @@ def render_suite(suite: str, rows: Sequence[Row], title: str, legend: dict[str, 
         lines += [f"{metric}, higher is better; `(×r)` = ours / that column (r > 1: ours faster); "
                   f"`≠` = max |output - reference| > {AGREEMENT_ATOL:g}, the reference being ours "
                   f"(attention) or the expected cache contents (cache writes).", ""]
-    lines.append("| shape | " + " | ".join(impls) + " |")
-    lines.append("| --- |" + " --- |" * len(impls))
+    pairs = [(a, b) for a, b in RATIO_COLUMNS.get(suite, ()) if a in impls and b in impls]
+    header = impls + [f"{a} / {b}" for a, b in pairs]
+    lines.append("| shape | " + " | ".join(header) + " |")
+    lines.append("| --- |" + " --- |" * len(header))
     for case in cases:
         cells = [_cell(by_key.get((case, impl)), footnotes, 160 if compact else 400) for impl in impls]
+        cells += [format_ratio(pair_ratio(rows, suite, case, a, b)) for a, b in pairs]
         ours = by_key.get((case, OURS))
         label = case if ours is None or ours.get("ms") is None else f"{case} ({ours['ms']:.3f} ms)"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -172,24 +211,28 @@ def target_lines(rows: Sequence[Row], targets: Sequence[Target] = TARGETS) -> li
         cases = _ordered_unique(r["case"] for r in rows if r["suite"] == target.suite)
         if not cases:
             continue
-        ratios: dict[str, float] = {}
+        scores: dict[str, float] = {}
         missing: list[str] = []
         for case in cases:
-            peer = next((r for r in rows if r["suite"] == target.suite and r["case"] == case
-                         and r["impl"] == target.peer), None)
-            ours = _ours_row(rows, target.suite, case)
-            if ours is None:
-                missing.append(f"{case} (ours did not run)")
-            elif peer is None or peer["status"] != "ok" or peer.get("ratio") is None:
+            subject = _measured(rows, target.suite, case, target.subject)
+            if subject is None:
+                missing.append(f"{case} ({target.subject} did not run)")
+                continue
+            if target.peer is None:
+                scores[case] = subject["value"]
+                continue
+            ratio = pair_ratio(rows, target.suite, case, target.subject, target.peer)
+            if ratio is None:
                 missing.append(f"{case} ({target.peer} did not run)")
             else:
-                ratios[case] = peer["ratio"]
-        if ratios:
-            worst_case = min(ratios, key=ratios.get)
-            verdict = "PASS" if all(r >= target.minimum for r in ratios.values()) else "FAIL"
-            failing = [f"{c} {format_ratio(r)}" for c, r in ratios.items() if r < target.minimum]
-            text = (f"{verdict} {target.describe()}: min {format_ratio(ratios[worst_case])} at "
-                    f"{worst_case} ({len(ratios)} shapes)")
+                scores[case] = ratio
+        show = format_value if target.peer is None else format_ratio
+        if scores:
+            worst_case = min(scores, key=scores.get)
+            verdict = "PASS" if all(r >= target.minimum for r in scores.values()) else "FAIL"
+            failing = [f"{c} {show(r)}" for c, r in scores.items() if r < target.minimum]
+            text = (f"{verdict} {target.describe()}: min {show(scores[worst_case])} at "
+                    f"{worst_case} ({len(scores)} shapes)")
             if failing:
                 text += "; below: " + ", ".join(failing)
         else:
