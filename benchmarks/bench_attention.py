@@ -267,6 +267,9 @@ DECODE_CASES = (
     # table key (64, 16, 4) of its own.
     DecodeCase(256, 1024, 32, 8, 64),
     DecodeCase(32, 4096, 32, 8, 64),
+    # A GQA group of 8 at head size 64: no table entry of its own (it takes its
+    # nearest measured key's config, `tuning.nearest_decode_key`).
+    DecodeCase(256, 1024, 32, 4, 64),
 )
 PREFILL_CASES = (
     AttentionCase.dense_prefill(8, 2048, 32, 8, 128),
@@ -502,25 +505,33 @@ def _block(tree: Any) -> Any:
 class Timer:
     """Warm-up calls, then the median of ``reps`` timed samples: device time per call.
 
-    JAX: a sample is ``calls`` back-to-back calls with one `jax.block_until_ready` at the
-    end, divided by ``calls``; dispatch is asynchronous, so the host's per-call dispatch
-    (tens of microseconds, more than a third of a 0.3 ms decode step) overlaps the
-    previous call's GPU work instead of being counted, as in the jitted loops that run
-    these ops. ``calls`` is chosen so that a sample lasts at least ``sample_ms`` (at
-    least ``min_calls``, at most 64). torch: CUDA events around each call (GPU time).
-    `dry_run`: the fewest calls, for a CPU run that checks a script (its times mean
-    nothing there; an interpret-mode kernel call takes seconds).
+    A sample is ``calls`` back-to-back calls, divided by ``calls``. JAX: one
+    `jax.block_until_ready` at the end; dispatch is asynchronous, so the host's
+    per-call dispatch (tens of microseconds, more than a third of a 0.3 ms decode step)
+    overlaps the previous call's GPU work instead of being counted, as in the jitted
+    loops that run these ops. torch: CUDA events around the sample's calls. ``calls`` is
+    chosen so that a sample lasts at least ``sample_ms`` (at least ``min_calls``, at
+    most ``max_calls``): a sample's fixed cost (its first launch, the final wait) is
+    spread over enough calls to vanish. With 2 ms samples it was not: the B64 ctx4096
+    decode call read 3,164 GB/s that way on the H200, 4,028 with 40 ms samples and
+    3,844 in a jitted loop of 20 calls (2026-12-04). `dry_run`: the fewest calls, for
+    a CPU run that checks a script (its times mean nothing there; an interpret-mode
+    kernel call takes seconds).
     """
 
     warmup: int = 3
     reps: int = 10
-    sample_ms: float = 2.0
+    sample_ms: float = 25.0
     min_calls: int = 2
+    max_calls: int = 256
 
     @classmethod
     def dry_run(cls) -> "Timer":
         """One untimed call and one timed sample of one call."""
         return cls(warmup=1, reps=1, min_calls=1)
+
+    def _calls(self, single_ms: float) -> int:
+        return int(min(self.max_calls, max(self.min_calls, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
 
     def jax(self, call: Callable[[], Any]) -> tuple[float, float, Any]:
         """Returns (median ms per call, first-call seconds, last output) of the zero-arg `call`."""
@@ -532,7 +543,7 @@ class Timer:
             start = time.perf_counter()
             out = _block(call())
             single_ms = (time.perf_counter() - start) * 1e3
-        calls = int(min(64, max(self.min_calls, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
+        calls = self._calls(single_ms)
         times = []
         for _ in range(self.reps):
             start = time.perf_counter()
@@ -547,17 +558,22 @@ class Timer:
         out = call()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
+        single_ms = compile_s * 1e3
         for _ in range(self.warmup - 1):
+            start = time.perf_counter()
             out = call()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            single_ms = (time.perf_counter() - start) * 1e3
+        calls = self._calls(single_ms)
         times = []
         for _ in range(self.reps):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            out = call()
+            for _ in range(calls):
+                out = call()
             end.record()
             torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end))
+            times.append(begin.elapsed_time(end) / calls)
         return statistics.median(times), compile_s, out
 
 

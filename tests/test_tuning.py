@@ -30,6 +30,18 @@ def test_measured_tables_load_into_valid_configs():
         assert tuning.decode_config(head_size, block_size, group) == tuning.DecodeConfig(**entry["config"])
 
 
+def test_an_unmeasured_decode_key_takes_the_nearest_measured_one_of_its_head_size():
+    known = [(64, 16, 4), (128, 16, 4), (128, 16, 8), (128, 64, 4)]
+    assert tuning.nearest_decode_key((64, 16, 8), known) == (64, 16, 4)  # the GQA group differs
+    assert tuning.nearest_decode_key((128, 32, 8), known) == (128, 16, 8)  # page 32: 16 and 64 tie, the smaller
+    assert tuning.nearest_decode_key((128, 64, 16), known) == (128, 64, 4)  # the page size first
+    assert tuning.nearest_decode_key((256, 16, 4), known) is None  # no entry of that head size
+    h200 = tuning.MEASURED_TABLES["NVIDIA H200"]["DECODE_TABLE"]
+    assert (64, 16, 8) not in h200 and (64, 16, 4) in h200
+    assert tuning.decode_config(64, 16, 8, device=tuning.REFERENCE_DEVICE) == h200[(64, 16, 4)]
+    assert tuning.decode_config(256, 16, 4, device=tuning.REFERENCE_DEVICE) == tuning.DecodeConfig()
+
+
 def _row(case, config, ms, key):
     return dict(suite="prefill", case=case, status="ok", ms=ms, config=config,
                 table="PREFILL_TABLE", table_key=key)
