@@ -14,6 +14,8 @@ Semantics are exactly `jax_paged_attn.reference.paged_decode_attention`.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -122,12 +124,19 @@ def combine_splits(partial_out: Array, lse: Array, dtype) -> Array:
 
     Returns:
       ``[B, Sq, Hq, D]`` in ``dtype``; 0 for rows no split saw a key for.
+
+    The splits (a handful, static) are unrolled into elementwise maxima and sums, with
+    no reduction over the split axis, so XLA can make the whole merge one loop fusion
+    over the output: the reductions over that axis took a kernel of their own before
+    the weighted sum (two kernels, about 3 + 5 µs a call on the H200, beside a 90 µs
+    decode kernel at head size 64).
     """
-    lse_max = jnp.max(lse, axis=0)
+    splits = lse.shape[0]
+    lse_max = functools.reduce(jnp.maximum, [lse[s] for s in range(splits)])
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weight = jnp.exp(lse - lse_max[None])  # empty splits: exp(-inf) = 0
-    total = jnp.sum(weight, axis=0)
-    out = jnp.sum(weight[..., None] * partial_out, axis=0)
+    weights = [jnp.exp(lse[s] - lse_max) for s in range(splits)]  # empty splits: exp(-inf) = 0
+    total = functools.reduce(jnp.add, weights)
+    out = functools.reduce(jnp.add, [w[..., None] * partial_out[s] for s, w in enumerate(weights)])
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(dtype)
 
