@@ -51,6 +51,36 @@ def test_param_partition_specs_follow_megatron_layout():
     assert parallel.kv_cache_spec("tp") == P(None, None, None, "tp", None)
 
 
+def test_kv_head_replicas_and_the_replicated_qkv_layout():
+    assert parallel.kv_head_replicas(16, 8, 2) == 1 and parallel.kv_head_replicas(8, 2, 4) == 2
+    assert parallel.kv_head_replicas(8, 1, 8) == 8 and parallel.kv_head_replicas(4, 4, 4) == 1
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) divisible by 4"):
+        parallel.kv_head_replicas(6, 2, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) is smaller than the tensor-parallel size 4"):
+        parallel.kv_head_replicas(12, 3, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(6\) divisible by 4"):
+        parallel.kv_head_replicas(12, 6, 4)
+    # Hq=8, Hk=2 at tp=4: stored KV head e (device e) is KV head e // 2 with query heads 2e, 2e + 1,
+    # and query head h's KV head is h // (Hq / Hk) = h // 4: each device's queries use its KV head.
+    hq, hk, replicas = 8, 2, 2
+    group = hq // hk
+    sources = parallel.replicated_qkv_sources(hq, hk, replicas)  # [4, 2 + 2], flat (KV head, slot)
+    kv_head, slot = sources // (group + 2), sources % (group + 2)
+    local_group = group // replicas
+    for e in range(hk * replicas):
+        assert (kv_head[e] == e // replicas).all()
+        queries = kv_head[e, :local_group] * group + slot[e, :local_group]
+        assert queries.tolist() == list(range(e * local_group, (e + 1) * local_group))
+        assert {q // group for q in queries} == {e // replicas}
+        assert slot[e, local_group:].tolist() == [group, group + 1]  # its key, its value
+    kernel = np.random.default_rng(0).standard_normal((3, hk, group + 2, 5)).astype(np.float32)
+    replicated = parallel.replicate_kv_heads(kernel, hq, replicas)
+    assert replicated.shape == (3, hk * replicas, local_group + 2, 5)
+    np.testing.assert_array_equal(replicated[:, 1, local_group], kernel[:, 0, group])  # copy 1 of key 0
+    np.testing.assert_array_equal(np.asarray(parallel.replicate_kv_heads(jnp.asarray(kernel), hq, replicas)),
+                                  replicated)
+
+
 def test_bad_configurations_raise():
     with pytest.raises(ValueError, match="divisible by 4"):
         parallel.check_head_divisibility(8, 2, 4)
@@ -121,6 +151,12 @@ def test_sharded_model_matches_single_device(request):
     assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in out, out
 
 
+def test_replicated_kv_heads_match_single_device():
+    """Fewer KV heads than devices, in a process of its own (`_replication_main`)."""
+    out = _run_on_host_devices("replication", {})
+    assert "checked tp=4 with 2 KV heads, tp=2 with 1 KV heads" in out, out
+
+
 def test_sharded_engine_matches_single_device():
     """The engine at 2-way (`_engine_main`), in a process of its own: the pytest-xdist
     workers run it beside the model's equivalence."""
@@ -130,44 +166,52 @@ def test_sharded_engine_matches_single_device():
 
 # --------------------------------------------------------------------------- the subprocess
 
+_BLOCK_SIZE, _NUM_BLOCKS = 16, 16
+
+
+def _paged_generate(model):
+    """A chunked prefill (first 13 tokens, then the rest with a decode), then 2 decode steps
+    of two prompts -> (each step's logits, the caches, the prompts with greedy tokens)."""
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence, input_positions, pack_per_token
+    from jax_paged_attn.models import last_token_indices
+    from jax_paged_attn.models.llama import jit_forward
+
+    builder = FlashAttentionMetadataBuilder(block_size=_BLOCK_SIZE, num_blocks=_NUM_BLOCKS, chunked_prefill=True)
+    prompts = [list(range(3, 24)), [7, 1, 9, 4, 4]]
+    tables = [[5, 2], [11]]
+    forward, caches = jit_forward(model), model.allocate_kv_caches(_NUM_BLOCKS, _BLOCK_SIZE)
+    tokens = [list(p) for p in prompts]
+    plan = [[(0, 13), (0, 5)], [(13, 8), (5, 1)], [(21, 1), (6, 1)], [(22, 1), (7, 1)]]
+    all_logits = []
+    for step in plan:
+        seqs = [ScheduledSequence(is_prompt=n > 1 or ctx == 0, seq_len=ctx + n, context_len=ctx, query_len=n,
+                                  block_table=table) for (ctx, n), table in zip(step, tables)]
+        md = builder.build(seqs)
+        ids = pack_per_token(md, seqs, [t[ctx:ctx + n] for t, (ctx, n) in zip(tokens, step)])
+        logits, caches = forward(jnp.asarray(ids), jnp.asarray(input_positions(md, seqs)), caches, md,
+                                 last_token_indices(md))
+        all_logits.append(np.asarray(logits))
+        real = [int(r) for r in np.nonzero(np.asarray(md.seq_lens))[0]]
+        for seq, row in enumerate(real):
+            ctx, n = step[seq]
+            if ctx + n == len(tokens[seq]):
+                tokens[seq].append(int(np.argmax(all_logits[-1][row])))
+    return all_logits, caches, tokens
+
 
 def _equivalence_main() -> None:
     from flax import nnx
 
-    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence, input_positions, pack_per_token
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
     from jax_paged_attn.layer import PagedAttention
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, last_token_indices, load_llama, save_checkpoint
-    from jax_paged_attn.models.llama import jit_forward
 
     assert len(jax.devices()) == NUM_HOST_DEVICES, jax.devices()
-    block_size, num_blocks = 16, 16
+    block_size, num_blocks = _BLOCK_SIZE, _NUM_BLOCKS
     config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)  # 8 KV heads: up to 8-way
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
     builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=num_blocks, chunked_prefill=True)
-    prompts = [list(range(3, 24)), [7, 1, 9, 4, 4]]
-    tables = [[5, 2], [11]]
-
-    def generate(model):
-        """A chunked prefill (first 13 tokens, then the rest with a decode), then 2 decode steps."""
-        forward, caches = jit_forward(model), model.allocate_kv_caches(num_blocks, block_size)
-        tokens = [list(p) for p in prompts]
-        plan = [[(0, 13), (0, 5)], [(13, 8), (5, 1)], [(21, 1), (6, 1)], [(22, 1), (7, 1)]]
-        all_logits = []
-        for step in plan:
-            seqs = [ScheduledSequence(is_prompt=n > 1 or ctx == 0, seq_len=ctx + n, context_len=ctx, query_len=n,
-                                      block_table=table) for (ctx, n), table in zip(step, tables)]
-            md = builder.build(seqs)
-            ids = pack_per_token(md, seqs, [t[ctx:ctx + n] for t, (ctx, n) in zip(tokens, step)])
-            logits, caches = forward(jnp.asarray(ids), jnp.asarray(input_positions(md, seqs)), caches, md,
-                                     last_token_indices(md))
-            all_logits.append(np.asarray(logits))
-            real = [int(r) for r in np.nonzero(np.asarray(md.seq_lens))[0]]
-            for seq, row in enumerate(real):
-                ctx, n = step[seq]
-                if ctx + n == len(tokens[seq]):
-                    tokens[seq].append(int(np.argmax(all_logits[-1][row])))
-        return all_logits, caches, tokens
-
+    generate = _paged_generate
     def collectives(model):
         """Collective ops in the compiled decode step of ``model``: name -> count."""
         graphdef, state = nnx.split(model)
@@ -234,6 +278,59 @@ def _equivalence_main() -> None:
     print("checked " + " ".join(checked))
 
 
+def _replication_main() -> None:
+    """Fewer KV heads than devices (2 KV heads at 4-way, 1 at 2-way): each KV head is
+    stored tp // Hk times, one stored head a device. A model drawn from the same seed with
+    and without the mesh is the same model: greedy tokens, logits and (each stored head
+    against its KV head) caches equal; the save writes the files a single-device save
+    writes, and loading them rebuilds the replicas."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from jax_paged_attn.engine import LLMEngine
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, load_llama, save_checkpoint
+    from conftest import engine_base
+
+    checked = []
+    for num_kv_heads, tp in ((2, 4), (1, 2)):
+        config = LlamaConfig.tiny(num_attention_heads=8, num_key_value_heads=num_kv_heads)
+        reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
+        mesh = parallel.tensor_parallel_mesh(tp)
+        model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=mesh)
+        replicas = tp // num_kv_heads
+        assert model.kv_head_replicas == replicas and model.num_cache_kv_heads == tp and model.config == config
+        want_logits, want_caches, want_tokens = _paged_generate(reference)
+        got_logits, got_caches, got_tokens = _paged_generate(model)
+        assert got_tokens == want_tokens, (tp, got_tokens, want_tokens)
+        for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp={tp} step {step}")
+        for layer, (got, want) in enumerate(zip(got_caches, want_caches)):
+            assert got.sharding.is_equivalent_to(parallel.kv_cache_sharding(mesh), got.ndim)
+            assert {shard.data.shape[3] for shard in got.addressable_shards} == {1}  # one KV head a device
+            np.testing.assert_allclose(np.asarray(got), np.repeat(np.asarray(want), replicas, axis=3), rtol=0,
+                                       atol=1e-5, err_msg=f"tp={tp} cache of layer {layer}")
+
+        with tempfile.TemporaryDirectory() as single, tempfile.TemporaryDirectory() as sharded:
+            save_checkpoint(reference, config, single)
+            save_checkpoint(model, config, sharded)
+            want_tensors, got_tensors = (load_file(os.path.join(d, "model.safetensors")) for d in (single, sharded))
+            assert got_tensors.keys() == want_tensors.keys()
+            for name, tensor in want_tensors.items():
+                np.testing.assert_array_equal(got_tensors[name], tensor, err_msg=name)
+            loaded = load_llama(sharded, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(loaded, nnx.Param)),
+                                              nnx.to_flat_state(nnx.state(model, nnx.Param))):
+                got, want = got.get_value(), want.get_value()
+                assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (path, got.sharding)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"tp={tp} {path}")
+        # The engine's swap space holds the stored heads, like its device caches.
+        engine = LLMEngine(loaded, engine_base())
+        host, device = engine._host_swap_space()[0], engine.runner.kv_caches[0]
+        assert host.shape[2:] == device.shape[2:] == (16, tp, config.head_dim), (host.shape, device.shape)
+        checked.append(f"tp={tp} with {num_kv_heads} KV heads")
+    print("checked " + ", ".join(checked))
+
+
 def _engine_main() -> None:
     """The engine on a 2-way mesh: greedy tokens equal the single-device model's through
     preemption by swapping and copy-on-write of shared prefix blocks (the caches sharded
@@ -285,4 +382,4 @@ def _engine_main() -> None:
 
 
 if __name__ == "__main__":
-    {"equivalence": _equivalence_main, "engine": _engine_main}[sys.argv[1]]()
+    {"equivalence": _equivalence_main, "replication": _replication_main, "engine": _engine_main}[sys.argv[1]]()

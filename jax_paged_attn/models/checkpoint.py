@@ -41,7 +41,10 @@ or ``torch_dtype``) unless told otherwise.
 Only the local filesystem is read (no download). Parameters are assembled one at a time
 from their tensors, read with `safetensors.safe_open` (numpy), so host memory holds one
 parameter (a fused one: one layer's q, k and v) at a time, and placed directly with their
-tensor-parallel sharding when the model has a mesh.
+tensor-parallel sharding when the model has a mesh. With fewer KV heads than devices, the
+copies of a KV head (`LlamaForCausalLM.kv_head_replicas`) are filled from the same
+k_proj / v_proj rows, and `save_checkpoint` writes the first copy: the files a
+single-device model writes.
 """
 from __future__ import annotations
 
@@ -89,39 +92,64 @@ class HFTensorPlacement:
       index: the part of that parameter it fills, a NumPy index (``()``: all of it).
       transpose: the tensor is a Hugging Face projection weight ``[out, in]`` and its part
         is ``[in, *out_axes]``: transposed, then ``out`` reshaped to the trailing axes.
+      kv_head_replicas: the part's first ``out`` axis (the KV heads of k_proj / v_proj in
+        ``qkv_proj.kernel``) holds each of the tensor's heads this many times in a row
+        (`jax_paged_attn.parallel.kv_head_replicas`); the tensor holds each once.
     """
 
     param_path: tuple[Any, ...]
     index: tuple[Any, ...] = ()
     transpose: bool = False
+    kv_head_replicas: int = 1
 
     def part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of ``param[index]`` for a parameter of ``param_shape``."""
         # A broadcast view of one byte: indexing it allocates nothing.
         return np.broadcast_to(np.empty((), np.int8), tuple(param_shape))[self.index].shape
 
+    def _unreplicated_part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """`part_shape` with one copy of each KV head: the tensor's data in the part's layout."""
+        part = self.part_shape(param_shape)
+        if self.kv_head_replicas == 1:
+            return part
+        return (part[0], part[1] // self.kv_head_replicas) + part[2:]
+
     def hf_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape, for a parameter of ``param_shape``."""
-        part = self.part_shape(param_shape)
+        part = self._unreplicated_part_shape(param_shape)
         return (math.prod(part[1:]), part[0]) if self.transpose else part
 
     def to_part(self, tensor: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
         """The Hugging Face ``tensor`` in the layout of ``param[index]`` (a view when possible)."""
-        return (tensor.T if self.transpose else tensor).reshape(self.part_shape(param_shape))
+        part = (tensor.T if self.transpose else tensor).reshape(self._unreplicated_part_shape(param_shape))
+        return np.repeat(part, self.kv_head_replicas, axis=1) if self.kv_head_replicas > 1 else part
 
     def from_param(self, param: np.ndarray) -> np.ndarray:
-        """The Hugging Face tensor held by ``param`` (the parameter's whole value)."""
+        """The Hugging Face tensor held by ``param`` (the parameter's whole value); of
+        replicated KV heads, the first copy."""
         part = param[self.index]
+        if self.kv_head_replicas > 1:
+            part = part[:, ::self.kv_head_replicas]
         return part.reshape(part.shape[0], -1).T if self.transpose else part
 
 
-def hf_parameter_map(config: LlamaConfig) -> dict[str, HFTensorPlacement]:
+def hf_parameter_map(config: LlamaConfig, *, kv_head_replicas: int = 1) -> dict[str, HFTensorPlacement]:
     """Hugging Face tensor name -> its `HFTensorPlacement` in a model of ``config``.
 
     The placements of one parameter cover each of its elements exactly once: q, k and v
     fill ``qkv_proj.kernel``, gate and up fill ``gate_up_proj.kernel``.
+    ``kv_head_replicas``: the model's (`LlamaForCausalLM.kv_head_replicas`); with ``r > 1``
+    ``qkv_proj.kernel`` is ``[hidden, Hk * r, group / r + 2, D]``
+    (`jax_paged_attn.parallel.replicate_kv_heads`): q_proj still fills ``[:, :, :group /
+    r]`` in order, k_proj and v_proj fill each of their heads into ``r`` consecutive rows.
     """
+    if isinstance(kv_head_replicas, bool) or not isinstance(kv_head_replicas, int) or kv_head_replicas < 1:
+        raise ValueError(f"kv_head_replicas must be a positive int, got {kv_head_replicas!r}.")
     group = config.num_attention_heads // config.num_key_value_heads
+    if group % kv_head_replicas:
+        raise ValueError(f"kv_head_replicas ({kv_head_replicas}) must divide the query heads per KV head "
+                         f"({group}).")
+    group //= kv_head_replicas  # the query heads per stored KV head
     every = slice(None)
     mapping: dict[str, HFTensorPlacement] = {
         "model.embed_tokens.weight": HFTensorPlacement(("model", "embed_tokens", "embedding")),
@@ -132,8 +160,10 @@ def hf_parameter_map(config: LlamaConfig) -> dict[str, HFTensorPlacement]:
         layer = ("model", "layers", i)
         qkv = layer + ("self_attn", "qkv_proj", "kernel")
         mapping[f"{prefix}.self_attn.q_proj.weight"] = HFTensorPlacement(qkv, (every, every, slice(0, group)), True)
-        mapping[f"{prefix}.self_attn.k_proj.weight"] = HFTensorPlacement(qkv, (every, every, group), True)
-        mapping[f"{prefix}.self_attn.v_proj.weight"] = HFTensorPlacement(qkv, (every, every, group + 1), True)
+        mapping[f"{prefix}.self_attn.k_proj.weight"] = HFTensorPlacement(
+            qkv, (every, every, group), True, kv_head_replicas)
+        mapping[f"{prefix}.self_attn.v_proj.weight"] = HFTensorPlacement(
+            qkv, (every, every, group + 1), True, kv_head_replicas)
         mapping[f"{prefix}.self_attn.o_proj.weight"] = HFTensorPlacement(
             layer + ("self_attn", "o_proj", "kernel"), transpose=True)
         gate_up = layer + ("mlp", "gate_up_proj", "kernel")
@@ -342,7 +372,7 @@ def load_checkpoint(
             f"{os.path.join(directory, CONFIG_FILE)} does not match the model's config; "
             f"(checkpoint, model) differ on: {diff}."
         )
-    expected = hf_parameter_map(config)
+    expected = hf_parameter_map(config, kv_head_replicas=model.kv_head_replicas)
     files = _tensor_files(directory)
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
@@ -516,7 +546,8 @@ def save_checkpoint(
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
     param_path, param = None, None
-    for name, placement in hf_parameter_map(config).items():
+    # Replicated KV heads are written once (their first copy): the files a tp=1 model writes.
+    for name, placement in hf_parameter_map(config, kv_head_replicas=model.kv_head_replicas).items():
         if placement.param_path != param_path:  # a fused parameter's tensors come in a row: fetch it once
             param_path = placement.param_path
             param = np.asarray(jax.device_get(variables[param_path].get_value()))
