@@ -36,6 +36,10 @@ Requirements: ``Hq`` divisible by ``tp``, and ``Hk`` either divisible by ``tp`` 
 smaller than it and dividing it (checked, ValueError: `kv_head_replicas`); an
 intermediate size or vocabulary that does not divide is replicated instead.
 
+A Hugging Face checkpoint loads straight into this layout
+(`jax_paged_attn.models.load_checkpoint`): each device's shard of each parameter is read
+from the safetensors files by slicing, so a device reads only its heads, columns or rows.
+
 Multi-host (several processes, one per host)
 --------------------------------------------
 The same code runs across hosts with `jax.distributed`:

@@ -81,6 +81,59 @@ def test_kv_head_replicas_and_the_replicated_qkv_layout():
                                   replicated)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_shard_reads_assemble_every_parameter_shard(replicas):
+    """`HFTensorPlacement.read_shard` at 2- and 4-way: each shard of each parameter, from
+    the slices it reads, equals that box of the whole parameter `to_part` builds; the
+    reads of a sharded tensor split it (nothing read twice) but for replicated KV heads."""
+    from flax import nnx
+
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+    from jax_paged_attn.models.checkpoint import hf_parameter_map
+
+    config = LlamaConfig.tiny(num_attention_heads=8, num_key_value_heads=2)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    shapes = {path: tuple(var.get_value().shape) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    qkv = ("model", "layers", 0, "self_attn", "qkv_proj", "kernel")
+    group = config.num_attention_heads // config.num_key_value_heads
+    for layer in range(config.num_hidden_layers):
+        shapes[qkv[:2] + (layer,) + qkv[3:]] = (64, 2 * replicas, group // replicas + 2, 32)
+    placements = hf_parameter_map(config, kv_head_replicas=replicas)
+    rng = np.random.default_rng(1)
+    tensors = {name: rng.standard_normal(p.hf_shape(shapes[p.param_path])).astype(np.float32)
+               for name, p in placements.items()}
+    params = {path: np.full(shape, np.nan, np.float32) for path, shape in shapes.items()}
+    for name, p in placements.items():
+        params[p.param_path][p.index] = p.to_part(tensors[name], shapes[p.param_path])
+
+    class Recorded:
+        def __init__(self, array):
+            self.array, self.read = array, 0
+
+        def __getitem__(self, index):
+            out = self.array[index]
+            self.read += out.size
+            return out
+
+    for tp in (2, 4) if replicas == 1 else (4,):
+        views = {name: Recorded(t) for name, t in tensors.items()}
+        for path, shape in shapes.items():
+            spec = parallel.param_partition_spec(path, shape, axis_name="tp", tp_size=tp)
+            sharded = [axis for axis, name in enumerate(spec) if name is not None]
+            for d in range(tp if sharded else 1):
+                box = tuple(slice(d * n // tp, (d + 1) * n // tp) if axis in sharded else slice(None)
+                            for axis, n in enumerate(shape))
+                shard = np.full(params[path][box].shape, np.nan, np.float32)
+                for name, p in placements.items():
+                    found = p.param_path == path and p.read_shard(views[name], shape, box)
+                    if found:
+                        shard[found[0]] = found[1]
+                np.testing.assert_array_equal(shard, params[path][box], err_msg=f"{path} tp={tp} shard {d}")
+        for name, view in views.items():
+            copies = replicas if re.search(r"\.(k|v)_proj", name) else 1
+            assert view.read == tensors[name].size * copies, (name, tp, view.read)
+
+
 def test_bad_configurations_raise():
     with pytest.raises(ValueError, match="divisible by 4"):
         parallel.check_head_divisibility(8, 2, 4)
@@ -199,6 +252,83 @@ def _paged_generate(model):
     return all_logits, caches, tokens
 
 
+def _record_safetensors_reads() -> list[tuple[str, str, tuple[int, ...]]]:
+    """Wraps `safetensors.safe_open` (which the checkpoint loader opens files with) so
+    that every tensor read is appended to the returned list as ``(how, name, shape)``:
+    how is "slice" (``get_slice(name)[...]``, reading only those bytes) or "whole"
+    (``get_tensor``). Header reads (shapes, dtypes) are not reads."""
+    import safetensors
+
+    reads: list[tuple[str, str, tuple[int, ...]]] = []
+    open_file = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, name, view):
+            self.name, self.view = name, view
+
+        def __getitem__(self, index):
+            out = self.view[index]
+            reads.append(("slice", self.name, tuple(out.shape)))
+            return out
+
+        def __getattr__(self, attribute):  # get_shape, get_dtype
+            return getattr(self.view, attribute)
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.file = open_file(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return Slice(name, self.file.get_slice(name))
+
+        def get_tensor(self, name):
+            out = self.file.get_tensor(name)
+            reads.append(("whole", name, tuple(out.shape)))
+            return out
+
+    safetensors.safe_open = File
+    return reads
+
+
+def _expected_shard_reads(config, tp: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """The reads a tp-way load makes of each tensor: one slice per device of a sharded
+    tensor (a row-parallel one split by columns, the others by rows; with KV heads
+    replicated, a device's k / v slice is its one KV head), one read of a replicated one."""
+    from jax_paged_attn.models.checkpoint import hf_parameter_map
+
+    hidden, d, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    hq, hk = config.num_attention_heads, config.num_key_value_heads
+    per_device = {"q_proj": (hq * d // tp, hidden), "k_proj": (max(hk // tp, 1) * d, hidden),
+                  "v_proj": (max(hk // tp, 1) * d, hidden), "o_proj": (hidden, hq * d // tp),
+                  "gate_proj": (inter // tp, hidden), "up_proj": (inter // tp, hidden),
+                  "down_proj": (hidden, inter // tp), "lm_head": (vocab // tp, hidden)}
+    expected = {}
+    for name in hf_parameter_map(config):
+        kind = name.split(".")[-2]
+        if kind in per_device:
+            expected[name] = [("slice", per_device[kind])] * tp
+        else:  # embeddings and norms: replicated, read once
+            expected[name] = [("slice", (vocab, hidden) if "embed" in name else (hidden,))]
+    return expected
+
+
+def _reads_by_tensor(reads) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    by_tensor: dict[str, list] = {}
+    for how, name, shape in reads:
+        by_tensor.setdefault(name, []).append((how, shape))
+    return by_tensor
+
+
 def _equivalence_main() -> None:
     from flax import nnx
 
@@ -212,6 +342,8 @@ def _equivalence_main() -> None:
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
     builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=num_blocks, chunked_prefill=True)
     generate = _paged_generate
+    reads = _record_safetensors_reads()
+
     def collectives(model):
         """Collective ops in the compiled decode step of ``model``: name -> count."""
         graphdef, state = nnx.split(model)
@@ -233,7 +365,14 @@ def _equivalence_main() -> None:
         save_checkpoint(reference, config, directory)
         for tp in map(int, os.environ.get(TP_SIZES_VARIABLE, "2,4,8").split(",")):
             mesh = parallel.tensor_parallel_mesh(tp)
+            reads.clear()
             model = load_llama(directory, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            # Each device read its own slice of each sharded tensor; replicated ones were read once.
+            assert _reads_by_tensor(reads) == _expected_shard_reads(config, tp), (tp, reads)
+            for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                              nnx.to_flat_state(nnx.state(reference, nnx.Param))):
+                np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()),
+                                              err_msg=f"tp={tp} {path}")
             layer0 = model.model.layers[0]
 
             def laid_out(array, spec):
@@ -283,7 +422,7 @@ def _replication_main() -> None:
     stored tp // Hk times, one stored head a device. A model drawn from the same seed with
     and without the mesh is the same model: greedy tokens, logits and (each stored head
     against its KV head) caches equal; the save writes the files a single-device save
-    writes, and loading them rebuilds the replicas."""
+    writes, and loading them reads each device's slices and rebuilds the replicas."""
     from flax import nnx
     from safetensors.numpy import load_file
 
@@ -291,6 +430,7 @@ def _replication_main() -> None:
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, load_llama, save_checkpoint
     from conftest import engine_base
 
+    reads = _record_safetensors_reads()
     checked = []
     for num_kv_heads, tp in ((2, 4), (1, 2)):
         config = LlamaConfig.tiny(num_attention_heads=8, num_key_value_heads=num_kv_heads)
@@ -317,7 +457,9 @@ def _replication_main() -> None:
             assert got_tensors.keys() == want_tensors.keys()
             for name, tensor in want_tensors.items():
                 np.testing.assert_array_equal(got_tensors[name], tensor, err_msg=name)
+            reads.clear()
             loaded = load_llama(sharded, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            assert _reads_by_tensor(reads) == _expected_shard_reads(config, tp), (tp, reads)
             for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(loaded, nnx.Param)),
                                               nnx.to_flat_state(nnx.state(model, nnx.Param))):
                 got, want = got.get_value(), want.get_value()
