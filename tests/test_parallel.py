@@ -5,9 +5,12 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, a flag JAX reads on
 it starts (so it cannot be set inside a pytest process that already initialized JAX, and
 must not leak into the other tests). The subprocess runs `_equivalence_main` and checks,
 for 2-, 4- and 8-way tensor parallelism, that logits and KV caches equal the single-
-device ones through a chunked prefill and decode steps, and that parameters and caches
+device ones through a chunked prefill and decode steps, that parameters and caches
 are laid out as documented (4-way with ``--full`` only: 2- and 8-way already hold several
-KV heads a device and one).
+KV heads a device and one), that loading a checkpoint reads each device's slices, and
+that copy-on-write and swapping keep caches sharded by KV head (`_check_sharded_cache_ops`).
+Other subprocesses check KV-head replication (`_replication_main`) and the engine
+(`_engine_main`).
 """
 from __future__ import annotations
 
@@ -329,6 +332,55 @@ def _reads_by_tensor(reads) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     return by_tensor
 
 
+def _check_sharded_cache_ops(cache: jax.Array, mesh) -> None:
+    """Copy-on-write and swapping on a layer's cache sharded by KV head: eager and under
+    `jax.jit` with the destination donated, the results equal the ops on the gathered
+    cache and keep the KV-head sharding (nothing gathered to one device), and donation
+    reuses the buffers (a warning says when it cannot: an error here)."""
+    import warnings
+
+    from jax_paged_attn import cache as cache_ops
+
+    sharding = parallel.kv_cache_sharding(mesh)
+    whole = np.asarray(cache)
+    num_blocks = whole.shape[1]
+
+    def on_mesh(x):  # a fresh sharded buffer (a device_put of NumPy may alias it: no donation)
+        return jax.jit(lambda x: x + 0, out_shardings=sharding)(jnp.asarray(x))
+
+    def check(got, want, what):
+        assert got.sharding.is_equivalent_to(sharding, got.ndim), (what, got.sharding)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=what)
+
+    copies = np.array([[5, 7], [2, 3], [-1, -1], [11, 0]], np.int32)
+    want = whole.copy()
+    want[:, copies[[0, 1, 3], 1]] = whole[:, copies[[0, 1, 3], 0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable"
+        donated = on_mesh(whole)
+        (got,) = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=0)([donated], copies)
+        assert donated.is_deleted()
+        check(got, want, "copy_kv_cache_blocks under jit, donated")
+        (got,) = cache_ops.copy_kv_cache_blocks([on_mesh(whole)], copies)
+        check(got, want, "copy_kv_cache_blocks eagerly")
+
+        moves = np.array([[5, 1], [2, 0], [11, 3]], np.int32)
+        want = np.zeros_like(whole)
+        want[:, moves[:, 1]] = whole[:, moves[:, 0]]
+        donated = on_mesh(np.zeros_like(whole))
+        got = jax.jit(cache_ops.swap_blocks, donate_argnums=1)(on_mesh(whole), donated, moves)
+        assert donated.is_deleted()
+        check(got, want, "swap_blocks device -> device under jit, donated")
+        # Out to host memory and back in: the swap-in lands sharded on the devices.
+        host = cache_ops.allocate_host_kv_cache(num_blocks, whole.shape[2], whole.shape[3], whole.shape[4],
+                                                kv_cache_dtype="auto", model_dtype=whole.dtype)
+        host = cache_ops.swap_blocks(on_mesh(whole), host, moves)
+        donated = on_mesh(np.zeros_like(whole))
+        got = cache_ops.swap_blocks(host, donated, moves[:, [1, 1]])  # host block b -> device block b
+        assert donated.is_deleted()
+        check(got, want, "swap_blocks host -> sharded device, eagerly")
+
+
 def _equivalence_main() -> None:
     from flax import nnx
 
@@ -399,6 +451,8 @@ def _equivalence_main() -> None:
                 # Layer 1's keys depend on layer 0's all-reduced o_proj / down_proj: summation order.
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5,
                                            err_msg=f"tp={tp} cache of layer {layer}")
+            if tp == 2:
+                _check_sharded_cache_ops(got_caches[0], mesh)
             checked.append(f"tp={tp}")
 
     # The layer alone with ALiBi: slopes are split by head with the queries.
