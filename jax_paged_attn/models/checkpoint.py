@@ -420,6 +420,10 @@ def load_checkpoint(
     (``eos_token_id`` may differ: the model keeps its own).
     Floating-point tensors are cast to each parameter's dtype (bf16 checkpoint into a
     float32 model, ...) unless ``strict_dtype``, where any dtype difference is an error.
+    With ``model.mesh``, each parameter is built in its tensor-parallel sharding from the
+    slices of the tensors its devices hold, each distinct shard read once (see the
+    module docstring); replicated KV heads (``model.kv_head_replicas``) are filled from
+    the same rows.
 
     Raises:
       FileNotFoundError: no config.json.

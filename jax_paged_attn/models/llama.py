@@ -713,9 +713,16 @@ class LlamaForCausalLM(nnx.Module):
         more devices than KV heads replicates them (`kv_head_replicas`); ``config``
         stays the checkpoint's.
 
+    Attributes:
+      kv_head_replicas: copies of each KV head the model stores: 1, or ``tp // Hk`` on a
+        mesh of ``tp`` devices with fewer KV heads than devices
+        (`jax_paged_attn.parallel.kv_head_replicas`, whose ValueError names the head
+        counts a mesh cannot split); ``num_cache_kv_heads`` is ``Hk * kv_head_replicas``.
+
     Parameter paths: ``model.embed_tokens.embedding`` ``[vocab, hidden]``,
     ``model.layers[i].self_attn.qkv_proj.kernel`` ``[hidden, Hk', Hq // Hk' + 2, D]`` with
-    ``Hk' = num_cache_kv_heads`` (`LlamaAttention`), ``model.layers[i].self_attn.o_proj.kernel`` ``[Hq * D, hidden]``,
+    ``Hk' = num_cache_kv_heads`` (`LlamaAttention`),
+    ``model.layers[i].self_attn.o_proj.kernel`` ``[Hq * D, hidden]``,
     ``model.layers[i].mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]`` (`LlamaMLP`),
     ``model.layers[i].mlp.down_proj.kernel`` ``[intermediate, hidden]``,
     ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
@@ -751,11 +758,9 @@ class LlamaForCausalLM(nnx.Module):
         self.kv_cache_dtype = kv_cache_dtype
         self.mesh = mesh
         self.tensor_parallel_axis = tensor_parallel_axis
+        # Derived from the mesh, not stored in config: config stays the checkpoint's, which
+        # load_checkpoint compares with config.json. Raises for heads the mesh cannot split.
         self.kv_head_replicas = 1
-        """Copies of each KV head the model stores: 1, or ``tp // Hk`` on a mesh of ``tp``
-        devices with fewer KV heads than devices (`jax_paged_attn.parallel.kv_head_replicas`,
-        which raises ValueError for head counts tensor parallelism cannot split). Derived
-        from the mesh: ``config`` keeps the checkpoint's head counts."""
         if mesh is not None:
             from jax_paged_attn import parallel
 
