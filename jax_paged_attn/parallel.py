@@ -53,7 +53,7 @@ The same code runs across hosts with `jax.distributed`:
    hosts and ``"tp"`` within a host (keep tensor parallelism on NVLink);
 3. every host builds the same model (same seed, or `load_llama` from the same checkpoint
    on each host) with ``mesh=``: `shard_model` places on each host only the shards of
-   its own devices;
+   its own devices, and `load_llama` reads only those shards' slices of the files;
 4. every host runs the same program on the same step inputs (token ids, positions and
    metadata are replicated, so each host passes identical host arrays; with a data-
    parallel axis, build global arrays with `jax.make_array_from_process_local_data`);
