@@ -17,6 +17,14 @@ Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``t
 * each layer's KV cache ``[2, num_blocks, block_size, Hk, D]`` is sharded by KV head
   (axis 3): device ``i`` holds KV heads ``[i*Hk/tp, (i+1)*Hk/tp)``, which serve query
   heads ``[i*Hq/tp, (i+1)*Hq/tp)`` (GQA groups never straddle devices);
+* with fewer KV heads than devices (``tp % Hk == 0``, vLLM's scheme) each KV head is
+  replicated on ``r = tp // Hk`` devices (`kv_head_replicas`): the model stores ``Hk * r =
+  tp`` KV heads, in the kernel ``[hidden, tp, Hq/tp + 2, D]`` (`replicate_kv_heads`) and
+  in the caches ``[2, num_blocks, block_size, tp, D]``, one a device; device ``d`` holds
+  KV head ``d // r`` and query heads ``[d*Hq/tp, (d+1)*Hq/tp)``, which all use it. The
+  model's config keeps the checkpoint's ``Hk`` (the replication follows from the mesh:
+  ``LlamaForCausalLM.kv_head_replicas``), checkpoints load each device's copy from the
+  same rows and save one copy;
 * the attention call itself (`jax_paged_attn.layer.paged_attention`, whose Pallas
   kernels XLA cannot partition) runs under `jax.shard_map` on each device's heads
   (`head_parallel`), and so does the fused rotary embedding + cache write on each
@@ -24,8 +32,13 @@ Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``t
 
 The matmuls are partitioned by XLA's SPMD partitioner from the parameter shardings
 (`shard_model`), inside or outside `jax.jit`; only attention is manually partitioned.
-Requirements: ``Hq`` and ``Hk`` divisible by ``tp`` (checked, ValueError); an
+Requirements: ``Hq`` divisible by ``tp``, and ``Hk`` either divisible by ``tp`` or
+smaller than it and dividing it (checked, ValueError: `kv_head_replicas`); an
 intermediate size or vocabulary that does not divide is replicated instead.
+
+A Hugging Face checkpoint loads straight into this layout
+(`jax_paged_attn.models.load_checkpoint`): each device's shard of each parameter is read
+from the safetensors files by slicing, so a device reads only its heads, columns or rows.
 
 Multi-host (several processes, one per host)
 --------------------------------------------
@@ -40,7 +53,7 @@ The same code runs across hosts with `jax.distributed`:
    hosts and ``"tp"`` within a host (keep tensor parallelism on NVLink);
 3. every host builds the same model (same seed, or `load_llama` from the same checkpoint
    on each host) with ``mesh=``: `shard_model` places on each host only the shards of
-   its own devices;
+   its own devices, and `load_llama` reads only those shards' slices of the files;
 4. every host runs the same program on the same step inputs (token ids, positions and
    metadata are replicated, so each host passes identical host arrays; with a data-
    parallel axis, build global arrays with `jax.make_array_from_process_local_data`);
@@ -94,6 +107,11 @@ def _axis_size(mesh: Mesh, axis_name: str) -> int:
     return mesh.shape[axis_name]
 
 
+def tensor_parallel_size(mesh: Mesh, axis_name: str = TENSOR_PARALLEL_AXIS) -> int:
+    """The size of ``mesh``'s tensor-parallel axis (TypeError / ValueError for a bad mesh or axis)."""
+    return _axis_size(mesh, axis_name)
+
+
 def param_partition_spec(path: tuple[Any, ...], shape: tuple[int, ...], *, axis_name: str, tp_size: int) -> P:
     """The `PartitionSpec` of one parameter, from its NNX path (e.g. ``(..., "qkv_proj", "kernel")``).
 
@@ -140,12 +158,86 @@ def kv_cache_sharding(mesh: Mesh, axis_name: str = TENSOR_PARALLEL_AXIS) -> Name
 
 
 def check_head_divisibility(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """ValueError unless both head counts divide by the tensor-parallel size."""
+    """ValueError unless both head counts divide by the tensor-parallel size.
+
+    The heads an attention layer is given are the ones it shards: a model with fewer KV
+    heads than devices replicates them first (`kv_head_replicas`) and passes the
+    replicated count.
+    """
     if num_heads % tp_size or num_kv_heads % tp_size:
+        hint = (f" With fewer KV heads than devices, replicate each KV head tp // num_kv_heads times "
+                f"(parallel.kv_head_replicas; LlamaForCausalLM does it) and pass the replicated count."
+                if num_kv_heads < tp_size and num_heads % tp_size == 0 else "")
         raise ValueError(
             f"tensor parallelism over {tp_size} devices needs num_heads ({num_heads}) and num_kv_heads "
-            f"({num_kv_heads}) divisible by {tp_size}."
+            f"({num_kv_heads}) divisible by {tp_size}.{hint}"
         )
+
+
+def kv_head_replicas(num_attention_heads: int, num_key_value_heads: int, tp_size: int) -> int:
+    """How many copies of each KV head a model stores for tensor parallelism over ``tp_size``.
+
+    1 when ``Hk`` divides by ``tp`` (device ``i`` holds KV heads ``[i*Hk/tp, (i+1)*Hk/tp)``).
+    With fewer KV heads than devices (vLLM's scheme) each KV head is replicated on
+    ``r = tp // Hk`` consecutive devices: the model stores ``Hk * r = tp`` KV heads
+    (`replicate_kv_heads`), one a device, and device ``d`` holds original KV head ``d // r``
+    with query heads ``[d*Hq/tp, (d+1)*Hq/tp)``. Those query heads all belong to KV head
+    ``d // r`` (query head ``h`` uses KV head ``h // (Hq/Hk)``, and ``Hq/Hk = r * Hq/tp``),
+    so GQA groups still never straddle devices.
+
+    Raises:
+      ValueError: ``num_attention_heads`` does not divide by ``tp_size``; or
+        ``num_key_value_heads`` divides neither by ``tp_size`` (when it is at least
+        ``tp_size``) nor into it (when it is smaller).
+    """
+    if num_attention_heads % tp_size:
+        raise ValueError(f"tensor parallelism over {tp_size} devices needs num_attention_heads "
+                         f"({num_attention_heads}) divisible by {tp_size}.")
+    if num_key_value_heads >= tp_size:
+        if num_key_value_heads % tp_size:
+            raise ValueError(f"tensor parallelism over {tp_size} devices needs num_key_value_heads "
+                             f"({num_key_value_heads}) divisible by {tp_size} (or smaller than {tp_size} and "
+                             f"dividing it, for KV-head replication).")
+        return 1
+    if tp_size % num_key_value_heads:
+        raise ValueError(f"num_key_value_heads ({num_key_value_heads}) is smaller than the tensor-parallel size "
+                         f"{tp_size} and does not divide it: KV heads can only be replicated tp // "
+                         f"num_key_value_heads times when num_key_value_heads divides {tp_size}.")
+    return tp_size // num_key_value_heads
+
+
+def replicated_qkv_sources(num_attention_heads: int, num_key_value_heads: int, replicas: int) -> np.ndarray:
+    """int64 ``[Hk * r, Hq / (Hk * r) + 2]``: where each slot of the replicated fused q/k/v
+    layout comes from in the original one.
+
+    The original ``qkv_proj`` layout is ``[..., Hk, G + 2, D]`` (``G = Hq // Hk``: KV head
+    ``j``'s query heads ``j*G ... j*G + G - 1``, its key, its value); the replicated one
+    is ``[..., Hk * r, G / r + 2, D]``: stored KV head ``e`` is copy ``e % r`` of KV head
+    ``j = e // r``, with query heads ``e*G/r ... (e+1)*G/r - 1`` (a slice of ``j``'s group)
+    and ``j``'s key and value. Entry ``[e, s]`` is the flat index ``j * (G + 2) + s'`` of the
+    original ``[Hk, G + 2]`` slot it copies.
+    """
+    group = num_attention_heads // num_key_value_heads
+    if replicas < 1 or group % replicas:
+        raise ValueError(f"replicas ({replicas}) must be >= 1 and divide the query heads per KV head ({group}).")
+    local_group = group // replicas
+    stored = np.arange(num_key_value_heads * replicas)
+    original, copy = stored // replicas, stored % replicas
+    queries = copy[:, None] * local_group + np.arange(local_group)[None, :]  # slots within j's group
+    key_value = np.broadcast_to(np.array([group, group + 1]), (stored.size, 2))
+    return original[:, None] * (group + 2) + np.concatenate([queries, key_value], axis=1)
+
+
+def replicate_kv_heads(qkv_kernel: Any, num_attention_heads: int, replicas: int) -> Any:
+    """The fused q/k/v kernel ``[..., Hk, G + 2, D]`` in the replicated layout
+    ``[..., Hk * r, G / r + 2, D]`` (`replicated_qkv_sources`); NumPy or JAX arrays, any
+    dtype. ``replicas == 1`` returns it unchanged."""
+    if replicas == 1:
+        return qkv_kernel
+    *lead, num_kv_heads, width, head_dim = qkv_kernel.shape
+    sources = replicated_qkv_sources(num_attention_heads, num_kv_heads, replicas)
+    flat = qkv_kernel.reshape(*lead, num_kv_heads * width, head_dim)[..., sources.ravel(), :]
+    return flat.reshape(*lead, *sources.shape, head_dim)
 
 
 def kv_head_parallel(

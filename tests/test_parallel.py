@@ -5,9 +5,12 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, a flag JAX reads on
 it starts (so it cannot be set inside a pytest process that already initialized JAX, and
 must not leak into the other tests). The subprocess runs `_equivalence_main` and checks,
 for 2-, 4- and 8-way tensor parallelism, that logits and KV caches equal the single-
-device ones through a chunked prefill and decode steps, and that parameters and caches
+device ones through a chunked prefill and decode steps, that parameters and caches
 are laid out as documented (4-way with ``--full`` only: 2- and 8-way already hold several
-KV heads a device and one).
+KV heads a device and one), that loading a checkpoint reads each device's slices, and
+that copy-on-write and swapping keep caches sharded by KV head (`_check_sharded_cache_ops`).
+Other subprocesses check KV-head replication (`_replication_main`) and the engine
+(`_engine_main`).
 """
 from __future__ import annotations
 
@@ -49,6 +52,89 @@ def test_param_partition_specs_follow_megatron_layout():
     assert spec("model", "embed_tokens", "embedding") == P()
     assert spec("model", "norm", "weight", shape=(64,)) == P()
     assert parallel.kv_cache_spec("tp") == P(None, None, None, "tp", None)
+
+
+def test_kv_head_replicas_and_the_replicated_qkv_layout():
+    assert parallel.kv_head_replicas(16, 8, 2) == 1 and parallel.kv_head_replicas(8, 2, 4) == 2
+    assert parallel.kv_head_replicas(8, 1, 8) == 8 and parallel.kv_head_replicas(4, 4, 4) == 1
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) divisible by 4"):
+        parallel.kv_head_replicas(6, 2, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) is smaller than the tensor-parallel size 4"):
+        parallel.kv_head_replicas(12, 3, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(6\) divisible by 4"):
+        parallel.kv_head_replicas(12, 6, 4)
+    # Hq=8, Hk=2 at tp=4: stored KV head e (device e) is KV head e // 2 with query heads 2e, 2e + 1,
+    # and query head h's KV head is h // (Hq / Hk) = h // 4: each device's queries use its KV head.
+    hq, hk, replicas = 8, 2, 2
+    group = hq // hk
+    sources = parallel.replicated_qkv_sources(hq, hk, replicas)  # [4, 2 + 2], flat (KV head, slot)
+    kv_head, slot = sources // (group + 2), sources % (group + 2)
+    local_group = group // replicas
+    for e in range(hk * replicas):
+        assert (kv_head[e] == e // replicas).all()
+        queries = kv_head[e, :local_group] * group + slot[e, :local_group]
+        assert queries.tolist() == list(range(e * local_group, (e + 1) * local_group))
+        assert {q // group for q in queries} == {e // replicas}
+        assert slot[e, local_group:].tolist() == [group, group + 1]  # its key, its value
+    kernel = np.random.default_rng(0).standard_normal((3, hk, group + 2, 5)).astype(np.float32)
+    replicated = parallel.replicate_kv_heads(kernel, hq, replicas)
+    assert replicated.shape == (3, hk * replicas, local_group + 2, 5)
+    np.testing.assert_array_equal(replicated[:, 1, local_group], kernel[:, 0, group])  # copy 1 of key 0
+    np.testing.assert_array_equal(np.asarray(parallel.replicate_kv_heads(jnp.asarray(kernel), hq, replicas)),
+                                  replicated)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_shard_reads_assemble_every_parameter_shard(replicas):
+    """`HFTensorPlacement.read_shard` at 2- and 4-way: each shard of each parameter, from
+    the slices it reads, equals that box of the whole parameter `to_part` builds; the
+    reads of a sharded tensor split it (nothing read twice) but for replicated KV heads."""
+    from flax import nnx
+
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+    from jax_paged_attn.models.checkpoint import hf_parameter_map
+
+    config = LlamaConfig.tiny(num_attention_heads=8, num_key_value_heads=2)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    shapes = {path: tuple(var.get_value().shape) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    qkv = ("model", "layers", 0, "self_attn", "qkv_proj", "kernel")
+    group = config.num_attention_heads // config.num_key_value_heads
+    for layer in range(config.num_hidden_layers):
+        shapes[qkv[:2] + (layer,) + qkv[3:]] = (64, 2 * replicas, group // replicas + 2, 32)
+    placements = hf_parameter_map(config, kv_head_replicas=replicas)
+    rng = np.random.default_rng(1)
+    tensors = {name: rng.standard_normal(p.hf_shape(shapes[p.param_path])).astype(np.float32)
+               for name, p in placements.items()}
+    params = {path: np.full(shape, np.nan, np.float32) for path, shape in shapes.items()}
+    for name, p in placements.items():
+        params[p.param_path][p.index] = p.to_part(tensors[name], shapes[p.param_path])
+
+    class Recorded:
+        def __init__(self, array):
+            self.array, self.read = array, 0
+
+        def __getitem__(self, index):
+            out = self.array[index]
+            self.read += out.size
+            return out
+
+    for tp in (2, 4) if replicas == 1 else (4,):
+        views = {name: Recorded(t) for name, t in tensors.items()}
+        for path, shape in shapes.items():
+            spec = parallel.param_partition_spec(path, shape, axis_name="tp", tp_size=tp)
+            sharded = [axis for axis, name in enumerate(spec) if name is not None]
+            for d in range(tp if sharded else 1):
+                box = tuple(slice(d * n // tp, (d + 1) * n // tp) if axis in sharded else slice(None)
+                            for axis, n in enumerate(shape))
+                shard = np.full(params[path][box].shape, np.nan, np.float32)
+                for name, p in placements.items():
+                    found = p.param_path == path and p.read_shard(views[name], shape, box)
+                    if found:
+                        shard[found[0]] = found[1]
+                np.testing.assert_array_equal(shard, params[path][box], err_msg=f"{path} tp={tp} shard {d}")
+        for name, view in views.items():
+            copies = replicas if re.search(r"\.(k|v)_proj", name) else 1
+            assert view.read == tensors[name].size * copies, (name, tp, view.read)
 
 
 def test_bad_configurations_raise():
@@ -121,6 +207,12 @@ def test_sharded_model_matches_single_device(request):
     assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in out, out
 
 
+def test_replicated_kv_heads_match_single_device():
+    """Fewer KV heads than devices, in a process of its own (`_replication_main`)."""
+    out = _run_on_host_devices("replication", {})
+    assert "checked tp=4 with 2 KV heads, tp=2 with 1 KV heads" in out, out
+
+
 def test_sharded_engine_matches_single_device():
     """The engine at 2-way (`_engine_main`), in a process of its own: the pytest-xdist
     workers run it beside the model's equivalence."""
@@ -130,43 +222,179 @@ def test_sharded_engine_matches_single_device():
 
 # --------------------------------------------------------------------------- the subprocess
 
+_BLOCK_SIZE, _NUM_BLOCKS = 16, 16
+
+
+def _paged_generate(model):
+    """A chunked prefill (first 13 tokens, then the rest with a decode), then 2 decode steps
+    of two prompts -> (each step's logits, the caches, the prompts with greedy tokens)."""
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence, input_positions, pack_per_token
+    from jax_paged_attn.models import last_token_indices
+    from jax_paged_attn.models.llama import jit_forward
+
+    builder = FlashAttentionMetadataBuilder(block_size=_BLOCK_SIZE, num_blocks=_NUM_BLOCKS, chunked_prefill=True)
+    prompts = [list(range(3, 24)), [7, 1, 9, 4, 4]]
+    tables = [[5, 2], [11]]
+    forward, caches = jit_forward(model), model.allocate_kv_caches(_NUM_BLOCKS, _BLOCK_SIZE)
+    tokens = [list(p) for p in prompts]
+    plan = [[(0, 13), (0, 5)], [(13, 8), (5, 1)], [(21, 1), (6, 1)], [(22, 1), (7, 1)]]
+    all_logits = []
+    for step in plan:
+        seqs = [ScheduledSequence(is_prompt=n > 1 or ctx == 0, seq_len=ctx + n, context_len=ctx, query_len=n,
+                                  block_table=table) for (ctx, n), table in zip(step, tables)]
+        md = builder.build(seqs)
+        ids = pack_per_token(md, seqs, [t[ctx:ctx + n] for t, (ctx, n) in zip(tokens, step)])
+        logits, caches = forward(jnp.asarray(ids), jnp.asarray(input_positions(md, seqs)), caches, md,
+                                 last_token_indices(md))
+        all_logits.append(np.asarray(logits))
+        real = [int(r) for r in np.nonzero(np.asarray(md.seq_lens))[0]]
+        for seq, row in enumerate(real):
+            ctx, n = step[seq]
+            if ctx + n == len(tokens[seq]):
+                tokens[seq].append(int(np.argmax(all_logits[-1][row])))
+    return all_logits, caches, tokens
+
+
+def _record_safetensors_reads() -> list[tuple[str, str, tuple[int, ...]]]:
+    """Wraps `safetensors.safe_open` (which the checkpoint loader opens files with) so
+    that every tensor read is appended to the returned list as ``(how, name, shape)``:
+    how is "slice" (``get_slice(name)[...]``, reading only those bytes) or "whole"
+    (``get_tensor``). Header reads (shapes, dtypes) are not reads."""
+    import safetensors
+
+    reads: list[tuple[str, str, tuple[int, ...]]] = []
+    open_file = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, name, view):
+            self.name, self.view = name, view
+
+        def __getitem__(self, index):
+            out = self.view[index]
+            reads.append(("slice", self.name, tuple(out.shape)))
+            return out
+
+        def __getattr__(self, attribute):  # get_shape, get_dtype
+            return getattr(self.view, attribute)
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.file = open_file(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return Slice(name, self.file.get_slice(name))
+
+        def get_tensor(self, name):
+            out = self.file.get_tensor(name)
+            reads.append(("whole", name, tuple(out.shape)))
+            return out
+
+    safetensors.safe_open = File
+    return reads
+
+
+def _expected_shard_reads(config, tp: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """The reads a tp-way load makes of each tensor: one slice per device of a sharded
+    tensor (a row-parallel one split by columns, the others by rows; with KV heads
+    replicated, a device's k / v slice is its one KV head), one read of a replicated one."""
+    from jax_paged_attn.models.checkpoint import hf_parameter_map
+
+    hidden, d, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    hq, hk = config.num_attention_heads, config.num_key_value_heads
+    per_device = {"q_proj": (hq * d // tp, hidden), "k_proj": (max(hk // tp, 1) * d, hidden),
+                  "v_proj": (max(hk // tp, 1) * d, hidden), "o_proj": (hidden, hq * d // tp),
+                  "gate_proj": (inter // tp, hidden), "up_proj": (inter // tp, hidden),
+                  "down_proj": (hidden, inter // tp), "lm_head": (vocab // tp, hidden)}
+    expected = {}
+    for name in hf_parameter_map(config):
+        kind = name.split(".")[-2]
+        if kind in per_device:
+            expected[name] = [("slice", per_device[kind])] * tp
+        else:  # embeddings and norms: replicated, read once
+            expected[name] = [("slice", (vocab, hidden) if "embed" in name else (hidden,))]
+    return expected
+
+
+def _reads_by_tensor(reads) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    by_tensor: dict[str, list] = {}
+    for how, name, shape in reads:
+        by_tensor.setdefault(name, []).append((how, shape))
+    return by_tensor
+
+
+def _check_sharded_cache_ops(cache: jax.Array, mesh) -> None:
+    """Copy-on-write and swapping on a layer's cache sharded by KV head: eager and under
+    `jax.jit` with the destination donated, the results equal the ops on the gathered
+    cache and keep the KV-head sharding (nothing gathered to one device), and donation
+    reuses the buffers (a warning says when it cannot: an error here)."""
+    import warnings
+
+    from jax_paged_attn import cache as cache_ops
+
+    sharding = parallel.kv_cache_sharding(mesh)
+    whole = np.asarray(cache)
+    num_blocks = whole.shape[1]
+
+    def on_mesh(x):  # a fresh sharded buffer (a device_put of NumPy may alias it: no donation)
+        return jax.jit(lambda x: x + 0, out_shardings=sharding)(jnp.asarray(x))
+
+    def check(got, want, what):
+        assert got.sharding.is_equivalent_to(sharding, got.ndim), (what, got.sharding)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=what)
+
+    copies = np.array([[5, 7], [2, 3], [-1, -1], [11, 0]], np.int32)
+    want = whole.copy()
+    want[:, copies[[0, 1, 3], 1]] = whole[:, copies[[0, 1, 3], 0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable"
+        donated = on_mesh(whole)
+        (got,) = jax.jit(cache_ops.copy_kv_cache_blocks, donate_argnums=0)([donated], copies)
+        assert donated.is_deleted()
+        check(got, want, "copy_kv_cache_blocks under jit, donated")
+        (got,) = cache_ops.copy_kv_cache_blocks([on_mesh(whole)], copies)
+        check(got, want, "copy_kv_cache_blocks eagerly")
+
+        moves = np.array([[5, 1], [2, 0], [11, 3]], np.int32)
+        want = np.zeros_like(whole)
+        want[:, moves[:, 1]] = whole[:, moves[:, 0]]
+        donated = on_mesh(np.zeros_like(whole))
+        got = jax.jit(cache_ops.swap_blocks, donate_argnums=1)(on_mesh(whole), donated, moves)
+        assert donated.is_deleted()
+        check(got, want, "swap_blocks device -> device under jit, donated")
+        # Out to host memory and back in: the swap-in lands sharded on the devices.
+        host = cache_ops.allocate_host_kv_cache(num_blocks, whole.shape[2], whole.shape[3], whole.shape[4],
+                                                kv_cache_dtype="auto", model_dtype=whole.dtype)
+        host = cache_ops.swap_blocks(on_mesh(whole), host, moves)
+        donated = on_mesh(np.zeros_like(whole))
+        got = cache_ops.swap_blocks(host, donated, moves[:, [1, 1]])  # host block b -> device block b
+        assert donated.is_deleted()
+        check(got, want, "swap_blocks host -> sharded device, eagerly")
+
 
 def _equivalence_main() -> None:
     from flax import nnx
 
-    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence, input_positions, pack_per_token
+    from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
     from jax_paged_attn.layer import PagedAttention
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, last_token_indices, load_llama, save_checkpoint
-    from jax_paged_attn.models.llama import jit_forward
 
     assert len(jax.devices()) == NUM_HOST_DEVICES, jax.devices()
-    block_size, num_blocks = 16, 16
+    block_size, num_blocks = _BLOCK_SIZE, _NUM_BLOCKS
     config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)  # 8 KV heads: up to 8-way
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
     builder = FlashAttentionMetadataBuilder(block_size=block_size, num_blocks=num_blocks, chunked_prefill=True)
-    prompts = [list(range(3, 24)), [7, 1, 9, 4, 4]]
-    tables = [[5, 2], [11]]
-
-    def generate(model):
-        """A chunked prefill (first 13 tokens, then the rest with a decode), then 2 decode steps."""
-        forward, caches = jit_forward(model), model.allocate_kv_caches(num_blocks, block_size)
-        tokens = [list(p) for p in prompts]
-        plan = [[(0, 13), (0, 5)], [(13, 8), (5, 1)], [(21, 1), (6, 1)], [(22, 1), (7, 1)]]
-        all_logits = []
-        for step in plan:
-            seqs = [ScheduledSequence(is_prompt=n > 1 or ctx == 0, seq_len=ctx + n, context_len=ctx, query_len=n,
-                                      block_table=table) for (ctx, n), table in zip(step, tables)]
-            md = builder.build(seqs)
-            ids = pack_per_token(md, seqs, [t[ctx:ctx + n] for t, (ctx, n) in zip(tokens, step)])
-            logits, caches = forward(jnp.asarray(ids), jnp.asarray(input_positions(md, seqs)), caches, md,
-                                     last_token_indices(md))
-            all_logits.append(np.asarray(logits))
-            real = [int(r) for r in np.nonzero(np.asarray(md.seq_lens))[0]]
-            for seq, row in enumerate(real):
-                ctx, n = step[seq]
-                if ctx + n == len(tokens[seq]):
-                    tokens[seq].append(int(np.argmax(all_logits[-1][row])))
-        return all_logits, caches, tokens
+    generate = _paged_generate
+    reads = _record_safetensors_reads()
 
     def collectives(model):
         """Collective ops in the compiled decode step of ``model``: name -> count."""
@@ -189,7 +417,14 @@ def _equivalence_main() -> None:
         save_checkpoint(reference, config, directory)
         for tp in map(int, os.environ.get(TP_SIZES_VARIABLE, "2,4,8").split(",")):
             mesh = parallel.tensor_parallel_mesh(tp)
+            reads.clear()
             model = load_llama(directory, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            # Each device read its own slice of each sharded tensor; replicated ones were read once.
+            assert _reads_by_tensor(reads) == _expected_shard_reads(config, tp), (tp, reads)
+            for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                              nnx.to_flat_state(nnx.state(reference, nnx.Param))):
+                np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()),
+                                              err_msg=f"tp={tp} {path}")
             layer0 = model.model.layers[0]
 
             def laid_out(array, spec):
@@ -216,6 +451,8 @@ def _equivalence_main() -> None:
                 # Layer 1's keys depend on layer 0's all-reduced o_proj / down_proj: summation order.
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5,
                                            err_msg=f"tp={tp} cache of layer {layer}")
+            if tp == 2:
+                _check_sharded_cache_ops(got_caches[0], mesh)
             checked.append(f"tp={tp}")
 
     # The layer alone with ALiBi: slopes are split by head with the queries.
@@ -232,6 +469,62 @@ def _equivalence_main() -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
     print("checked " + " ".join(checked))
+
+
+def _replication_main() -> None:
+    """Fewer KV heads than devices (2 KV heads at 4-way, 1 at 2-way): each KV head is
+    stored tp // Hk times, one stored head a device. A model drawn from the same seed with
+    and without the mesh is the same model: greedy tokens, logits and (each stored head
+    against its KV head) caches equal; the save writes the files a single-device save
+    writes, and loading them reads each device's slices and rebuilds the replicas."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from jax_paged_attn.engine import LLMEngine
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, load_llama, save_checkpoint
+    from conftest import engine_base
+
+    reads = _record_safetensors_reads()
+    checked = []
+    for num_kv_heads, tp in ((2, 4), (1, 2)):
+        config = LlamaConfig.tiny(num_attention_heads=8, num_key_value_heads=num_kv_heads)
+        reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
+        mesh = parallel.tensor_parallel_mesh(tp)
+        model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=mesh)
+        replicas = tp // num_kv_heads
+        assert model.kv_head_replicas == replicas and model.num_cache_kv_heads == tp and model.config == config
+        want_logits, want_caches, want_tokens = _paged_generate(reference)
+        got_logits, got_caches, got_tokens = _paged_generate(model)
+        assert got_tokens == want_tokens, (tp, got_tokens, want_tokens)
+        for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp={tp} step {step}")
+        for layer, (got, want) in enumerate(zip(got_caches, want_caches)):
+            assert got.sharding.is_equivalent_to(parallel.kv_cache_sharding(mesh), got.ndim)
+            assert {shard.data.shape[3] for shard in got.addressable_shards} == {1}  # one KV head a device
+            np.testing.assert_allclose(np.asarray(got), np.repeat(np.asarray(want), replicas, axis=3), rtol=0,
+                                       atol=1e-5, err_msg=f"tp={tp} cache of layer {layer}")
+
+        with tempfile.TemporaryDirectory() as single, tempfile.TemporaryDirectory() as sharded:
+            save_checkpoint(reference, config, single)
+            save_checkpoint(model, config, sharded)
+            want_tensors, got_tensors = (load_file(os.path.join(d, "model.safetensors")) for d in (single, sharded))
+            assert got_tensors.keys() == want_tensors.keys()
+            for name, tensor in want_tensors.items():
+                np.testing.assert_array_equal(got_tensors[name], tensor, err_msg=name)
+            reads.clear()
+            loaded = load_llama(sharded, dtype=jnp.float32, implementation="xla", mesh=mesh)
+            assert _reads_by_tensor(reads) == _expected_shard_reads(config, tp), (tp, reads)
+            for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(loaded, nnx.Param)),
+                                              nnx.to_flat_state(nnx.state(model, nnx.Param))):
+                got, want = got.get_value(), want.get_value()
+                assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (path, got.sharding)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"tp={tp} {path}")
+        # The engine's swap space holds the stored heads, like its device caches.
+        engine = LLMEngine(loaded, engine_base())
+        host, device = engine._host_swap_space()[0], engine.runner.kv_caches[0]
+        assert host.shape[2:] == device.shape[2:] == (16, tp, config.head_dim), (host.shape, device.shape)
+        checked.append(f"tp={tp} with {num_kv_heads} KV heads")
+    print("checked " + ", ".join(checked))
 
 
 def _engine_main() -> None:
@@ -285,4 +578,4 @@ def _engine_main() -> None:
 
 
 if __name__ == "__main__":
-    {"equivalence": _equivalence_main, "engine": _engine_main}[sys.argv[1]]()
+    {"equivalence": _equivalence_main, "replication": _replication_main, "engine": _engine_main}[sys.argv[1]]()

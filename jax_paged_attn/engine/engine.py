@@ -674,11 +674,13 @@ class LLMEngine:
 
     def _host_swap_space(self) -> list[Array]:
         if self._host_caches is None:
+            # The device caches' head count, not the config's: a tensor-parallel model may
+            # store each KV head several times (`LlamaForCausalLM.kv_head_replicas`).
+            num_kv_heads, head_dim = self.runner.kv_caches[0].shape[-2:]
             self._host_caches = [
                 cache_ops.allocate_host_kv_cache(
-                    self.config.num_host_blocks, self.config.block_size, self.model_config.num_key_value_heads,
-                    self.model_config.head_dim, kv_cache_dtype=self._model.kv_cache_dtype,
-                    model_dtype=self._model.dtype, sharding=None,
+                    self.config.num_host_blocks, self.config.block_size, num_kv_heads, head_dim,
+                    kv_cache_dtype=self._model.kv_cache_dtype, model_dtype=self._model.dtype, sharding=None,
                 )
                 for _ in self.runner.kv_caches
             ]

@@ -38,21 +38,36 @@ Besides config.json, an optional ``generation_config.json`` is read for its
 `load_llama` computes in the dtype config.json names (``dtype``, transformers 5's key,
 or ``torch_dtype``) unless told otherwise.
 
-Only the local filesystem is read (no download). Parameters are assembled one at a time
-from their tensors, read with `safetensors.safe_open` (numpy), so host memory holds one
-parameter (a fused one: one layer's q, k and v) at a time, and placed directly with their
-tensor-parallel sharding when the model has a mesh.
+Only the local filesystem is read (no download), with `safetensors.safe_open` (numpy),
+one parameter at a time:
+
+* without a mesh, each parameter is assembled from its whole tensors (a fused one: one
+  layer's q, k and v), so host memory holds one parameter at a time;
+* with a mesh (tensor parallelism, `jax_paged_attn.parallel`), each parameter is built
+  shard by shard in its tensor-parallel layout: for each distinct shard (a box of the
+  parameter), the matching part of each Hugging Face tensor is read through
+  ``get_slice(name)[rows, columns]``, which reads only those bytes
+  (`HFTensorPlacement.read_shard` maps the box back: a q/k/v shard of KV heads
+  ``[a, b)`` reads q_proj's rows of query heads ``[a*group, b*group)`` and k_proj's and
+  v_proj's rows of KV heads ``[a, b)``; a row-parallel o_proj / down_proj shard reads
+  columns), is transposed / reshaped into the fused layout on the host, and goes to the
+  devices holding it before the next shard is read. Host memory holds about one shard
+  at a time; a replicated parameter (embeddings, norms) is read once for all devices.
+  With fewer KV heads than devices, the copies of a KV head
+  (`LlamaForCausalLM.kv_head_replicas`) are filled from the same k_proj / v_proj rows,
+  and `save_checkpoint` writes the first copy: the files a single-device model writes.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -86,42 +101,121 @@ class HFTensorPlacement:
 
     Attributes:
       param_path: the NNX path of the parameter holding it (``nnx.to_flat_state`` keys).
-      index: the part of that parameter it fills, a NumPy index (``()``: all of it).
+      index: the part of that parameter it fills, a NumPy index of ints and step-1
+        slices (``()``: all of it).
       transpose: the tensor is a Hugging Face projection weight ``[out, in]`` and its part
         is ``[in, *out_axes]``: transposed, then ``out`` reshaped to the trailing axes.
+      kv_head_replicas: the part's first ``out`` axis (the KV heads of k_proj / v_proj in
+        ``qkv_proj.kernel``) holds each of the tensor's heads this many times in a row
+        (`jax_paged_attn.parallel.kv_head_replicas`); the tensor holds each once.
     """
 
     param_path: tuple[Any, ...]
     index: tuple[Any, ...] = ()
     transpose: bool = False
+    kv_head_replicas: int = 1
 
     def part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of ``param[index]`` for a parameter of ``param_shape``."""
         # A broadcast view of one byte: indexing it allocates nothing.
         return np.broadcast_to(np.empty((), np.int8), tuple(param_shape))[self.index].shape
 
+    def _unreplicated_part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """`part_shape` with one copy of each KV head: the tensor's data in the part's layout."""
+        part = self.part_shape(param_shape)
+        if self.kv_head_replicas == 1:
+            return part
+        return (part[0], part[1] // self.kv_head_replicas) + part[2:]
+
     def hf_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape, for a parameter of ``param_shape``."""
-        part = self.part_shape(param_shape)
+        part = self._unreplicated_part_shape(param_shape)
         return (math.prod(part[1:]), part[0]) if self.transpose else part
 
     def to_part(self, tensor: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
         """The Hugging Face ``tensor`` in the layout of ``param[index]`` (a view when possible)."""
-        return (tensor.T if self.transpose else tensor).reshape(self.part_shape(param_shape))
+        part = (tensor.T if self.transpose else tensor).reshape(self._unreplicated_part_shape(param_shape))
+        return np.repeat(part, self.kv_head_replicas, axis=1) if self.kv_head_replicas > 1 else part
 
     def from_param(self, param: np.ndarray) -> np.ndarray:
-        """The Hugging Face tensor held by ``param`` (the parameter's whole value)."""
+        """The Hugging Face tensor held by ``param`` (the parameter's whole value); of
+        replicated KV heads, the first copy."""
         part = param[self.index]
+        if self.kv_head_replicas > 1:
+            part = part[:, ::self.kv_head_replicas]
         return part.reshape(part.shape[0], -1).T if self.transpose else part
 
+    def read_shard(self, tensor: Any, param_shape: tuple[int, ...],
+                   shard: tuple[slice, ...]) -> tuple[tuple[Any, ...], np.ndarray] | None:
+        """The part of one shard of the parameter that this tensor fills, reading only it.
 
-def hf_parameter_map(config: LlamaConfig) -> dict[str, HFTensorPlacement]:
+        Args:
+          tensor: the tensor's lazy view, indexable with slices (safetensors'
+            ``get_slice(name)``, which reads only the bytes indexed).
+          param_shape: the parameter's (global) shape.
+          shard: the shard's box in the parameter, one slice per axis (as
+            `jax.sharding.Sharding.addressable_devices_indices_map` gives).
+
+        Returns:
+          None when the tensor fills nothing of the shard, else ``(where, values)``:
+          ``values`` in the part's layout, to be stored at ``shard_array[where]``.
+
+        A shard of a projection's part must span whole trailing ``out`` axes (the
+        Megatron layouts do: a shard splits only the first ``out`` axis or the ``in`` axis),
+        so the Hugging Face rows it needs are contiguous.
+        """
+        index = self.index + (slice(None),) * (len(param_shape) - len(self.index))
+        where, box = [], []  # where: in the shard; box: [lo, hi) in the part, per part axis
+        for axis, (size, sub, part) in enumerate(zip(param_shape, shard, index)):
+            shard_lo, shard_hi, _ = sub.indices(size)
+            if isinstance(part, slice):
+                part_lo, part_hi, step = part.indices(size)
+                assert step == 1, f"{self.param_path}: a placement's slices have step 1"
+                lo, hi = max(shard_lo, part_lo), min(shard_hi, part_hi)
+                if lo >= hi:
+                    return None
+                where.append(slice(lo - shard_lo, hi - shard_lo))
+                box.append((lo - part_lo, hi - part_lo))
+            else:
+                if not shard_lo <= part < shard_hi:
+                    return None
+                where.append(part - shard_lo)
+        if not self.transpose:
+            return tuple(where), np.asarray(tensor[tuple(slice(lo, hi) for lo, hi in box)])
+        # The part is [in, lead, *trailing] with the tensor's rows = (lead, *trailing) flattened.
+        (in_lo, in_hi), (lead_lo, lead_hi), *trailing = box
+        out_shape = self._unreplicated_part_shape(param_shape)[1:]
+        if any((lo, hi) != (0, size) for (lo, hi), size in zip(trailing, out_shape[1:])):
+            raise ValueError(f"{self.param_path}: a shard must span whole trailing axes of a projection's part, "
+                             f"got the part's box {box} of {self.part_shape(param_shape)}.")
+        replicas = self.kv_head_replicas
+        first, last = lead_lo // replicas, -(-lead_hi // replicas)  # the tensor's entries the copies come from
+        rows_per_entry = math.prod(out_shape[1:])
+        rows = np.asarray(tensor[first * rows_per_entry:last * rows_per_entry, in_lo:in_hi])
+        values = rows.T.reshape(in_hi - in_lo, last - first, *out_shape[1:])
+        if replicas > 1:
+            start = lead_lo - first * replicas
+            values = np.repeat(values, replicas, axis=1)[:, start:start + lead_hi - lead_lo]
+        return tuple(where), values
+
+
+def hf_parameter_map(config: LlamaConfig, *, kv_head_replicas: int = 1) -> dict[str, HFTensorPlacement]:
     """Hugging Face tensor name -> its `HFTensorPlacement` in a model of ``config``.
 
     The placements of one parameter cover each of its elements exactly once: q, k and v
     fill ``qkv_proj.kernel``, gate and up fill ``gate_up_proj.kernel``.
+    ``kv_head_replicas``: the model's (`LlamaForCausalLM.kv_head_replicas`); with ``r > 1``
+    ``qkv_proj.kernel`` is ``[hidden, Hk * r, group / r + 2, D]``
+    (`jax_paged_attn.parallel.replicate_kv_heads`): q_proj still fills ``[:, :, :group /
+    r]`` in order, k_proj and v_proj fill each of their heads into ``r`` consecutive rows.
     """
+    if isinstance(kv_head_replicas, bool) or not isinstance(kv_head_replicas, int) or kv_head_replicas < 1:
+        raise ValueError(f"kv_head_replicas must be a positive int, got {kv_head_replicas!r}.")
     group = config.num_attention_heads // config.num_key_value_heads
+    if group % kv_head_replicas:
+        raise ValueError(f"kv_head_replicas ({kv_head_replicas}) must divide the query heads per KV head "
+                         f"({group}).")
+    group //= kv_head_replicas  # the query heads per stored KV head
     every = slice(None)
     mapping: dict[str, HFTensorPlacement] = {
         "model.embed_tokens.weight": HFTensorPlacement(("model", "embed_tokens", "embedding")),
@@ -132,8 +226,10 @@ def hf_parameter_map(config: LlamaConfig) -> dict[str, HFTensorPlacement]:
         layer = ("model", "layers", i)
         qkv = layer + ("self_attn", "qkv_proj", "kernel")
         mapping[f"{prefix}.self_attn.q_proj.weight"] = HFTensorPlacement(qkv, (every, every, slice(0, group)), True)
-        mapping[f"{prefix}.self_attn.k_proj.weight"] = HFTensorPlacement(qkv, (every, every, group), True)
-        mapping[f"{prefix}.self_attn.v_proj.weight"] = HFTensorPlacement(qkv, (every, every, group + 1), True)
+        mapping[f"{prefix}.self_attn.k_proj.weight"] = HFTensorPlacement(
+            qkv, (every, every, group), True, kv_head_replicas)
+        mapping[f"{prefix}.self_attn.v_proj.weight"] = HFTensorPlacement(
+            qkv, (every, every, group + 1), True, kv_head_replicas)
         mapping[f"{prefix}.self_attn.o_proj.weight"] = HFTensorPlacement(
             layer + ("self_attn", "o_proj", "kernel"), transpose=True)
         gate_up = layer + ("mlp", "gate_up_proj", "kernel")
@@ -324,6 +420,10 @@ def load_checkpoint(
     (``eos_token_id`` may differ: the model keeps its own).
     Floating-point tensors are cast to each parameter's dtype (bf16 checkpoint into a
     float32 model, ...) unless ``strict_dtype``, where any dtype difference is an error.
+    With ``model.mesh``, each parameter is built in its tensor-parallel sharding from the
+    slices of the tensors its devices hold, each distinct shard read once (see the
+    module docstring); replicated KV heads (``model.kv_head_replicas``) are filled from
+    the same rows.
 
     Raises:
       FileNotFoundError: no config.json.
@@ -342,7 +442,7 @@ def load_checkpoint(
             f"{os.path.join(directory, CONFIG_FILE)} does not match the model's config; "
             f"(checkpoint, model) differ on: {diff}."
         )
-    expected = hf_parameter_map(config)
+    expected = hf_parameter_map(config, kv_head_replicas=model.kv_head_replicas)
     files = _tensor_files(directory)
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
@@ -386,32 +486,83 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {directory!r} does not match the model:\n  " + "\n  ".join(problems))
 
     # Second pass, one parameter at a time: a fused one gathers its tensors (q, k, v may sit
-    # in different shard files, hence every file stays open) into one host array.
+    # in different shard files, hence every file stays open).
     parts: dict[tuple[Any, ...], list[str]] = {}
     for name, placement in expected.items():
         parts.setdefault(placement.param_path, []).append(name)
     with contextlib.ExitStack() as stack:
         opened: dict[str, Any] = {}
 
-        def read(name: str) -> np.ndarray:
+        def file_of(name: str) -> Any:
             if files[name] not in opened:
                 opened[files[name]] = stack.enter_context(_open_safetensors(files[name]))
-            return opened[files[name]].get_tensor(name)
+            return opened[files[name]]
 
         for param_path, names in parts.items():
             var = variables[param_path]
             target = var.get_value()
+            placements = [(expected[name], name) for name in names]
+            if model.mesh is not None:
+                from jax_paged_attn import parallel
+
+                sharding = parallel.param_sharding(param_path, target.shape, model.mesh, model.tensor_parallel_axis)
+                read = functools.partial(_read_shard, placements, file_of, tuple(target.shape),
+                                         jnp.dtype(target.dtype))
+                var.set_value(_assemble_sharded(tuple(target.shape), sharding, read))
+                continue
             if len(names) == 1 and expected[names[0]].index == ():
                 # A whole parameter: no second host buffer (the embedding alone can be a GB).
-                array = expected[names[0]].to_part(read(names[0]), target.shape)
+                array = expected[names[0]].to_part(file_of(names[0]).get_tensor(names[0]), target.shape)
                 array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
             else:
                 array = np.empty(target.shape, target.dtype)
-                for name in names:
-                    placement = expected[name]
-                    array[placement.index] = placement.to_part(read(name), target.shape)  # casts to target.dtype
-            var.set_value(jax.device_put(array, _placement(model, param_path, target)))
+                for placement, name in placements:
+                    # Casts to target.dtype.
+                    array[placement.index] = placement.to_part(file_of(name).get_tensor(name), target.shape)
+            var.set_value(jax.device_put(array, _placement(target)))
     return model
+
+
+def _read_shard(placements: list[tuple[HFTensorPlacement, str]], file_of: Callable[[str], Any],
+                param_shape: tuple[int, ...], dtype: jnp.dtype, shard: tuple[slice, ...]) -> np.ndarray:
+    """One shard (a box of slices) of a parameter in ``dtype``, read from its tensors'
+    ``get_slice`` views: only the bytes of the shard (`HFTensorPlacement.read_shard`)."""
+    shard_shape = tuple(len(range(*sub.indices(size))) for sub, size in zip(shard, param_shape))
+    if len(placements) == 1 and placements[0][0].index == ():
+        # The whole parameter is one tensor: its slice is the shard (no second host buffer).
+        placement, name = placements[0]
+        _, values = placement.read_shard(file_of(name).get_slice(name), param_shape, shard)
+        return np.ascontiguousarray(values.astype(dtype, copy=False))
+    array = np.empty(shard_shape, dtype)  # the placements cover each element once
+    for placement, name in placements:
+        found = placement.read_shard(file_of(name).get_slice(name), param_shape, shard)
+        if found is not None:
+            where, values = found
+            array[where] = values  # casts to dtype
+    return array
+
+
+def _assemble_sharded(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+                      read_shard: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """The global array of ``shape`` laid out by ``sharding``, each distinct shard read
+    once by ``read_shard(index)`` (index: the shard's box, one slice per axis) and
+    placed on the process's devices that hold it before the next one is read.
+
+    `jax.make_array_from_callback` has this contract but reads every addressable shard
+    onto the host before one batched transfer (a whole parameter in host memory on one
+    host); here host memory holds one shard at a time, and a replicated parameter (or
+    a shard several devices share) is read once.
+    """
+    devices_by_shard: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[jax.Device]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((sub.start, sub.stop, sub.step) for sub in index)  # slices are unhashable before 3.12
+        devices_by_shard.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in devices_by_shard.values():
+        values = read_shard(index)
+        arrays.extend(jax.device_put(values, device) for device in devices)
+        del values
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 _SAFETENSORS_DTYPES = {
@@ -423,13 +574,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _placement(model: LlamaForCausalLM, param_path: tuple[Any, ...], target: Any) -> Any:
-    """Where a loaded tensor goes: its tensor-parallel sharding on the model's mesh, else
-    where the parameter is now (None, the default device, for an abstract model)."""
-    if model.mesh is not None:
-        from jax_paged_attn import parallel
-
-        return parallel.param_sharding(param_path, target.shape, model.mesh, model.tensor_parallel_axis)
+def _placement(target: Any) -> Any:
+    """Where a loaded tensor of a model without a mesh goes: where the parameter is now
+    (None, the default device, for an abstract model)."""
     if isinstance(target, jax.Array) and not isinstance(target, jax.core.Tracer):
         return target.sharding
     return None
@@ -516,7 +663,8 @@ def save_checkpoint(
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
     param_path, param = None, None
-    for name, placement in hf_parameter_map(config).items():
+    # Replicated KV heads are written once (their first copy): the files a tp=1 model writes.
+    for name, placement in hf_parameter_map(config, kv_head_replicas=model.kv_head_replicas).items():
         if placement.param_path != param_path:  # a fused parameter's tensors come in a row: fetch it once
             param_path = placement.param_path
             param = np.asarray(jax.device_get(variables[param_path].get_value()))

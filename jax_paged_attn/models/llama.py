@@ -429,6 +429,14 @@ class LlamaAttention(nnx.Module):
     tensor parallelism shards axis 1 (`jax_paged_attn.parallel`), so each device computes
     whole GQA groups with their keys and values for any degree dividing ``Hk``, and no
     output needs re-sharding before attention.
+
+    With fewer KV heads than devices (a mesh of ``tp > Hk`` devices, ``tp % Hk == 0``)
+    each KV head is stored ``r = tp // Hk`` times (`kv_head_replicas`,
+    `jax_paged_attn.parallel.kv_head_replicas`): the kernel is ``[hidden, Hk * r, group / r
+    + 2, D]`` in `jax_paged_attn.parallel.replicate_kv_heads`' layout and the cache holds
+    ``Hk * r`` heads, one a device. The copies are drawn once (the same draw as without
+    replication, so a model with and without a mesh from one seed are the same model)
+    and a checkpoint fills them from the same tensors.
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
@@ -437,12 +445,19 @@ class LlamaAttention(nnx.Module):
         self.config = config
         self.matmul_implementation = matmul_implementation
         self.interpret = interpret
-        hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.kv_head_replicas = 1
+        if mesh is not None:
+            from jax_paged_attn import parallel
+
+            self.kv_head_replicas = parallel.kv_head_replicas(
+                config.num_attention_heads, config.num_key_value_heads,
+                parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
+        hq, hk, d = config.num_attention_heads, self.num_kv_heads, config.head_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # LinearGeneral contracts x's last axis with the 4-D kernel in one dot_general (no
         # reshape of the kernel) and initializes it like a [hidden, (group + 2) * Hk * D] Linear.
         self.qkv_proj = nnx.LinearGeneral(config.hidden_size, (hk, self.queries_per_kv_head + 2, d),
-                                          use_bias=False, **kw)
+                                          use_bias=False, kernel_init=self._replicated_kernel_init(), **kw)
         self.o_proj = _linear(hq * d, config.hidden_size, **kw)
         self.attn = PagedAttention(
             num_heads=hq, head_size=d, num_kv_heads=hk, scale=d ** -0.5,
@@ -452,9 +467,31 @@ class LlamaAttention(nnx.Module):
         )
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads the kernel and the cache hold: ``Hk * kv_head_replicas``."""
+        return self.config.num_key_value_heads * self.kv_head_replicas
+
+    @property
     def queries_per_kv_head(self) -> int:
-        """``group = Hq // Hk``: the query heads that share one KV head."""
-        return self.config.num_attention_heads // self.config.num_key_value_heads
+        """``group = Hq // num_kv_heads``: the query heads that share one stored KV head."""
+        return self.config.num_attention_heads // self.num_kv_heads
+
+    def _replicated_kernel_init(self) -> Callable[..., Array]:
+        """LinearGeneral's default initializer for the flat ``[hidden, out]`` kernel,
+        drawing the unreplicated kernel and copying its KV heads (`kv_head_replicas`), so
+        the copies are equal and the draw is the one a model without replication makes."""
+        from jax_paged_attn import parallel
+
+        cfg, replicas = self.config, self.kv_head_replicas
+        original = (cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads + 2, cfg.head_dim)
+
+        def init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
+            kernel = nnx.nn.linear.default_kernel_init(key, (shape[0], math.prod(original)), dtype)
+            kernel = parallel.replicate_kv_heads(kernel.reshape(shape[0], *original), cfg.num_attention_heads,
+                                                 replicas)
+            return kernel.reshape(shape)
+
+        return init
 
     def _qkv(self, x: Array, positions: Array, *, serving: bool, partials: bool = False
              ) -> tuple[Array, Array, Array]:
@@ -535,7 +572,7 @@ class LlamaAttention(nnx.Module):
         batch, seq = x.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         q, k, v = self.project_qkv(x, positions)
-        hk, group, d = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+        hk, group, d = self.num_kv_heads, self.queries_per_kv_head, cfg.head_dim
         # Heads first and a KV head's query heads stacked along the rows, so both products
         # are plain batched matmuls ([B, Hk] batches): on a CPU, 2-3x faster than the same
         # contraction with the group axis between heads and rows.
@@ -672,11 +709,20 @@ class LlamaForCausalLM(nnx.Module):
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
         `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
-        (`parallel.shard_model`) and attention runs under `jax.shard_map`.
+        (`parallel.shard_model`) and attention runs under `jax.shard_map`. A mesh with
+        more devices than KV heads replicates them (`kv_head_replicas`); ``config``
+        stays the checkpoint's.
+
+    Attributes:
+      kv_head_replicas: copies of each KV head the model stores: 1, or ``tp // Hk`` on a
+        mesh of ``tp`` devices with fewer KV heads than devices
+        (`jax_paged_attn.parallel.kv_head_replicas`, whose ValueError names the head
+        counts a mesh cannot split); ``num_cache_kv_heads`` is ``Hk * kv_head_replicas``.
 
     Parameter paths: ``model.embed_tokens.embedding`` ``[vocab, hidden]``,
-    ``model.layers[i].self_attn.qkv_proj.kernel`` ``[hidden, Hk, Hq // Hk + 2, D]``
-    (`LlamaAttention`), ``model.layers[i].self_attn.o_proj.kernel`` ``[Hq * D, hidden]``,
+    ``model.layers[i].self_attn.qkv_proj.kernel`` ``[hidden, Hk', Hq // Hk' + 2, D]`` with
+    ``Hk' = num_cache_kv_heads`` (`LlamaAttention`),
+    ``model.layers[i].self_attn.o_proj.kernel`` ``[Hq * D, hidden]``,
     ``model.layers[i].mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]`` (`LlamaMLP`),
     ``model.layers[i].mlp.down_proj.kernel`` ``[intermediate, hidden]``,
     ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
@@ -712,6 +758,15 @@ class LlamaForCausalLM(nnx.Module):
         self.kv_cache_dtype = kv_cache_dtype
         self.mesh = mesh
         self.tensor_parallel_axis = tensor_parallel_axis
+        # Derived from the mesh, not stored in config: config stays the checkpoint's, which
+        # load_checkpoint compares with config.json. Raises for heads the mesh cannot split.
+        self.kv_head_replicas = 1
+        if mesh is not None:
+            from jax_paged_attn import parallel
+
+            self.kv_head_replicas = parallel.kv_head_replicas(
+                config.num_attention_heads, config.num_key_value_heads,
+                parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
         # Validates the cache dtype name early (raises ValueError naming kv_cache_dtype).
         cache_ops.get_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.model = LlamaModel(
@@ -731,10 +786,15 @@ class LlamaForCausalLM(nnx.Module):
 
     # --- KV cache -------------------------------------------------------------------
 
+    @property
+    def num_cache_kv_heads(self) -> int:
+        """KV heads of the fused q/k/v kernel and of each cache: ``Hk * kv_head_replicas``."""
+        return self.config.num_key_value_heads * self.kv_head_replicas
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: ``(2, num_blocks, block_size, Hk, D)``."""
+        """Shape of one layer's cache: ``(2, num_blocks, block_size, num_cache_kv_heads, D)``."""
         return tuple(cache_ops.get_kv_cache_shape(
-            num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim))
+            num_blocks, block_size, self.num_cache_kv_heads, self.config.head_dim))
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[Array]:
         """Zeroed caches, one per layer, in ``kv_cache_dtype``; sharded over KV heads with a mesh."""
@@ -745,7 +805,7 @@ class LlamaForCausalLM(nnx.Module):
             sharding = parallel.kv_cache_sharding(self.mesh, self.tensor_parallel_axis)
         return [
             cache_ops.allocate_kv_cache(
-                num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim,
+                num_blocks, block_size, self.num_cache_kv_heads, self.config.head_dim,
                 kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.dtype, sharding=sharding,
             )
             for _ in range(self.config.num_hidden_layers)
@@ -769,7 +829,7 @@ class LlamaForCausalLM(nnx.Module):
             then optional padding, as `FlashAttentionMetadata` describes).
           positions: int32 ``[T]``, each token's position in its sequence (context
             length + index within the new tokens).
-          kv_caches: one ``[2, num_blocks, block_size, Hk, D]`` cache per layer
+          kv_caches: one ``[2, num_blocks, block_size, num_cache_kv_heads, D]`` cache per layer
             (`allocate_kv_caches`), or empty arrays (size 0) for a profiling run that
             writes no cache.
           metadata: the batch's `FlashAttentionMetadata`.
