@@ -28,6 +28,7 @@ from jax_paged_attn import parallel
 
 NUM_HOST_DEVICES = 8
 TP_SIZES_VARIABLE = "JPA_TEST_TP_SIZES"  # the tensor-parallel sizes the subprocess checks
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -131,6 +132,17 @@ def test_sharded_engine_matches_single_device():
 # --------------------------------------------------------------------------- the subprocess
 
 
+def count_collectives(hlo: str) -> dict[str, int]:
+    """Collective ops in compiled HLO text: name -> count (an async pair counts once)."""
+    found = COLLECTIVE.findall(hlo)
+    return {name: found.count(name) for name in set(found)}
+
+
+def gathered_shapes(hlo: str) -> list[str]:
+    """The result shape of every all-gather in compiled HLO text, e.g. ``"f32[4,2]"``."""
+    return re.findall(r"= (\S+?)(?:\{[^}]*\})? all-gather(?:-start)?\(", hlo)
+
+
 def _equivalence_main() -> None:
     from flax import nnx
 
@@ -179,9 +191,8 @@ def _equivalence_main() -> None:
         def step(state, ids, caches, md):
             return nnx.merge(graphdef, state)(ids, ids, caches, md, logits_indices=last_token_indices(md))
 
-        hlo = jax.jit(step).lower(state, ids, model.allocate_kv_caches(num_blocks, block_size), md).compile().as_text()
-        found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
-        return {name: found.count(name) for name in set(found)}
+        return count_collectives(
+            jax.jit(step).lower(state, ids, model.allocate_kv_caches(num_blocks, block_size), md).compile().as_text())
 
     want_logits, want_caches, want_tokens = generate(reference)
     checked = []
@@ -235,33 +246,63 @@ def _equivalence_main() -> None:
 
 
 def _engine_main() -> None:
-    """The engine on a 2-way mesh: greedy tokens equal the single-device model's through
-    preemption by swapping and copy-on-write of shared prefix blocks (the caches sharded
-    by KV head), and the compiled decode window
-    holds the two all-reduces per layer and nothing else but the vocabulary-parallel
-    argmax's gather of one (value, index) pair per device and row."""
+    """The engine on a 2-way mesh.
+
+    * Greedy tokens equal the single-device model's through preemption by swapping and
+      copy-on-write of shared prefix blocks (the caches sharded by KV head).
+    * The compiled decode window and mixed prefill + decode step hold the two
+      all-reduces per layer (o_proj, down_proj) and, for the vocabulary-parallel LM
+      head, greedy: each argmax's gather of one (max, index) pair per device and row (the
+      mixed step has two: its prompts' and its batch rows'); sampling: one gather of the
+      logits (`model_runner.whole_vocabulary`). Nothing else moves: no KV cache, no
+      weight.
+    """
     import dataclasses
 
     from flax import nnx
 
     from conftest import engine_base, random_prompts
     from jax_paged_attn.engine import LLMEngine, SamplingParams
-    from jax_paged_attn.engine.model_runner import DecodeState
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
     config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=parallel.tensor_parallel_mesh(2))
+
     greedy = SamplingParams(temperature=0.0, max_tokens=80)
     prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
     want = dense_greedy_generate(reference, prompts, 80)
     base = engine_base()
     # Swapping moves sharded blocks to the host and back (recomputing is prefill again).
     engine = LLMEngine(model, dataclasses.replace(base, num_host_blocks=32))
+    runner, first_calls = engine.runner, {}
+
+    def recording(name, program):
+        def call(*args, **static):
+            first_calls.setdefault(name, (args, static))
+            return program(*args, **static)
+        return call
+
+    runner._window, runner._mixed = recording("window", runner._window), recording("mixed", runner._mixed)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)] == want
     assert engine.stats.num_preemptions > 0 and engine.stats.num_swapped_out_blocks > 0, engine.stats
     cache = engine.runner.kv_caches[0]
     assert cache.sharding.is_equivalent_to(parallel.kv_cache_sharding(model.mesh), cache.ndim)
+
+    all_reduces = 2 * config.num_hidden_layers
+    for name, argmaxes in (("window", 1), ("mixed", 2)):
+        args, static = first_calls[name]
+        program = getattr(runner, f"{name}_program")
+        for is_greedy in (True, False):
+            hlo = program.lower(*args, **dict(static, greedy=is_greedy)).compile().as_text()
+            found, gathers = count_collectives(hlo), gathered_shapes(hlo)
+            if is_greedy:
+                assert found == {"all-reduce": all_reduces, "all-gather": 2 * argmaxes}, (name, found)
+                assert all(re.fullmatch(r"[fs]32\[\d+,2\]", shape) for shape in gathers), (name, gathers)
+            else:
+                assert found == {"all-reduce": all_reduces, "all-gather": 1}, (name, found)
+                assert re.fullmatch(rf"f32\[\d+,{config.vocab_size}\]", gathers[0]), (name, gathers)
+
     (shared,) = random_prompts(2, [32])
     prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]
     engine = LLMEngine(model, base)
@@ -270,17 +311,6 @@ def _engine_main() -> None:
     outs = engine.generate(prompts, short, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 8)
     assert engine.stats.num_copied_blocks >= 1 and outs[1].num_cached_tokens == 32
-
-    runner, rows, width = engine.runner, 4, 16
-    hlo = runner.window_program.lower(
-        runner.params, runner.kv_caches, jax.device_put(DecodeState.empty(rows, width, 8)), np.zeros(rows, bool),
-        np.full(rows, rows, np.int32), np.zeros((rows, width), np.int32), num_steps=4, greedy=True, block_size=16,
-        max_model_len=64).compile().as_text()
-    found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
-    assert {name: found.count(name) for name in set(found)} == {
-        "all-reduce": 2 * config.num_hidden_layers, "all-gather": 2}, found
-    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
-    assert all(f"[{rows},2]" in line for line in gathers), gathers  # (max, index) per device and row
     print("checked the engine at tp=2")
 
 
