@@ -23,7 +23,9 @@ Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``t
   device's KV heads (`kv_head_parallel`); the attention metadata is replicated.
 
 The matmuls are partitioned by XLA's SPMD partitioner from the parameter shardings
-(`shard_model`), inside or outside `jax.jit`; only attention is manually partitioned.
+(`param_sharding`; a model built with ``mesh=`` creates each parameter's shards on their
+devices, `init_sharded`; `shard_model` places an existing model's), inside or outside
+`jax.jit`; only attention is manually partitioned.
 Requirements: ``Hq`` and ``Hk`` divisible by ``tp`` (checked, ValueError); an
 intermediate size or vocabulary that does not divide is replicated instead.
 
@@ -39,8 +41,8 @@ The same code runs across hosts with `jax.distributed`:
    of all hosts on the ``"tp"`` axis), or a 2-D ``Mesh`` with a data-parallel axis across
    hosts and ``"tp"`` within a host (keep tensor parallelism on NVLink);
 3. every host builds the same model (same seed, or `load_llama` from the same checkpoint
-   on each host) with ``mesh=``: `shard_model` places on each host only the shards of
-   its own devices;
+   on each host) with ``mesh=``: each host creates (`init_sharded`) or loads only the
+   shards of its own devices;
 4. every host runs the same program on the same step inputs (token ids, positions and
    metadata are replicated, so each host passes identical host arrays; with a data-
    parallel axis, build global arrays with `jax.make_array_from_process_local_data`);
@@ -126,6 +128,51 @@ def param_sharding(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh,
     """`NamedSharding` of the parameter at NNX ``path`` with ``shape`` (`param_partition_spec`)."""
     spec = param_partition_spec(path, tuple(shape), axis_name=axis_name, tp_size=_axis_size(mesh, axis_name))
     return NamedSharding(mesh, spec)
+
+
+def init_sharded(factory: Callable[[nnx.Rngs], Any], rngs: nnx.Rngs, mesh: Mesh,
+                 axis_name: str = TENSOR_PARALLEL_AXIS) -> Any:
+    """``factory(rngs)`` with its parameters created on ``mesh``: each device computes
+    only its own shard of each parameter (`param_sharding` by NNX path), so no device
+    ever holds a whole sharded parameter (a 70B model's parameters need not fit one
+    device).
+
+    ``factory`` builds NNX modules (a module, or a dict of modules and None, whose keys
+    start the parameter paths) from ``rngs``; it is traced twice (shapes, then one
+    `jax.jit` whose ``out_shardings`` are the parameters' shardings), never run eagerly.
+    ``rngs`` advances as a plain ``factory(rngs)`` would advance it.
+
+    The values are those ``factory(rngs)`` gives without a mesh: the threefry bits of
+    `jax.random` are computed per element, whatever the sharding, under
+    ``jax_threefry_partitionable``, which JAX enables by default and which this program
+    turns on for itself (without it, every device would draw the whole parameter).
+    """
+    _axis_size(mesh, axis_name)
+    rngs_graphdef, rngs_state = nnx.split(rngs)
+    traced: dict[str, Any] = {}
+
+    def init_sharded_parameters(rngs_state: Any) -> tuple[list[Array], Any]:
+        inner_rngs = nnx.merge(rngs_graphdef, rngs_state)
+        graphdef, state = nnx.split(factory(inner_rngs))
+        flat = nnx.to_flat_state(state)
+        traced.update(graphdef=graphdef, state=state, paths=[path for path, _ in flat])
+        return [var.get_value() for _, var in flat], nnx.state(inner_rngs)
+
+    with jax.threefry_partitionable(True):
+        shapes, _ = jax.eval_shape(init_sharded_parameters, rngs_state)
+        shardings = [param_sharding(path, x.shape, mesh, axis_name) for path, x in zip(traced["paths"], shapes)]
+        values, new_rngs_state = jax.jit(
+            init_sharded_parameters, out_shardings=(shardings, NamedSharding(mesh, P())))(rngs_state)
+    # The keys go back where they were (an Rngs on one device stays there); inside an
+    # outer trace they have no sharding to go back to.
+    new_rngs_state = jax.tree.map(
+        lambda new, old: new if getattr(old, "sharding", None) is None else jax.device_put(new, old.sharding),
+        new_rngs_state, rngs_state)
+    nnx.update(rngs, new_rngs_state)
+    # Fresh Variables: the traced ones belong to the trace.
+    state = nnx.from_flat_state([(path, var.replace(value))
+                                 for (path, var), value in zip(nnx.to_flat_state(traced["state"]), values)])
+    return nnx.merge(traced["graphdef"], state)
 
 
 def kv_cache_spec(axis_name: str = TENSOR_PARALLEL_AXIS) -> P:

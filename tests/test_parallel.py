@@ -28,6 +28,8 @@ from jax_paged_attn import parallel
 
 NUM_HOST_DEVICES = 8
 TP_SIZES_VARIABLE = "JPA_TEST_TP_SIZES"  # the tensor-parallel sizes the subprocess checks
+INIT_DUMP_VARIABLE = "JPA_TEST_INIT_HLO_DIR"  # where XLA writes the sharded init's compiled HLO
+INIT_PROGRAM = "init_sharded_parameters"  # `parallel.init_sharded`'s jitted function
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,10 +124,13 @@ def test_sharded_model_matches_single_device(request):
     assert "checked " + " ".join(f"tp={tp}" for tp in sizes) in out, out
 
 
-def test_sharded_engine_matches_single_device():
+def test_sharded_engine_matches_single_device(tmp_path):
     """The engine at 2-way (`_engine_main`), in a process of its own: the pytest-xdist
-    workers run it beside the model's equivalence."""
-    out = _run_on_host_devices("engine", {})
+    workers run it beside the model's equivalence. XLA dumps the compiled program that
+    creates the sharded model's parameters, for the subprocess to read."""
+    dump = f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{INIT_PROGRAM}.*"
+    out = _run_on_host_devices("engine", {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump}",
+                                          INIT_DUMP_VARIABLE: str(tmp_path)})
     assert "checked the engine at tp=2" in out, out
 
 
@@ -248,6 +253,11 @@ def _equivalence_main() -> None:
 def _engine_main() -> None:
     """The engine on a 2-way mesh.
 
+    * The model built with ``mesh=`` has the single-device model's parameters, bit for
+      bit, each laid out by `parallel.param_sharding`, and the program that created them
+      (`parallel.init_sharded`, its compiled HLO dumped by XLA) never holds a sharded
+      parameter whole: no array of its global shape, nor of the flat 2-D shape its
+      initializer draws, appears on a device.
     * Greedy tokens equal the single-device model's through preemption by swapping and
       copy-on-write of shared prefix blocks (the caches sharded by KV head).
     * The compiled decode window and mixed prefill + decode step hold the two
@@ -258,6 +268,7 @@ def _engine_main() -> None:
       weight.
     """
     import dataclasses
+    import glob
 
     from flax import nnx
 
@@ -265,9 +276,29 @@ def _engine_main() -> None:
     from jax_paged_attn.engine import LLMEngine, SamplingParams
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)
+    # intermediate 192: no replicated parameter shares a sharded one's global shape.
+    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8, intermediate_size=192)
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=parallel.tensor_parallel_mesh(2))
+    mesh = parallel.tensor_parallel_mesh(2)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=mesh)
+
+    (init_hlo,) = glob.glob(os.path.join(os.environ[INIT_DUMP_VARIABLE], f"*{INIT_PROGRAM}*after_optimizations.txt"))
+    with open(init_hlo) as f:
+        device_shapes = {tuple(map(int, filter(None, dims.split(","))))
+                         for dims in re.findall(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]", f.read())}
+    sharded = 0
+    for (path, want), (_, got) in zip(nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(model))):
+        value = got.get_value()
+        sharding = parallel.param_sharding(path, value.shape, mesh)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want.get_value()), err_msg=str(path))
+        assert value.sharding.is_equivalent_to(sharding, value.ndim), path
+        assert all(s.data.shape == sharding.shard_shape(value.shape) for s in value.addressable_shards), path
+        if sharding.spec != P():
+            sharded += 1
+            flat = (value.shape[0], int(np.prod(value.shape[1:])))
+            assert not {value.shape, flat} & device_shapes, (path, value.shape)
+            assert sharding.shard_shape(value.shape) in device_shapes, path  # the check reads real shapes
+    assert sharded == 4 * config.num_hidden_layers + 1, sharded  # qkv, o, gate_up, down per layer; lm_head
 
     greedy = SamplingParams(temperature=0.0, max_tokens=80)
     prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
