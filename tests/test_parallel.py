@@ -342,6 +342,17 @@ def _engine_main() -> None:
     outs = engine.generate(prompts, short, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 8)
     assert engine.stats.num_copied_blocks >= 1 and outs[1].num_cached_tokens == 32
+
+    # A one-device program on a host of several, stored and loaded back, runs on its device.
+    from jax_paged_attn.engine.program_store import ProgramStore, call_signature
+
+    with tempfile.TemporaryDirectory() as directory:
+        add_one, x = jax.jit(lambda x: x + 1), jax.device_put(np.zeros(3, np.float32), jax.devices()[1])
+        signature = call_signature((x,), {})
+        ProgramStore(directory, ["key"]).load_or_compile("add_one", add_one, (x,), {}, signature)
+        store = ProgramStore(directory, ["key"])
+        np.testing.assert_array_equal(store.load_or_compile("add_one", add_one, (x,), {}, signature)(x), 1.0)
+        assert store.num_loaded == 1
     print("checked the engine at tp=2")
 
 
