@@ -54,8 +54,10 @@ by running it on host 0 and broadcasting each step's inputs
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +132,13 @@ def param_sharding(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh,
     return NamedSharding(mesh, spec)
 
 
+INIT_PROGRAM_BYTES = 4 << 30
+"""Most bytes of parameters a device receives from one program of `init_sharded`. A
+program holds the random bits of everything it draws at once (XLA:CPU keeps several times
+the parameters' bytes of them): a 70B model is drawn by about 18 programs of this size, not
+one that would need a few times a device's memory."""
+
+
 def init_sharded(factory: Callable[[nnx.Rngs], Any], rngs: nnx.Rngs, mesh: Mesh,
                  axis_name: str = TENSOR_PARALLEL_AXIS) -> Any:
     """``factory(rngs)`` with its parameters created on ``mesh``: each device computes
@@ -138,31 +147,44 @@ def init_sharded(factory: Callable[[nnx.Rngs], Any], rngs: nnx.Rngs, mesh: Mesh,
     device).
 
     ``factory`` builds NNX modules (a module, or a dict of modules and None, whose keys
-    start the parameter paths) from ``rngs``; it is traced twice (shapes, then one
-    `jax.jit` whose ``out_shardings`` are the parameters' shardings), never run eagerly.
-    ``rngs`` advances as a plain ``factory(rngs)`` would advance it.
+    start the parameter paths) from ``rngs``; it is never run eagerly: it is traced for
+    the shapes, then once per `jax.jit` program whose ``out_shardings`` are the
+    parameters' shardings, each program keeping the parameters (in NNX path order) of at
+    most `INIT_PROGRAM_BYTES` per device (XLA drops the others' work). ``rngs`` advances
+    as a plain ``factory(rngs)`` would advance it.
 
     The values are those ``factory(rngs)`` gives without a mesh: the threefry bits of
     `jax.random` are computed per element, whatever the sharding, under
-    ``jax_threefry_partitionable``, which JAX enables by default and which this program
-    turns on for itself (without it, every device would draw the whole parameter).
+    ``jax_threefry_partitionable``, which JAX enables by default and which these programs
+    turn on for themselves (without it, every device would draw the whole parameter).
     """
     _axis_size(mesh, axis_name)
     rngs_graphdef, rngs_state = nnx.split(rngs)
     traced: dict[str, Any] = {}
 
-    def init_sharded_parameters(rngs_state: Any) -> tuple[list[Array], Any]:
+    def create(rngs_state: Any) -> tuple[list[Array], Any]:
         inner_rngs = nnx.merge(rngs_graphdef, rngs_state)
         graphdef, state = nnx.split(factory(inner_rngs))
         flat = nnx.to_flat_state(state)
         traced.update(graphdef=graphdef, state=state, paths=[path for path, _ in flat])
         return [var.get_value() for _, var in flat], nnx.state(inner_rngs)
 
-    with jax.threefry_partitionable(True):
-        shapes, _ = jax.eval_shape(init_sharded_parameters, rngs_state)
+    partitionable = getattr(jax, "threefry_partitionable", None)  # JAX drops the flag once it is the only way
+    with partitionable(True) if partitionable is not None else contextlib.nullcontext():
+        shapes, _ = jax.eval_shape(create, rngs_state)
         shardings = [param_sharding(path, x.shape, mesh, axis_name) for path, x in zip(traced["paths"], shapes)]
-        values, new_rngs_state = jax.jit(
-            init_sharded_parameters, out_shardings=(shardings, NamedSharding(mesh, P())))(rngs_state)
+        device_bytes = [math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                        for s, x in zip(shardings, shapes)]
+        values: list[Array] = []
+        new_rngs_state = rngs_state
+        for part in _consecutive_parts(device_bytes, INIT_PROGRAM_BYTES):
+            def init_sharded_parameters(rngs_state: Any, part: slice = part) -> tuple[list[Array], Any]:
+                params, rngs_after = create(rngs_state)
+                return params[part], rngs_after
+
+            created, new_rngs_state = jax.jit(init_sharded_parameters, out_shardings=(
+                shardings[part], NamedSharding(mesh, P())))(rngs_state)
+            values.extend(created)
     # The keys go back where they were (an Rngs on one device stays there); inside an
     # outer trace they have no sharding to go back to.
     new_rngs_state = jax.tree.map(
@@ -173,6 +195,19 @@ def init_sharded(factory: Callable[[nnx.Rngs], Any], rngs: nnx.Rngs, mesh: Mesh,
     state = nnx.from_flat_state([(path, var.replace(value))
                                  for (path, var), value in zip(nnx.to_flat_state(traced["state"]), values)])
     return nnx.merge(traced["graphdef"], state)
+
+
+def _consecutive_parts(sizes: Sequence[int], budget: int) -> list[slice]:
+    """``sizes`` cut into consecutive slices of at most ``budget`` in total each (an item
+    larger than the budget alone); one empty slice for no sizes."""
+    parts, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > budget:
+            parts.append(slice(start, i))
+            start, total = i, 0
+        total += size
+    parts.append(slice(start, len(sizes)))
+    return parts
 
 
 def kv_cache_spec(axis_name: str = TENSOR_PARALLEL_AXIS) -> P:

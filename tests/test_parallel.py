@@ -103,6 +103,31 @@ def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_sharded_init_in_several_programs_gives_the_single_device_values(monkeypatch):
+    # In-process (a 1-device mesh): parameters drawn by several programs, rngs advanced as
+    # a plain build advances them.
+    from flax import nnx
+
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.tiny(num_hidden_layers=1)
+    monkeypatch.setattr(parallel, "INIT_PROGRAM_BYTES", 100_000)  # 3 programs of this model's 260 kB
+    programs, consecutive_parts = [], parallel._consecutive_parts
+
+    def recorded_parts(sizes, budget):
+        programs.extend(consecutive_parts(sizes, budget))
+        return programs
+
+    monkeypatch.setattr(parallel, "_consecutive_parts", recorded_parts)
+    want_rngs, got_rngs = nnx.Rngs(0), nnx.Rngs(0)
+    want = LlamaForCausalLM(config, rngs=want_rngs, implementation="xla")
+    got = LlamaForCausalLM(config, rngs=got_rngs, implementation="xla", mesh=parallel.tensor_parallel_mesh(1))
+    assert len(programs) == 3, programs
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(want)), nnx.to_flat_state(nnx.state(got))):
+        np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=str(path))
+    assert jax.random.key_data(got_rngs.params()).tolist() == jax.random.key_data(want_rngs.params()).tolist()
+
+
 def _run_on_host_devices(part: str, env_changes: dict[str, str]) -> str:
     """Runs this file's ``part`` (`_equivalence_main` or `_engine_main`) in a subprocess
     with `NUM_HOST_DEVICES` forced CPU devices; returns its stdout."""
@@ -282,10 +307,13 @@ def _engine_main() -> None:
     mesh = parallel.tensor_parallel_mesh(2)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=mesh)
 
-    (init_hlo,) = glob.glob(os.path.join(os.environ[INIT_DUMP_VARIABLE], f"*{INIT_PROGRAM}*after_optimizations.txt"))
-    with open(init_hlo) as f:
-        device_shapes = {tuple(map(int, filter(None, dims.split(","))))
-                         for dims in re.findall(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]", f.read())}
+    init_programs = glob.glob(os.path.join(os.environ[INIT_DUMP_VARIABLE], f"*{INIT_PROGRAM}*after_optimizations.txt"))
+    assert init_programs
+    device_shapes = set()
+    for program in init_programs:
+        with open(program) as f:
+            device_shapes |= {tuple(map(int, filter(None, dims.split(","))))
+                              for dims in re.findall(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]", f.read())}
     sharded = 0
     for (path, want), (_, got) in zip(nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(model))):
         value = got.get_value()
