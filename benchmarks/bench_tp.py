@@ -115,19 +115,18 @@ def build_model(config: LlamaConfig, dtype: Any, tp: int, *, implementation: str
     """The random-weight model (seed 0): without a mesh at tp = 1, else created sharded
     over the first ``tp`` devices."""
     mesh = parallel.tensor_parallel_mesh(tp) if tp > 1 else None
+    # The weight-streaming kernel is not partitioned over devices: with a mesh, auto (XLA's dot).
     return LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, mesh=mesh,
                             implementation=implementation,
-                            matmul_implementation=None if mesh is not None and matmul_implementation ==
-                            "weight_streaming" else matmul_implementation)
-
-
-def ratio_columns(tps: Sequence[int]) -> list[str]:
-    return [f"tp={tp} / tp=1" for tp in sorted(set(tps)) if tp > 1]
+                            matmul_implementation=None if mesh is not None else matmul_implementation)
 
 
 def table_columns(tps: Sequence[int]) -> list[str]:
+    """The table's header for a run of tensor-parallel sizes ``tps``: one ratio column
+    ``tp=T / tp=1`` per size T > 1."""
+    ratio_columns = [f"tp={tp} / tp=1" for tp in sorted(set(tps)) if tp > 1]
     return ["model", "tp", "batch", "generate ms (first / best)", "decode tok/s (wall clock)",
-            "ms/step (wall clock)", *ratio_columns(tps), "weight-read floor ms/step", "floor tok/s", "of floor",
+            "ms/step (wall clock)", *ratio_columns, "weight-read floor ms/step", "floor tok/s", "of floor",
             "compiles after start"]
 
 
@@ -139,9 +138,7 @@ def _rerun_on_forced_cpu_devices(argv: Sequence[str], num_devices: int) -> list[
         rows_path = os.path.join(tmp, "rows.json")
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
-        argv = [a for a in argv]
-        if "--json" in argv:  # the caller's file is written here, from the rows
-            del argv[argv.index("--json"):argv.index("--json") + 2]
+        # The last --json wins: the caller's file is written here, from the rows.
         done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json", rows_path], env=env,
                               text=True, capture_output=True)
         print(done.stdout, end="")
