@@ -36,7 +36,7 @@ embedding table, of which a step gathers B rows) over ``tp x`` 4.2 TB/s (an H200
 measured device-copy rate, each device reading its own shards); **of floor** is our
 decode tok/s over the floor's. The warm-up defaults to untimed runs of the timed
 requests (``--warm-up requests``): `LLMEngine.warmup()` would compile every program of
-the configuration, minutes per program at 80 layers.
+the configuration, many more than the timed requests reach, each over 32 or 80 layers.
 
 ``--quick``: a tiny float32 model (the engine tests' shape) at tp 1 and 2 on whatever
 backend JAX has; with fewer devices than the largest tp it reruns itself on that many
