@@ -23,7 +23,7 @@ larger tp builds the model with ``mesh=`` over the first tp devices, each device
 creating only its own shards of the random weights (`jax_paged_attn.parallel.
 init_sharded`), and its projections use XLA's dot (the kernel is not partitioned over
 devices). A tp larger than the devices, or whose weights would not fit a device, is
-skipped and said so.
+skipped and said so; the exit code is 1 when no row was measured.
 
 Each row is timed as `bench_engine.py` times the engine (`bench_engine.bench_engine`):
 B prompts of ``--prompt-len`` random tokens, greedy decoding of N = ``--new-tokens``
@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             del model
             gc.collect()
     print()
-    print("\n".join(warm_ups))
+    for line in warm_ups:
+        print(line)
     for line in skipped:
         print(f"skipped {line}")
     print(f"total time {time.perf_counter() - start:.1f} s (weight init and compilation included)")
@@ -277,4 +278,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    if not main():
+        print("no row measured")
+        sys.exit(1)
