@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -53,6 +53,9 @@ for step in "${steps[@]}"; do
       timeout 330 python3 benchmarks/bench_matmul.py --out "$out" --budget-s "${MATMUL_BUDGET_S:-240}" 2>&1 | tee "$out/matmul.log" ;;
     engine)  # generate by wall clock, decode tok/s beside the one-jit and per-step dense loops
       timeout 540 python3 benchmarks/bench_engine.py 2>&1 | tee "$out/engine.log" ;;
+    tp|tp=*)  # tensor parallelism: 8B at tp 1 and 2, 70B at tp 2 (needs 2 GPUs; tp=ARGS: bench_tp.py's options)
+      # shellcheck disable=SC2046
+      timeout 590 python3 benchmarks/bench_tp.py --json "$out/tp.json" $(step_args "$step") 2>&1 | tee "$out/tp.log" ;;
     serving)  # 1,000 mixed-length requests at once and at Poisson rates (SERVING_RATES, default the
       # script's): total tok/s, TTFT / TPOT percentiles, sum of parts, compiles after start
       timeout 570 python3 benchmarks/bench_serving.py ${SERVING_RATES:+--rates "$SERVING_RATES"} 2>&1 \

@@ -31,7 +31,9 @@ Layout on a mesh with a tensor-parallel axis (default name ``"tp"``) of size ``t
   device's KV heads (`kv_head_parallel`); the attention metadata is replicated.
 
 The matmuls are partitioned by XLA's SPMD partitioner from the parameter shardings
-(`shard_model`), inside or outside `jax.jit`; only attention is manually partitioned.
+(`param_sharding`; a model built with ``mesh=`` creates each parameter's shards on their
+devices, `init_sharded`; `shard_model` places an existing model's), inside or outside
+`jax.jit`; only attention is manually partitioned.
 Requirements: ``Hq`` divisible by ``tp``, and ``Hk`` either divisible by ``tp`` or
 smaller than it and dividing it (checked, ValueError: `kv_head_replicas`); an
 intermediate size or vocabulary that does not divide is replicated instead.
@@ -52,8 +54,9 @@ The same code runs across hosts with `jax.distributed`:
    of all hosts on the ``"tp"`` axis), or a 2-D ``Mesh`` with a data-parallel axis across
    hosts and ``"tp"`` within a host (keep tensor parallelism on NVLink);
 3. every host builds the same model (same seed, or `load_llama` from the same checkpoint
-   on each host) with ``mesh=``: `shard_model` places on each host only the shards of
-   its own devices, and `load_llama` reads only those shards' slices of the files;
+   on each host) with ``mesh=``: each host creates (`init_sharded`) or loads only the
+   shards of its own devices, and `load_llama` reads only those shards' slices of the
+   files;
 4. every host runs the same program on the same step inputs (token ids, positions and
    metadata are replicated, so each host passes identical host arrays; with a data-
    parallel axis, build global arrays with `jax.make_array_from_process_local_data`);
@@ -65,8 +68,10 @@ by running it on host 0 and broadcasting each step's inputs
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +149,90 @@ def param_sharding(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh,
     """`NamedSharding` of the parameter at NNX ``path`` with ``shape`` (`param_partition_spec`)."""
     spec = param_partition_spec(path, tuple(shape), axis_name=axis_name, tp_size=_axis_size(mesh, axis_name))
     return NamedSharding(mesh, spec)
+
+
+INIT_PROGRAM_BYTES = 4 << 30
+"""Most bytes of parameters a device receives from one program of `init_sharded`. A
+program holds the random bits of everything it draws at once (XLA:CPU keeps several times
+the parameters' bytes of them): Llama 3 70B's shape in bf16 over 2 devices is drawn by 17
+programs (each held 16-23 GB of bits on XLA:CPU beside its 4 GB), not one that would need
+a few times a device's memory."""
+
+
+def init_sharded(factory: Callable[[nnx.Rngs], Any], rngs: nnx.Rngs, mesh: Mesh,
+                 axis_name: str = TENSOR_PARALLEL_AXIS) -> Any:
+    """``factory(rngs)`` with its parameters created on ``mesh``: each device computes
+    only its own shard of each parameter (`param_sharding` by NNX path), so no device
+    ever holds a whole sharded parameter (a 70B model's parameters need not fit one
+    device).
+
+    ``factory`` builds NNX modules (a module, or a dict of modules and None, whose keys
+    start the parameter paths) from ``rngs``; it is never run eagerly: it is traced for
+    the shapes, then once per `jax.jit` program whose ``out_shardings`` are the
+    parameters' shardings, each program keeping the parameters (in NNX path order) of at
+    most `INIT_PROGRAM_BYTES` per device (XLA drops the others' work). ``rngs`` advances
+    as a plain ``factory(rngs)`` would advance it. Inside an outer trace (``rngs``' keys
+    traced, as under `nnx.eval_shape`) it returns ``factory(rngs)``: nothing is created.
+
+    The values are those ``factory(rngs)`` gives without a mesh: the threefry bits of
+    `jax.random` are computed per element, whatever the sharding, under
+    ``jax_threefry_partitionable``, which JAX enables by default and which these programs
+    turn on for themselves (without it, every device would draw the whole parameter).
+    """
+    _axis_size(mesh, axis_name)
+    rngs_graphdef, rngs_state = nnx.split(rngs)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(rngs_state)):
+        # Inside an outer trace (`load_llama` builds its model under `nnx.eval_shape`)
+        # nothing is created here: the programs would only be traced, once each.
+        return factory(rngs)
+    traced: dict[str, Any] = {}
+
+    def create(rngs_state: Any) -> tuple[list[Array], Any]:
+        inner_rngs = nnx.merge(rngs_graphdef, rngs_state)
+        graphdef, state = nnx.split(factory(inner_rngs))
+        flat = nnx.to_flat_state(state)
+        traced.update(graphdef=graphdef, state=state, paths=[path for path, _ in flat])
+        return [var.get_value() for _, var in flat], nnx.state(inner_rngs)
+
+    partitionable = getattr(jax, "threefry_partitionable", None)  # JAX drops the flag once it is the only way
+    with partitionable(True) if partitionable is not None else contextlib.nullcontext():
+        shapes, _ = jax.eval_shape(create, rngs_state)
+        shardings = [param_sharding(path, x.shape, mesh, axis_name) for path, x in zip(traced["paths"], shapes)]
+        device_bytes = [math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                        for s, x in zip(shardings, shapes)]
+        values: list[Array] = []
+        new_rngs_state = rngs_state
+        for part in _consecutive_parts(device_bytes, INIT_PROGRAM_BYTES):
+            def init_sharded_parameters(rngs_state: Any, part: slice = part) -> tuple[list[Array], Any]:
+                params, rngs_after = create(rngs_state)
+                return params[part], rngs_after
+
+            created, new_rngs_state = jax.jit(init_sharded_parameters, out_shardings=(
+                shardings[part], NamedSharding(mesh, P())))(rngs_state)
+            values.extend(created)
+    # The keys go back where they were (an Rngs on one device stays there); inside an
+    # outer trace they have no sharding to go back to.
+    new_rngs_state = jax.tree.map(
+        lambda new, old: new if getattr(old, "sharding", None) is None else jax.device_put(new, old.sharding),
+        new_rngs_state, rngs_state)
+    nnx.update(rngs, new_rngs_state)
+    # Fresh Variables: the traced ones belong to the trace.
+    state = nnx.from_flat_state([(path, var.replace(value))
+                                 for (path, var), value in zip(nnx.to_flat_state(traced["state"]), values)])
+    return nnx.merge(traced["graphdef"], state)
+
+
+def _consecutive_parts(sizes: Sequence[int], budget: int) -> list[slice]:
+    """``sizes`` cut into consecutive slices of at most ``budget`` in total each (an item
+    larger than the budget alone); one empty slice for no sizes."""
+    parts, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > budget:
+            parts.append(slice(start, i))
+            start, total = i, 0
+        total += size
+    parts.append(slice(start, len(sizes)))
+    return parts
 
 
 def kv_cache_spec(axis_name: str = TENSOR_PARALLEL_AXIS) -> P:

@@ -6,8 +6,9 @@ the crash-resume logic of the per-suite processes, a tiny dry run of our
 implementations (implementation="xla") through the whole harness, the refusal to run
 without a GPU, where the outputs go and the exit code when nothing was measured; and
 the other scripts' CPU runs (tiny model): the engine benchmarks (`bench_engine.py`'s
-table and its one-jit dense loop's tokens against the engine's, `bench_serving.py`'s
-rate sweep, arrival loop and cold / warm start-up), the parts and profile scripts.
+table and its one-jit dense loop's tokens against the engine's, `bench_tp.py`'s tp=1 / tp=2
+table on forced CPU devices, `bench_serving.py`'s rate sweep, arrival loop and cold / warm
+start-up), the parts and profile scripts.
 
 No test depends on wall-clock time: dry runs pass ``--budget-s inf`` and deadlines are
 infinite, except where a test shifts the clock itself; the benchmarks' timings are
@@ -687,6 +688,22 @@ def test_bench_engine_quick_times_generate_and_the_one_jit_loop_gives_the_engine
         assert compiles == row["compiles_after_start"]
         if hasattr(LLMEngine, "warmup"):  # warmed up by it: nothing left to compile
             assert compiles == 0, row
+
+
+def test_bench_tp_quick_reruns_on_forced_cpu_devices_and_compares_tp_2_with_tp_1(capsys):
+    """`bench_tp.py --quick` on a one-device host reruns itself on 2 forced CPU devices
+    (one process, both tensor-parallel sizes): a row per size, the tp=2 row's ratio to
+    tp=1, its weight-read floor, nothing compiled after the warm-up."""
+    bench = _loaded("bench_tp")
+    rows = bench.main(["--quick", "--num-scheduler-steps", "2", "--max-num-batched-tokens", "16",
+                       "--engine-option", "batch_buckets=2,", "--engine-option", "token_buckets=16,",
+                       "--engine-option", "compilation_cache=False"])
+    header, cells = _table(capsys.readouterr().out, "model")
+    assert header == bench.table_columns([1, 2]) and "tp=2 / tp=1" in header
+    assert [(row["tp"], row["batch"]) for row in rows] == [(1, 2), (2, 2)]
+    assert rows[1]["speedup_vs_tp1"] > 0 and cells[1][header.index("tp=2 / tp=1")] != "n/a"
+    assert rows[1]["floor_ms_per_step"] == pytest.approx(rows[0]["floor_ms_per_step"] / 2)
+    assert all(row["compiles_after_start"] == 0 and row["decode_tok_s"] > 0 for row in rows), rows
 
 
 def test_engine_options_reach_the_engine_config_and_unknown_fields_are_named(capsys):

@@ -31,6 +31,9 @@ from jax_paged_attn import parallel
 
 NUM_HOST_DEVICES = 8
 TP_SIZES_VARIABLE = "JPA_TEST_TP_SIZES"  # the tensor-parallel sizes the subprocess checks
+INIT_DUMP_VARIABLE = "JPA_TEST_INIT_HLO_DIR"  # where XLA writes the sharded init's compiled HLO
+INIT_PROGRAM = "init_sharded_parameters"  # `parallel.init_sharded`'s jitted function
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -186,9 +189,35 @@ def test_one_device_mesh_runs_the_fused_rotary_cache_write_under_shard_map():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_sharded_init_in_several_programs_gives_the_single_device_values(monkeypatch):
+    # In-process (a 1-device mesh): parameters drawn by several programs, rngs advanced as
+    # a plain build advances them.
+    from flax import nnx
+
+    from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.tiny(num_hidden_layers=1)
+    monkeypatch.setattr(parallel, "INIT_PROGRAM_BYTES", 100_000)  # 3 programs of this model's 260 kB
+    programs, consecutive_parts = [], parallel._consecutive_parts
+
+    def recorded_parts(sizes, budget):
+        programs.extend(consecutive_parts(sizes, budget))
+        return programs
+
+    monkeypatch.setattr(parallel, "_consecutive_parts", recorded_parts)
+    want_rngs, got_rngs = nnx.Rngs(0), nnx.Rngs(0)
+    want = LlamaForCausalLM(config, rngs=want_rngs, implementation="xla")
+    got = LlamaForCausalLM(config, rngs=got_rngs, implementation="xla", mesh=parallel.tensor_parallel_mesh(1))
+    assert len(programs) == 3, programs
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(want)), nnx.to_flat_state(nnx.state(got))):
+        np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=str(path))
+    assert jax.random.key_data(got_rngs.params()).tolist() == jax.random.key_data(want_rngs.params()).tolist()
+
+
 def _run_on_host_devices(part: str, env_changes: dict[str, str]) -> str:
-    """Runs this file's ``part`` (`_equivalence_main` or `_engine_main`) in a subprocess
-    with `NUM_HOST_DEVICES` forced CPU devices; returns its stdout."""
+    """Runs this file's ``part`` (`_equivalence_main`, `_replication_main` or
+    `_engine_main`) in a subprocess with `NUM_HOST_DEVICES` forced CPU devices; returns
+    its stdout."""
     env = dict(os.environ, **env_changes)
     force_devices = f"--xla_force_host_platform_device_count={NUM_HOST_DEVICES}"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + force_devices).strip()
@@ -213,10 +242,13 @@ def test_replicated_kv_heads_match_single_device():
     assert "checked tp=4 with 2 KV heads, tp=2 with 1 KV heads" in out, out
 
 
-def test_sharded_engine_matches_single_device():
+def test_sharded_engine_matches_single_device(tmp_path):
     """The engine at 2-way (`_engine_main`), in a process of its own: the pytest-xdist
-    workers run it beside the model's equivalence."""
-    out = _run_on_host_devices("engine", {})
+    workers run it beside the model's equivalence. XLA dumps the compiled program that
+    creates the sharded model's parameters, for the subprocess to read."""
+    dump = f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{INIT_PROGRAM}.*"
+    out = _run_on_host_devices("engine", {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump}",
+                                          INIT_DUMP_VARIABLE: str(tmp_path)})
     assert "checked the engine at tp=2" in out, out
 
 
@@ -381,6 +413,17 @@ def _check_sharded_cache_ops(cache: jax.Array, mesh) -> None:
         check(got, want, "swap_blocks host -> sharded device, eagerly")
 
 
+def count_collectives(hlo: str) -> dict[str, int]:
+    """Collective ops in compiled HLO text: name -> count (an async pair counts once)."""
+    found = COLLECTIVE.findall(hlo)
+    return {name: found.count(name) for name in set(found)}
+
+
+def gathered_shapes(hlo: str) -> list[str]:
+    """The result shape of every all-gather in compiled HLO text, e.g. ``"f32[4,2]"``."""
+    return re.findall(r"= (\S+?)(?:\{[^}]*\})? all-gather(?:-start)?\(", hlo)
+
+
 def _equivalence_main() -> None:
     from flax import nnx
 
@@ -407,9 +450,8 @@ def _equivalence_main() -> None:
         def step(state, ids, caches, md):
             return nnx.merge(graphdef, state)(ids, ids, caches, md, logits_indices=last_token_indices(md))
 
-        hlo = jax.jit(step).lower(state, ids, model.allocate_kv_caches(num_blocks, block_size), md).compile().as_text()
-        found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
-        return {name: found.count(name) for name in set(found)}
+        return count_collectives(
+            jax.jit(step).lower(state, ids, model.allocate_kv_caches(num_blocks, block_size), md).compile().as_text())
 
     want_logits, want_caches, want_tokens = generate(reference)
     checked = []
@@ -528,33 +570,92 @@ def _replication_main() -> None:
 
 
 def _engine_main() -> None:
-    """The engine on a 2-way mesh: greedy tokens equal the single-device model's through
-    preemption by swapping and copy-on-write of shared prefix blocks (the caches sharded
-    by KV head), and the compiled decode window
-    holds the two all-reduces per layer and nothing else but the vocabulary-parallel
-    argmax's gather of one (value, index) pair per device and row."""
+    """The engine on a 2-way mesh.
+
+    * The model built with ``mesh=`` has the single-device model's parameters, bit for
+      bit, each laid out by `parallel.param_sharding`, and the program that created them
+      (`parallel.init_sharded`, its compiled HLO dumped by XLA) never holds a sharded
+      parameter whole: no array of its global shape, nor of the flat 2-D shape its
+      initializer draws, appears on a device.
+    * Greedy tokens equal the single-device model's through preemption by swapping and
+      copy-on-write of shared prefix blocks (the caches sharded by KV head).
+    * The compiled decode window and mixed prefill + decode step hold the two
+      all-reduces per layer (o_proj, down_proj) and, for the vocabulary-parallel LM
+      head, greedy: each argmax's gather of one (max, index) pair per device and row (the
+      mixed step has two: its prompts' and its batch rows'); sampling: one gather of the
+      logits (`model_runner.whole_vocabulary`). Nothing else moves: no KV cache, no
+      weight.
+    """
     import dataclasses
+    import glob
 
     from flax import nnx
 
     from conftest import engine_base, random_prompts
     from jax_paged_attn.engine import LLMEngine, SamplingParams
-    from jax_paged_attn.engine.model_runner import DecodeState
     from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8)
+    # intermediate 192: no replicated parameter shares a sharded one's global shape.
+    config = LlamaConfig.tiny(num_attention_heads=16, num_key_value_heads=8, intermediate_size=192)
     reference = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla")
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=parallel.tensor_parallel_mesh(2))
+    mesh = parallel.tensor_parallel_mesh(2)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), implementation="xla", mesh=mesh)
+
+    init_programs = glob.glob(os.path.join(os.environ[INIT_DUMP_VARIABLE], f"*{INIT_PROGRAM}*after_optimizations.txt"))
+    assert init_programs
+    device_shapes = set()
+    for program in init_programs:
+        with open(program) as f:
+            device_shapes |= {tuple(map(int, filter(None, dims.split(","))))
+                              for dims in re.findall(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]", f.read())}
+    sharded = 0
+    for (path, want), (_, got) in zip(nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(model))):
+        value = got.get_value()
+        sharding = parallel.param_sharding(path, value.shape, mesh)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want.get_value()), err_msg=str(path))
+        assert value.sharding.is_equivalent_to(sharding, value.ndim), path
+        assert all(s.data.shape == sharding.shard_shape(value.shape) for s in value.addressable_shards), path
+        if sharding.spec != P():
+            sharded += 1
+            flat = (value.shape[0], int(np.prod(value.shape[1:])))
+            assert not {value.shape, flat} & device_shapes, (path, value.shape)
+            assert sharding.shard_shape(value.shape) in device_shapes, path  # the check reads real shapes
+    assert sharded == 4 * config.num_hidden_layers + 1, sharded  # qkv, o, gate_up, down per layer; lm_head
+
     greedy = SamplingParams(temperature=0.0, max_tokens=80)
     prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
     want = dense_greedy_generate(reference, prompts, 80)
     base = engine_base()
     # Swapping moves sharded blocks to the host and back (recomputing is prefill again).
     engine = LLMEngine(model, dataclasses.replace(base, num_host_blocks=32))
+    runner, first_calls = engine.runner, {}
+
+    def recording(name, program):
+        def call(*args, **static):
+            first_calls.setdefault(name, (args, static))
+            return program(*args, **static)
+        return call
+
+    runner._window, runner._mixed = recording("window", runner._window), recording("mixed", runner._mixed)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)] == want
     assert engine.stats.num_preemptions > 0 and engine.stats.num_swapped_out_blocks > 0, engine.stats
     cache = engine.runner.kv_caches[0]
     assert cache.sharding.is_equivalent_to(parallel.kv_cache_sharding(model.mesh), cache.ndim)
+
+    all_reduces = 2 * config.num_hidden_layers
+    for name, argmaxes in (("window", 1), ("mixed", 2)):
+        args, static = first_calls[name]
+        program = getattr(runner, f"{name}_program")
+        for is_greedy in (True, False):
+            hlo = program.lower(*args, **dict(static, greedy=is_greedy)).compile().as_text()
+            found, gathers = count_collectives(hlo), gathered_shapes(hlo)
+            if is_greedy:
+                assert found == {"all-reduce": all_reduces, "all-gather": 2 * argmaxes}, (name, found)
+                assert all(re.fullmatch(r"[fs]32\[\d+,2\]", shape) for shape in gathers), (name, gathers)
+            else:
+                assert found == {"all-reduce": all_reduces, "all-gather": 1}, (name, found)
+                assert re.fullmatch(rf"f32\[\d+,{config.vocab_size}\]", gathers[0]), (name, gathers)
+
     (shared,) = random_prompts(2, [32])
     prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]
     engine = LLMEngine(model, base)
@@ -564,16 +665,16 @@ def _engine_main() -> None:
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(reference, prompts, 8)
     assert engine.stats.num_copied_blocks >= 1 and outs[1].num_cached_tokens == 32
 
-    runner, rows, width = engine.runner, 4, 16
-    hlo = runner.window_program.lower(
-        runner.params, runner.kv_caches, jax.device_put(DecodeState.empty(rows, width, 8)), np.zeros(rows, bool),
-        np.full(rows, rows, np.int32), np.zeros((rows, width), np.int32), num_steps=4, greedy=True, block_size=16,
-        max_model_len=64).compile().as_text()
-    found = re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
-    assert {name: found.count(name) for name in set(found)} == {
-        "all-reduce": 2 * config.num_hidden_layers, "all-gather": 2}, found
-    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
-    assert all(f"[{rows},2]" in line for line in gathers), gathers  # (max, index) per device and row
+    # A one-device program on a host of several, stored and loaded back, runs on its device.
+    from jax_paged_attn.engine.program_store import ProgramStore, call_signature
+
+    with tempfile.TemporaryDirectory() as directory:
+        add_one, x = jax.jit(lambda x: x + 1), jax.device_put(np.zeros(3, np.float32), jax.devices()[1])
+        signature = call_signature((x,), {})
+        ProgramStore(directory, ["key"]).load_or_compile("add_one", add_one, (x,), {}, signature)
+        store = ProgramStore(directory, ["key"])
+        np.testing.assert_array_equal(store.load_or_compile("add_one", add_one, (x,), {}, signature)(x), 1.0)
+        assert store.num_loaded == 1
     print("checked the engine at tp=2")
 
 

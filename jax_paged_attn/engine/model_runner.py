@@ -202,6 +202,19 @@ def stopped(tokens: Any, num_generated: Any, positions: Any, stop_ids: Any, max_
     return hit_stop | (num_generated >= max_tokens) | (positions + 2 >= max_model_len)
 
 
+def whole_vocabulary(model: Any, logits: Array) -> Array:
+    """``logits`` ``[N, vocab]`` replicated on the model's mesh (unchanged without one;
+    traced). Sampling sorts and sums over the whole vocabulary: on the vocabulary-
+    parallel logits of a tensor-parallel LM head, XLA partitions those with several
+    all-gathers and all-to-alls of the logits per step; gathered once here, sampling
+    runs whole on every device. Greedy programs keep the sharded logits: their argmax
+    gathers only each device's (max, index) per row."""
+    mesh = getattr(model, "mesh", None)
+    if mesh is None:
+        return logits
+    return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 class _Programs:
     """The jitted programs of one model structure (shared by engines, so by their
     compiled programs), and how often each was traced (= compiled)."""
@@ -221,8 +234,9 @@ class _Programs:
             # Last token row of every sequence (padding sequences own >= 1 row or point
             # at a real row; their tokens are ignored).
             last_rows = jnp.maximum(metadata.query_start_loc[1:] - 1, 0).astype(jnp.int32)
-            logits, new_caches = model_of(params)(input_ids, positions, kv_caches, metadata,
-                                                  logits_indices=last_rows)
+            model = model_of(params)
+            logits, new_caches = model(input_ids, positions, kv_caches, metadata, logits_indices=last_rows)
+            logits = logits if greedy else whole_vocabulary(model, logits)
             tokens = greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling)
             logprobs = None if num_logprobs is None else token_logprobs(logits, tokens, num_logprobs)
             return tokens, list(new_caches), logprobs
@@ -269,6 +283,7 @@ class _Programs:
                 s, caches, out, lp_out = carry
                 metadata = decode_metadata(s.positions, s.active, s.block_tables, block_size)
                 logits, caches = model(s.tokens, s.positions, caches, metadata, logits_indices=rows)
+                logits = logits if greedy else whole_vocabulary(model, logits)
                 s, sampled, step_lp = advance_rows(s, logits, greedy=greedy, max_model_len=max_model_len,
                                                    num_logprobs=num_logprobs)
                 out = out.at[k].set(sampled)
@@ -305,9 +320,11 @@ class _Programs:
             last_rows = jnp.concatenate([
                 jnp.maximum(metadata.query_start_loc[1:] - 1, 0).astype(jnp.int32),
                 num_prefill_tokens + jnp.arange(num_rows, dtype=jnp.int32)])
-            logits, new_caches = model_of(params)(
+            model = model_of(params)
+            logits, new_caches = model(
                 jnp.concatenate([input_ids, state.tokens]), jnp.concatenate([positions, state.positions]),
                 kv_caches, md, logits_indices=last_rows)
+            logits = logits if greedy else whole_vocabulary(model, logits)
             prefill_logits = logits[:num_prefill_rows]
             tokens = greedy_tokens(prefill_logits) if greedy else sample_tokens(prefill_logits, *sampling)
             logprobs = None if num_logprobs is None else token_logprobs(prefill_logits, tokens, num_logprobs)

@@ -30,8 +30,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-STORE_FORMAT = 1
-"""Bumped when the files' layout changes; part of every key."""
+STORE_FORMAT = 2
+"""Bumped when the files' layout changes; part of every key. 2: the executable's device
+ids are stored with it."""
 
 _UNKEYED_CONFIG_PREFIXES = (
     "jax_compilation_cache", "jax_enable_compilation_cache", "jax_persistent_cache", "jax_raise_persistent_cache",
@@ -160,8 +161,9 @@ class ProgramStore:
         path = self._path(name, signature)
         if path.exists():
             try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+                compiled = serialize_executable.deserialize_and_load(
+                    payload, in_tree, out_tree, execution_devices=_devices_by_id(device_ids))
                 self.num_loaded += 1
                 return compiled
             except Exception as error:  # noqa: BLE001 - any unreadable file is recompiled
@@ -180,7 +182,7 @@ class ProgramStore:
                            "the next start", path.name, type(error).__name__, error)
             return compiled
         try:
-            data = pickle.dumps((payload, in_tree, out_tree))
+            data = pickle.dumps((payload, in_tree, out_tree, _execution_device_ids(compiled)))
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, suffix=".tmp") as f:
                 f.write(data)
@@ -189,6 +191,24 @@ class ProgramStore:
         except OSError as error:  # the program runs; only the next start pays
             logger.warning("program store: %s not written (%s)", path.name, error)
         return compiled
+
+
+def _execution_device_ids(compiled: Any) -> list[int] | None:
+    """Ids of the devices ``compiled`` runs on, in its device assignment's order (None
+    where the runtime does not say)."""
+    executable = compiled.runtime_executable()
+    devices = executable.local_devices() if hasattr(executable, "local_devices") else None
+    return None if devices is None else [device.id for device in devices]
+
+
+def _devices_by_id(device_ids: list[int] | None) -> list[Any] | None:
+    """The devices of ``device_ids`` (a KeyError names a missing one: the program is
+    compiled again). Without ids the loader takes every device of the backend, which
+    fails a one-device program on a host of several at its first call."""
+    if device_ids is None:
+        return None
+    devices = {device.id: device for device in jax.devices()}
+    return [devices[i] for i in device_ids]
 
 
 class StoredProgram:

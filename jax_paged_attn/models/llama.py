@@ -33,6 +33,7 @@ Two forwards share the parameters:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -593,6 +594,22 @@ class LlamaAttention(nnx.Module):
         return self.o_proj(out)
 
 
+@functools.lru_cache(maxsize=None)  # one function per size: an initializer a module keeps is in its graphdef
+def _gate_up_kernel_init(intermediate_size: int) -> Callable[..., Array]:
+    """`nnx.LinearGeneral`'s default draw of the flat ``[hidden, 2 * intermediate]``
+    kernel (LeCun normal, fan-in ``hidden``; the same values, which threefry draws per
+    flat index), drawn in the ``[hidden, 2, intermediate]`` shape. Tensor parallelism
+    shards the intermediate axis, minor to the 2 in the flat kernel: XLA would draw the
+    flat kernel whole on every device (`jax_paged_attn.parallel.init_sharded`); drawn
+    in this shape each device draws only its own columns."""
+    draw = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2))
+
+    def init(key: Array, shape: Sequence[int], dtype: Any = jnp.float32) -> Array:
+        return draw(key, (shape[0], 2, intermediate_size), dtype).reshape(shape)
+
+    return init
+
+
 class LlamaMLP(nnx.Module):
     """SwiGLU: ``down_proj(silu(gate) * up)`` with gate and up from one fused projection.
 
@@ -606,8 +623,8 @@ class LlamaMLP(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.matmul_implementation = matmul_implementation
         self.interpret = interpret
-        self.gate_up_proj = nnx.LinearGeneral(config.hidden_size, (2, config.intermediate_size),
-                                              use_bias=False, **kw)
+        self.gate_up_proj = nnx.LinearGeneral(config.hidden_size, (2, config.intermediate_size), use_bias=False,
+                                              kernel_init=_gate_up_kernel_init(config.intermediate_size), **kw)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, **kw)
 
     def __call__(self, x: Array, *, serving: bool = False) -> Array:
@@ -708,10 +725,11 @@ class LlamaForCausalLM(nnx.Module):
         forward and the LM head always use XLA's dot.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       mesh, tensor_parallel_axis: tensor parallelism over heads; see
-        `jax_paged_attn.parallel`. With a mesh the parameters are placed sharded
-        (`parallel.shard_model`) and attention runs under `jax.shard_map`. A mesh with
-        more devices than KV heads replicates them (`kv_head_replicas`); ``config``
-        stays the checkpoint's.
+        `jax_paged_attn.parallel`. With a mesh each device creates only its own shard of
+        each parameter (`parallel.init_sharded`; the values are those the same ``rngs``
+        give without a mesh) and attention runs under `jax.shard_map`. A mesh with more
+        devices than KV heads replicates them (`kv_head_replicas`); ``config`` stays the
+        checkpoint's.
 
     Attributes:
       kv_head_replicas: copies of each KV head the model stores: 1, or ``tp // Hk`` on a
@@ -769,20 +787,24 @@ class LlamaForCausalLM(nnx.Module):
                 parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
         # Validates the cache dtype name early (raises ValueError naming kv_cache_dtype).
         cache_ops.get_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        self.model = LlamaModel(
-            config, dtype=self.dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
-            implementation=implementation, interpret=interpret, mesh=mesh,
-            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=layers_matmul,
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = None
+
+        def build(rngs: nnx.Rngs) -> dict[str, Any]:
+            model = LlamaModel(
+                config, dtype=self.dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
+                implementation=implementation, interpret=interpret, mesh=mesh,
+                tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=layers_matmul,
+            )
+            lm_head = None if config.tie_word_embeddings else _linear(
+                config.hidden_size, config.vocab_size, dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
+            return {"model": model, "lm_head": lm_head}  # the keys begin the parameter paths
+
+        if mesh is None:
+            parts = build(rngs)
         else:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype=self.dtype,
-                                   param_dtype=param_dtype, rngs=rngs)
-        if mesh is not None:
             from jax_paged_attn import parallel
 
-            parallel.shard_model(self, mesh, tensor_parallel_axis)
+            parts = parallel.init_sharded(build, rngs, mesh, tensor_parallel_axis)
+        self.model, self.lm_head = parts["model"], parts["lm_head"]
 
     # --- KV cache -------------------------------------------------------------------
 
