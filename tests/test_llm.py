@@ -16,6 +16,7 @@ import dataclasses
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -116,6 +117,9 @@ def test_bad_arguments_are_named(checkpoint):
     directory, _, model = checkpoint
     with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['num_block'\]"):
         LLM(directory, num_block=8)
+    devices = len(jax.devices())  # tests/test_parallel.py runs tensor_parallel_size=2 on forced CPU devices
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size must be an int in \[1, {devices}\].*got {devices + 1}"):
+        LLM(directory, tensor_parallel_size=devices + 1, **ENGINE)
     with pytest.raises(TypeError, match="tokenizer must be None, a path"):
         LLM.from_model(model, tokenizer=42)
     with pytest.raises(FileNotFoundError, match="no tokenizer file"):

@@ -495,6 +495,7 @@ def _equivalence_main() -> None:
                                            err_msg=f"tp={tp} cache of layer {layer}")
             if tp == 2:
                 _check_sharded_cache_ops(got_caches[0], mesh)
+                _check_llm_front_end(directory, want_tokens)
             checked.append(f"tp={tp}")
 
     # The layer alone with ALiBi: slopes are split by head with the queries.
@@ -511,6 +512,21 @@ def _equivalence_main() -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
     print("checked " + " ".join(checked))
+
+
+def _check_llm_front_end(directory: str, want_tokens: list[list[int]]) -> None:
+    """``LLM(dir, tensor_parallel_size=2)`` loads the checkpoint onto a 2-way mesh and
+    generates what the single-device model does (`_paged_generate`'s second prompt and
+    its 4 greedy tokens)."""
+    from jax_paged_attn.engine import LLM, SamplingParams
+
+    llm = LLM(directory, dtype=jnp.float32, implementation="xla", tensor_parallel_size=2, tokenizer=None,
+              warmup=False, num_blocks=_NUM_BLOCKS, block_size=_BLOCK_SIZE, max_num_seqs=2,
+              compiler_options={"xla_backend_optimization_level": 0})
+    assert dict(llm.model.mesh.shape) == {"tp": 2}, llm.model.mesh
+    prompt, want = want_tokens[1][:5], want_tokens[1][5:]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=len(want)))
+    assert list(out[0].outputs[0].token_ids) == want, (out[0].outputs[0].token_ids, want)
 
 
 def _replication_main() -> None:

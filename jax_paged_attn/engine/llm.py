@@ -163,6 +163,10 @@ class LLM:
       kv_cache_dtype: "auto" (the compute dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2".
       implementation: attention implementation: None / "auto", "xla" or "triton".
       interpret: run the Pallas kernels in interpret mode (CPU).
+      tensor_parallel_size: devices the model is split over by attention heads (vLLM's
+        name): 1 runs on the default device; N > 1 builds a mesh of the first N devices
+        (`jax_paged_attn.parallel.tensor_parallel_mesh`) and loads each device's shards
+        of the checkpoint straight onto it, for a model one device cannot hold.
       tokenizer: "auto" (the checkpoint's tokenizer.json when it has one, else none,
         said in a warning), None (token ids only), a path to a tokenizer.json or its
         directory (both read with the special tokens the tokenizer_config.json /
@@ -187,6 +191,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         implementation: str | None = None,
         interpret: bool = False,
+        tensor_parallel_size: int = 1,
         tokenizer: "str | os.PathLike | Tokenizer | None" = "auto",
         warmup: bool | None = None,
         **engine_options: Any,
@@ -196,6 +201,11 @@ class LLM:
         from jax_paged_attn.models.checkpoint import read_hf_config
 
         config = _engine_config(engine_options)  # bad options fail before the weights load
+        mesh = None
+        if tensor_parallel_size != 1:
+            from jax_paged_attn import parallel
+
+            mesh = parallel.tensor_parallel_mesh(tensor_parallel_size)  # ValueError naming tensor_parallel_size
         checkpoint_dir = os.fspath(checkpoint_dir)
         read_hf_config(checkpoint_dir)  # a missing directory or config.json is said first, and alone
         if isinstance(tokenizer, str) and tokenizer == "auto":
@@ -207,7 +217,7 @@ class LLM:
                                "(pass tokenizer= to use one from elsewhere).", TOKENIZER_FILE, checkpoint_dir)
         tokenizer = _as_tokenizer(tokenizer)
         model = load_llama(checkpoint_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                           implementation=implementation, interpret=interpret)
+                           implementation=implementation, interpret=interpret, mesh=mesh)
         self._setup(model, tokenizer, config, warmup)
 
     @classmethod
