@@ -72,7 +72,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from engine_common import (  # noqa: E402,F401  (parse_options: profile_engine imports it from here)
-    CompileCounter, engine_config, parse_engine_options, parse_options, warm_up)
+    CompileCounter, add_decode_run_arguments, engine_config, parse_engine_options, parse_options, warm_up)
 from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -382,13 +382,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32,64,128,256)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (--quick: 8)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="N, at least 2; default 128 (--quick: 8)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
-    parser.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
-                        help="set an EngineConfig field (repeatable; overrides the options above)")
+    add_decode_run_arguments(parser, quick_prompt_len=8, quick_new_tokens=8)
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation of the model: auto (default), xla, triton")
     parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES,

@@ -68,7 +68,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import bench_engine  # noqa: E402
-from engine_common import parse_engine_options  # noqa: E402
+from engine_common import add_decode_run_arguments, parse_engine_options  # noqa: E402
 from jax_paged_attn import matmul, parallel  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -158,13 +158,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                                                    "(default: 8b 1,2; 70b 2)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes for every model "
                                                         "(default: 8b 1,32,256; 70b 1,32)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (--quick: 4)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="N, at least 2; default 128 (--quick: 3)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
-    parser.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
-                        help="set an EngineConfig field (repeatable; overrides the options above)")
+    add_decode_run_arguments(parser, quick_prompt_len=4, quick_new_tokens=3)
     parser.add_argument("--implementation", default=None,
                         help="paged attention implementation: auto (default), xla, triton")
     parser.add_argument("--matmul-implementation", default=None, choices=matmul.IMPLEMENTATION_CHOICES,

@@ -11,6 +11,7 @@ time.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import threading
@@ -96,6 +97,21 @@ def parse_options(text: str) -> dict[str, Any]:
         key, _, value = item.partition("=")
         options[key] = parse_value(value)
     return options
+
+
+def add_decode_run_arguments(parser: argparse.ArgumentParser, *, quick_prompt_len: int,
+                             quick_new_tokens: int) -> None:
+    """The options of a decode-throughput run that `bench_engine.py` and `bench_tp.py`
+    share: prompt length, new tokens, block size, prompt tokens a step, steps a decode
+    window and ``--engine-option`` (parsed by `parse_engine_options`)."""
+    parser.add_argument("--prompt-len", type=int, default=None, help=f"default 128 (--quick: {quick_prompt_len})")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help=f"N, at least 2; default 128 (--quick: {quick_new_tokens})")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-scheduler-steps", type=int, default=16, help="decode steps per decode window")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
+                        help="set an EngineConfig field (repeatable; overrides the options above)")
 
 
 def parse_engine_options(items: Sequence[str] | None) -> dict[str, Any]:
