@@ -2,13 +2,15 @@
 """Where a decode step's time goes: the engine's decode window and the dense loop's
 step, kernel by kernel, from a JAX profiler trace.
 
-    python benchmarks/profile_engine.py [--batches 1,32,256] [--context 192]
-                                        [--num-steps 16] [--table-keys 256] [--out DIR]
+    python benchmarks/profile_engine.py [--model 1b|8b|70b] [--tp N] [--batches 1,32,256]
+                                        [--context 192] [--num-steps 16] [--table-keys 256] [--out DIR]
                                         [--variant NAME:OPTION=VALUE[,OPTION=VALUE...]]
                                         [--decode-config FIELD=VALUE,...] [--top N]
 
 For each batch size it builds the 1.1B Llama of `bench_engine.py` (random weights,
-bfloat16), a persistent decode batch of that many rows at position ``--context`` whose
+bfloat16; ``--model 8b`` / ``70b``: `bench_tp.py`'s Llama 3 shapes; ``--tp N``: split
+over the first N GPUs by heads, each creating its own shards, the dense step skipped),
+a persistent decode batch of that many rows at position ``--context`` whose
 block tables cover ``--table-keys`` keys (as the engine sizes them for requests ending
 there; 256 in `bench_engine.py`; runs before 2026-12-02 03:40 UTC used 2,112), and
 compiles `ModelRunner`'s decode window (rows padded as the engine pads them)
@@ -18,6 +20,12 @@ compiles `ModelRunner`'s decode window (rows padded as the engine pads them)
   union of kernel intervals), so launch gaps show as the difference;
 * kernels per step and the largest kernels: count and microseconds per step;
 * the same for the dense XLA loop's step (`bench_engine.make_dense_decode_step`).
+
+With several GPUs the kernels listed are GPU 0's (each GPU runs the same program on its
+shards); the "collective (NCCL)" family is the all-reduces after each layer's
+``o_proj`` and ``down_proj``, so its time per step over ``2 * layers`` is one
+all-reduce's cost, to set beside NCCL's latency and try XLA's collective options
+against with ``--variant``.
 
 ``--variant`` compiles the window again with XLA options (``jax.jit``'s
 ``compiler_options``) and reports its ms per step beside the default, e.g.
@@ -48,13 +56,19 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import LLAMA_1B, make_dense_decode_step, parse_options, use_decode_config  # noqa: E402
-from jax_paged_attn import matmul  # noqa: E402
+from bench_tp import MODELS  # noqa: E402
+from jax_paged_attn import matmul, parallel  # noqa: E402
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner, decode_batch_rows  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
-def device_kernel_events(trace_path: pathlib.Path) -> list[dict[str, Any]]:
-    """Complete events ("X") of the trace's GPU streams (kernels and copies)."""
+PROFILED_MODELS = {name: config for name, (config, _, _) in MODELS.items()}
+"""`bench_tp.py`'s Llama 3 shapes, by name."""
+
+
+def device_kernel_events(trace_path: pathlib.Path, first_device_only: bool = True) -> list[dict[str, Any]]:
+    """Complete events ("X") of the trace's GPU streams (kernels and copies): the first
+    GPU's (by process name) unless ``first_device_only`` is False."""
     with gzip.open(trace_path, "rt") as fp:
         trace = json.load(fp)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -65,6 +79,8 @@ def device_kernel_events(trace_path: pathlib.Path) -> list[dict[str, Any]]:
         if event.get("ph") == "M" and event.get("name") == "thread_name":
             thread_names[(event["pid"], event["tid"])] = event.get("args", {}).get("name", "")
     device_pids = {pid for pid, name in process_names.items() if re.search(r"GPU|gpu", name)}
+    if first_device_only and len(device_pids) > 1:
+        device_pids = {min(device_pids, key=lambda pid: process_names[pid])}
     out = []
     for event in events:
         if event.get("ph") != "X" or event.get("pid") not in device_pids:
@@ -114,6 +130,8 @@ def idle_gaps_us(events: Sequence[dict[str, Any]], bounds_us: Sequence[float] = 
 def kernel_family(name: str) -> str:
     """A coarse class of a kernel's name, for the per-step summary."""
     lowered = name.lower()
+    if any(s in lowered for s in ("nccl", "all_reduce", "allreduce", "all-reduce", "all_gather", "allgather")):
+        return "collective (NCCL)"
     if any(s in lowered for s in ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")):
         return "matmul (cuBLAS)"
     if "triton" in lowered and "fusion" in lowered or lowered.startswith(("gemm_fusion", "triton_gemm")):
@@ -217,14 +235,16 @@ def dense_runner(model: LlamaForCausalLM, batch: int, context: int) -> Callable[
     return run
 
 
-def decode_plan_line(config: LlamaConfig, num_rows: int, width: int, block_size: int, dtype: Any) -> str:
+def decode_plan_line(config: LlamaConfig, num_rows: int, width: int, block_size: int, dtype: Any,
+                     tp: int = 1, kv_head_replicas: int = 1) -> str:
     """The Triton decode kernel's plan for the window's attention calls (what the splits
-    and tile sizes are planned from: the rows and the block table's width)."""
+    and tile sizes are planned from: the rows, the block table's width and, split over
+    ``tp`` devices, each device's heads)."""
     from jax_paged_attn import decode
 
     tiling = decode.triton_tiling(
-        (num_rows, 1, config.num_attention_heads, config.head_dim),
-        (1, block_size, config.num_key_value_heads, config.head_dim), width, dtype, dtype)
+        (num_rows, 1, config.num_attention_heads // tp, config.head_dim),
+        (1, block_size, config.num_key_value_heads * kv_head_replicas // tp, config.head_dim), width, dtype, dtype)
     return (f"decode plan: {num_rows} rows, block tables of {width} blocks ({width * block_size} keys): "
             f"{tiling.tile_keys} keys per step, {tiling.num_splits} split(s), {tiling.num_warps} warps, "
             f"{tiling.num_stages} stages")
@@ -239,6 +259,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="1b", choices=("1b", *PROFILED_MODELS),
+                        help="1b: bench_engine.py's 1.1B Llama; 8b / 70b: bench_tp.py's Llama 3 shapes")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the first N devices, split by heads")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--context", type=int, default=192, help="position of every row's token")
     parser.add_argument("--num-steps", type=int, default=16, help="decode steps per window")
@@ -260,14 +283,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     use_decode_config(args.decode_config)
 
-    config, dtype = (LlamaConfig.tiny(), jnp.float32) if args.quick else (LLAMA_1B, jnp.bfloat16)
+    if args.quick:
+        config, dtype = LlamaConfig.tiny(), jnp.float32
+    else:
+        config, dtype = (LLAMA_1B if args.model == "1b" else PROFILED_MODELS[args.model]), jnp.bfloat16
     out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="profile_engine_"))
     out.mkdir(parents=True, exist_ok=True)
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
+    mesh = None
+    if args.tp > 1:
+        mesh = parallel.tensor_parallel_mesh(args.tp)  # ValueError: more than the devices
+        if not args.no_dense:
+            print(f"(the dense XLA step is not profiled at tp = {args.tp}: it runs on one device)")
+            args.no_dense = True
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, mesh=mesh,
                              matmul_implementation=args.matmul_implementation)
     variants = [("default", {})] + [parse_variant(v) for v in args.variant]
     print(f"# decode step profile: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{jnp.dtype(dtype).name}, context {args.context}, {args.num_steps}-step windows, "
+          f"{jnp.dtype(dtype).name}, tp {args.tp}, context {args.context}, {args.num_steps}-step windows, "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}\n")
     for batch in [int(b) for b in args.batches.split(",")]:
         for name, options in variants:
@@ -283,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{busy:.3f} ms/step GPU busy\n")
             if name == "default":
                 num_rows, width = runner._decode_state.block_tables.shape
-                print(decode_plan_line(config, num_rows, width, args.block_size, dtype) + "\n")
+                print(decode_plan_line(config, num_rows, width, args.block_size, dtype, args.tp,
+                                       model.kv_head_replicas) + "\n")
                 print(table + "\n")
                 compiled = runner.window_program.lower(
                     runner.params, runner.kv_caches, runner._decode_state, np.ones(num_rows, bool),

@@ -372,6 +372,28 @@ def test_profile_engine_quick_smoke(capsys, tmp_path):
     assert "ms/step wall" in text and (tmp_path / "window_b2_default.hlo.txt").read_text().startswith("HloModule")
 
 
+def test_profile_reads_the_first_gpu_and_names_collectives(tmp_path):
+    """With several GPUs in a trace the per-step tables are GPU 0's (each runs the same
+    program on its shards); NCCL's kernels form a family of their own."""
+    import gzip
+
+    profile = _load("profile_engine")
+    meta = [dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
+            for pid, name in ((1, "/device:GPU:1"), (2, "/device:GPU:0"), (3, "/host:CPU"))]
+    meta += [dict(ph="M", name="thread_name", pid=pid, tid=7, args=dict(name="Stream #13")) for pid in (1, 2, 3)]
+    kernels = [dict(ph="X", pid=pid, tid=7, ts=ts, dur=3, name=name)
+               for pid, ts, name in ((1, 0, "fusion_1"), (2, 0, "fusion_1"), (2, 5, "ncclDevKernel_AllReduce_Sum_bf16"),
+                                     (3, 0, "host work"))]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as fp:
+        json.dump(dict(traceEvents=meta + kernels), fp)
+    assert [(e["pid"], e["name"]) for e in profile.device_kernel_events(path)] == [
+        (2, "fusion_1"), (2, "ncclDevKernel_AllReduce_Sum_bf16")]
+    assert len(profile.device_kernel_events(path, first_device_only=False)) == 3
+    assert profile.kernel_family("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective (NCCL)"
+    assert "| collective (NCCL) | 0.5 | 1.5 |" in profile.summarize(profile.device_kernel_events(path), 2)
+
+
 def test_idle_gaps_are_split_by_length_between_merged_busy_intervals():
     """Overlapping events are one busy interval; each gap between intervals lands in the
     range of its length."""
