@@ -695,4 +695,7 @@ def _engine_main() -> None:
 
 
 if __name__ == "__main__":
+    # As in conftest.py (which this process does not import first): a test process neither
+    # writes the user's compilation cache nor loads programs an earlier run left there.
+    jax.config.update("jax_enable_compilation_cache", False)
     {"equivalence": _equivalence_main, "replication": _replication_main, "engine": _engine_main}[sys.argv[1]]()
