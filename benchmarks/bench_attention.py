@@ -700,21 +700,23 @@ def _softmax_scale(head_dim: int) -> float:
 # --------------------------------------------------------------------------- decode
 
 
-def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
+def _decode_call(ctx: Context, x: DecodeInputs, implementation: str | None) -> tuple[Callable[..., Any], tuple]:
+    """`flash_attn_with_kvcache` jitted with ``implementation``, and its arguments."""
     api = _ours_api()
-    fn = jax.jit(functools.partial(api.flash_attn_with_kvcache, causal=True,
-                                   implementation=ctx.ours_implementation, interpret=ctx.interpret))
-    return ctx.time_jax(lambda: fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table),
-                        lambda o: to_numpy(o)[:, 0])
+    fn = jax.jit(functools.partial(api.flash_attn_with_kvcache, causal=True, implementation=implementation,
+                                   interpret=ctx.interpret))
+    return fn, (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+
+
+def decode_ours(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
+    fn, args = _decode_call(ctx, x, ctx.ours_implementation)
+    return ctx.time_jax(lambda: fn(*args), lambda o: to_numpy(o)[:, 0])
 
 
 def decode_auto(ctx: Context, case: DecodeCase, x: DecodeInputs) -> Measurement:
     """What a user's call runs: `flash_attn_with_kvcache` with ``implementation=None``
     (auto: the kernel the package picks for this GPU), checked against ours."""
-    api = _ours_api()
-    fn = jax.jit(functools.partial(api.flash_attn_with_kvcache, causal=True, implementation=None,
-                                   interpret=ctx.interpret))
-    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    fn, args = _decode_call(ctx, x, None)
     return ctx.time_jax(lambda: fn(*args), lambda o: to_numpy(o)[:, 0], note=f"auto ran the {auto_kernel(fn, *args)}")
 
 
@@ -932,24 +934,26 @@ DECODE_IMPLS = (
 # --------------------------------------------------------------------------- prefill / varlen / prefix
 
 
-def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implementation: str | None = None
-                   ) -> Measurement:
+def _attention_call(ctx: Context, x: AttentionInputs, implementation: str | None
+                    ) -> tuple[Callable[..., Any], tuple, dict[str, Any]]:
+    """`flash_attn_varlen_func` jitted with ``implementation``, and its arguments."""
     api = _ours_api()
     fn = jax.jit(functools.partial(
         api.flash_attn_varlen_func, max_seqlen_q=x.max_q, max_seqlen_k=x.max_k, causal=True,
-        implementation=implementation or ctx.ours_implementation, interpret=ctx.interpret))
-    return ctx.time_jax(lambda: fn(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, block_table=x.block_table),
-                        to_numpy)
+        implementation=implementation, interpret=ctx.interpret))
+    return fn, (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k), dict(block_table=x.block_table)
+
+
+def attention_ours(ctx: Context, case: AttentionCase, x: AttentionInputs, implementation: str | None = None
+                   ) -> Measurement:
+    fn, args, kwargs = _attention_call(ctx, x, implementation or ctx.ours_implementation)
+    return ctx.time_jax(lambda: fn(*args, **kwargs), to_numpy)
 
 
 def attention_auto(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
     """What a user's call runs: `flash_attn_varlen_func` with ``implementation=None``
     (auto), checked against ours."""
-    api = _ours_api()
-    fn = jax.jit(functools.partial(
-        api.flash_attn_varlen_func, max_seqlen_q=x.max_q, max_seqlen_k=x.max_k, causal=True,
-        implementation=None, interpret=ctx.interpret))
-    args, kwargs = (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k), dict(block_table=x.block_table)
+    fn, args, kwargs = _attention_call(ctx, x, None)
     return ctx.time_jax(lambda: fn(*args, **kwargs), to_numpy,
                         note=f"auto ran the {auto_kernel(fn, *args, **kwargs)}")
 

@@ -421,6 +421,18 @@ def _project(module: nnx.Linear | nnx.LinearGeneral, x: Array, *, serving: bool,
                    interpret=interpret)
 
 
+def kv_head_replicas_on(config: LlamaConfig, mesh: jax.sharding.Mesh | None, tensor_parallel_axis: str) -> int:
+    """Copies of each KV head a model of ``config`` stores on ``mesh``: 1 without a mesh,
+    else `jax_paged_attn.parallel.kv_head_replicas` for the mesh's tensor-parallel size
+    (its ValueError names head counts the mesh cannot split)."""
+    if mesh is None:
+        return 1
+    from jax_paged_attn import parallel
+
+    return parallel.kv_head_replicas(config.num_attention_heads, config.num_key_value_heads,
+                                     parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
+
+
 class LlamaAttention(nnx.Module):
     """Self-attention: the fused q/k/v projection, rotary embeddings, paged attention, o_proj.
 
@@ -446,13 +458,7 @@ class LlamaAttention(nnx.Module):
         self.config = config
         self.matmul_implementation = matmul_implementation
         self.interpret = interpret
-        self.kv_head_replicas = 1
-        if mesh is not None:
-            from jax_paged_attn import parallel
-
-            self.kv_head_replicas = parallel.kv_head_replicas(
-                config.num_attention_heads, config.num_key_value_heads,
-                parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
+        self.kv_head_replicas = kv_head_replicas_on(config, mesh, tensor_parallel_axis)
         hq, hk, d = config.num_attention_heads, self.num_kv_heads, config.head_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # LinearGeneral contracts x's last axis with the 4-D kernel in one dot_general (no
@@ -778,13 +784,7 @@ class LlamaForCausalLM(nnx.Module):
         self.tensor_parallel_axis = tensor_parallel_axis
         # Derived from the mesh, not stored in config: config stays the checkpoint's, which
         # load_checkpoint compares with config.json. Raises for heads the mesh cannot split.
-        self.kv_head_replicas = 1
-        if mesh is not None:
-            from jax_paged_attn import parallel
-
-            self.kv_head_replicas = parallel.kv_head_replicas(
-                config.num_attention_heads, config.num_key_value_heads,
-                parallel.tensor_parallel_size(mesh, tensor_parallel_axis))
+        self.kv_head_replicas = kv_head_replicas_on(config, mesh, tensor_parallel_axis)
         # Validates the cache dtype name early (raises ValueError naming kv_cache_dtype).
         cache_ops.get_kv_cache_dtype(kv_cache_dtype, self.dtype)
 
