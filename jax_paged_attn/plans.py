@@ -448,7 +448,8 @@ class MosaicPrefillTiling:
     """Static launch plan of the Mosaic GPU varlen kernel, from `plan_mosaic_prefill_tiling`.
 
     Attributes:
-      compute_warpgroups: warpgroups computing attention, 64 query rows each (1 or 2).
+      compute_warpgroups: warpgroups computing attention, 64 query rows each (1, 2, or
+        3 up to `MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE`).
       warp_specialized: one more warpgroup issues the TMA copies (the producer);
         otherwise the single compute warpgroup refills each ring slot itself after
         its block (compute_warpgroups is then 1).
@@ -529,8 +530,8 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
                          f"{config.masked_block_k!r}.")
     if not (isinstance(config.num_stages, int) and config.num_stages >= 2):
         raise ValueError(f"config.num_stages must be an int >= 2 (the TMA ring), got {config.num_stages!r}.")
-    if config.compute_warpgroups not in (1, 2):
-        raise ValueError(f"config.compute_warpgroups must be 1 or 2, got {config.compute_warpgroups!r}.")
+    if config.compute_warpgroups not in (1, 2, 3):
+        raise ValueError(f"config.compute_warpgroups must be 1, 2 or 3, got {config.compute_warpgroups!r}.")
     for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output",
                  "precheck_values", "prefetch_queries"):
         if not isinstance(getattr(config, name), bool):
@@ -554,6 +555,14 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
         raise ValueError("config.compute_warpgroups must be 1 without warp specialization (the one "
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
 
+
+MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE = 64
+"""Largest head size at which the Mosaic GPU prefill runs three compute warpgroups (192
+query rows a tile, FlashAttention-3's tile at D 64): three of them get 160 registers a
+thread each (`jax_paged_attn.kernels.mosaic_prefill.REGISTER_SPLIT`), which hold a 64 x D
+f32 accumulator, the masked blocks' second product tile and a 64 x block_k score tile at
+D 64 only. Past it a config's 3 runs 2; so do queries of at most 128 positions (a third
+warpgroup would hold idle rows)."""
 
 MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE = 128
 """Largest head size at which the Mosaic GPU prefill runs two compute warpgroups with the
@@ -607,9 +616,10 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
     the compute warpgroups to 1 when ``max_seqlen_q <= 64`` (decode-like batches would
     run a warpgroup of idle rows) or when the non-finite check's second product tile
-    would not fit the registers (`MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). Then, until the tiles fit
-    `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots, block_k halves (to
-    64), the compute warpgroups drop to 1 (the least tiling fits at every head size; two
+    would not fit the registers (`MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`); 3 of them to 2
+    past `MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE` or for ``max_seqlen_q <= 128``. Then,
+    until the tiles fit `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots,
+    block_k halves (to 64), the compute warpgroups drop one by one (the least tiling fits at every head size; two
     ping-ponged warpgroups are worth more than longer blocks, as in the stock
     attention_mgpu kernel's choice at D 256), except that with ``config.value_work_tile``
     ``"auto"`` the masked blocks first give up their value work tile for the query tile
@@ -628,6 +638,9 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     block_k -= block_k % MOSAIC_MIN_BLOCK_K  # (a config's multiple of 64 may not be a power of 2)
     stages = config.num_stages
     workers = 1 if max_seqlen_q <= MOSAIC_ROWS_PER_WARPGROUP else config.compute_warpgroups
+    if workers == 3 and (head_size > MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE
+                         or max_seqlen_q <= 2 * MOSAIC_ROWS_PER_WARPGROUP):
+        workers = 2
     if config.nonfinite_check in ("product", "probe") and head_size > MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE:
         workers = 1
     borrow = config.value_work_tile == "query"
@@ -643,10 +656,10 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
         stages -= 1
     while not fits() and block_k > MOSAIC_MIN_BLOCK_K:
         block_k = max(MOSAIC_MIN_BLOCK_K, block_k // 2 - (block_k // 2) % MOSAIC_MIN_BLOCK_K)
-    if not fits() and workers == 2 and config.value_work_tile == "auto":
+    if not fits() and workers >= 2 and config.value_work_tile == "auto":
         borrow = True  # a query tile reloaded after each masked block beats losing a warpgroup
-    if not fits():
-        workers = 1
+    while not fits() and workers > 1:
+        workers -= 1
         borrow = config.value_work_tile == "query"
     if config.value_work_tile == "query" and work_rows() != 0:
         raise ValueError(

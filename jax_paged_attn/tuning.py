@@ -318,7 +318,9 @@ class MosaicPrefillConfig:
     block_k: keys per KV block, a multiple of 64 up to 256 (shrunk for short keys and to
     fit shared memory); num_stages: slots of the shared-memory K/V ring the TMA copies
     run ahead by (>= 2); compute_warpgroups: warpgroups of 64 query rows each computing
-    attention (1 or 2; a tile has 64 x that many query positions); warp_specialized: a
+    attention (1, 2, or 3 at head sizes up to 64, FlashAttention-3's tile there,
+    `jax_paged_attn.plans.MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE`; a tile has 64 x that
+    many query positions); warp_specialized: a
     producer warpgroup issues the TMA copies while the compute warpgroups run (as the
     stock attention_mgpu kernel); False: one warpgroup computes and refills each ring
     slot after its block (compute_warpgroups must then be 1; the CPU tests' form, see

@@ -506,6 +506,31 @@ def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size,
     assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
 
 
+@pytest.mark.parametrize("fields", [dict(nonfinite_check="probe", precheck_values=True, heads_per_program=4),
+                                    dict(block_k=128, masked_block_k=64, nonfinite_check="probe")],
+                         ids=["d64-default-fields", "d64-bk128-masked-parts"])
+def test_three_compute_warpgroups_lower_at_head_size_64(fields):
+    """Three compute warpgroups (192 query rows a tile, `plans.MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE`)
+    lower for CUDA at D 64 with their register split, Mosaic GPU's shared-memory check
+    included."""
+    from jax_paged_attn import plans, prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    config = tuning.MosaicPrefillConfig(compute_warpgroups=3, **fields)
+    tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, num_q_heads=8, max_seqlen_q=1024, max_seqlen_k=1024,
+                                              block_size=None, config=config)
+    assert (tiling.compute_warpgroups, tiling.block_q) == (3, 192)
+    sds = jax.ShapeDtypeStruct
+    q = sds((2048, 8, 64), jnp.bfloat16)
+    kv = sds((2048, 2, 64), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    spec = AttentionSpec.create(64, causal=True)
+    fn = lambda q, k, v, cq, ck: prefill.varlen_attention(q, k, v, cq, ck, None, None, None, 1.0, 1.0, spec=spec,
+                                                          max_seqlen_q=1024, max_seqlen_k=1024,
+                                                          lowering="mosaic_gpu", config=config)
+    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
+
+
 def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_sequences: int = 2) -> str:
     """Auto's CUDA text for 256 query rows in ``num_sequences`` sequences."""
     q = jnp.ones((256, 8, head_size), q_dtype)

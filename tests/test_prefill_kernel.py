@@ -516,6 +516,22 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
         dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
         dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
+    # Three compute warpgroups (D 64: 192-row tiles, no ping-pong): the third sees the
+    # first two's diagonal blocks whole; sequences shorter than a tile leave warpgroups
+    # without rows; several heads per program, packed and paged.
+    pytest.param(
+        "specialized-3wg-causal-whole-blocks-probe-precheck",
+        tuning.MosaicPrefillConfig(compute_warpgroups=3, nonfinite_check="probe", precheck_values=True,
+                                   heads_per_program=2),
+        dict(q_lens=[400, 100, 31, 1, 200], k_lens=[400, 164, 31, 9, 200], num_q_heads=4, num_kv_heads=2,
+             head_size=64),
+        dict(causal=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-3wg-bk128-masked-parts-paged-window-alibi",
+        tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe"),
+        dict(q_lens=[400, 77, 1], k_lens=[520, 140, 9], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
+             block_size=16, extra_blocks=2),
+        dict(causal=True, window_size=(150, 0), alibi=True), marks=pytest.mark.gpu),
     ("specialized-1wg-paged-bs48-ring3-fp8",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
      dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
@@ -864,7 +880,7 @@ def test_mosaic_unsupported_reason():  # float16 / bfloat16 queries, any cache d
     (tuning.MosaicPrefillConfig(block_k=96), ValueError),
     (tuning.MosaicPrefillConfig(block_k=512), ValueError),
     (tuning.MosaicPrefillConfig(num_stages=1), ValueError),
-    (tuning.MosaicPrefillConfig(compute_warpgroups=3), ValueError),
+    (tuning.MosaicPrefillConfig(compute_warpgroups=4), ValueError),
     (tuning.MosaicPrefillConfig(compute_warpgroups=2, warp_specialized=False), ValueError),
 ])
 def test_bad_mosaic_config_is_rejected(bad, error):
@@ -933,6 +949,21 @@ def test_mosaic_value_work_tile_and_what_it_leaves_room_for():
         assert plan(192, nonfinite_check=check).compute_warpgroups == 1, check
         assert plan(256, nonfinite_check=check).compute_warpgroups == 1, check
     assert plan(64, nonfinite_check="probe", block_k=128, masked_block_k=128).work_rows == 128  # 128-key parts
+
+
+def test_mosaic_three_compute_warpgroups_only_where_registers_and_rows_allow():
+    """Three compute warpgroups (160 registers a thread each) run at head sizes up to
+    64 (`plans.MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE`) and for queries longer than two
+    warpgroups' rows; otherwise two, and one for queries of at most 64 positions."""
+    def plan(head_size, max_seqlen_q=4096, **fields):
+        config = tuning.MosaicPrefillConfig(compute_warpgroups=3, **fields)
+        return plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=1, max_seqlen_q=max_seqlen_q,
+                                                max_seqlen_k=4096, block_size=None, config=config)
+
+    assert [plan(d).compute_warpgroups for d in (32, 64, 128, 256)] == [3, 3, 2, 1]
+    assert plan(64).block_q == 192
+    assert [plan(64, max_seqlen_q=n).compute_warpgroups for n in (64, 128, 129)] == [1, 2, 3]
+    assert plan(64, nonfinite_check="probe", block_k=128, masked_block_k=64).compute_warpgroups == 3
 
 
 @pytest.mark.parametrize("head_size", [32, 48, 64, 80, 128, 192, 256])

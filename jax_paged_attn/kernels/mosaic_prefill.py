@@ -8,7 +8,7 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 
 * warp-specialized (the default): a producer warpgroup issues the TMA copies, waiting
   for each slot to be released by every compute warpgroup (a second barrier per slot),
-  while 1 or 2 compute warpgroups, 64 query rows each, run the softmax and the
+  while 1, 2 or 3 (D 64) compute warpgroups, 64 query rows each, run the softmax and the
   matmuls (registers moved from the producer to them with ``setmaxnreg``, as the stock
   ``attention_mgpu`` kernel does);
 * single warpgroup: one warpgroup computes and refills each slot after its block (the
@@ -150,11 +150,11 @@ from jax_paged_attn.spec import AttentionSpec
 
 Array = jax.Array
 
-# Registers per thread after the split (setmaxnreg; the stock attention_mgpu kernel's
-# figures): the producer only issues copies, compute warpgroups hold a 64 x block_k score
-# tile and a 64 x D accumulator. 2 x 232 + 40 warpgroup-threads' worth fits 64K registers.
-COMPUTE_REGISTERS = 232
-PRODUCER_REGISTERS = 40
+# Registers per thread after the split (setmaxnreg), by compute warpgroups: the producer
+# only issues copies, compute warpgroups hold a 64 x block_k score tile and a 64 x D
+# accumulator. The split must fit 64K registers: 2 x 232 + 40 (the stock attention_mgpu
+# kernel's figures) and 3 x 160 + 32 (FlashAttention-3's at D 64) warpgroup-threads' worth.
+REGISTER_SPLIT = {1: (232, 40), 2: (232, 40), 3: (160, 32)}  # workers -> (compute, producer)
 
 def smem_transforms(minor_dim: int, dtype) -> tuple:
     """Tiling + swizzle of a 2-D shared-memory tile whose rows have ``minor_dim`` elements
@@ -318,7 +318,9 @@ def _prefill_kernel(
     ops = _Ops(interpret)
     rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
     workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
+    # (Ping-pong staggers exactly two: three compute warpgroups interleave on their own.)
     pingpong = _PingPong(schedule.at[0]) if tiling.pingpong and workers == 2 else None
+    compute_registers, producer_registers = REGISTER_SPLIT[workers]
     copy_rows = tiling.copy_rows
     head_size = q_smem.shape[-1]
     dtype = q_smem.dtype
@@ -410,7 +412,7 @@ def _prefill_kernel(
                     """Refills each slot of the ring as soon as every compute warpgroup has
                     released it."""
                     if not tiling.persistent_programs:  # (persistent: once, before the items)
-                        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+                        plgpu.set_max_registers(producer_registers, action="decrease")
 
                     def refill(i, block):
                         slot = lax.rem(i, jnp.int32(stages))
@@ -801,7 +803,7 @@ def _prefill_kernel(
             @pl.when(wg < workers)
             def _compute():
                 if specialized and not tiling.persistent_programs:
-                    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                    plgpu.set_max_registers(compute_registers, action="increase")
                 if num_heads_here == 1:
                     compute_head(h0, jnp.int32(0), 0)
                 else:
@@ -826,8 +828,8 @@ def _prefill_kernel(
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
         if specialized:  # the register split, once for all the items
-            pl.when(wg == workers)(lambda: plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease"))
-            pl.when(wg < workers)(lambda: plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase"))
+            pl.when(wg == workers)(lambda: plgpu.set_max_registers(producer_registers, action="decrease"))
+            pl.when(wg < workers)(lambda: plgpu.set_max_registers(compute_registers, action="increase"))
 
         def next_item(i, _):
             item = program + i * step
