@@ -443,13 +443,25 @@ jax 0.11.2; 2026-12-01: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1 S16
 1.12x on 16 mixed lengths, 2.0x on a cached prefix; 2026-12-02, with the kernel's
 direct output store: 1.41x / 1.84x at D 128, 1.04x at D 256 (B4 S4096), 0.80x at D 64,
 which stays on Triton, as every unmeasured head size and GPU does; 12:58 UTC, with the
-per-head-size configs: 1.50x / 2.22x at D 128, 1.26x at D 256, 0.89x at D 64)."""
+per-head-size configs: 1.50x / 2.22x at D 128, 1.26x at D 256, 0.89x at D 64;
+2026-12-04, D 64 with 128-key blocks: 0.92x on packed keys, B16 S1024).
+Prefill over a paged cache adds `MOSAIC_PAGED_PREFILL_HEAD_SIZES`."""
+
+MOSAIC_PAGED_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({64})}
+"""Head sizes at which auto runs prefill over a paged cache (prefix caching, chunked
+prefill) through the Mosaic GPU kernel besides `MOSAIC_PREFILL_HEAD_SIZES`: D 64 with
+128-key blocks, 0.395-0.413 ms against the Triton kernel's 0.438 (1.06-1.11x; 512 new
+tokens on 3,584 cached, B8 Hq32 Hk8, page 16; the H200, jax 0.11.2, 2026-12-04, one run,
+the sweep's three 128-key configs), where on packed keys it stays behind (above)."""
 
 
-def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:
-    """Whether auto should run a prefill of ``head_size`` through the Mosaic GPU kernel on
-    ``device`` (default: `target_device`), by `MOSAIC_PREFILL_HEAD_SIZES`."""
+def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None, *, paged: bool = False) -> bool:
+    """Whether auto should run a prefill of ``head_size`` (over a paged cache with
+    ``paged``) through the Mosaic GPU kernel on ``device`` (default: `target_device`), by
+    `MOSAIC_PREFILL_HEAD_SIZES` and, paged, `MOSAIC_PAGED_PREFILL_HEAD_SIZES`."""
     device = target_device() if device is None else device
+    if paged and head_size in MOSAIC_PAGED_PREFILL_HEAD_SIZES.get(device.kind, frozenset()):
+        return True
     return head_size in MOSAIC_PREFILL_HEAD_SIZES.get(device.kind, frozenset())
 
 
@@ -472,7 +484,7 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
 
 
 MOSAIC_PREFILL_BY_HEAD_SIZE: dict[int, dict[str, object]] = {
-    64: dict(nonfinite_check="probe", precheck_values=True, heads_per_program=0),
+    64: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0),
     128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0),
     192: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
     256: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
@@ -482,7 +494,10 @@ differ from the default. The H200 sweep of 2026-12-02 (bench_attention.py, prefi
 suite, jax 0.11.2, 13:30 UTC): D 128 with 128-key blocks whose masked ones run in 64-key
 parts and the "probe" check, 3.65 ms at B1 S16384 (602 TFLOP/s) and 0.91 ms at B8 S2048
 against 4.63 / 1.03 with the default; D 64 (B16 S1024) with "probe", 0.44 against 0.47
-ms; D 256 (B4 S4096) with "key_flags", 1.32 ms (two compute warpgroups, the masked
+ms, and (2026-12-04, alternating rounds, `prefill_parts.py --versus`) with 128-key blocks
+in 64-key masked parts 0.299 against 0.327 ms (256-key blocks 0.560, three compute
+warpgroups 0.328-0.337, 2 or 8 heads a program and a third slot within 2 % or slower);
+over a paged cache (prefix, page 16) 0.395-0.413 against 0.445; D 256 (B4 S4096) with "key_flags", 1.32 ms (two compute warpgroups, the masked
 blocks in the query tile) against 5.3 with "product" or "probe" (their second 64 x D
 f32 product tile spills registers; `plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). D 192
 takes "key_flags" for the same register count, not measured. ``precheck_values``

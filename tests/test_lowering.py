@@ -551,12 +551,14 @@ def _auto_varlen_text(head_size: int, paged: bool, q_dtype=jnp.bfloat16, num_seq
 def test_auto_prefills_at_head_sizes_128_and_256_through_the_mosaic_gpu_kernel(paged):
     """Auto takes the Mosaic GPU prefill kernel where it was measured faster
     (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 and 256 on the H200, the GPU a CPU host
-    plans for), the Triton one elsewhere."""
+    plans for; D 64 over a paged cache only, `tuning.MOSAIC_PAGED_PREFILL_HEAD_SIZES`),
+    the Triton one elsewhere."""
     for head_size in (128, 256):
         text = _auto_varlen_text(head_size, paged)
         assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
     text = _auto_varlen_text(64, paged)
-    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+    expected, other = (MOSAIC_GPU_CALL, TRITON_CALL) if paged else (TRITON_CALL, MOSAIC_GPU_CALL)
+    assert expected in text and other not in text
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -603,7 +605,7 @@ def test_mosaic_prefill_default_takes_the_fields_measured_fastest_per_head_size(
 
     fields = {d: (c.block_k, c.masked_block_k, c.nonfinite_check)
               for d in (32, 64, 80, 128, 192, 256) for c in [tuning.mosaic_prefill_config(d, "bfloat16")]}
-    assert fields == {32: (64, 64, "probe"), 64: (64, 64, "probe"), 80: (128, 64, "probe"),
+    assert fields == {32: (128, 64, "probe"), 64: (128, 64, "probe"), 80: (128, 64, "probe"),
                       128: (128, 64, "probe"), 192: (64, 64, "key_flags"), 256: (64, 64, "key_flags")}
     assert tuning.mosaic_prefill_config(256, "bfloat16", interpret=True) == \
         tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP  # interpret mode keeps its one form
