@@ -62,13 +62,23 @@ def assert_all_blocks_free(engine):
 # --------------------------------------------------------------------------- greedy vs dense
 
 
+# Four long prompts outgrow the 24-block cache within 40 tokens (one preemption); the
+# fifth arrives later and waits for a free row.
+SWAP_PROMPTS, SWAP_MAX_TOKENS = random_prompts(0, [70, 60, 45, 50, 12]), 40
+
+
+@pytest.fixture(scope="module")
+def swap_expected(model):
+    return dense_greedy_generate(model, SWAP_PROMPTS, SWAP_MAX_TOKENS)
+
+
 @pytest.mark.parametrize("decode_during_prefill", [False, True])
-def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapping(model, decode_during_prefill):
-    prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
-    max_tokens = 80
+def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapping(model, swap_expected,
+                                                                                    decode_during_prefill):
+    prompts, max_tokens = SWAP_PROMPTS, SWAP_MAX_TOKENS
     engine = LLMEngine(model, dataclasses.replace(BASE, decode_during_prefill=decode_during_prefill))
-    outs = run_with_arrivals(engine, prompts, greedy(max_tokens), arrivals=[0, 0, 1, 2, 2, 5, 8])
-    expected = dense_greedy_generate(model, prompts, max_tokens)
+    outs = run_with_arrivals(engine, prompts, greedy(max_tokens), arrivals=[0, 0, 1, 2, 5])
+    expected = swap_expected
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == ref, f"request {i} diverged from the dense reference"
         assert out.outputs[0].finish_reason == "length"
@@ -79,11 +89,10 @@ def test_greedy_matches_dense_with_continuous_batching_chunked_prefill_and_swapp
     assert_all_blocks_free(engine)
 
 
-def test_greedy_matches_dense_when_preemption_recomputes(model):
-    prompts = random_prompts(1, [40, 9, 66, 21, 33])
+def test_greedy_matches_dense_when_preemption_recomputes(model, swap_expected):
     engine = LLMEngine(model, dataclasses.replace(BASE, num_host_blocks=0))
-    outs = run_with_arrivals(engine, prompts, greedy(80), arrivals=[0, 0, 0, 1, 1])
-    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 80)
+    outs = run_with_arrivals(engine, SWAP_PROMPTS, greedy(SWAP_MAX_TOKENS), arrivals=[0, 0, 0, 1, 1])
+    assert [o.outputs[0].token_ids for o in outs] == swap_expected
     assert engine.stats.num_recomputed_requests > 0
     assert_all_blocks_free(engine)
 
