@@ -248,7 +248,7 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_scheduling):
+def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, swap_expected, async_scheduling):
     """With ``async_scheduling`` the host dispatches mixed step n + 1 before it reads step
     n (so the device never waits for the host's bookkeeping between them); without it,
     each mixed step is read before the next is scheduled. Chunked prompts, admissions
@@ -267,9 +267,8 @@ def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, async_sch
 
     engine.runner.run_mixed, engine._read_prompt_tokens = counting_mixed, counting_read
     engine.runner.insert_decode_rows = None  # prompts join the batch inside the mixed step
-    prompts = random_prompts(16, [45, 17, 70, 3, 30, 12])
-    outs = run_with_arrivals(engine, prompts, greedy(64), arrivals=[0, 0, 1, 2, 4, 6])
-    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 64)
+    outs = run_with_arrivals(engine, SWAP_PROMPTS, greedy(SWAP_MAX_TOKENS), arrivals=[0, 0, 1, 2, 5])
+    assert [o.outputs[0].token_ids for o in outs] == swap_expected
     assert events.count("dispatch") == events.count("read") == engine.stats.num_mixed_steps >= 6
     unread_at_dispatch = [events[:i].count("dispatch") - events[:i].count("read")
                           for i, e in enumerate(events) if e == "dispatch"]
