@@ -638,9 +638,11 @@ def _engine_main() -> None:
             assert sharding.shard_shape(value.shape) in device_shapes, path  # the check reads real shapes
     assert sharded == 4 * config.num_hidden_layers + 1, sharded  # qkv, o, gate_up, down per layer; lm_head
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=80)
-    prompts = random_prompts(0, [5, 45, 17, 70, 3, 30, 12])
-    want = dense_greedy_generate(reference, prompts, 80)
+    # Four long prompts outgrow the 24-block cache within 40 tokens (one preemption); the
+    # fifth waits for a free row, so prompts prefill beside decodes (mixed steps).
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    prompts = random_prompts(0, [70, 60, 45, 50, 12])
+    want = dense_greedy_generate(reference, prompts, 40)
     base = engine_base()
     # Swapping moves sharded blocks to the host and back (recomputing is prefill again).
     engine = LLMEngine(model, dataclasses.replace(base, num_host_blocks=32))

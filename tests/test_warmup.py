@@ -13,8 +13,10 @@ from conftest import CompileCounter, random_prompts
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
+# One token bucket (the prompt chunk's 32): the warm-up still spans two decode-row buckets,
+# greedy and sampled, with a third of the programs of the default token buckets gone.
 CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                      num_scheduler_steps=4, compilation_cache=False,
+                      num_scheduler_steps=4, token_buckets=(32,), compilation_cache=False,
                       compiler_options={"xla_backend_optimization_level": 0})
 
 
