@@ -48,9 +48,12 @@ Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_pr
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
 blocks it visits, ``[kb_lo, kb_full_lo)`` and ``[kb_full_hi, kb_hi)`` masked and
 ``[kb_full_lo, kb_full_hi)`` unmasked; `jax_paged_attn.plans.plan_mosaic_prefill_tiling`
-the tile sizes. Grid: ``(num_tiles, Hq / heads_per_program)``, tile axis fastest
-(neighbouring programs share K/V in L2), or persistent programs walking the items in
-that order; a work item is one query head's ``block_q`` rows (64 per compute
+the tile sizes. Grid: ``(num_tiles, Hq / heads_per_program)``, which Mosaic GPU launches
+with the last axis as CUDA's x, so programs are issued head axis fastest: the programs
+running at once are a few tiles of every head, a KV head's blocks read by its G query
+heads' programs together, from L2 (issued tile axis fastest instead: 7 % slower at B8
+S2048 D128, 11 % at D 256, 3 % at D 64, 1 % faster at B1 S16384; the H200, 2026-12-04);
+or persistent programs walking the items tile fastest (below); a work item is one query head's ``block_q`` rows (64 per compute
 warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
 from L2). With ``heads_per_program`` > 1 (`tuning.MosaicPrefillConfig`; auto: 4 on
 short packed sequences) a program runs its tile for that many consecutive heads, one
@@ -817,9 +820,12 @@ def _prefill_kernel(
 
     if tiling.persistent_programs:
         # One program per SM walks the items strided by the program count, tile fastest
-        # within a head, as the grid form's programs are issued: the programs running at
-        # once share a head's K/V in L2 (walking them head fastest spread them over four
-        # sequences and every head: unmasked blocks 1.7x slower, the H100, 2026-12-02).
+        # within a head (the grid form's programs are issued head fastest, module
+        # docstring): the programs running at once share a head's K/V in L2 (walking them
+        # head fastest spread them over four sequences and every head: unmasked blocks
+        # 1.7x slower, the H100, 2026-12-02). Off by default: 1.6x the grid form's kernel
+        # time at B8 S2048 D128 under Nsight Compute, its SMs 90 % active, DRAM 7 % busy
+        # (the H200, 2026-12-04): each item runs slower, not the SMs idle.
         # The stride also gives every program its share of long and short tiles (the plan
         # orders them longest first; a run of neighbouring items would give the first
         # programs the longest: 2.7x slower at B1 S16384).
