@@ -56,7 +56,7 @@ TARGETS = (
     Target("prefill", "torch_sdpa_cudnn", 1.0, subject=AUTO),
     Target("varlen", "cudnn_padded", 1.5, subject=AUTO),
     # (512 new tokens on 3,584 cached at D 128, pages 16 and 64; the suite's D 64 shape
-    # is there for the head-size choice, `tuning.MOSAIC_PAGED_PREFILL_HEAD_SIZES`)
+    # is there for the head-size choice, `tuning.MOSAIC_PREFILL_HEAD_SIZES`)
     Target("prefix", None, 500.0, subject=AUTO, shapes="D128"),
 )
 

@@ -90,8 +90,7 @@ MOSAIC_GPU = "mosaic_gpu"
 LOWERINGS = (TRITON, MOSAIC_GPU)
 """Lowerings with a varlen kernel: Pallas Triton (any CUDA GPU) and Pallas Mosaic GPU
 (Hopper, `jax_paged_attn.kernels.mosaic_prefill`; auto runs it where
-`tuning.MOSAIC_PREFILL_HEAD_SIZES` and `tuning.MOSAIC_PAGED_PREFILL_HEAD_SIZES` say it was
-measured faster)."""
+`tuning.MOSAIC_PREFILL_HEAD_SIZES` says it was measured faster)."""
 
 
 def unsupported_reason(

@@ -444,24 +444,15 @@ jax 0.11.2; 2026-12-01: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1 S16
 direct output store: 1.41x / 1.84x at D 128, 1.04x at D 256 (B4 S4096), 0.80x at D 64,
 which stays on Triton, as every unmeasured head size and GPU does; 12:58 UTC, with the
 per-head-size configs: 1.50x / 2.22x at D 128, 1.26x at D 256, 0.89x at D 64;
-2026-12-04, D 64 with 128-key blocks: 0.92x on packed keys, B16 S1024).
-Prefill over a paged cache adds `MOSAIC_PAGED_PREFILL_HEAD_SIZES`."""
-
-MOSAIC_PAGED_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({64})}
-"""Head sizes at which auto runs prefill over a paged cache (prefix caching, chunked
-prefill) through the Mosaic GPU kernel besides `MOSAIC_PREFILL_HEAD_SIZES`: D 64 with
-128-key blocks, 0.395-0.413 ms against the Triton kernel's 0.438 (1.06-1.11x; 512 new
-tokens on 3,584 cached, B8 Hq32 Hk8, page 16; the H200, jax 0.11.2, 2026-12-04, one run,
-the sweep's three 128-key configs), where on packed keys it stays behind (above)."""
+2026-12-04, D 64 with 128-key blocks: 0.92x on packed keys (B16 S1024), 1.09x over a paged
+cache with 512 new tokens on 3,584 cached: D 64 stays on Triton until the engine's own
+prefills over its paged cache, fresh prompts whose keys are their queries, are measured)."""
 
 
-def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None, *, paged: bool = False) -> bool:
-    """Whether auto should run a prefill of ``head_size`` (over a paged cache with
-    ``paged``) through the Mosaic GPU kernel on ``device`` (default: `target_device`), by
-    `MOSAIC_PREFILL_HEAD_SIZES` and, paged, `MOSAIC_PAGED_PREFILL_HEAD_SIZES`."""
+def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:
+    """Whether auto should run a prefill of ``head_size`` through the Mosaic GPU kernel on
+    ``device`` (default: `target_device`), by `MOSAIC_PREFILL_HEAD_SIZES`."""
     device = target_device() if device is None else device
-    if paged and head_size in MOSAIC_PAGED_PREFILL_HEAD_SIZES.get(device.kind, frozenset()):
-        return True
     return head_size in MOSAIC_PREFILL_HEAD_SIZES.get(device.kind, frozenset())
 
 

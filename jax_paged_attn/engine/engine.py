@@ -1522,11 +1522,10 @@ def _implementation_report(model: Any) -> str:
         if backend == "gpu":
             head_size = getattr(getattr(model, "config", None), "head_dim", None)
             prefill = ""
-            if head_size is not None and tuning.auto_prefers_mosaic_prefill(head_size, paged=True):
-                over = "" if tuning.auto_prefers_mosaic_prefill(head_size) else " over the paged cache"
+            if head_size is not None and tuning.auto_prefers_mosaic_prefill(head_size):
                 prefill = (f", prefill of long query runs (at least {dispatch.MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE} "
-                           f"rows per sequence){over} through the Mosaic GPU kernel (measured faster than the "
-                           f"Triton one at head size {head_size} on this GPU)")
+                           f"rows per sequence) through the Mosaic GPU kernel (measured faster than the Triton one "
+                           f"at head size {head_size} on this GPU)")
             return ("auto: Pallas Triton kernels for attention and the cache write on CUDA"
                     f"{prefill} (the pure-JAX reference for calls no kernel supports); {tuning.describe_tables()}")
         return f"auto: the pure-JAX reference (no Pallas kernel for the {backend} backend)"
