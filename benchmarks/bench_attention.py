@@ -495,6 +495,8 @@ class Measurement:
     config: str | None = None
     note: str = ""
     sweep: list[dict[str, Any]] | None = None
+    # Times the same compiled call again (ms; no compile): the alternating rounds (`run_jobs`).
+    retime: Callable[[], float] | None = dataclasses.field(default=None, repr=False)
 
 
 def _block(tree: Any) -> Any:
@@ -597,13 +599,15 @@ class Context:
     interpret: bool = False
     quick: bool = False
     max_configs: int = 0  # a sweep's first configs only (0: all)
+    rounds: int = 1  # timings of every measured call, in alternating rounds (`run_jobs`)
     _torch: Any = None
 
     def time_jax(self, call: Callable[[], Any], to_numpy: Callable[[Any], np.ndarray] | None = None,
                  **fields: Any) -> Measurement:
         self.deadline.check()
         ms, compile_s, out = self.timer.jax(call)
-        return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out), **fields)
+        return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out),
+                           retime=lambda: self.timer.jax(call)[0], **fields)
 
     def sweep(self, configs: Sequence[Any], make_call: Callable[[Any], Callable[[], Any]],
               describe: Callable[[Any], str] = repr,
@@ -618,13 +622,14 @@ class Context:
                 trials.append({"config": name, "skipped": "time budget"})
                 continue
             try:
-                ms, compile_s, out = self.timer.jax(make_call(config))
+                call = make_call(config)
+                ms, compile_s, out = self.timer.jax(call)
             except Exception as e:  # noqa: BLE001 - one config failing must not stop the sweep
                 trials.append({"config": name, "error": short_error(e, 300)})
                 continue
             trials.append({"config": name, "ms": ms, "compile_s": compile_s})
             if best is None or ms < best[0]:
-                best, best_out = (ms, compile_s, name), out
+                best, best_out, best_call = (ms, compile_s, name), out, call
         if best is None:
             if all("skipped" in t for t in trials):
                 raise OutOfTime("time budget of the suite spent before any config ran")
@@ -635,7 +640,8 @@ class Context:
                                f"[{len(trials)} configs]"[:600])
         ok = sum("ms" in t for t in trials)
         return Measurement(best[0], best[1], None if to_numpy is None else to_numpy(best_out),
-                           config=best[2], note=f"best of {ok}/{len(trials)} configs", sweep=trials)
+                           config=best[2], note=f"best of {ok}/{len(trials)} configs", sweep=trials,
+                           retime=lambda: self.timer.jax(best_call)[0])
 
     @property
     def torch(self) -> Any:
@@ -663,7 +669,8 @@ class Context:
                    **fields: Any) -> Measurement:
         self.deadline.check()
         ms, compile_s, out = self.timer.torch(self.torch, call)
-        return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out), **fields)
+        return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out),
+                           retime=lambda: self.timer.torch(self.torch, call)[0], **fields)
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -1324,6 +1331,7 @@ class Row:
     check_max_abs_diff: float | None = None
     check_against: str | None = None
     sweep: list[dict[str, Any]] | None = None
+    rounds_ms: list[float] | None = None  # ms of each alternating round (`run_jobs`); ms is their median
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # tuning rows only
     table: str | None = None
@@ -1543,6 +1551,7 @@ class SuiteRunner:
         self.ctx = ctx
         self._inputs: dict[Any, Any] = {}
         self._ours_output: dict[Any, np.ndarray] = {}
+        self.retimes: dict[int, Callable[[], float] | None] = {}
 
     def inputs(self, suite: str, case: Any) -> Any:
         if case not in self._inputs:
@@ -1555,7 +1564,8 @@ class SuiteRunner:
         return self._inputs[case]
 
     def run(self, job: Job) -> Row:
-        """One job; never raises (failures and skips are recorded in the row)."""
+        """One job; never raises (failures and skips are recorded in the row). The
+        measured call's `Measurement.retime` is kept in ``self.retimes`` for `run_jobs`."""
         row = job.blank_row()
         try:
             self.ctx.deadline.check()
@@ -1566,6 +1576,7 @@ class SuiteRunner:
             else:
                 result = job.impl.run(self.ctx, job.case, x)
                 row.ms, row.compile_s = result.ms, result.compile_s
+                self.retimes[id(row)] = result.retime
                 row.config, row.note, row.sweep = result.config, result.note, result.sweep
                 self._check(job, x, row, result.output)
             row.value = throughput(row.work, row.ms, row.metric)
@@ -1594,12 +1605,48 @@ class SuiteRunner:
             row.note = (row.note + "; " if row.note else "") + f"not compared: {e}"
 
 
-def run_jobs(jobs: Sequence[Job], ctx: Context, emit: Callable[[Row], None]) -> None:
+Emit = Callable[[Row, "int | None"], None]
+"""Receives each job's row as it is measured (``None``), then, after the alternating
+rounds, the row again with the index of the row it replaces among this call's rows."""
+
+
+def run_jobs(jobs: Sequence[Job], ctx: Context, emit: Emit) -> None:
+    """Runs the jobs in order, emitting each row as soon as it is measured (a crash loses
+    only the job it happens in). Then, with ``ctx.rounds`` > 1, times every measured call
+    again in ``ctx.rounds - 1`` more rounds, all of the suite's calls in job order per
+    round (implementations and shapes alternating, as `prefill_parts.py --versus` does),
+    while the suite's budget lasts: each row's ms becomes the median of its rounds
+    (``rounds_ms``), so a GPU's drift between one implementation's turn and the next's (up
+    to ~10 % between runs on the H200) reaches every column alike. Re-emits the rows it
+    re-timed."""
     runner = SuiteRunner(ctx)
+    rows = []
     for job in jobs:
         row = runner.run(job)
         log_row(row)
-        emit(row)
+        emit(row, None)
+        rows.append(row)
+    timed = [(i, row, runner.retimes.get(id(row))) for i, row in enumerate(rows)]
+    timed = [(i, row, retime) for i, row, retime in timed if row.status == "ok" and retime is not None]
+    if ctx.rounds < 2 or not timed:
+        return
+    for _, row, _ in timed:
+        row.rounds_ms = [row.ms]
+    for _ in range(ctx.rounds - 1):
+        if ctx.deadline.expired():
+            break
+        for _, row, retime in timed:
+            if ctx.deadline.expired():
+                break
+            try:
+                row.rounds_ms.append(retime())
+            except Exception as e:  # noqa: BLE001 - keep the rounds it has
+                row.note = (row.note + "; " if row.note else "") + f"a later round failed: {short_error(e, 200)}"
+    for i, row, _ in timed:
+        if len(row.rounds_ms) > 1:
+            row.ms = statistics.median(row.rounds_ms)
+            row.value = throughput(row.work, row.ms, row.metric)
+            emit(row, i)
 
 
 # =========================================================================== one process per suite
@@ -1618,15 +1665,25 @@ def spawn(command: list[str], timeout_s: float) -> str | int:
         return f"timed out after {timeout_s:.0f} s"
 
 
+REPLACES = "replaces_row"
+"""Key of a child's JSON line that replaces an earlier row of that child (its index):
+the row again after the alternating rounds (`run_jobs`)."""
+
+
 def _read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    """A child's rows, each line a row or (`REPLACES`) a new version of an earlier one."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a crash
             break
+        if REPLACES in record:
+            rows[record.pop(REPLACES)] = record
+        else:
+            rows.append(record)
     return rows
 
 
@@ -1690,10 +1747,13 @@ def child_main(args: argparse.Namespace) -> int:
     print(f"[{suite}] process {os.getpid()}: {meta['gpu']} | torch {meta['torch']} | jobs {args.child_start}.."
           f"{args.child_start + len(jobs) - 1}", flush=True)
     ctx = Context(run_timer(args), Deadline(args.child_deadline), ours_implementation=args.ours_impl,
-                  interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
+                  rounds=args.rounds, interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
     with open(args.child_rows, "w") as sink:
-        def emit(row: Row) -> None:
-            sink.write(json.dumps(dataclasses.asdict(row), default=str) + "\n")
+        def emit(row: Row, replaces: int | None) -> None:
+            record = dataclasses.asdict(row)
+            if replaces is not None:
+                record[REPLACES] = replaces
+            sink.write(json.dumps(record, default=str) + "\n")
             sink.flush()
 
         run_jobs(jobs, ctx, emit)
@@ -1712,6 +1772,9 @@ def run_meta(argv: Sequence[str], args: argparse.Namespace, started: datetime.da
         notes.append("--quick: first shape of each suite, reduced sweeps")
     if args.tiny:
         notes.append("--tiny: toy shapes for a dry run; the numbers mean nothing")
+    if args.rounds > 1 and not args.tune:
+        notes.append(f"each time: the median of up to {args.rounds} alternating rounds of the suite's calls "
+                     "(rounds_ms in the JSON; fewer where the suite's budget ran out)")
     return {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python", "benchmarks/bench_attention.py", *argv]),
@@ -1828,6 +1891,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-configs", type=int, default=0,
                         help="a swept peer's first N configs only, the package default first (default: all)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median; default 10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every measured call in this many alternating rounds, all of a suite's calls "
+                             "per round, while its budget lasts; a row's time is the median (default 3; "
+                             "with --tune, 1)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first, the first compiles (default 3)")
     parser.add_argument("--peers", default=None,
                         help="comma-separated implementation names to run besides ours (default: all)")
@@ -1866,10 +1933,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.peer_names and args.peer_names - known and args.child_rows is None:
         parser.error(f"unknown peer(s) {sorted(args.peer_names - known)} for suites {','.join(args.suites)}; "
                      f"known: {','.join(sorted(known))}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     # What a suite's child process must get to plan the same jobs and time them alike.
     args.forwarded = [flag for flag, on in (("--tune", args.tune), ("--quick", args.quick), ("--tiny", args.tiny),
                                             ("--interpret", args.interpret)) if on]
-    args.forwarded += ["--reps", str(args.reps), "--warmup", str(args.warmup), "--ours-impl", args.ours_impl,
+    args.forwarded += ["--reps", str(args.reps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                       "--ours-impl", args.ours_impl,
                        "--max-configs", str(args.max_configs)]
     if args.peers is not None:
         args.forwarded += ["--peers", args.peers]
@@ -1945,9 +2015,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 meta = {**child_meta, **meta} if child_meta else meta
             else:
                 suite_rows = []
-                ctx = Context(run_timer(args), deadline, ours_implementation=args.ours_impl,
+                ctx = Context(run_timer(args), deadline, ours_implementation=args.ours_impl, rounds=args.rounds,
                               interpret=args.interpret, quick=args.quick, max_configs=args.max_configs)
-                run_jobs(jobs, ctx, lambda row: suite_rows.append(dataclasses.asdict(row)))
+                def emit(row: Row, replaces: int | None) -> None:
+                    if replaces is None:
+                        suite_rows.append(dataclasses.asdict(row))
+                    else:
+                        suite_rows[replaces] = dataclasses.asdict(row)
+
+                run_jobs(jobs, ctx, emit)
             rows += suite_rows
             markdown = write_outputs(paths, meta, rows, args, start)
     print()

@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 
@@ -231,6 +232,22 @@ def test_isolated_suite_records_a_crashed_job_and_resumes_after_it(tmp_path):
     assert "process ended during this job (exit code -11)" in rows[1]["error"]
 
 
+def test_a_childs_later_line_replaces_the_row_it_names(tmp_path):
+    """After the alternating rounds a suite's process writes re-timed rows again, each
+    naming the row it replaces; the parent keeps one row a job, the latest."""
+    path = tmp_path / "rows.jsonl"
+    first = [dict(impl="ours", ms=2.0), dict(impl="peer", ms=3.0)]
+    lines = [*first, dict(impl="peer", ms=2.5, **{bench.REPLACES: 1})]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"cut sh')
+    assert bench._read_rows(path) == [dict(impl="ours", ms=2.0), dict(impl="peer", ms=2.5)]
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- dry run
 
 
@@ -245,6 +262,8 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     for suite, row in ours.items():
         assert row["status"] == "ok", (suite, row["error"])
         assert row["value"] > 0 and row["ms"] > 0
+        # Three alternating rounds (the default): the row's time is their median.
+        assert len(row["rounds_ms"]) == 3 and row["ms"] == pytest.approx(statistics.median(row["rounds_ms"]))
     gather = next(r for r in rows if r["impl"] == "xla_gather")
     assert gather["check_against"] == "ours" and gather["check_max_abs_diff"] < report.AGREEMENT_ATOL
     assert gather["ratio"] == pytest.approx(ours["decode"]["value"] / gather["value"])
