@@ -621,8 +621,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     would not fit the registers (`MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`); 3 of them to 2
     past `MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE` or for ``max_seqlen_q <= 128``. Then,
     until the tiles fit `tuning.MOSAIC_SHARED_MEMORY_BUDGET`: the ring drops to 2 slots,
-    block_k halves (to 64), the compute warpgroups drop one by one (the least tiling fits at every head size; two
-    ping-ponged warpgroups are worth more than longer blocks, as in the stock
+    block_k halves (to 64), the compute warpgroups drop one by one (the least tiling fits
+    at every head size; two ping-ponged warpgroups are worth more than longer blocks, as in the stock
     attention_mgpu kernel's choice at D 256), except that with ``config.value_work_tile``
     ``"auto"`` the masked blocks first give up their value work tile for the query tile
     (`mosaic_work_rows`).

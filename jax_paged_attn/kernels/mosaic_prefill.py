@@ -53,9 +53,9 @@ with the last axis as CUDA's x, so programs are issued head axis fastest: the pr
 running at once are a few tiles of every head, a KV head's blocks read by its G query
 heads' programs together, from L2 (issued tile axis fastest instead: 7 % slower at B8
 S2048 D128, 11 % at D 256, 3 % at D 64, 1 % faster at B1 S16384; the H200, 2026-12-04);
-or persistent programs walking the items tile fastest (below); a work item is one query head's ``block_q`` rows (64 per compute
-warpgroup; no GQA packing: the KV head ``h // G`` is read by each of its G query heads,
-from L2). With ``heads_per_program`` > 1 (`tuning.MosaicPrefillConfig`; auto: 4 on
+or persistent programs walking the items tile fastest (below); a work item is one query
+head's ``block_q`` rows (64 per compute warpgroup; no GQA packing: the KV head ``h // G``
+is read by each of its G query heads, from L2). With ``heads_per_program`` > 1 (`tuning.MosaicPrefillConfig`; auto: 4 on
 short packed sequences) a program runs its tile for that many consecutive heads, one
 after the other: the ring carries the tile's KV blocks once per head as one stream (the
 producer runs on into the next head's blocks), and each compute warpgroup reloads its
