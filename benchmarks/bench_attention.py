@@ -607,7 +607,11 @@ class Context:
         self.deadline.check()
         ms, compile_s, out = self.timer.jax(call)
         return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out),
-                           retime=lambda: self.timer.jax(call)[0], **fields)
+                           retime=self._retimer(lambda: self.timer.jax(call)[0]), **fields)
+
+    def _retimer(self, retime: Callable[[], float]) -> Callable[[], float] | None:
+        """``retime`` where the run times in rounds (`run_jobs`); None measures once."""
+        return retime if self.rounds > 1 else None
 
     def sweep(self, configs: Sequence[Any], make_call: Callable[[Any], Callable[[], Any]],
               describe: Callable[[Any], str] = repr,
@@ -641,7 +645,7 @@ class Context:
         ok = sum("ms" in t for t in trials)
         return Measurement(best[0], best[1], None if to_numpy is None else to_numpy(best_out),
                            config=best[2], note=f"best of {ok}/{len(trials)} configs", sweep=trials,
-                           retime=lambda: self.timer.jax(best_call)[0])
+                           retime=self._retimer(lambda: self.timer.jax(best_call)[0]))
 
     @property
     def torch(self) -> Any:
@@ -670,7 +674,7 @@ class Context:
         self.deadline.check()
         ms, compile_s, out = self.timer.torch(self.torch, call)
         return Measurement(ms, compile_s, None if to_numpy is None else to_numpy(out),
-                           retime=lambda: self.timer.torch(self.torch, call)[0], **fields)
+                           retime=self._retimer(lambda: self.timer.torch(self.torch, call)[0]), **fields)
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -874,9 +878,8 @@ def _torch_sdpa(backend_name: str):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
         measured = ctx.time_torch(call, convert)
-        if ctx.rounds < 2:  # (with rounds the inputs stay for the re-timing, until the suite's process ends)
-            del q, k, v
-            measured.retime = None
+        if measured.retime is None:  # measured once: free the inputs (kept for the rounds otherwise)
+            del q, k, v, call
             torch.cuda.empty_cache()
         return measured
 
@@ -1279,9 +1282,8 @@ def cache_torch_copy(ctx: Context, case: CacheCase, x: CacheInputs) -> Measureme
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     measured = ctx.time_torch(lambda: dst.copy_(src), note=f"copy_ of {size / 2**20:.1f} MiB")
-    if ctx.rounds < 2:  # (with rounds the buffers stay for the re-timing, until the suite's process ends)
+    if measured.retime is None:  # measured once: free the buffers (kept for the rounds otherwise)
         del src, dst
-        measured.retime = None
         torch.cuda.empty_cache()
     return measured
 
@@ -1553,7 +1555,6 @@ class SuiteRunner:
         self.ctx = ctx
         self._inputs: dict[Any, Any] = {}
         self._ours_output: dict[Any, np.ndarray] = {}
-        self.retimes: dict[int, Callable[[], float] | None] = {}
 
     def inputs(self, suite: str, case: Any) -> Any:
         if case not in self._inputs:
@@ -1565,10 +1566,10 @@ class SuiteRunner:
             raise self._inputs[case]
         return self._inputs[case]
 
-    def run(self, job: Job) -> Row:
-        """One job; never raises (failures and skips are recorded in the row). The
-        measured call's `Measurement.retime` is kept in ``self.retimes`` for `run_jobs`."""
-        row = job.blank_row()
+    def run(self, job: Job) -> tuple[Row, Callable[[], float] | None]:
+        """One job and its measured call's `Measurement.retime` (None where there is none);
+        never raises (failures and skips are recorded in the row)."""
+        row, retime = job.blank_row(), None
         try:
             self.ctx.deadline.check()
             x = self.inputs(job.suite, job.case)
@@ -1577,8 +1578,7 @@ class SuiteRunner:
                 row.ms, row.compile_s, _ = self.ctx.timer.jax(make_call(self.ctx, job.case, x, job.config))
             else:
                 result = job.impl.run(self.ctx, job.case, x)
-                row.ms, row.compile_s = result.ms, result.compile_s
-                self.retimes[id(row)] = result.retime
+                row.ms, row.compile_s, retime = result.ms, result.compile_s, result.retime
                 row.config, row.note, row.sweep = result.config, result.note, result.sweep
                 self._check(job, x, row, result.output)
             row.value = throughput(row.work, row.ms, row.metric)
@@ -1586,7 +1586,7 @@ class SuiteRunner:
             row.status, row.error = "skipped", str(e)
         except Exception as e:  # noqa: BLE001 - every implementation is isolated from the others
             row.status, row.error = "failed", short_error(e)
-        return row
+        return row, retime
 
     def _check(self, job: Job, x: Any, row: Row, output: np.ndarray | None) -> None:
         """Cache writes: against the expected cache rows. Attention: against ours."""
@@ -1622,21 +1622,16 @@ def run_jobs(jobs: Sequence[Job], ctx: Context, emit: Emit) -> None:
     to ~10 % between runs on the H200) reaches every column alike. Re-emits the rows it
     re-timed."""
     runner = SuiteRunner(ctx)
-    rows = []
-    for job in jobs:
-        row = runner.run(job)
+    timed = []  # (index, row, retime) of the rows to time again
+    for i, job in enumerate(jobs):
+        row, retime = runner.run(job)
         log_row(row)
         emit(row, None)
-        rows.append(row)
-    timed = [(i, row, runner.retimes.get(id(row))) for i, row in enumerate(rows)]
-    timed = [(i, row, retime) for i, row, retime in timed if row.status == "ok" and retime is not None]
-    if ctx.rounds < 2 or not timed:
-        return
+        if row.status == "ok" and retime is not None:
+            timed.append((i, row, retime))
     for _, row, _ in timed:
         row.rounds_ms = [row.ms]
     for _ in range(ctx.rounds - 1):
-        if ctx.deadline.expired():
-            break
         for _, row, retime in timed:
             if ctx.deadline.expired():
                 break
