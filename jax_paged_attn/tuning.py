@@ -488,8 +488,8 @@ against 4.63 / 1.03 with the default; D 64 (B16 S1024) with "probe", 0.44 agains
 ms, and (2026-12-04, alternating rounds, `prefill_parts.py --versus`) with 128-key blocks
 in 64-key masked parts 0.299 against 0.327 ms (256-key blocks 0.560, three compute
 warpgroups 0.328-0.337, 2 or 8 heads a program and a third slot within 2 % or slower);
-over a paged cache (prefix, page 16) 0.395-0.413 against 0.445; D 256 (B4 S4096) with "key_flags", 1.32 ms (two compute warpgroups, the masked
-blocks in the query tile) against 5.3 with "product" or "probe" (their second 64 x D
+over a paged cache (prefix, page 16) 0.395-0.413 against 0.445; D 256 (B4 S4096) with
+"key_flags", 1.32 ms (two compute warpgroups, the masked blocks in the query tile) against 5.3 with "product" or "probe" (their second 64 x D
 f32 product tile spills registers; `plans.MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE`). D 192
 takes "key_flags" for the same register count, not measured. ``precheck_values``
 (H100 80GB HBM3, 2026-12-02, `benchmarks/prefill_parts.py` timelines): the masked tail
