@@ -487,6 +487,8 @@ class MosaicPrefillTiling:
         the ring's KV blocks one stream through them (`tuning.MosaicPrefillConfig.
         heads_per_program`; a divisor of the query heads). The grid's head axis has
         ``Hq / heads_per_program`` programs.
+      overlap_softmax: the unmasked blocks' softmax overlaps the previous block's P·V
+        (`tuning.MosaicPrefillConfig.overlap_softmax`).
       query_buffers: query tiles per compute warpgroup: 2 loads the next head's queries
         while the current head computes (`tuning.MosaicPrefillConfig.prefetch_queries`,
         with several heads per program where shared memory holds the second tile), else 1.
@@ -508,6 +510,7 @@ class MosaicPrefillTiling:
     precheck_values: bool = False
     heads_per_program: int = 1
     query_buffers: int = 1
+    overlap_softmax: bool = False
 
     @property
     def block_q(self) -> int:
@@ -533,7 +536,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if config.compute_warpgroups not in (1, 2, 3):
         raise ValueError(f"config.compute_warpgroups must be 1, 2 or 3, got {config.compute_warpgroups!r}.")
     for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output",
-                 "precheck_values", "prefetch_queries"):
+                 "precheck_values", "prefetch_queries", "overlap_softmax"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
@@ -595,7 +598,7 @@ def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefill
 
 def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: int, num_stages: int,
                               q_itemsize: int, k_itemsize: int, v_itemsize: int, work_rows: int,
-                              query_buffers: int = 1) -> int:
+                              query_buffers: int = 1, probs_tile: bool = False) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
     its value work tile of ``work_rows`` (`mosaic_work_rows`), its converted-key tile
@@ -603,10 +606,12 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
     (``"key_flags"``; counted always: 4 bytes a key) and its two buffers of f32 row flags
     (``"probe"``; counted always), plus the K and V ring. Barriers and alignment fit in
     the budget's margin. ``query_buffers`` query tiles per warpgroup (2: the next head's
-    queries prefetched)."""
+    queries prefetched); ``probs_tile``: a 64 x block_k probability tile per warpgroup
+    (``overlap_softmax``)."""
     conv_rows = block_k if k_itemsize == 1 else 0
     per_warpgroup = ((query_buffers * MOSAIC_ROWS_PER_WARPGROUP + work_rows + conv_rows) * head_size * q_itemsize
-                     + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
+                     + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP
+                     + (MOSAIC_ROWS_PER_WARPGROUP * block_k * q_itemsize if probs_tile else 0))
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
@@ -676,6 +681,12 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     query_buffers = 2 if (config.prefetch_queries and heads_per_program > 1 and mosaic_prefill_smem_bytes(
         workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(), query_buffers=2)
         <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
+    # The probability tile of overlap_softmax likewise only beside that tiling, and only for
+    # 16-bit keys and values (fp8 blocks run one by one, `tuning.MosaicPrefillConfig`).
+    overlap_softmax = (config.overlap_softmax and k_itemsize == q_itemsize and v_itemsize == q_itemsize
+                       and mosaic_prefill_smem_bytes(workers, block_k, head_size, stages, q_itemsize, k_itemsize,
+                                                     v_itemsize, work_rows(), query_buffers=query_buffers,
+                                                     probs_tile=True) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
@@ -687,7 +698,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                and head_size * q_itemsize % MOSAIC_TMA_SMEM_ALIGN == 0,
                                work_rows=work_rows(),
                                precheck_values=config.precheck_values and block_size is None,
-                               heads_per_program=heads_per_program, query_buffers=query_buffers)
+                               heads_per_program=heads_per_program, query_buffers=query_buffers,
+                               overlap_softmax=overlap_softmax)
 
 
 MOSAIC_AUTO_HEADS_PER_PROGRAM = 4

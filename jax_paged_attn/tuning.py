@@ -399,6 +399,17 @@ class MosaicPrefillConfig:
     timelines of 2026-12-02). Off: measured slower on the H200 (2026-12-03, 4 heads,
     alternating rounds: 0.835 against 0.721 ms at B8 S2048 D128, 4.42 against 4.26 ms
     at B1 S16384).
+    overlap_softmax: in the unmasked blocks, each block's softmax runs while the previous
+    block's P·V wgmma runs (FlashAttention-3's intra-warpgroup overlap): Q·K^T of block j
+    and P·V of block j - 1 are issued together, the scores waited for alone, and block j's
+    16-bit probabilities wait for the next block in a 64 x block_k shared-memory tile per
+    compute warpgroup (as a register operand, their fence between the two wgmmas made ptxas
+    serialize them). Only where that tile fits beside the tiling chosen without it, and
+    with 16-bit keys and values (fp8 blocks are converted in shared memory first): else
+    the blocks run one by one whatever this says (at D 256 the default tiling leaves no
+    room). Off: measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8
+    S2048 D128, x0.91 at B1 S16384, x0.77 at B16 S1024 D64; ptxas spills more than twice
+    the default's bytes).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -421,6 +432,7 @@ class MosaicPrefillConfig:
     precheck_values: bool = False
     heads_per_program: int = 1
     prefetch_queries: bool = False
+    overlap_softmax: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")

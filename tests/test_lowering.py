@@ -607,3 +607,30 @@ def test_mosaic_prefill_default_takes_the_fields_measured_fastest_per_head_size(
                       128: (128, 64, "probe"), 192: (64, 64, "key_flags"), 256: (64, 64, "key_flags")}
     assert tuning.mosaic_prefill_config(256, "bfloat16", interpret=True) == \
         tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP  # interpret mode keeps its one form
+
+
+@pytest.mark.parametrize("head_size, paged, fields", [
+    (128, False, dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True,
+                      heads_per_program=4)),
+    (128, True, dict(block_k=128, masked_block_k=64, nonfinite_check="probe")),
+    (64, False, dict(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe")),
+    (256, False, dict(nonfinite_check="key_flags")),
+], ids=["d128-packed-heads-per-program-4", "d128-paged-bs16", "d64-three-warpgroups", "d256-key-flags"])
+def test_overlapped_softmax_lowers(head_size, paged, fields):
+    """``overlap_softmax`` (each unmasked block's softmax beside the previous block's P·V,
+    two wgmmas in flight and the scores waited for alone) lowers for CUDA at D 64, 128 and
+    256, over packed keys and a paged bf16 cache, with soft-cap and ALiBi in its softmax."""
+    from jax_paged_attn import prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    config = tuning.MosaicPrefillConfig(overlap_softmax=True, **fields)
+    sds = jax.ShapeDtypeStruct
+    q = sds((1024, 8, head_size), jnp.bfloat16)
+    kv = sds((40, 16, 2, head_size), jnp.bfloat16) if paged else sds((2048, 2, head_size), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    table = sds((2, 20), jnp.int32) if paged else None
+    spec = AttentionSpec.create(head_size, causal=True, softcap=30.0, has_alibi=True)
+    fn = lambda q, k, v, cq, ck, table, slopes: prefill.varlen_attention(
+        q, k, v, cq, ck, table, None, slopes, 1.0, 1.0, spec=spec, max_seqlen_q=512, max_seqlen_k=640 if paged else 1024,
+        lowering="mosaic_gpu", config=config)
+    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu, table, sds((8,), jnp.float32))

@@ -532,6 +532,54 @@ MOSAIC_TILINGS = [
         dict(q_lens=[400, 77, 1], k_lens=[520, 140, 9], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
              block_size=16, extra_blocks=2),
         dict(causal=True, window_size=(150, 0), alibi=True), marks=pytest.mark.gpu),
+    # Each unmasked block's softmax beside the previous block's P·V (overlap_softmax): a
+    # warpgroup's unmasked run of 0, 1 and several blocks (its first block's scores alone,
+    # the last one's P·V after the loop), several heads a program (the ring's stream), a
+    # window's masked lead blocks before the run, soft-cap and ALiBi in the softmax.
+    ("single-overlap-softmax-packed-softcap-alibi-heads-per-program-2",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=2, heads_per_program=2, overlap_softmax=True),
+     dict(q_lens=[300, 9, 70], k_lens=[400, 30, 70], num_q_heads=4, num_kv_heads=2, head_size=32),
+     dict(causal=True, softcap=10.0, alibi=True)),
+    ("single-overlap-softmax-paged-window-ring3",
+     dataclasses.replace(_SINGLE, block_k=64, num_stages=3, overlap_softmax=True),
+     dict(q_lens=[150, 9], k_lens=[500, 30], num_q_heads=2, num_kv_heads=1, head_size=32, paged=True,
+          block_size=32, extra_blocks=2),
+     dict(causal=True, window_size=(200, 0))),
+    ("specialized-1wg-overlap-softmax-packed",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, overlap_softmax=True),
+     dict(q_lens=[200, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=32),
+     dict(causal=True)),
+    pytest.param(
+        "specialized-2wg-pingpong-overlap-softmax-heads-per-program-4-precheck",
+        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                   precheck_values=True, heads_per_program=4, overlap_softmax=True),
+        dict(q_lens=[700, 256, 100, 31, 1, 77], k_lens=[900, 256, 164, 31, 9, 77], num_q_heads=8,
+             num_kv_heads=2, head_size=128),
+        dict(causal=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-2wg-pingpong-overlap-softmax-paged-bs16-window-softcap-alibi",
+        tuning.MosaicPrefillConfig(block_k=128, num_stages=3, compute_warpgroups=2, masked_block_k=64,
+                                   nonfinite_check="probe", overlap_softmax=True),
+        dict(q_lens=[600, 77, 1], k_lens=[1100, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=128,
+             paged=True, block_size=16, extra_blocks=2),
+        dict(causal=True, window_size=(500, 0), softcap=20.0, alibi=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-3wg-overlap-softmax-d64-bk128",
+        tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe",
+                                   overlap_softmax=True),
+        dict(q_lens=[800, 100, 31, 1], k_lens=[800, 164, 31, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
+        dict(causal=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-2wg-overlap-softmax-key-flags-d256",
+        tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
+        dict(q_lens=[600, 77, 1], k_lens=[600, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
+        dict(causal=True), marks=pytest.mark.gpu),
+    pytest.param(
+        "specialized-2wg-overlap-softmax-paged-fp8-runs-blocks-one-by-one",
+        tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, nonfinite_check="probe", overlap_softmax=True),
+        dict(q_lens=[400, 3], k_lens=[700, 50], num_q_heads=4, num_kv_heads=2, head_size=128, paged=True,
+             block_size=16, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
+        dict(causal=True), marks=pytest.mark.gpu),
     ("specialized-1wg-paged-bs48-ring3-fp8",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
      dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
@@ -907,6 +955,32 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     short = plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, num_q_heads=1, max_seqlen_q=64,
                                              max_seqlen_k=40, block_size=None, config=config)
     assert (short.compute_warpgroups, short.block_k, short.copy_rows) == (1, 64, 64)
+
+
+@pytest.mark.parametrize("head_size, fields", [
+    (64, dict(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe")),
+    (128, dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True)),
+    (128, dict(block_k=256, num_stages=4)),
+    (256, dict(nonfinite_check="key_flags")),
+])
+def test_mosaic_overlap_softmax_takes_only_spare_shared_memory_and_16_bit_blocks(head_size, fields):
+    """``overlap_softmax``'s probability tile (64 x block_k a compute warpgroup) is added
+    only where it fits beside the tiling chosen without it (never at its cost), and only
+    for 16-bit keys and values: fp8 blocks run one by one."""
+    def plan(kv_itemsize: int, overlap: bool):
+        config = tuning.MosaicPrefillConfig(overlap_softmax=overlap, **fields)
+        return plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, num_q_heads=8,
+                                                max_seqlen_q=4096, max_seqlen_k=4096, block_size=None, config=config)
+
+    without, tiling = plan(2, False), plan(2, True)
+    assert dataclasses.replace(tiling, overlap_softmax=False) == without
+    fits = plans.mosaic_prefill_smem_bytes(
+        tiling.compute_warpgroups, tiling.block_k, head_size, tiling.num_stages, 2, 2, 2, tiling.work_rows,
+        query_buffers=tiling.query_buffers, probs_tile=True) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+    assert tiling.overlap_softmax == fits
+    assert not plan(1, True).overlap_softmax
+    if head_size <= 128 and fields.get("block_k") == 128:  # the D 64 / 128 package tilings have the room
+        assert tiling.overlap_softmax
 
 
 def test_mosaic_value_work_tile_and_what_it_leaves_room_for():

@@ -199,7 +199,7 @@ def test_the_tables_in_use_are_described_in_words():
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 4), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
     ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", -1),
-    ("heads_per_program", 2.0), ("prefetch_queries", 1)])
+    ("heads_per_program", 2.0), ("prefetch_queries", 1), ("overlap_softmax", "yes")])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})

@@ -119,6 +119,21 @@ def nan_rows_scale(inv_sum: Array, acc: Array, *more_columns: Array) -> Array:
     return jnp.where(nonfinite_rows(acc, *more_columns), jnp.nan, inv_sum)
 
 
+def wgmma_accumulator_load(acc_ref, *, wait_n: int) -> Array:
+    """The value of a wgmma accumulator once at most ``wait_n`` wgmma groups are still in
+    flight (``acc_ref[...]`` waits for all of them): ``plgpu.wgmma_accumulator_load`` where
+    jax exports it, else its private home (jax 0.10 and 0.11 have it there)."""
+    from jax._src.pallas.mosaic_gpu import primitives
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    load = getattr(plgpu, "wgmma_accumulator_load", None) or getattr(primitives, "wgmma_accumulator_load", None)
+    if load is None:
+        raise NotImplementedError(
+            f"jax {jax.__version__}'s Mosaic GPU has no wgmma_accumulator_load: use the Mosaic GPU prefill "
+            "with MosaicPrefillConfig.overlap_softmax=False.")
+    return load(acc_ref, wait_n=wait_n)
+
+
 def mosaic_smem_union(*groups: tuple, interpret: bool) -> object:
     """Scratch entry for shared-memory ref groups with disjoint lifetimes: a
     ``plgpu.RefUnion`` (the groups share memory), but separate buffers in the Mosaic GPU

@@ -32,10 +32,18 @@ second compute warpgroup), and ``value_work_tile``: a masked block may rewrite i
 values in the warpgroup's query tile instead, the queries reloaded after (what lets two
 compute warpgroups fit at D 256).
 
-Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): async wgmma
-overlapping Q·K^T of the next block with the softmax inside a warpgroup, GQA packing of
-a KV group's heads into one tile (K/V are read once per query head, the reuse left to
-L2), and less per-tile cost for short sequences. A work item's fixed cost (its launch,
+``overlap_softmax`` (off by default): in the unmasked blocks a warpgroup issues Q·K^T of
+block j, then P·V of block j - 1 (its probabilities from a shared-memory tile), and runs
+block j's softmax while that P·V runs (FlashAttention-3's intra-warpgroup overlap).
+Measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8 S2048 D128,
+x0.91 at B1 S16384, x0.77 at D 64): ptxas spills 432 / 936 bytes (stores / loads)
+against the default's 188 / 252; with the probabilities as a register operand instead,
+the fence Mosaic GPU puts before that operand's wgmma lies between the two wgmmas and
+ptxas serializes them (its C7513 warning), x0.72.
+
+Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): that overlap
+without the spills, GQA packing of a KV group's heads into one tile (K/V are read once
+per query head, the reuse left to L2), and less per-tile cost for short sequences. A work item's fixed cost (its launch,
 ring fill, query load and epilogue) measured 6.7-7.8 us on the H200 against 1.75 us per
 128 x 128 block: 30 % of the kernel at B8 S2048 D128. Two single-warpgroup programs an
 SM, which overlap one's fixed cost with the other's blocks, measured 20 % slower. With
@@ -221,9 +229,36 @@ class _Ops:
 
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-    def mma_acc(self, acc: Array, a: Array, b_ref) -> Array:
-        """``acc + a @ b`` (f32 accumulator in place on the GPU)."""
+    def mma_overlapped(self, acc: Array, p_ref, v_ref, q_ref, k_ref, *, on_scores,
+                       while_running=None) -> tuple[Array, tuple]:
+        """Issues ``q @ k.T`` (f32, a fresh accumulator) and then ``acc + p @ v``, runs
+        ``while_running()``, waits for the scores only and runs ``on_scores(scores)`` while
+        the P·V product still runs; returns (``acc + p @ v``, what ``on_scores`` returned)."""
+        score_shape = (q_ref.shape[0], k_ref.shape[0])
         if self.interpret:
+            scores = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            if while_running is not None:
+                while_running()
+            results = on_scores(scores)
+            return self.mma_acc(acc, p_ref, v_ref), results
+
+        def run(acc_ref, scores_ref):  # (a scoped accumulator starts at zero)
+            acc_ref[...] = acc
+            plgpu.wgmma(scores_ref, q_ref, k_ref.T)
+            plgpu.wgmma(acc_ref, p_ref, v_ref)  # in flight until acc_ref is read
+            if while_running is not None:
+                while_running()
+            results = on_scores(common.wgmma_accumulator_load(scores_ref, wait_n=1))
+            return acc_ref[...], results
+
+        return pl.run_scoped(run, plgpu.ACC(acc.shape, jnp.float32), plgpu.ACC(score_shape, jnp.float32))
+
+    def mma_acc(self, acc: Array, a, b_ref) -> Array:
+        """``acc + a @ b`` (f32 accumulator in place on the GPU); ``a`` a register array or a
+        shared-memory ref."""
+        if self.interpret:
+            a = a if isinstance(a, jax.Array) else a[...]
             return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
@@ -308,6 +343,8 @@ def _prefill_kernel(
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (nonfinite_check "key_flags")
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
         #   (nonfinite_check "probe"; two buffers used in turn, see masked_pv_with_probe)
+        probs,  # [W, 64, block_k] q dtype: an unmasked block's probabilities, the next block's
+        #   P·V operand (tiling.overlap_softmax; a [W, 8] f32 placeholder otherwise)
         # barriers
         q_bars,  # [B * W]: the queries arrived in that buffer
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
@@ -456,6 +493,7 @@ def _prefill_kernel(
                 my_q, q_bar, my_out_rows = q_smem.at[qi], q_bars.at[qi], out_rows.at[qi] if tiling.direct_output else None
                 my_work, my_conv, my_bad = v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
                 my_probe = probe_rows.at[wg]
+                my_probs = probs.at[wg]
                 my_pos0 = q_pos0 + row0
                 if not prefetch:
                     load_queries(h, 0)
@@ -524,6 +562,34 @@ def _prefill_kernel(
                     release_v(kb, slot)
                     return carry
 
+                def softmax_part(s, kb, key0: int, m_prev, l_prev, *, masked: bool):
+                    """The online softmax of the raw scores ``s`` [64, width] of keys ``key0 ..``
+                    of KV block ``kb``: (f32 probabilities, running max, row sums, the
+                    accumulator's correction factor, the visibility mask (None unless
+                    ``masked``))."""
+                    score_shape = s.shape
+                    visible = None
+                    if not folded:
+                        s = s * pre_tanh
+                    if post_tanh is not None:
+                        s = jnp.tanh(s) * post_tanh
+                    if slope is not None or masked:
+                        q_pos = my_pos0 + ops.iota(score_shape, 0)
+                        k_pos = kb * block_k + key0 - k_lead + ops.iota(score_shape, 1)
+                    if slope is not None:
+                        s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
+                    if masked:
+                        visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
+                        if not paged:  # the lead keys of a block 0 are the previous sequence's
+                            visible &= k_pos >= 0
+                        s = jnp.where(visible, s, -jnp.inf)
+                    row_max = s.max(axis=1)
+                    m_next = jnp.maximum(m_prev, row_max * pre_tanh if folded else row_max)
+                    correction = jnp.exp2(m_prev - m_next)
+                    p = jnp.exp2((s * pre_tanh if folded else s) - ops.row_bcast(m_next, score_shape))
+                    l_next = l_prev * correction + p.sum(axis=1)
+                    return p, m_next, l_next, correction, visible
+
                 def attend(kb, slot, carry, key0: int, width: int, *, masked: bool, first: bool, last: bool,
                            guard: bool = True):
                     """Keys ``key0 .. key0 + width`` of KV block ``kb`` (in ring ``slot``).
@@ -553,25 +619,7 @@ def _prefill_kernel(
                                 while_running=pingpong.meet if pingpong and first else None)  # [64, width]
                     if specialized and last:
                         plgpu.barrier_arrive(k_free.at[slot])  # the block's wgmmas have completed
-                    if not folded:
-                        s = s * pre_tanh
-                    if post_tanh is not None:
-                        s = jnp.tanh(s) * post_tanh
-                    if slope is not None or masked:
-                        q_pos = my_pos0 + ops.iota(score_shape, 0)
-                        k_pos = kb * block_k + key0 - k_lead + ops.iota(score_shape, 1)
-                    if slope is not None:
-                        s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
-                    if masked:
-                        visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
-                        if not paged:  # the lead keys of a block 0 are the previous sequence's
-                            visible &= k_pos >= 0
-                        s = jnp.where(visible, s, -jnp.inf)
-                    row_max = s.max(axis=1)
-                    m_next = jnp.maximum(m_prev, row_max * pre_tanh if folded else row_max)
-                    correction = jnp.exp2(m_prev - m_next)
-                    p = jnp.exp2((s * pre_tanh if folded else s) - ops.row_bcast(m_next, score_shape))
-                    l_next = l_prev * correction + p.sum(axis=1)
+                    p, m_next, l_next, correction, visible = softmax_part(s, kb, key0, m_prev, l_prev, masked=masked)
                     acc = acc * ops.row_bcast(correction, out_shape)
                     p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
                     if tiling.fence_softmax and not masked and not v_fp8:
@@ -698,6 +746,77 @@ def _prefill_kernel(
                         def _():
                             fetch_block(base + kb - kb_lo + stages, slot)
 
+                def overlapped_unmasked(lo, hi, carry):
+                    """Unmasked blocks ``lo .. hi - 1`` with each block's softmax running while
+                    the previous block's P·V wgmma runs (`tuning.MosaicPrefillConfig.
+                    overlap_softmax`, FlashAttention-3's intra-warpgroup overlap): Q·K^T of a
+                    block is issued first, P·V of the block before it second, the scores
+                    waited for alone. The probabilities wait for the next block in the
+                    warpgroup's probability tile (written once that block's P·V has
+                    completed): a register operand's fence between the two wgmmas makes
+                    ptxas serialize them. The first block has no P·V before it, the last
+                    one's runs after the loop (both behind a branch on ``lo < hi``). Each
+                    block meets the other warpgroup twice (ping-pong), as `visit` does: once
+                    after issuing its wgmmas, once after its softmax."""
+                    score_shape = (rows, block_k)
+
+                    def slot_of(kb):
+                        return lax.rem(base + kb - kb_lo, jnp.int32(stages))
+
+                    def keep_probs(p) -> None:  # for the next block's P·V
+                        my_probs[...] = p.astype(dtype)
+                        plgpu.commit_smem()
+
+                    def first(state):
+                        acc, m, l = state
+                        slot = slot_of(lo)
+                        plgpu.barrier_wait(k_bars.at[slot])
+                        s = ops.mma(my_q, k_ring.at[slot], transpose_b=True, shape=score_shape,
+                                    while_running=pingpong.meet if pingpong else None)
+                        if specialized:
+                            plgpu.barrier_arrive(k_free.at[slot])
+                        p, m, l, correction, _ = softmax_part(s, lo, 0, m, l, masked=False)
+                        if pingpong:
+                            pingpong.meet()
+                        keep_probs(p)
+                        return acc * ops.row_bcast(correction, out_shape), m, l
+
+                    def step(kb, state):
+                        acc, m, l = state
+                        slot, prev = slot_of(kb), slot_of(kb - 1)
+                        plgpu.barrier_wait(k_bars.at[slot])
+                        plgpu.barrier_wait(v_bars.at[prev])
+
+                        def on_scores(s):
+                            if specialized:
+                                plgpu.barrier_arrive(k_free.at[slot])
+                            p, m_next, l_next, correction, _ = softmax_part(s, kb, 0, m, l, masked=False)
+                            if pingpong:
+                                pingpong.meet()
+                            return p, m_next, l_next, correction
+
+                        acc, (p, m_next, l_next, correction) = ops.mma_overlapped(
+                            acc, my_probs, v_ring.at[prev], my_q, k_ring.at[slot], on_scores=on_scores,
+                            while_running=pingpong.meet if pingpong else None)
+                        release_v(kb - 1, prev)
+                        keep_probs(p)
+                        return acc * ops.row_bcast(correction, out_shape), m_next, l_next
+
+                    def last(state):
+                        acc, m, l = state
+                        prev = slot_of(hi - 1)
+                        plgpu.barrier_wait(v_bars.at[prev])
+                        acc = ops.mma_acc(acc, my_probs, v_ring.at[prev])
+                        release_v(hi - 1, prev)
+                        return acc, m, l
+
+                    def unchanged(state):
+                        return state
+
+                    state = lax.cond(lo < hi, first, unchanged, carry)
+                    state = lax.fori_loop(lo + 1, hi, step, state)
+                    return lax.cond(lo < hi, last, unchanged, state)
+
                 carry = (
                     ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
                     ops.layout(jnp.full((rows,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
@@ -736,6 +855,8 @@ def _prefill_kernel(
                 masked_visit = functools.partial(visit, masked=True)
                 unmasked_visit = functools.partial(visit, masked=False)
                 skip = functools.partial(visit, masked=True, compute=False)
+                overlap = tiling.overlap_softmax
+                overlapped = object()  # the unmasked region's marker for overlapped_unmasked
                 # Blocks before the full ones (a left window edge, or packed keys' block 0
                 # holding the previous sequence's lead keys), then the rest in order; each
                 # loop a named region (the profiler's timeline, `varlen_attention_call`).
@@ -743,14 +864,17 @@ def _prefill_kernel(
                 if spec.window_left >= 0 or not paged:
                     loops += [("lead_skipped", kb_lo, lead_split, skip),
                               ("lead_masked", lead_split, kb_full_lo, masked_visit)]
-                loops += [("unmasked", kb_full_lo, mid_split, unmasked_visit),
+                loops += [("unmasked", kb_full_lo, mid_split, overlapped if overlap else unmasked_visit),
                           ("mid_skipped", mid_split, kb_full_hi, skip),
                           ("tail_unmasked", kb_full_hi, my_full_hi, unmasked_visit),
                           ("tail_masked", my_full_hi, tail_split, masked_visit),
                           ("tail_skipped", tail_split, kb_hi, skip)]
                 for region, lo, hi, body in loops:
                     with jax.named_scope(region):
-                        carry = lax.fori_loop(lo, hi, body, carry)
+                        if body is overlapped:
+                            carry = overlapped_unmasked(lo, hi, carry)
+                        else:
+                            carry = lax.fori_loop(lo, hi, body, carry)
                 acc, _, l_sum = carry
                 if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
                     with jax.named_scope("final_meet"):
@@ -929,6 +1053,8 @@ def varlen_attention_call(
         tile(block_k, dtype, workers) if k_fp8 else placeholder,
         plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.SMEM((workers, 2, ROWS_PER_WARPGROUP), jnp.float32),
+        plgpu.SMEM((workers, ROWS_PER_WARPGROUP, block_k), dtype, transforms=smem_transforms(block_k, dtype))
+        if tiling.overlap_softmax else placeholder,
         plgpu.Barrier(num_barriers=query_tiles),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
