@@ -852,29 +852,27 @@ def _prefill_kernel(
                 whole_hi = lax.div(jnp.maximum(first_hi + k_lead, 0), jnp.int32(block_k))
                 extends = has_rows & (kb_full_hi * block_k - k_lead >= last_lo)
                 my_full_hi = jnp.where(extends, jnp.clip(whole_hi, kb_full_hi, tail_split), kb_full_hi)
-                masked_visit = functools.partial(visit, masked=True)
-                unmasked_visit = functools.partial(visit, masked=False)
-                skip = functools.partial(visit, masked=True, compute=False)
-                overlap = tiling.overlap_softmax
-                overlapped = object()  # the unmasked region's marker for overlapped_unmasked
+                def each_block(**kind):  # a region's blocks one by one through `visit`
+                    return lambda lo, hi, carry: lax.fori_loop(lo, hi, functools.partial(visit, **kind), carry)
+
+                masked_blocks, unmasked_blocks = each_block(masked=True), each_block(masked=False)
+                skipped_blocks = each_block(masked=True, compute=False)
                 # Blocks before the full ones (a left window edge, or packed keys' block 0
                 # holding the previous sequence's lead keys), then the rest in order; each
-                # loop a named region (the profiler's timeline, `varlen_attention_call`).
-                loops = []
+                # region named (the profiler's timeline, `varlen_attention_call`).
+                regions = []
                 if spec.window_left >= 0 or not paged:
-                    loops += [("lead_skipped", kb_lo, lead_split, skip),
-                              ("lead_masked", lead_split, kb_full_lo, masked_visit)]
-                loops += [("unmasked", kb_full_lo, mid_split, overlapped if overlap else unmasked_visit),
-                          ("mid_skipped", mid_split, kb_full_hi, skip),
-                          ("tail_unmasked", kb_full_hi, my_full_hi, unmasked_visit),
-                          ("tail_masked", my_full_hi, tail_split, masked_visit),
-                          ("tail_skipped", tail_split, kb_hi, skip)]
-                for region, lo, hi, body in loops:
+                    regions += [("lead_skipped", kb_lo, lead_split, skipped_blocks),
+                                ("lead_masked", lead_split, kb_full_lo, masked_blocks)]
+                regions += [("unmasked", kb_full_lo, mid_split,
+                             overlapped_unmasked if tiling.overlap_softmax else unmasked_blocks),
+                            ("mid_skipped", mid_split, kb_full_hi, skipped_blocks),
+                            ("tail_unmasked", kb_full_hi, my_full_hi, unmasked_blocks),
+                            ("tail_masked", my_full_hi, tail_split, masked_blocks),
+                            ("tail_skipped", tail_split, kb_hi, skipped_blocks)]
+                for region, lo, hi, run_blocks in regions:
                     with jax.named_scope(region):
-                        if body is overlapped:
-                            carry = overlapped_unmasked(lo, hi, carry)
-                        else:
-                            carry = lax.fori_loop(lo, hi, body, carry)
+                        carry = run_blocks(lo, hi, carry)
                 acc, _, l_sum = carry
                 if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
                     with jax.named_scope("final_meet"):
