@@ -62,8 +62,11 @@ for step in "${steps[@]}"; do
         | tee "$out/serving.log" ;;
     startup)  # engine start, cold and warm persistent compilation cache (two processes)
       timeout 420 python3 benchmarks/bench_serving.py --startup 2>&1 | tee "$out/startup.log" ;;
-    resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v)
-      { for variant in "--kernel prefill" "--kernel prefill --config masked_block_k=16" "--kernel decode"; do
+    resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v), and of the Mosaic
+      # GPU prefill (its own ptxas report and SASS spill count), with and without overlap_softmax
+      { for variant in "--kernel prefill" "--kernel prefill --config masked_block_k=16" "--kernel decode" \
+          "--kernel prefill --implementation mosaic_gpu --sass --out $out/mosaic_default" \
+          "--kernel prefill --implementation mosaic_gpu --sass --out $out/mosaic_overlap --config overlap_softmax=True"; do
           # shellcheck disable=SC2086
           timeout 120 python3 benchmarks/kernel_resources.py $variant 2>&1 | grep -v "fusion\|^$"
         done; } | tee "$out/resources.log" ;;

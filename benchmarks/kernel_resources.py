@@ -2,7 +2,7 @@
 """Registers, spills and shared memory of the attention kernels as XLA compiles them.
 
     python benchmarks/kernel_resources.py [--kernel prefill|decode] [--implementation triton|mosaic_gpu]
-                                          [--config FIELD=VALUE ...] [--out DIR]
+                                          [--config FIELD=VALUE ...] [--out DIR] [--sass]
 
 Compiles one call of the kernel (prefill: B8 S2048 Hq32 Hk8 D128 bf16 causal, packed;
 decode: B64 ctx4096 Hq32 Hk8 D128 bf16, page 16) on the GPU with XLA's dump on, then runs
@@ -13,9 +13,14 @@ a compile with another Triton release need not match. ``--config`` overrides fie
 the kernel's config (the tuned one for Triton, the default for Mosaic GPU; e.g.
 ``--config masked_block_k=16``) to compare variants.
 
-Needs a CUDA GPU and ``ptxas`` on the PATH; exits with 2 otherwise. The Mosaic GPU
-kernels compile to a binary without a PTX dump, so for them the tool reports what the
-dump holds (the surrounding XLA kernels).
+The Mosaic GPU kernels compile to a binary without a PTX file in XLA's dump: for them
+the call is compiled in a child process with Mosaic GPU's own ``MOSAIC_GPU_DUMP_PTXAS``
+on (its ptxas report: registers, spills, and ptxas's C7513 note that it serialized wgmma
+instructions, which undoes any overlap of two wgmmas) and, with ``--sass``,
+``MOSAIC_GPU_DUMP_SASS`` (the kernel's machine code: the count of its local-memory
+spill instructions, ``STL`` / ``LDL``, and the whole output kept in ``--out``).
+
+Needs a CUDA GPU and ``ptxas`` on the PATH (the Triton tier); exits with 2 otherwise.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SHARED = re.compile(r"(\d+) bytes smem")
+_SERIALIZED = re.compile(r"\(C7513\).*in the function '([^']+)'")
+_SPILL_INSTRUCTION = re.compile(r"\b(STL|LDL)(\.\w+)*\b")
 
 
 @dataclasses.dataclass
@@ -51,15 +58,22 @@ class EntryResources:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     shared_bytes: int | None = None
+    serialized_wgmma: bool = False  # ptxas's C7513: wgmma instructions issued one after the other
 
 
 def parse_ptxas_verbose(text: str) -> list[EntryResources]:
-    """The per-entry figures of ``ptxas -v`` output, in the order ptxas prints them."""
+    """The per-entry figures of ``ptxas -v`` output, in the order ptxas prints them. A
+    C7513 note (serialized wgmma) comes before its function's entry line and marks it."""
     entries: list[EntryResources] = []
+    serialized: set[str] = set()
     for line in text.splitlines():
+        if note := _SERIALIZED.search(line):
+            serialized.add(note.group(1))
+            continue
         entry = _ENTRY.search(line)
         if entry:
-            entries.append(EntryResources(entry.group(1), entry.group(2)))
+            entries.append(EntryResources(entry.group(1), entry.group(2), serialized_wgmma=entry.group(1) in serialized))
+            serialized.discard(entry.group(1))
             continue
         if not entries:
             continue
@@ -71,6 +85,19 @@ def parse_ptxas_verbose(text: str) -> list[EntryResources]:
             if shared := _SHARED.search(line):
                 current.shared_bytes = int(shared.group(1))
     return entries
+
+
+def count_spill_instructions(sass: str) -> dict[str, int]:
+    """Local-memory stores and loads (``STL`` / ``LDL``, register spills and their reloads)
+    in SASS text."""
+    counts = collections.Counter(match.group(1) for match in _SPILL_INSTRUCTION.finditer(sass))
+    return {"STL": counts["STL"], "LDL": counts["LDL"]}
+
+
+def describe(entry: EntryResources) -> str:
+    return (f"{entry.name} [{entry.arch}] registers {entry.registers}, spills {entry.spill_store_bytes} B stored / "
+            f"{entry.spill_load_bytes} B loaded, shared {entry.shared_bytes} B"
+            + (", wgmma serialized by ptxas (C7513)" if entry.serialized_wgmma else ""))
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
@@ -133,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--implementation", choices=("triton", "mosaic_gpu"), default="triton")
     parser.add_argument("--config", nargs="*", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="keep the dump here")
+    parser.add_argument("--sass", action="store_true",
+                        help="Mosaic GPU: also dump the kernel's SASS and count its spill instructions")
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args(argv)
     overrides = parse_overrides(args.config)
+    if args.compile_only:
+        print(f"CONFIG {_compile_once(args.kernel, args.implementation, overrides)}")
+        return 0
+    if args.implementation == "mosaic_gpu":
+        return _mosaic_gpu_resources(args)
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         print("kernel_resources.py: no ptxas on the PATH (install the CUDA toolkit)", file=sys.stderr)
@@ -166,9 +201,44 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.name}: ptxas failed: {result.stderr.strip()[-500:]}")
             continue
         for entry in parse_ptxas_verbose(result.stderr):
-            print(f"{path.name}: {entry.name} [{entry.arch}] registers {entry.registers}, spills "
-                  f"{entry.spill_store_bytes} B stored / {entry.spill_load_bytes} B loaded, "
-                  f"shared {entry.shared_bytes} B")
+            print(f"{path.name}: {describe(entry)}")
+    return 0
+
+
+def _mosaic_gpu_resources(args: argparse.Namespace) -> int:
+    """Compiles the call in a child process with Mosaic GPU's dumps on (they are written by
+    its C++ compiler to the process's output, past Python's streams) and reads them."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print(f"kernel_resources.py: no GPU here (JAX's default device is {device.platform})", file=sys.stderr)
+        return 2
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(_REPO), os.environ.get("PYTHONPATH")])))
+    if args.sass:
+        env["MOSAIC_GPU_DUMP_SASS"] = "1"
+    command = [sys.executable, __file__, "--compile-only", "--kernel", args.kernel, "--implementation",
+               "mosaic_gpu", "--config", *args.config]
+    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mosaic_gpu_compile.txt").write_text(result.stdout)
+    if result.returncode != 0:
+        print(f"kernel_resources.py: the compile failed:\n{result.stdout[-2000:]}", file=sys.stderr)
+        return 1
+    config = next((line[len("CONFIG "):] for line in result.stdout.splitlines() if line.startswith("CONFIG ")), "?")
+    print(f"{device.device_kind} | jax {jax.__version__} | {args.kernel} mosaic_gpu | {config}")
+    entries = parse_ptxas_verbose(result.stdout)
+    if not entries:
+        print("no ptxas report in the child's output (MOSAIC_GPU_DUMP_PTXAS unknown to this jax?)", file=sys.stderr)
+        return 1
+    for entry in entries:
+        print(describe(entry))
+    if args.sass:
+        counts = count_spill_instructions(result.stdout)
+        print(f"SASS: {counts['STL']} STL (spill stores), {counts['LDL']} LDL (spill loads)"
+              + (f"; the whole output in {args.out / 'mosaic_gpu_compile.txt'}" if args.out else ""))
     return 0
 
 

@@ -487,11 +487,51 @@ def test_kernel_resources_reads_ptxas_verbose_output():
         resources.parse_overrides(["masked_block_k"])
 
 
+# Mosaic GPU's ptxas report (MOSAIC_GPU_DUMP_PTXAS): the warnings and ptxas's C7513 note
+# come before their function's entry line.
+MOSAIC_PTXAS_REPORT = """\
+ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
+instructions defining input registers of a wgmma between start and end of the pipeline stage in the function \
+'attention_mosaic_gpu_kernel'
+ptxas warning : Registers are spilled to local memory in function 'attention_mosaic_gpu_kernel', 220 bytes \
+spill stores, 288 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'attention_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for attention_mosaic_gpu_kernel
+    200 bytes stack frame, 220 bytes spill stores, 288 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 200 bytes cumulative stack size, 1 bytes smem
+ptxas info    : Compiling entry function 'other_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for other_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 90 registers, used 1 barriers
+        /*0450*/                   STL [R1+0x10], R4 ;
+        /*0460*/                   LDL.LU R5, [R1+0x10] ;
+        /*0470*/                   LDL R6, [R1+0x14] ;
+        /*0480*/                   STS [R2], R7 ;
+        /*0490*/                   LDS.128 R8, [R3] ;
+        /*04a0*/                   LDGSTS.E [R4], desc[UR4][R6.64] ;
+"""
+
+
+def test_kernel_resources_reads_mosaic_gpu_reports():
+    """The C7513 note (serialized wgmma) marks the entry it names, which ptxas prints after
+    it; SASS spill instructions are STL / LDL, not shared-memory or async-copy ones."""
+    resources = _load("kernel_resources")
+    entries = resources.parse_ptxas_verbose(MOSAIC_PTXAS_REPORT)
+    assert [(e.name, e.registers, e.spill_store_bytes, e.spill_load_bytes, e.serialized_wgmma) for e in entries] == [
+        ("attention_mosaic_gpu_kernel", 168, 220, 288, True), ("other_mosaic_gpu_kernel", 90, 0, 0, False)]
+    assert "wgmma serialized by ptxas (C7513)" in resources.describe(entries[0])
+    assert "serialized" not in resources.describe(entries[1])
+    assert resources.count_spill_instructions(MOSAIC_PTXAS_REPORT) == {"STL": 1, "LDL": 2}
+
+
 def test_kernel_resources_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
     resources = _load("kernel_resources")
     monkeypatch.setattr(resources.shutil, "which", lambda name: "/usr/bin/ptxas")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert resources.main(["--out", str(tmp_path)]) == 2
+    assert "no GPU here" in capsys.readouterr().err
+    assert resources.main(["--implementation", "mosaic_gpu", "--sass"]) == 2  # (no ptxas needed there)
     assert "no GPU here" in capsys.readouterr().err
 
 
