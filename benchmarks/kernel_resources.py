@@ -89,9 +89,18 @@ def parse_ptxas_verbose(text: str) -> list[EntryResources]:
 
 def count_spill_instructions(sass: str) -> dict[str, int]:
     """Local-memory stores and loads (``STL`` / ``LDL``, register spills and their reloads)
-    in SASS text."""
-    counts = collections.Counter(match.group(1) for match in _SPILL_INSTRUCTION.finditer(sass))
-    return {"STL": counts["STL"], "LDL": counts["LDL"]}
+    in SASS text, and how many of them lie between its first and last wgmma instruction
+    (``HGMMA``; where the attention loops are) as ``STL_among_wgmma`` / ``LDL_among_wgmma``."""
+    lines = sass.splitlines()
+    wgmma_lines = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    first, last = (wgmma_lines[0], wgmma_lines[-1]) if wgmma_lines else (0, -1)
+    counts: collections.Counter = collections.Counter()
+    for i, line in enumerate(lines):
+        for match in _SPILL_INSTRUCTION.finditer(line):
+            counts[match.group(1)] += 1
+            if first < i < last:
+                counts[match.group(1) + "_among_wgmma"] += 1
+    return {key: counts[key] for key in ("STL", "LDL", "STL_among_wgmma", "LDL_among_wgmma")}
 
 
 def describe(entry: EntryResources) -> str:
@@ -237,7 +246,8 @@ def _mosaic_gpu_resources(args: argparse.Namespace) -> int:
         print(describe(entry))
     if args.sass:
         counts = count_spill_instructions(result.stdout)
-        print(f"SASS: {counts['STL']} STL (spill stores), {counts['LDL']} LDL (spill loads)"
+        print(f"SASS: {counts['STL']} STL (spill stores), {counts['LDL']} LDL (spill loads); between the first "
+              f"and last wgmma: {counts['STL_among_wgmma']} STL, {counts['LDL_among_wgmma']} LDL"
               + (f"; the whole output in {args.out / 'mosaic_gpu_compile.txt'}" if args.out else ""))
     return 0
 

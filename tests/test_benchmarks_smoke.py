@@ -504,12 +504,14 @@ ptxas info    : Compiling entry function 'other_mosaic_gpu_kernel' for 'sm_90a'
 ptxas info    : Function properties for other_mosaic_gpu_kernel
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 90 registers, used 1 barriers
-        /*0450*/                   STL [R1+0x10], R4 ;
+        /*0440*/                   STL [R1+0x18], R9 ;
+        /*0450*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
         /*0460*/                   LDL.LU R5, [R1+0x10] ;
-        /*0470*/                   LDL R6, [R1+0x14] ;
-        /*0480*/                   STS [R2], R7 ;
-        /*0490*/                   LDS.128 R8, [R3] ;
-        /*04a0*/                   LDGSTS.E [R4], desc[UR4][R6.64] ;
+        /*0470*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0480*/                   LDL R6, [R1+0x14] ;
+        /*0490*/                   STS [R2], R7 ;
+        /*04a0*/                   LDS.128 R8, [R3] ;
+        /*04b0*/                   LDGSTS.E [R4], desc[UR4][R6.64] ;
 """
 
 
@@ -522,7 +524,8 @@ def test_kernel_resources_reads_mosaic_gpu_reports():
         ("attention_mosaic_gpu_kernel", 168, 220, 288, True), ("other_mosaic_gpu_kernel", 90, 0, 0, False)]
     assert "wgmma serialized by ptxas (C7513)" in resources.describe(entries[0])
     assert "serialized" not in resources.describe(entries[1])
-    assert resources.count_spill_instructions(MOSAIC_PTXAS_REPORT) == {"STL": 1, "LDL": 2}
+    assert resources.count_spill_instructions(MOSAIC_PTXAS_REPORT) == {
+        "STL": 1, "LDL": 2, "STL_among_wgmma": 0, "LDL_among_wgmma": 1}
 
 
 def test_kernel_resources_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
