@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ __all__ = [
     "MOSAIC_ROWS_PER_WARPGROUP", "MOSAIC_TMA_ROW_ALIGN", "MOSAIC_TMA_SMEM_ALIGN", "MOSAIC_MIN_BLOCK_K",
     "MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE", "MosaicPrefillTiling", "check_mosaic_prefill_config", "mosaic_work_rows",
     "mosaic_prefill_smem_bytes", "plan_mosaic_prefill_tiling", "mosaic_heads_per_program",
-    "MOSAIC_AUTO_HEADS_PER_PROGRAM", "MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS",
+    "MOSAIC_AUTO_HEADS_PER_PROGRAM", "MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS", "ConfigFieldDroppedWarning",
     "MatmulTiling", "matmul_unsupported_reason", "check_matmul_config", "plan_matmul", "matmul_shared_memory",
     "AddRmsNormTiling", "plan_add_rms_norm",
 ]
@@ -615,6 +616,22 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
+class ConfigFieldDroppedWarning(UserWarning):
+    """A config field the user set that the plan cannot honour for these shapes (said once
+    per field and reason); the kernel runs without it."""
+
+
+_dropped_fields: set[tuple[str, str]] = set()
+
+
+def _drop_config_field(field: str, reason: str) -> bool:
+    """Warns once per (field, reason) that ``config.<field>`` is off for this call; False."""
+    if (field, reason) not in _dropped_fields:
+        _dropped_fields.add((field, reason))
+        warnings.warn(f"config.{field} is off for this call: {reason}.", ConfigFieldDroppedWarning, stacklevel=3)
+    return False
+
+
 def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
                                num_q_heads: int, max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
                                config: tuning.MosaicPrefillConfig) -> MosaicPrefillTiling:
@@ -683,10 +700,15 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
         <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
     # The probability tile of overlap_softmax likewise only beside that tiling, and only for
     # 16-bit keys and values (fp8 blocks run one by one, `tuning.MosaicPrefillConfig`).
-    overlap_softmax = (config.overlap_softmax and k_itemsize == q_itemsize and v_itemsize == q_itemsize
-                       and mosaic_prefill_smem_bytes(workers, block_k, head_size, stages, q_itemsize, k_itemsize,
-                                                     v_itemsize, work_rows(), query_buffers=query_buffers,
-                                                     probs_tile=True) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET)
+    overlap_softmax = config.overlap_softmax
+    if overlap_softmax and (k_itemsize != q_itemsize or v_itemsize != q_itemsize):
+        overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one")
+    elif overlap_softmax and mosaic_prefill_smem_bytes(
+            workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(),
+            query_buffers=query_buffers, probs_tile=True) > tuning.MOSAIC_SHARED_MEMORY_BUDGET:
+        overlap_softmax = _drop_config_field(
+            "overlap_softmax", f"no shared memory for its probability tile beside {workers} compute warpgroups, "
+            f"{block_k}-key blocks and {stages} ring slots at head size {head_size}")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,

@@ -406,8 +406,8 @@ class MosaicPrefillConfig:
     compute warpgroup (as a register operand, their fence between the two wgmmas made ptxas
     serialize them). Only where that tile fits beside the tiling chosen without it, and
     with 16-bit keys and values (fp8 blocks are converted in shared memory first): else
-    the blocks run one by one whatever this says (at D 256 the default tiling leaves no
-    room). Off: measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8
+    the blocks run one by one, and a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says
+    so once (at D 256 the default tiling leaves no room). Off: measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8
     S2048 D128, x0.91 at B1 S16384, x0.77 at B16 S1024 D64; ptxas spills more than twice
     the default's bytes).
 

@@ -43,14 +43,15 @@ ptxas serializes them (its C7513 warning), x0.72.
 
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): that overlap
 without the spills, GQA packing of a KV group's heads into one tile (K/V are read once
-per query head, the reuse left to L2), and less per-tile cost for short sequences. A work item's fixed cost (its launch,
-ring fill, query load and epilogue) measured 6.7-7.8 us on the H200 against 1.75 us per
-128 x 128 block: 30 % of the kernel at B8 S2048 D128. Two single-warpgroup programs an
-SM, which overlap one's fixed cost with the other's blocks, measured 20 % slower. With
-equal blocks the stock kernel is 1.24-1.34x faster at B8 S2048, level at B1 S16384. A
-guarded masked tail costs about 3 unmasked blocks, a prechecked one about 1.7
-(``precheck_values``). Skipping or unmasking a masked block's parts per warpgroup behind
-``lax.cond`` made the whole kernel 1.2-1.5x slower, its unmasked loop included: reverted.
+per query head, the reuse left to L2), and less per-tile cost for short sequences. A
+work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
+us on the H200 against 1.75 us per 128 x 128 block: 30 % of the kernel at B8 S2048 D128.
+Two single-warpgroup programs an SM, which overlap one's fixed cost with the other's
+blocks, measured 20 % slower. With equal blocks the stock kernel is 1.24-1.34x faster at
+B8 S2048, level at B1 S16384. A guarded masked tail costs about 3 unmasked blocks, a
+prechecked one about 1.7 (``precheck_values``). Skipping or unmasking a masked block's
+parts per warpgroup behind ``lax.cond`` made the whole kernel 1.2-1.5x slower, its
+unmasked loop included: reverted.
 
 Work list and semantics are the Triton tier's (`jax_paged_attn.kernels.triton_prefill`):
 the plan (`jax_paged_attn.plans.plan_tiles`) gives each query tile its rows and the KV
