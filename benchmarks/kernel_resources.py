@@ -187,12 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     dump.mkdir(parents=True, exist_ok=True)
     # XLA reads its flags when the backend starts: set them before JAX's first use.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        print(f"kernel_resources.py: no GPU here (JAX's default device is {device.platform})", file=sys.stderr)
+    device = _gpu_device()
+    if device is None:
         return 2
+    import jax
     arch = "sm_" + str(getattr(device, "compute_capability", "9.0")).replace(".", "")
     arch += "a" if arch in ("sm_90", "sm_100") else ""
     config = _compile_once(args.kernel, args.implementation, overrides)
@@ -214,15 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _mosaic_gpu_resources(args: argparse.Namespace) -> int:
-    """Compiles the call in a child process with Mosaic GPU's dumps on (they are written by
-    its C++ compiler to the process's output, past Python's streams) and reads them."""
+def _gpu_device():
+    """JAX's default device if it is a GPU; else None, having said so."""
     import jax
 
     device = jax.devices()[0]
     if device.platform != "gpu":
         print(f"kernel_resources.py: no GPU here (JAX's default device is {device.platform})", file=sys.stderr)
+        return None
+    return device
+
+
+def _mosaic_gpu_resources(args: argparse.Namespace) -> int:
+    """Compiles the call in a child process with Mosaic GPU's dumps on (they are written by
+    its C++ compiler to the process's output, past Python's streams) and reads them."""
+    device = _gpu_device()
+    if device is None:
         return 2
+    import jax
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(_REPO), os.environ.get("PYTHONPATH")])))
     if args.sass:

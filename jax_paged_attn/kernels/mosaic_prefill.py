@@ -237,12 +237,8 @@ class _Ops:
         the P·V product still runs; returns (``acc + p @ v``, what ``on_scores`` returned)."""
         score_shape = (q_ref.shape[0], k_ref.shape[0])
         if self.interpret:
-            scores = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-            if while_running is not None:
-                while_running()
-            results = on_scores(scores)
-            return self.mma_acc(acc, p_ref, v_ref), results
+            scores = self.mma(q_ref, k_ref, transpose_b=True, shape=score_shape, while_running=while_running)
+            return self.mma_acc(acc, p_ref, v_ref), on_scores(scores)
 
         def run(acc_ref, scores_ref):  # (a scoped accumulator starts at zero)
             acc_ref[...] = acc
@@ -522,13 +518,16 @@ def _prefill_kernel(
                 # own over the score tile (the stock kernel's form).
                 folded = post_tanh is None and slope is None and isinstance(pre_tanh, float) and pre_tanh > 0
 
+                def slot_of(kb):  # the ring slot of KV block kb of this head's part of the stream
+                    return lax.rem(base + kb - kb_lo, jnp.int32(stages))
+
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
                     meet the other warpgroup), its attention only with ``compute``. A masked
                     block runs in parts of ``tiling.masked_block_k`` keys, each guarded against
                     non-finite values, unless the call's values are all finite
                     (``tiling.precheck_values``): then it runs whole, as an unmasked block."""
-                    slot = lax.rem(base + kb - kb_lo, jnp.int32(stages))
+                    slot = slot_of(kb)
                     plgpu.barrier_wait(k_bars.at[slot])
                     if not compute:
                         if pingpong:
@@ -761,12 +760,19 @@ def _prefill_kernel(
                     after issuing its wgmmas, once after its softmax."""
                     score_shape = (rows, block_k)
 
-                    def slot_of(kb):
-                        return lax.rem(base + kb - kb_lo, jnp.int32(stages))
-
                     def keep_probs(p) -> None:  # for the next block's P·V
                         my_probs[...] = p.astype(dtype)
                         plgpu.commit_smem()
+
+                    def softmax_of_scores(kb, slot, s, m, l):
+                        """Block kb's scores are in: release its keys, run its softmax, then
+                        let the other warpgroup's wgmmas go."""
+                        if specialized:
+                            plgpu.barrier_arrive(k_free.at[slot])
+                        p, m_next, l_next, correction, _ = softmax_part(s, kb, 0, m, l, masked=False)
+                        if pingpong:
+                            pingpong.meet()
+                        return p, m_next, l_next, correction
 
                     def first(state):
                         acc, m, l = state
@@ -774,11 +780,7 @@ def _prefill_kernel(
                         plgpu.barrier_wait(k_bars.at[slot])
                         s = ops.mma(my_q, k_ring.at[slot], transpose_b=True, shape=score_shape,
                                     while_running=pingpong.meet if pingpong else None)
-                        if specialized:
-                            plgpu.barrier_arrive(k_free.at[slot])
-                        p, m, l, correction, _ = softmax_part(s, lo, 0, m, l, masked=False)
-                        if pingpong:
-                            pingpong.meet()
+                        p, m, l, correction = softmax_of_scores(lo, slot, s, m, l)
                         keep_probs(p)
                         return acc * ops.row_bcast(correction, out_shape), m, l
 
@@ -788,16 +790,9 @@ def _prefill_kernel(
                         plgpu.barrier_wait(k_bars.at[slot])
                         plgpu.barrier_wait(v_bars.at[prev])
 
-                        def on_scores(s):
-                            if specialized:
-                                plgpu.barrier_arrive(k_free.at[slot])
-                            p, m_next, l_next, correction, _ = softmax_part(s, kb, 0, m, l, masked=False)
-                            if pingpong:
-                                pingpong.meet()
-                            return p, m_next, l_next, correction
-
                         acc, (p, m_next, l_next, correction) = ops.mma_overlapped(
-                            acc, my_probs, v_ring.at[prev], my_q, k_ring.at[slot], on_scores=on_scores,
+                            acc, my_probs, v_ring.at[prev], my_q, k_ring.at[slot],
+                            on_scores=lambda s: softmax_of_scores(kb, slot, s, m, l),
                             while_running=pingpong.meet if pingpong else None)
                         release_v(kb - 1, prev)
                         keep_probs(p)
