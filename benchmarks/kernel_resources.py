@@ -15,8 +15,9 @@ the kernel's config (the tuned one for Triton, the default for Mosaic GPU; e.g.
 
 The Mosaic GPU kernels compile to a binary without a PTX file in XLA's dump: for them
 the call is compiled in a child process with Mosaic GPU's own ``MOSAIC_GPU_DUMP_PTXAS``
-on (its ptxas report: registers, spills, and ptxas's C7513 note that it serialized wgmma
-instructions, which undoes any overlap of two wgmmas) and, with ``--sass``,
+on (its ptxas report: registers, spills, and ptxas's "Potential Performance Loss" notes:
+C7513 or C7512, wgmma instructions serialized, which undoes any overlap of two wgmmas;
+C7507, a ``setmaxnreg`` register split ignored) and, with ``--sass``,
 ``MOSAIC_GPU_DUMP_SASS`` (the kernel's machine code: the count of its local-memory
 spill instructions, ``STL`` / ``LDL``, and the whole output kept in ``--out``).
 
@@ -44,7 +45,8 @@ _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SHARED = re.compile(r"(\d+) bytes smem")
-_SERIALIZED = re.compile(r"\(C7513\).*in the function '([^']+)'")
+_PERFORMANCE_NOTE = re.compile(r"\((C7\d{3})\) Potential Performance Loss: (.*?)\.?\s*$")
+_NOTE_FUNCTION = re.compile(r" (?:in|for) the function '([^']+)'")
 _SPILL_INSTRUCTION = re.compile(r"\b(STL|LDL)(\.\w+)*\b")
 
 
@@ -58,22 +60,32 @@ class EntryResources:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     shared_bytes: int | None = None
-    serialized_wgmma: bool = False  # ptxas's C7513: wgmma instructions issued one after the other
+    # ptxas's "Potential Performance Loss" notes, "C7512 wgmma.mma_async instructions are
+    # serialized due to insufficient register resources" and the like.
+    performance_notes: tuple[str, ...] = ()
+
+    @property
+    def serialized_wgmma(self) -> bool:  # (C7512 / C7513: wgmma instructions issued one after the other)
+        return any("serialized" in note for note in self.performance_notes)
 
 
 def parse_ptxas_verbose(text: str) -> list[EntryResources]:
     """The per-entry figures of ``ptxas -v`` output, in the order ptxas prints them. A
-    C7513 note (serialized wgmma) comes before its function's entry line and marks it."""
+    performance note comes before its function's entry line and goes to the function it
+    names, or (C7507 names none) to the next entry."""
     entries: list[EntryResources] = []
-    serialized: set[str] = set()
+    notes: dict[str | None, list[str]] = collections.defaultdict(list)
     for line in text.splitlines():
-        if note := _SERIALIZED.search(line):
-            serialized.add(note.group(1))
+        if note := _PERFORMANCE_NOTE.search(line):
+            function = _NOTE_FUNCTION.search(note.group(2))
+            notes[function.group(1) if function else None].append(
+                f"{note.group(1)} {_NOTE_FUNCTION.sub('', note.group(2))}")
             continue
         entry = _ENTRY.search(line)
         if entry:
-            entries.append(EntryResources(entry.group(1), entry.group(2), serialized_wgmma=entry.group(1) in serialized))
-            serialized.discard(entry.group(1))
+            name = entry.group(1)
+            entries.append(EntryResources(name, entry.group(2),
+                                          performance_notes=tuple(notes.pop(None, []) + notes.pop(name, []))))
             continue
         if not entries:
             continue
@@ -106,7 +118,7 @@ def count_spill_instructions(sass: str) -> dict[str, int]:
 def describe(entry: EntryResources) -> str:
     return (f"{entry.name} [{entry.arch}] registers {entry.registers}, spills {entry.spill_store_bytes} B stored / "
             f"{entry.spill_load_bytes} B loaded, shared {entry.shared_bytes} B"
-            + (", wgmma serialized by ptxas (C7513)" if entry.serialized_wgmma else ""))
+            + "".join(f"; ptxas: {note}" for note in entry.performance_notes))
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:

@@ -487,8 +487,8 @@ def test_kernel_resources_reads_ptxas_verbose_output():
         resources.parse_overrides(["masked_block_k"])
 
 
-# Mosaic GPU's ptxas report (MOSAIC_GPU_DUMP_PTXAS): the warnings and ptxas's C7513 note
-# come before their function's entry line.
+# Mosaic GPU's ptxas report (MOSAIC_GPU_DUMP_PTXAS): the warnings and ptxas's performance
+# notes come before their function's entry line (C7507 without naming it).
 MOSAIC_PTXAS_REPORT = """\
 ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
 instructions defining input registers of a wgmma between start and end of the pipeline stage in the function \
@@ -504,6 +504,10 @@ ptxas info    : Compiling entry function 'other_mosaic_gpu_kernel' for 'sm_90a'
 ptxas info    : Function properties for other_mosaic_gpu_kernel
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 90 registers, used 1 barriers
+ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum register requirements.
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'persistent_mosaic_gpu_kernel'
+ptxas info    : Compiling entry function 'persistent_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Used 168 registers, used 16 barriers
         /*0440*/                   STL [R1+0x18], R9 ;
         /*0450*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
         /*0460*/                   LDL.LU R5, [R1+0x10] ;
@@ -516,14 +520,22 @@ ptxas info    : Used 90 registers, used 1 barriers
 
 
 def test_kernel_resources_reads_mosaic_gpu_reports():
-    """The C7513 note (serialized wgmma) marks the entry it names, which ptxas prints after
-    it; SASS spill instructions are STL / LDL, not shared-memory or async-copy ones."""
+    """A performance note marks the entry it names (ptxas prints it before the entry), or,
+    naming none (C7507), the next entry; SASS spill instructions are STL / LDL, not
+    shared-memory or async-copy ones."""
     resources = _load("kernel_resources")
     entries = resources.parse_ptxas_verbose(MOSAIC_PTXAS_REPORT)
     assert [(e.name, e.registers, e.spill_store_bytes, e.spill_load_bytes, e.serialized_wgmma) for e in entries] == [
-        ("attention_mosaic_gpu_kernel", 168, 220, 288, True), ("other_mosaic_gpu_kernel", 90, 0, 0, False)]
-    assert "wgmma serialized by ptxas (C7513)" in resources.describe(entries[0])
-    assert "serialized" not in resources.describe(entries[1])
+        ("attention_mosaic_gpu_kernel", 168, 220, 288, True), ("other_mosaic_gpu_kernel", 90, 0, 0, False),
+        ("persistent_mosaic_gpu_kernel", 168, None, None, True)]
+    assert entries[0].performance_notes == (
+        "C7513 wgmma.mma_async instructions are serialized due to non wgmma instructions defining input registers "
+        "of a wgmma between start and end of the pipeline stage",)
+    assert entries[2].performance_notes == (
+        "C7507 'setmaxnreg' ignored to maintain minimum register requirements",
+        "C7512 wgmma.mma_async instructions are serialized due to insufficient register resources")
+    assert "; ptxas: C7513 wgmma.mma_async instructions are serialized" in resources.describe(entries[0])
+    assert "ptxas" not in resources.describe(entries[1])
     assert resources.count_spill_instructions(MOSAIC_PTXAS_REPORT) == {
         "STL": 1, "LDL": 2, "STL_among_wgmma": 0, "LDL_among_wgmma": 1}
 

@@ -366,11 +366,21 @@ def _prefill_kernel(
 
     wg = lax.axis_index("wg")
 
-    def work_item(t: Array, h0: Array, num_heads_here: int) -> None:
+    def work_item(t: Array, h0: Array, num_heads_here: int, role: str | None = None) -> None:
         """Query tile ``t`` of the plan for query heads ``h0 .. h0 + num_heads_here - 1``, in
         turn. The ring carries one stream of KV blocks, the tile's blocks once per head
         (`MosaicPrefillTiling.heads_per_program`): the producer runs into the next head's
-        blocks while the compute warpgroups finish the current one."""
+        blocks while the compute warpgroups finish the current one. ``role`` "producer" or
+        "compute": only that warpgroup role's part, for a caller that has branched on the
+        role already (the persistent form's per-role item loops); None: every part, each
+        behind a branch on the warpgroup."""
+        producer_part, compute_part = role in (None, "producer"), role in (None, "compute")
+
+        def for_warpgroups(condition, body) -> None:
+            if role is None:
+                pl.when(condition)(body)
+            else:
+                body()
 
         def field(f: TileField) -> Array:
             return plan_ref[t, int(f)]
@@ -435,7 +445,6 @@ def _prefill_kernel(
                 fetch(k_ring, k_bars, k_ref, block, slot, k_plane)
                 fetch(v_ring, v_bars, v_ref, block, slot, v_plane)
 
-            @pl.when(wg == (workers if specialized else 0))
             @jax.named_scope("fill")
             def _fill_the_ring():
                 for i in range(stages):
@@ -443,8 +452,10 @@ def _prefill_kernel(
                     def _():
                         fetch_block(i, jnp.int32(i))
 
-            if specialized:
-                @pl.when(wg == workers)
+            if producer_part or not specialized:
+                for_warpgroups(wg == (workers if specialized else 0), _fill_the_ring)
+
+            if specialized and producer_part:
                 def _producer():
                     """Refills each slot of the ring as soon as every compute warpgroup has
                     released it."""
@@ -472,6 +483,11 @@ def _prefill_kernel(
                     # producer is idle here anyway).
                     with jax.named_scope("drain"):
                         lax.fori_loop(jnp.maximum(stream - stages, 0), stream, drain, None)
+
+                for_warpgroups(wg == workers, _producer)
+
+            if not compute_part:
+                return
 
             row0 = wg * rows
             q_row = pl.multiple_of(q_row0 + row0, TMA_ROW_ALIGN)  # the plan aligns q_row0
@@ -921,7 +937,6 @@ def _prefill_kernel(
                     # at the latest, and nothing in the kernel reads the output.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            @pl.when(wg < workers)
             def _compute():
                 if specialized and not tiling.persistent_programs:
                     plgpu.set_max_registers(compute_registers, action="increase")
@@ -936,30 +951,50 @@ def _prefill_kernel(
 
                     lax.fori_loop(0, num_heads_here, next_head, None)
 
+            for_warpgroups(wg < workers, _compute)
+
     if tiling.persistent_programs:
         # One program per SM walks the items strided by the program count, tile fastest
         # within a head (the grid form's programs are issued head fastest, module
         # docstring): the programs running at once share a head's K/V in L2 (walking them
         # head fastest spread them over four sequences and every head: unmasked blocks
-        # 1.7x slower, the H100, 2026-12-02). Off by default: 1.6x the grid form's kernel
-        # time at B8 S2048 D128 under Nsight Compute, its SMs 90 % active, DRAM 7 % busy
-        # (the H200, 2026-12-04): each item runs slower, not the SMs idle.
+        # 1.7x slower, the H100, 2026-12-02). Off by default: it measured 1.6x the grid
+        # form's kernel time at B8 S2048 D128 under Nsight Compute, its SMs 90 % active,
+        # DRAM 7 % busy (the H200, 2026-12-04): each item ran slower, not the SMs idle.
+        # That form split the registers once and ran one item loop over both roles' code,
+        # which made ptxas ignore the split and serialize every wgmma (below); not yet
+        # measured since.
         # The stride also gives every program its share of long and short tiles (the plan
         # orders them longest first; a run of neighbouring items would give the first
         # programs the longest: 2.7x slower at B1 S16384).
         # Every barrier's phases stay matched across items (each item waits for what it
         # arrives on; the producer drains the ring before it fills it for the next).
+        # With a producer, each role runs its own item loop after its register split: code
+        # that both roles reach after the split (one loop over both roles' parts) makes
+        # ptxas ignore setmaxnreg and serialize every wgmma for want of registers (its
+        # C7507 / C7512 notes, and the items 1.6x slower, above).
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
-        if specialized:  # the register split, once for all the items
-            pl.when(wg == workers)(lambda: plgpu.set_max_registers(producer_registers, action="decrease"))
-            pl.when(wg < workers)(lambda: plgpu.set_max_registers(compute_registers, action="increase"))
 
-        def next_item(i, _):
-            item = program + i * step
-            work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)), 1)
+        def items(role: str | None) -> None:
+            def next_item(i, _):
+                item = program + i * step
+                work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)), 1, role)
 
-        lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
+            lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
+
+        if specialized:
+            @pl.when(wg == workers)
+            def _producer_items():
+                plgpu.set_max_registers(producer_registers, action="decrease")
+                items("producer")
+
+            @pl.when(wg < workers)
+            def _compute_items():
+                plgpu.set_max_registers(compute_registers, action="increase")
+                items("compute")
+        else:
+            items(None)
     else:
         heads = tiling.heads_per_program
         work_item(lax.axis_index("tile"), lax.axis_index("head_group") * heads, heads)
