@@ -599,7 +599,7 @@ def mosaic_work_rows(block_k: int, v_itemsize: int, config: tuning.MosaicPrefill
 
 def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: int, num_stages: int,
                               q_itemsize: int, k_itemsize: int, v_itemsize: int, work_rows: int,
-                              query_buffers: int = 1, probs_tile: bool = False) -> int:
+                              query_buffers: int = 1) -> int:
     """Shared memory of the Mosaic GPU prefill kernel's tiles
     (`jax_paged_attn.kernels.mosaic_prefill`): per compute warpgroup its queries / output,
     its value work tile of ``work_rows`` (`mosaic_work_rows`), its converted-key tile
@@ -607,12 +607,10 @@ def mosaic_prefill_smem_bytes(compute_warpgroups: int, block_k: int, head_size: 
     (``"key_flags"``; counted always: 4 bytes a key) and its two buffers of f32 row flags
     (``"probe"``; counted always), plus the K and V ring. Barriers and alignment fit in
     the budget's margin. ``query_buffers`` query tiles per warpgroup (2: the next head's
-    queries prefetched); ``probs_tile``: a 64 x block_k probability tile per warpgroup
-    (``overlap_softmax``)."""
+    queries prefetched)."""
     conv_rows = block_k if k_itemsize == 1 else 0
     per_warpgroup = ((query_buffers * MOSAIC_ROWS_PER_WARPGROUP + work_rows + conv_rows) * head_size * q_itemsize
-                     + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP
-                     + (MOSAIC_ROWS_PER_WARPGROUP * block_k * q_itemsize if probs_tile else 0))
+                     + 4 * block_k + 2 * 4 * MOSAIC_ROWS_PER_WARPGROUP)
     return compute_warpgroups * per_warpgroup + num_stages * block_k * head_size * (k_itemsize + v_itemsize)
 
 
@@ -698,17 +696,11 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     query_buffers = 2 if (config.prefetch_queries and heads_per_program > 1 and mosaic_prefill_smem_bytes(
         workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(), query_buffers=2)
         <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
-    # The probability tile of overlap_softmax likewise only beside that tiling, and only for
-    # 16-bit keys and values (fp8 blocks run one by one, `tuning.MosaicPrefillConfig`).
+    # overlap_softmax only for 16-bit keys and values (fp8 blocks run one by one,
+    # `tuning.MosaicPrefillConfig`).
     overlap_softmax = config.overlap_softmax
     if overlap_softmax and (k_itemsize != q_itemsize or v_itemsize != q_itemsize):
         overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one")
-    elif overlap_softmax and mosaic_prefill_smem_bytes(
-            workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(),
-            query_buffers=query_buffers, probs_tile=True) > tuning.MOSAIC_SHARED_MEMORY_BUDGET:
-        overlap_softmax = _drop_config_field(
-            "overlap_softmax", f"no shared memory for its probability tile beside {workers} compute warpgroups, "
-            f"{block_k}-key blocks and {stages} ring slots at head size {head_size}")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,

@@ -400,16 +400,15 @@ class MosaicPrefillConfig:
     alternating rounds: 0.835 against 0.721 ms at B8 S2048 D128, 4.42 against 4.26 ms
     at B1 S16384).
     overlap_softmax: in the unmasked blocks, each block's softmax runs while the previous
-    block's P·V wgmma runs (FlashAttention-3's intra-warpgroup overlap): Q·K^T of block j
-    and P·V of block j - 1 are issued together, the scores waited for alone, and block j's
-    16-bit probabilities wait for the next block in a 64 x block_k shared-memory tile per
-    compute warpgroup (as a register operand, their fence between the two wgmmas made ptxas
-    serialize them). Only where that tile fits beside the tiling chosen without it, and
-    with 16-bit keys and values (fp8 blocks are converted in shared memory first): else
-    the blocks run one by one, and a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says
-    so once (at D 256 the default tiling leaves no room). Off: measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8
-    S2048 D128, x0.91 at B1 S16384, x0.77 at B16 S1024 D64; ptxas spills more than twice
-    the default's bytes).
+    block's P·V wgmma runs (FlashAttention-3's intra-warpgroup overlap, in its order): Q·K^T
+    of block j is issued, the accumulator rescaled, P·V of block j - 1 issued with its
+    16-bit probabilities as a register operand (converted at the end of the previous
+    block), the scores waited for alone. Only with 16-bit keys and values (fp8 blocks are
+    converted in shared memory first): else the blocks run one by one, and a
+    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: this form is not
+    yet measured; earlier forms measured slower on the H200 (2026-12-04, alternating
+    rounds, x0.72 - 0.91: probabilities converted between the two wgmmas, which ptxas
+    serialized, or kept in a shared-memory tile).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it

@@ -571,11 +571,8 @@ MOSAIC_TILINGS = [
         dict(q_lens=[800, 100, 31, 1], k_lens=[800, 164, 31, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
     pytest.param(
-        # (D 256: room for the probability tile with one compute warpgroup, the masked
-        # blocks' values in the query tile)
-        "specialized-1wg-overlap-softmax-key-flags-query-tile-d256",
-        tuning.MosaicPrefillConfig(compute_warpgroups=1, nonfinite_check="key_flags", value_work_tile="query",
-                                   overlap_softmax=True),
+        "specialized-2wg-overlap-softmax-key-flags-d256",
+        tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
         dict(q_lens=[600, 77, 1], k_lens=[600, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
         dict(causal=True), marks=pytest.mark.gpu),
     pytest.param(
@@ -967,11 +964,10 @@ def test_mosaic_tiling_fits_shared_memory(head_size, kv_itemsize):
     (128, dict(block_k=256, num_stages=4)),
     (256, dict(nonfinite_check="key_flags")),
 ])
-def test_mosaic_overlap_softmax_takes_only_spare_shared_memory_and_16_bit_blocks(head_size, fields, monkeypatch):
-    """``overlap_softmax``'s probability tile (64 x block_k a compute warpgroup) is added
-    only where it fits beside the tiling chosen without it (never at its cost), and only
-    for 16-bit keys and values: fp8 blocks run one by one. Where the plan drops it, a
-    warning says so, once per reason."""
+def test_mosaic_overlap_softmax_keeps_the_tiling_and_takes_only_16_bit_blocks(head_size, fields, monkeypatch):
+    """``overlap_softmax`` (its probabilities in registers) changes nothing else of the
+    tiling, and runs only with 16-bit keys and values: fp8 blocks run one by one, which a
+    warning says once."""
     monkeypatch.setattr(plans, "_dropped_fields", set())
 
     def plan(kv_itemsize: int, overlap: bool):
@@ -979,25 +975,16 @@ def test_mosaic_overlap_softmax_takes_only_spare_shared_memory_and_16_bit_blocks
         return plans.plan_mosaic_prefill_tiling(head_size, 2, kv_itemsize, kv_itemsize, num_q_heads=8,
                                                 max_seqlen_q=4096, max_seqlen_k=4096, block_size=None, config=config)
 
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said for 16-bit blocks
         without, tiling = plan(2, False), plan(2, True)
+    assert tiling.overlap_softmax
     assert dataclasses.replace(tiling, overlap_softmax=False) == without
-    fits = plans.mosaic_prefill_smem_bytes(
-        tiling.compute_warpgroups, tiling.block_k, head_size, tiling.num_stages, 2, 2, 2, tiling.work_rows,
-        query_buffers=tiling.query_buffers, probs_tile=True) <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
-    assert tiling.overlap_softmax == fits
-    assert [str(w.message) for w in said if w.category is plans.ConfigFieldDroppedWarning] == (
-        [] if fits else [f"config.overlap_softmax is off for this call: no shared memory for its probability tile "
-                         f"beside {tiling.compute_warpgroups} compute warpgroups, {tiling.block_k}-key blocks and "
-                         f"{tiling.num_stages} ring slots at head size {head_size}."])
     with pytest.warns(plans.ConfigFieldDroppedWarning, match="overlap_softmax is off .*fp8"):
         assert not plan(1, True).overlap_softmax
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         assert not plan(1, True).overlap_softmax
-    if head_size <= 128 and fields.get("block_k") == 128:  # the D 64 / 128 package tilings have the room
-        assert tiling.overlap_softmax
 
 
 def test_mosaic_value_work_tile_and_what_it_leaves_room_for():

@@ -33,16 +33,17 @@ values in the warpgroup's query tile instead, the queries reloaded after (what l
 compute warpgroups fit at D 256).
 
 ``overlap_softmax`` (off by default): in the unmasked blocks a warpgroup issues Q·K^T of
-block j, then P·V of block j - 1 (its probabilities from a shared-memory tile), and runs
-block j's softmax while that P·V runs (FlashAttention-3's intra-warpgroup overlap).
-Measured slower on the H200 (2026-12-04, alternating rounds: x0.76 at B8 S2048 D128,
-x0.91 at B1 S16384, x0.77 at D 64): ptxas spills 432 / 936 bytes (stores / loads)
-against the default's 188 / 252; with the probabilities as a register operand instead,
-the fence Mosaic GPU puts before that operand's wgmma lies between the two wgmmas and
-ptxas serializes them (its C7513 warning), x0.72.
+block j, rescales its accumulator, issues P·V of block j - 1 (its 16-bit probabilities a
+register operand, converted at the end of the previous block), and runs block j's softmax
+while that P·V runs (FlashAttention-3's intra-warpgroup overlap, in its order). Earlier
+forms measured slower on the H200 (2026-12-04, alternating rounds): the probabilities
+converted between the two wgmmas made ptxas serialize them (its C7513 note), x0.72 at
+B8 S2048 D128; through a shared-memory tile, x0.76 (its stores, barriers and fences on
+each block's path, and spills). This form compiles without that note and with the
+default's hot loop (1 - 2 spill reloads a block); not yet measured.
 
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): that overlap
-without the spills, GQA packing of a KV group's heads into one tile (K/V are read once
+measured, GQA packing of a KV group's heads into one tile (K/V are read once
 per query head, the reuse left to L2), and less per-tile cost for short sequences. A
 work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
 us on the H200 against 1.75 us per 128 x 128 block: 30 % of the kernel at B8 S2048 D128.
@@ -230,20 +231,24 @@ class _Ops:
 
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-    def mma_overlapped(self, acc: Array, p_ref, v_ref, q_ref, k_ref, *, on_scores,
+    def mma_overlapped(self, acc: Array, acc_scale: Array, p: Array, v_ref, q_ref, k_ref, *, on_scores,
                        while_running=None) -> tuple[Array, tuple]:
-        """Issues ``q @ k.T`` (f32, a fresh accumulator) and then ``acc + p @ v``, runs
-        ``while_running()``, waits for the scores only and runs ``on_scores(scores)`` while
-        the P·V product still runs; returns (``acc + p @ v``, what ``on_scores`` returned)."""
+        """Issues ``q @ k.T`` (f32, a fresh accumulator), rescales ``acc`` by ``acc_scale``
+        (the same shape) while it runs, then issues ``acc + p @ v`` (``p`` a register
+        array), runs ``while_running()``, waits for the scores only and runs
+        ``on_scores(scores)`` while the P·V product still runs; returns (``acc * acc_scale
+        + p @ v``, what ``on_scores`` returned). ``p`` holds its values before Q·K^T is
+        issued (a register operand defined between two wgmmas in flight makes ptxas
+        serialize them)."""
         score_shape = (q_ref.shape[0], k_ref.shape[0])
         if self.interpret:
             scores = self.mma(q_ref, k_ref, transpose_b=True, shape=score_shape, while_running=while_running)
-            return self.mma_acc(acc, p_ref, v_ref), on_scores(scores)
+            return self.mma_acc(acc * acc_scale, p, v_ref), on_scores(scores)
 
         def run(acc_ref, scores_ref):  # (a scoped accumulator starts at zero)
-            acc_ref[...] = acc
             plgpu.wgmma(scores_ref, q_ref, k_ref.T)
-            plgpu.wgmma(acc_ref, p_ref, v_ref)  # in flight until acc_ref is read
+            acc_ref[...] = acc * acc_scale
+            plgpu.wgmma(acc_ref, p, v_ref)  # in flight until acc_ref is read
             if while_running is not None:
                 while_running()
             results = on_scores(common.wgmma_accumulator_load(scores_ref, wait_n=1))
@@ -340,8 +345,6 @@ def _prefill_kernel(
         key_bad,  # [W, block_k] f32: 1.0 for a key with a non-finite value (nonfinite_check "key_flags")
         probe_rows,  # [W, 2, 64] f32: 1.0 for a row of a masked block's P·V holding a NaN / inf
         #   (nonfinite_check "probe"; two buffers used in turn, see masked_pv_with_probe)
-        probs,  # [W, 64, block_k] q dtype: an unmasked block's probabilities, the next block's
-        #   P·V operand (tiling.overlap_softmax; a [W, 8] f32 placeholder otherwise)
         # barriers
         q_bars,  # [B * W]: the queries arrived in that buffer
         k_bars,  # [num_stages]: the slot's K block arrived (copies_per_block TMA arrivals)
@@ -506,7 +509,6 @@ def _prefill_kernel(
                 my_q, q_bar, my_out_rows = q_smem.at[qi], q_bars.at[qi], out_rows.at[qi] if tiling.direct_output else None
                 my_work, my_conv, my_bad = v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
                 my_probe = probe_rows.at[wg]
-                my_probs = probs.at[wg]
                 my_pos0 = q_pos0 + row0
                 if not prefetch:
                     load_queries(h, 0)
@@ -765,24 +767,20 @@ def _prefill_kernel(
                 def overlapped_unmasked(lo, hi, carry):
                     """Unmasked blocks ``lo .. hi - 1`` with each block's softmax running while
                     the previous block's P·V wgmma runs (`tuning.MosaicPrefillConfig.
-                    overlap_softmax`, FlashAttention-3's intra-warpgroup overlap): Q·K^T of a
-                    block is issued first, P·V of the block before it second, the scores
-                    waited for alone. The probabilities wait for the next block in the
-                    warpgroup's probability tile (written once that block's P·V has
-                    completed): a register operand's fence between the two wgmmas makes
-                    ptxas serialize them. The first block has no P·V before it, the last
-                    one's runs after the loop (both behind a branch on ``lo < hi``). Each
-                    block meets the other warpgroup twice (ping-pong), as `visit` does: once
-                    after issuing its wgmmas, once after its softmax."""
+                    overlap_softmax`, FlashAttention-3's intra-warpgroup overlap, in its
+                    order): Q·K^T of block j is issued, the accumulator rescaled by block
+                    j - 1's correction, P·V of block j - 1 issued, the scores waited for
+                    alone; block j's 16-bit probabilities stay in registers for the next
+                    block's P·V. The first block has no P·V before it, the last one's runs
+                    after the loop (both behind a branch on ``lo < hi``). Each block meets
+                    the other warpgroup twice (ping-pong), as `visit` does: once after issuing
+                    its wgmmas, once after its softmax."""
                     score_shape = (rows, block_k)
-
-                    def keep_probs(p) -> None:  # for the next block's P·V
-                        my_probs[...] = p.astype(dtype)
-                        plgpu.commit_smem()
 
                     def softmax_of_scores(kb, slot, s, m, l):
                         """Block kb's scores are in: release its keys, run its softmax, then
-                        let the other warpgroup's wgmmas go."""
+                        let the other warpgroup's wgmmas go; (f32 probabilities, running
+                        max, row sums, the accumulator's correction)."""
                         if specialized:
                             plgpu.barrier_arrive(k_free.at[slot])
                         p, m_next, l_next, correction, _ = softmax_part(s, kb, 0, m, l, masked=False)
@@ -790,44 +788,48 @@ def _prefill_kernel(
                             pingpong.meet()
                         return p, m_next, l_next, correction
 
+                    def as_operand(p, m, l, correction):
+                        """The probabilities rounded to the P·V operand, once no P·V is in
+                        flight (registers written while one runs make ptxas serialize the
+                        wgmmas: the new operand may take the old one's registers)."""
+                        return p.astype(dtype), m, l, correction
+
                     def first(state):
                         acc, m, l = state
                         slot = slot_of(lo)
                         plgpu.barrier_wait(k_bars.at[slot])
                         s = ops.mma(my_q, k_ring.at[slot], transpose_b=True, shape=score_shape,
                                     while_running=pingpong.meet if pingpong else None)
-                        p, m, l, correction = softmax_of_scores(lo, slot, s, m, l)
-                        keep_probs(p)
-                        return acc * ops.row_bcast(correction, out_shape), m, l
+                        return (acc, *as_operand(*softmax_of_scores(lo, slot, s, m, l)))
 
-                    def step(kb, state):
-                        acc, m, l = state
+                    def step(kb, state):  # state: (acc, block kb - 1's p, m, l, correction)
+                        acc, p, m, l, correction = state
                         slot, prev = slot_of(kb), slot_of(kb - 1)
                         plgpu.barrier_wait(k_bars.at[slot])
                         plgpu.barrier_wait(v_bars.at[prev])
-
-                        acc, (p, m_next, l_next, correction) = ops.mma_overlapped(
-                            acc, my_probs, v_ring.at[prev], my_q, k_ring.at[slot],
+                        acc, after = ops.mma_overlapped(
+                            acc, ops.row_bcast(correction, out_shape), p, v_ring.at[prev], my_q, k_ring.at[slot],
                             on_scores=lambda s: softmax_of_scores(kb, slot, s, m, l),
                             while_running=pingpong.meet if pingpong else None)
                         release_v(kb - 1, prev)
-                        keep_probs(p)
-                        return acc * ops.row_bcast(correction, out_shape), m_next, l_next
+                        return (acc, *as_operand(*after))
 
                     def last(state):
-                        acc, m, l = state
+                        acc, p, m, l, correction = state
                         prev = slot_of(hi - 1)
                         plgpu.barrier_wait(v_bars.at[prev])
-                        acc = ops.mma_acc(acc, my_probs, v_ring.at[prev])
+                        acc = ops.mma_acc(acc * ops.row_bcast(correction, out_shape), p, v_ring.at[prev])
                         release_v(hi - 1, prev)
                         return acc, m, l
 
-                    def unchanged(state):
-                        return state
+                    def no_blocks(state):  # (the loop's state, never read)
+                        acc, m, l = state
+                        return (acc, ops.layout(jnp.zeros(score_shape, dtype), plgpu.Layout.WGMMA), m, l,
+                                ops.layout(jnp.ones((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
-                    state = lax.cond(lo < hi, first, unchanged, carry)
+                    state = lax.cond(lo < hi, first, no_blocks, carry)
                     state = lax.fori_loop(lo + 1, hi, step, state)
-                    return lax.cond(lo < hi, last, unchanged, state)
+                    return lax.cond(lo < hi, last, lambda state: (state[0], state[2], state[3]), state)
 
                 carry = (
                     ops.layout(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA),
@@ -1082,8 +1084,6 @@ def varlen_attention_call(
         tile(block_k, dtype, workers) if k_fp8 else placeholder,
         plgpu.SMEM((workers, block_k), jnp.float32),
         plgpu.SMEM((workers, 2, ROWS_PER_WARPGROUP), jnp.float32),
-        plgpu.SMEM((workers, ROWS_PER_WARPGROUP, block_k), dtype, transforms=smem_transforms(block_k, dtype))
-        if tiling.overlap_softmax else placeholder,
         plgpu.Barrier(num_barriers=query_tiles),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
