@@ -347,10 +347,13 @@ class MosaicPrefillConfig:
     order at head sizes up to 128, which it reports to matter; on the H200 within 2 % either
     way, 2026-12-02);
     persistent_programs: 0 for a program per (tile, head) work item; N > 0 for N
-    programs (e.g. one per SM) that walk the items in turn,
-    so the producer fetches the next item's first blocks while the compute warpgroups
-    finish the current one (short sequences pay the ring's fill once per SM, not per
-    tile; measured slower on the H200 at one program per SM in either item order, 2026-12-02);
+    programs (e.g. one per SM) that walk the items in turn, each role (producer, compute)
+    in its own loop, the items streaming through the ring back to back, so the producer
+    fetches the next item's first blocks while the compute warpgroups finish the current
+    one (short sequences pay the ring's fill once per SM, not per tile). An earlier form
+    (one item loop over both roles' code, the ring filled and drained per item) measured
+    slower on the H200 at one program per SM in either item order (2026-12-02, -04): ptxas
+    ignored its register split and serialized its wgmmas; this form is not yet measured;
     masked_block_k: keys per step of a masked block (a multiple of 64 dividing block_k;
     capped at block_k): a masked block (the causal diagonal, window edges, sequence
     ends) runs in parts of that many keys, each keeping non-finite values from the rows

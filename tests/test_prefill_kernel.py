@@ -442,6 +442,14 @@ MOSAIC_TILINGS = [
         tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
         dict(q_lens=[256, 100], k_lens=[256, 164], num_q_heads=2, num_kv_heads=1, head_size=64),
         dict(causal=True), marks=pytest.mark.gpu),
+    # A producer's items stream through the ring back to back (the next item's first
+    # blocks in the slots the last one frees): 3 slots, items of 0 to 5 blocks, a
+    # window's skipped lead blocks, surplus tiles.
+    ("specialized-1wg-persistent-3-programs-paged-ring3-window",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1, persistent_programs=3),
+     dict(q_lens=[150, 9, 70, 1], k_lens=[300, 30, 70, 130], num_q_heads=2, num_kv_heads=1, head_size=32,
+          paged=True, block_size=32, extra_blocks=2),
+     dict(causal=True, window_size=(100, 0))),
     ("specialized-1wg-persistent-2-programs-packed",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, persistent_programs=2),
      dict(q_lens=[130, 9, 64], k_lens=[300, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=32),

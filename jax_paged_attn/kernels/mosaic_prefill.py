@@ -369,15 +369,25 @@ def _prefill_kernel(
 
     wg = lax.axis_index("wg")
 
-    def work_item(t: Array, h0: Array, num_heads_here: int, role: str | None = None) -> None:
+    def work_item(t: Array, h0: Array, num_heads_here: int, role: str | None = None,
+                  ring_offset: Array | None = None) -> Array | None:
         """Query tile ``t`` of the plan for query heads ``h0 .. h0 + num_heads_here - 1``, in
         turn. The ring carries one stream of KV blocks, the tile's blocks once per head
         (`MosaicPrefillTiling.heads_per_program`): the producer runs into the next head's
         blocks while the compute warpgroups finish the current one. ``role`` "producer" or
         "compute": only that warpgroup role's part, for a caller that has branched on the
         role already (the persistent form's per-role item loops); None: every part, each
-        behind a branch on the warpgroup."""
+        behind a branch on the warpgroup.
+        ``ring_offset`` (a producer's persistent form): the item's stream continues the
+        ring where the program's previous items left it, its first block in slot
+        ``ring_offset % stages``, so the producer fetches this item's first blocks as soon
+        as the compute warpgroups release the previous item's last slots (no fill, no
+        drain: the caller drains after its last item). None: the stream starts the ring
+        anew in slot 0, filled at once, drained at its end.
+        Returns the number of blocks the item streamed through the ring (with
+        ``ring_offset``; else None)."""
         producer_part, compute_part = role in (None, "producer"), role in (None, "compute")
+        continuous = ring_offset is not None
 
         def for_warpgroups(condition, body) -> None:
             if role is None:
@@ -401,6 +411,7 @@ def _prefill_kernel(
             kb_lo, kb_full_lo = field(TileField.KB_LO), field(TileField.KB_FULL_LO)
             kb_full_hi, kb_hi = field(TileField.KB_FULL_HI), field(TileField.KB_HI)
             k_lead = field(TileField.K_LEAD)  # block kb holds keys kb * block_k - k_lead ..
+        streamed = jnp.where(q_rows > 0, (kb_hi - kb_lo) * num_heads_here, 0) if continuous else None
 
         @pl.when(q_rows > 0)  # surplus tiles of the static grid exit here
         def _():
@@ -455,7 +466,7 @@ def _prefill_kernel(
                     def _():
                         fetch_block(i, jnp.int32(i))
 
-            if producer_part or not specialized:
+            if (producer_part or not specialized) and not continuous:
                 for_warpgroups(wg == (workers if specialized else 0), _fill_the_ring)
 
             if specialized and producer_part:
@@ -472,6 +483,20 @@ def _prefill_kernel(
                         plgpu.barrier_wait(v_free.at[slot])
                         fetch(v_ring, v_bars, v_ref, block, slot, v_plane)
                         return next_block(*block)
+
+                    if continuous:
+                        def produce(i, block):  # the slot's previous block (if any) released first
+                            g = ring_offset + i
+                            slot = lax.rem(g, jnp.int32(stages))
+                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                            fetch(k_ring, k_bars, k_ref, block, slot, k_plane)
+                            pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                            fetch(v_ring, v_bars, v_ref, block, slot, v_plane)
+                            return next_block(*block)
+
+                        with jax.named_scope("refill"):
+                            lax.fori_loop(jnp.int32(0), stream, produce, stream_block(jnp.int32(0)))
+                        return
 
                     with jax.named_scope("refill"):
                         lax.fori_loop(jnp.int32(stages), stream, refill, stream_block(jnp.int32(stages)))
@@ -537,7 +562,8 @@ def _prefill_kernel(
                 folded = post_tanh is None and slope is None and isinstance(pre_tanh, float) and pre_tanh > 0
 
                 def slot_of(kb):  # the ring slot of KV block kb of this head's part of the stream
-                    return lax.rem(base + kb - kb_lo, jnp.int32(stages))
+                    position = base + kb - kb_lo
+                    return lax.rem(ring_offset + position if continuous else position, jnp.int32(stages))
 
                 def visit(kb, carry, *, masked: bool, compute: bool = True):
                     """KV block ``kb``: its barrier protocol always (wait for it, release it,
@@ -955,41 +981,62 @@ def _prefill_kernel(
 
             for_warpgroups(wg < workers, _compute)
 
+        return streamed
+
     if tiling.persistent_programs:
         # One program per SM walks the items strided by the program count, tile fastest
         # within a head (the grid form's programs are issued head fastest, module
         # docstring): the programs running at once share a head's K/V in L2 (walking them
         # head fastest spread them over four sequences and every head: unmasked blocks
-        # 1.7x slower, the H100, 2026-12-02). Off by default: it measured 1.6x the grid
-        # form's kernel time at B8 S2048 D128 under Nsight Compute, its SMs 90 % active,
-        # DRAM 7 % busy (the H200, 2026-12-04): each item ran slower, not the SMs idle.
-        # That form split the registers once and ran one item loop over both roles' code,
-        # which made ptxas ignore the split and serialize every wgmma (below); not yet
-        # measured since.
+        # 1.7x slower, the H100, 2026-12-02).
         # The stride also gives every program its share of long and short tiles (the plan
         # orders them longest first; a run of neighbouring items would give the first
         # programs the longest: 2.7x slower at B1 S16384).
-        # Every barrier's phases stay matched across items (each item waits for what it
-        # arrives on; the producer drains the ring before it fills it for the next).
         # With a producer, each role runs its own item loop after its register split: code
         # that both roles reach after the split (one loop over both roles' parts) makes
         # ptxas ignore setmaxnreg and serialize every wgmma for want of registers (its
-        # C7507 / C7512 notes, and the items 1.6x slower, above).
+        # C7507 / C7512 notes). The items stream through the ring back to back: the
+        # producer fetches an item's first blocks into the slots the previous item's last
+        # blocks free while the compute warpgroups finish that item, and drains the ring
+        # once, after its last item. Without a producer each item fills and drains the
+        # ring. Every barrier's phases stay matched across items either way (each waits
+        # for what it arrives on).
+        # Off by default: the earlier form (one item loop over both roles' code, the ring
+        # filled and drained per item) measured 1.6x the grid form's kernel time at B8
+        # S2048 D128 under Nsight Compute, its SMs 90 % active, DRAM 7 % busy (the H200,
+        # 2026-12-04): each item ran slower, its wgmmas serialized. This form is not yet
+        # measured.
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
 
-        def items(role: str | None) -> None:
-            def next_item(i, _):
-                item = program + i * step
-                work_item(lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles)), 1, role)
+        def items(role: str | None) -> Array:
+            """The program's items for ``role``; the blocks they streamed through the ring.
+            A producer's items stream through the ring back to back (``ring_offset``)."""
+            continuous = role is not None
 
-            lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, None)
+            def next_item(i, streamed):
+                item = program + i * step
+                tile, head = lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles))
+                if not continuous:
+                    work_item(tile, head, 1)
+                    return streamed
+                return streamed + work_item(tile, head, 1, role, ring_offset=streamed)
+
+            return lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, jnp.int32(0))
 
         if specialized:
             @pl.when(wg == workers)
             def _producer_items():
                 plgpu.set_max_registers(producer_registers, action="decrease")
-                items("producer")
+                streamed = items("producer")
+
+                def drain(i, _):  # the last blocks' releases, refilled by nothing (see work_item)
+                    slot = lax.rem(i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                with jax.named_scope("drain"):
+                    lax.fori_loop(jnp.maximum(streamed - stages, 0), streamed, drain, None)
 
             @pl.when(wg < workers)
             def _compute_items():
