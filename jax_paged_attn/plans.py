@@ -490,9 +490,10 @@ class MosaicPrefillTiling:
         ``Hq / heads_per_program`` programs.
       overlap_softmax: the unmasked blocks' softmax overlaps the previous block's P·V
         (`tuning.MosaicPrefillConfig.overlap_softmax`).
-      query_buffers: query tiles per compute warpgroup: 2 loads the next head's queries
-        while the current head computes (`tuning.MosaicPrefillConfig.prefetch_queries`,
-        with several heads per program where shared memory holds the second tile), else 1.
+      query_buffers: query tiles per compute warpgroup: 2 loads the next head's (or, in the
+        persistent form with a producer, the next item's) queries while the current one
+        computes (`tuning.MosaicPrefillConfig.prefetch_queries`, where shared memory holds
+        the second tile), else 1.
     """
 
     compute_warpgroups: int
@@ -650,8 +651,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     `MOSAIC_TMA_SMEM_ALIGN` bytes (the one-row copies of a partial warpgroup read shared
     memory at each row's start; on the H200 a head size of 32 at 16 bits faulted with a
     misaligned address); other head sizes keep the slab per tile.
-    ``query_buffers`` is 2 with ``config.prefetch_queries``, several heads per program
-    and room for the second query tile, else 1.
+    ``query_buffers`` is 2 with ``config.prefetch_queries``, several heads per program (or
+    persistent programs with a producer) and room for the second query tile, else 1.
     ``heads_per_program`` is the largest divisor of ``num_q_heads`` up to
     ``config.heads_per_program``, or with 0 (auto) up to `MOSAIC_AUTO_HEADS_PER_PROGRAM` for
     packed keys of at most `MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS` a sequence, else 1.
@@ -690,10 +691,12 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
             f"{math.gcd(block_k, config.masked_block_k)}-key parts; use 'auto' or 'own'.")
     copy_rows = block_k if block_size is None else math.gcd(block_k, block_size)
     heads_per_program = mosaic_heads_per_program(config, num_q_heads, max_seqlen_k, paged=block_size is not None)
-    # A second query tile only where a program has a next head to prefetch for and shared
-    # memory holds it beside the tiling chosen above (it never costs the tiling a slot,
-    # a wider block or a warpgroup).
-    query_buffers = 2 if (config.prefetch_queries and heads_per_program > 1 and mosaic_prefill_smem_bytes(
+    # A second query tile only where a program has a next head or item to prefetch for
+    # (several heads a program; persistent programs with a producer) and shared memory
+    # holds it beside the tiling chosen above (it never costs the tiling a slot, a wider
+    # block or a warpgroup).
+    has_next = heads_per_program > 1 or (config.persistent_programs > 0 and config.warp_specialized)
+    query_buffers = 2 if (config.prefetch_queries and has_next and mosaic_prefill_smem_bytes(
         workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(), query_buffers=2)
         <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
     # overlap_softmax only for 16-bit keys and values (fp8 blocks run one by one,

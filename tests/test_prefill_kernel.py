@@ -450,6 +450,13 @@ MOSAIC_TILINGS = [
      dict(q_lens=[150, 9, 70, 1], k_lens=[300, 30, 70, 130], num_q_heads=2, num_kv_heads=1, head_size=32,
           paged=True, block_size=32, extra_blocks=2),
      dict(causal=True, window_size=(100, 0))),
+    # ... and with two query tiles, each item's queries loaded at the previous item's
+    # start (surplus tiles load none).
+    ("specialized-1wg-persistent-3-programs-prefetch-queries-packed",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, persistent_programs=3,
+                                prefetch_queries=True),
+     dict(q_lens=[150, 9, 70, 1], k_lens=[300, 30, 70, 130], num_q_heads=2, num_kv_heads=1, head_size=32),
+     dict(causal=True)),
     ("specialized-1wg-persistent-2-programs-packed",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, persistent_programs=2),
      dict(q_lens=[130, 9, 64], k_lens=[300, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=32),

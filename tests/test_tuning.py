@@ -222,12 +222,18 @@ def test_mosaic_prefill_heads_per_program_divide_the_query_heads(requested, num_
     assert tiling.heads_per_program == expected
 
 
-@pytest.mark.parametrize("head_size, hpp, expected", [(128, 4, 2), (64, 4, 2), (256, 4, 1), (128, 1, 1)])
-def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head_size, hpp, expected):
-    """prefetch_queries: a second query tile per warpgroup only with several heads per
-    program and room beside the tiling (D 256's two warpgroups already fill shared memory)."""
+@pytest.mark.parametrize("head_size, hpp, persistent, specialized, expected", [
+    (128, 4, 0, True, 2), (64, 4, 0, True, 2), (256, 4, 0, True, 1), (128, 1, 0, True, 1),
+    (128, 0, 132, True, 2), (256, 0, 132, True, 1), (128, 0, 132, False, 1)])
+def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head_size, hpp, persistent,
+                                                                            specialized, expected):
+    """prefetch_queries: a second query tile per warpgroup only with a next head or item to
+    load it for (several heads per program; persistent programs with a producer) and room
+    beside the tiling (D 256's two warpgroups already fill shared memory)."""
     config = dataclasses.replace(tuning.mosaic_prefill_config(head_size, "bfloat16"), heads_per_program=hpp,
-                                 prefetch_queries=True)
+                                 prefetch_queries=True, persistent_programs=persistent,
+                                 warp_specialized=specialized,
+                                 **({} if specialized else dict(compute_warpgroups=1)))
     tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
                                               block_size=None, config=config, num_q_heads=32)
     plain = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,

@@ -370,7 +370,7 @@ def _prefill_kernel(
     wg = lax.axis_index("wg")
 
     def work_item(t: Array, h0: Array, num_heads_here: int, role: str | None = None,
-                  ring_offset: Array | None = None) -> Array | None:
+                  ring_offset: Array | None = None, q_buffer: Array | None = None) -> Array | None:
         """Query tile ``t`` of the plan for query heads ``h0 .. h0 + num_heads_here - 1``, in
         turn. The ring carries one stream of KV blocks, the tile's blocks once per head
         (`MosaicPrefillTiling.heads_per_program`): the producer runs into the next head's
@@ -384,6 +384,8 @@ def _prefill_kernel(
         as the compute warpgroups release the previous item's last slots (no fill, no
         drain: the caller drains after its last item). None: the stream starts the ring
         anew in slot 0, filled at once, drained at its end.
+        ``q_buffer`` (one head): the query tile buffer the caller loaded this item's
+        queries into (`load_item_queries`); None: the item loads its own.
         Returns the number of blocks the item streamed through the ring (with
         ``ring_offset``; else None)."""
         producer_part, compute_part = role in (None, "producer"), role in (None, "compute")
@@ -529,13 +531,18 @@ def _prefill_kernel(
                 """Rows ``wg * 64 ..`` of the tile, query head ``h`` (the program's ``j``-th),
                 against the tile's KV blocks they can see: the ring stream's blocks
                 ``base ..``."""
-                buffer = lax.rem(j, 2) if prefetch else 0
+                if q_buffer is not None:
+                    buffer = q_buffer
+                else:
+                    buffer = lax.rem(j, 2) if prefetch else 0
                 qi = buffer * workers + wg
                 my_q, q_bar, my_out_rows = q_smem.at[qi], q_bars.at[qi], out_rows.at[qi] if tiling.direct_output else None
                 my_work, my_conv, my_bad = v_work.at[wg], k_conv.at[wg], key_bad.at[wg]
                 my_probe = probe_rows.at[wg]
                 my_pos0 = q_pos0 + row0
-                if not prefetch:
+                if q_buffer is not None:
+                    pass  # (loaded by the caller: before its item loop or at the previous item's start)
+                elif not prefetch:
                     load_queries(h, 0)
                 else:  # (this head's queries were loaded before the head loop or by the previous head)
                     # The other buffer's last reader, the previous head's output store, has
@@ -1009,10 +1016,31 @@ def _prefill_kernel(
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
 
+        num_my_items = lax.div(num_items - program + step - 1, step)
+        # With two query tiles a compute warpgroup (with a producer) loads the next item's
+        # queries at the start of each item, into the tile the previous item used (its
+        # output store has read it by then): the tiles alternate item by item.
+        prefetch_items = tiling.query_buffers == 2 and specialized
+
+        def load_item_queries(item: Array, buffer: Array | int) -> None:
+            """A compute warpgroup's 64 query rows of ``item`` (if a real tile) into ``buffer``."""
+            tile, head = lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles))
+
+            @pl.when(plan_ref[tile, int(TileField.Q_ROWS)] > 0)
+            def _():
+                q_row = pl.multiple_of(plan_ref[tile, int(TileField.Q_ROW0)] + wg * ROWS_PER_WARPGROUP,
+                                       TMA_ROW_ALIGN)
+                qi = buffer * workers + wg
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, ROWS_PER_WARPGROUP), head], q_smem.at[qi],
+                                        q_bars.at[qi])
+
         def items(role: str | None) -> Array:
             """The program's items for ``role``; the blocks they streamed through the ring.
             A producer's items stream through the ring back to back (``ring_offset``)."""
             continuous = role is not None
+            prefetching = prefetch_items and role == "compute"
+            if prefetching:
+                pl.when(num_my_items > 0)(lambda: load_item_queries(program, 0))
 
             def next_item(i, streamed):
                 item = program + i * step
@@ -1020,9 +1048,13 @@ def _prefill_kernel(
                 if not continuous:
                     work_item(tile, head, 1)
                     return streamed
-                return streamed + work_item(tile, head, 1, role, ring_offset=streamed)
+                buffer = None
+                if prefetching:
+                    buffer = lax.rem(i, 2)
+                    pl.when(i + 1 < num_my_items)(lambda: load_item_queries(item + step, 1 - buffer))
+                return streamed + work_item(tile, head, 1, role, ring_offset=streamed, q_buffer=buffer)
 
-            return lax.fori_loop(0, lax.div(num_items - program + step - 1, step), next_item, jnp.int32(0))
+            return lax.fori_loop(0, num_my_items, next_item, jnp.int32(0))
 
         if specialized:
             @pl.when(wg == workers)
