@@ -18,11 +18,13 @@ With two compute warpgroups a shared barrier staggers them (ping-pong,
 `tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
-SM walks the (tile, head) work items, the producer fetching the next item's blocks while
-the compute warpgroups finish the current one; off by default: walking the items head
-fastest measured 1.6x slower than the grid form, its unmasked blocks 1.7x slower (K/V
-reuse in L2, see `_prefill_kernel`), and in the grid's order, strided, still 1.5x slower
-at B8 S2048 and 2.5x at B1 S16384, its SMs busy 58 % of the span: the H200, 2026-12-02), ``fence_softmax`` (the
+SM walks the (tile, head) work items, each role in its own item loop, the items streaming
+through the ring back to back: the producer fetches the next item's first blocks while
+the compute warpgroups finish the current one, and with ``prefetch_queries`` each compute
+warpgroup loads the next item's queries at the start of the current one; off by default:
+an earlier form measured 1.5-2.5x slower than the grid form on the H200 (2026-12-02, -04),
+its wgmmas serialized by ptxas for want of registers, see `_prefill_kernel`; this form
+is not yet measured), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -43,8 +45,8 @@ each block's path, and spills). This form compiles without that note and with th
 default's hot loop (1 - 2 spill reloads a block); not yet measured.
 
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): that overlap
-measured, GQA packing of a KV group's heads into one tile (K/V are read once
-per query head, the reuse left to L2), and less per-tile cost for short sequences. A
+and the persistent form measured, GQA packing of a KV group's heads into one tile (K/V
+are read once per query head, the reuse left to L2). A
 work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
 us on the H200 against 1.75 us per 128 x 128 block: 30 % of the kernel at B8 S2048 D128.
 Two single-warpgroup programs an SM, which overlap one's fixed cost with the other's
