@@ -976,7 +976,8 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
     value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile),
     128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
     memory at large head sizes) and, second, the default with one persistent program per
-    SM of the device."""
+    SM of the device (also with the next item's queries prefetched, and with the softmax
+    beside the previous block's P·V) and with ``overlap_softmax``."""
     from jax_paged_attn import tuning
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
@@ -991,13 +992,19 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
     default = tuning.mosaic_prefill_config(head_size, "bfloat16")
     # Right after the default: its next heads' queries prefetched, then 1, 4 and 2 heads
     # per program (those the default does not set), then one persistent program per SM
-    # (the device's count).
+    # (the device's count; the next item's queries prefetched; the overlapped softmax),
+    # then the default with the overlapped softmax.
     heads = [dataclasses.replace(default, prefetch_queries=True)] + [
         dataclasses.replace(default, heads_per_program=n) for n in (1, 4, 2) if n != default.heads_per_program]
     sms = getattr(jax.devices()[0], "core_count", 0) or 0
-    persistent = [dataclasses.replace(default, persistent_programs=sms, heads_per_program=1)] if sms > 0 else []
+    persistent = []
+    if sms > 0:
+        one_per_sm = dataclasses.replace(default, persistent_programs=sms, heads_per_program=1)
+        persistent = [one_per_sm, dataclasses.replace(one_per_sm, prefetch_queries=True),
+                      dataclasses.replace(one_per_sm, prefetch_queries=True, overlap_softmax=True)]
+    overlapped = [dataclasses.replace(default, overlap_softmax=True)]
     grid = [MosaicPrefillConfig(**fields) for fields in choices]
-    return list(dict.fromkeys([default] + heads + persistent + grid))
+    return list(dict.fromkeys([default] + heads + persistent + overlapped + grid))
 
 
 def attention_ours_mosaic_gpu(ctx: Context, case: AttentionCase, x: AttentionInputs) -> Measurement:
