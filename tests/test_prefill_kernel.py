@@ -783,6 +783,23 @@ PLAN_SPECS = [
 
 
 @pytest.mark.parametrize("attention", PLAN_SPECS, ids=lambda a: str(sorted(a.items())))
+def test_visible_key_interval_is_the_reference_mask_of_every_row(attention):
+    """The Mosaic GPU kernel masks a block by each row's interval of visible keys: for
+    every row, rows past the sequence and before its start (an aligned tile's lead) too,
+    ``[lo, hi)`` (empty past the sequence) holds exactly the keys `reference.key_visible`
+    shows it, less those at negative positions (the lead keys of a packed block 0)."""
+    spec = AttentionSpec.create(32, **attention)
+    q_len, k_len = 9, 23
+    q_pos = jnp.arange(-12, 15)[:, None]
+    k_pos = jnp.arange(-12, 30)[None, :]
+    lo, hi = plans.visible_key_interval(q_pos, q_len, k_len, spec)
+    hi = jnp.where(q_pos < q_len, hi, lo)
+    expected = reference.key_visible(q_pos, k_pos, q_len, k_len, spec) & (k_pos >= 0)
+    np.testing.assert_array_equal((k_pos >= lo) & (k_pos < hi), expected)
+    assert bool(jnp.all(lo >= 0))  # (so over a paged cache, no negative keys, no lower bound without a window)
+
+
+@pytest.mark.parametrize("attention", PLAN_SPECS, ids=lambda a: str(sorted(a.items())))
 @pytest.mark.parametrize("longest_first", [True, False])
 @pytest.mark.parametrize("align_rows", [1, 8])
 def test_plan_covers_rows_and_skips_only_invisible_keys(attention, longest_first, align_rows):

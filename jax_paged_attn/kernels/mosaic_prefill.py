@@ -628,13 +628,22 @@ def _prefill_kernel(
                         s = jnp.tanh(s) * post_tanh
                     if slope is not None or masked:
                         q_pos = my_pos0 + ops.iota(score_shape, 0)
+                        # (The block's keys, not the bare column index: that one is the same
+                        # every block, and hoisted out of the loop it holds 32 registers.)
                         k_pos = kb * block_k + key0 - k_lead + ops.iota(score_shape, 1)
                     if slope is not None:
                         s = s - slope * reference.alibi_distance(q_pos, k_pos, q_len, k_len)
                     if masked:
-                        visible = reference.key_visible(q_pos, k_pos, q_len, k_len, spec)
-                        if not paged:  # the lead keys of a block 0 are the previous sequence's
-                            visible &= k_pos >= 0
+                        # `reference.key_visible` (and, over packed keys, no lead key of a block
+                        # 0: the previous sequence's) as each row's interval of keys: a compare
+                        # or two and a select a score, the bounds computed once a row (a
+                        # compare and a select for each condition before: twice the
+                        # instructions of an unmasked block).
+                        lo, hi = plans.visible_key_interval(q_pos, q_len, k_len, spec)
+                        hi = jnp.where(q_pos < q_len, hi, lo)  # (rows past the sequence see nothing)
+                        visible = k_pos < hi
+                        if spec.window_left >= 0 or not paged:  # (else lo is 0, a paged key's least)
+                            visible &= k_pos >= lo
                         s = jnp.where(visible, s, -jnp.inf)
                     row_max = s.max(axis=1)
                     m_next = jnp.maximum(m_prev, row_max * pre_tanh if folded else row_max)
