@@ -19,7 +19,9 @@ on (its ptxas report: registers, spills, and ptxas's "Potential Performance Loss
 C7513 or C7512, wgmma instructions serialized, which undoes any overlap of two wgmmas;
 C7507, a ``setmaxnreg`` register split ignored) and, with ``--sass``,
 ``MOSAIC_GPU_DUMP_SASS`` (the kernel's machine code: the count of its local-memory
-spill instructions, ``STL`` / ``LDL``, and the whole output kept in ``--out``).
+spill instructions, ``STL`` / ``LDL``; for each innermost loop that issues wgmma (the
+per-block loops), its instructions a pass, wgmma, spill and MUFU instructions; the whole
+output kept in ``--out``).
 
 Needs a CUDA GPU and ``ptxas`` on the PATH (the Triton tier); exits with 2 otherwise.
 """
@@ -113,6 +115,56 @@ def count_spill_instructions(sass: str) -> dict[str, int]:
             if first < i < last:
                 counts[match.group(1) + "_among_wgmma"] += 1
     return {key: counts[key] for key in ("STL", "LDL", "STL_among_wgmma", "LDL_among_wgmma")}
+
+
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+
+
+@dataclasses.dataclass
+class SassLoop:
+    """A loop of SASS (a branch back to a label at or before it) and what it holds."""
+
+    start: int  # address of its first instruction
+    end: int  # address of the branch back
+    instructions: int
+    counts: dict[str, int]  # HGMMA (wgmma), STL / LDL (spills), MUFU (exp2, rcp)
+
+
+def innermost_wgmma_loops(sass: str) -> list[SassLoop]:
+    """The innermost loops of SASS text that issue wgmma instructions (the attention
+    kernels' per-block loops, one per code path: each compute warpgroup's unmasked run,
+    the masked blocks), in address order: a loop is a conditional branch back to a label
+    at or before it, innermost when no other such loop lies inside it."""
+    instructions: list[tuple[int, str]] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        if label := _SASS_LABEL.match(line):
+            labels[label.group(1)] = len(instructions)
+        elif instruction := _SASS_INSTRUCTION.match(line):
+            instructions.append((int(instruction.group(1), 16), instruction.group(2)))
+    spans = set()
+    for i, (_, text) in enumerate(instructions):
+        branch = _SASS_BRANCH.search(text)
+        # (A loop closes with a conditional branch back; an unconditional one is the way
+        # back from code placed out of line, e.g. a barrier wait's retry at the end.)
+        if branch and text.startswith("@") and labels.get(branch.group(1), i + 1) <= i:
+            spans.add((labels[branch.group(1)], i))
+
+    def opcode(text: str) -> str:  # "@!P1 LDL.LU R5, [R1]" -> "LDL"
+        return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+    with_wgmma = sorted((lo, hi) for lo, hi in spans
+                        if any(opcode(text) == "HGMMA" for _, text in instructions[lo:hi + 1]))
+    innermost = [(lo, hi) for lo, hi in with_wgmma
+                 if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in with_wgmma)]
+    loops = []
+    for lo, hi in innermost:
+        ops = collections.Counter(opcode(text) for _, text in instructions[lo:hi + 1])
+        loops.append(SassLoop(instructions[lo][0], instructions[hi][0], hi - lo + 1,
+                              {key: ops[key] for key in ("HGMMA", "STL", "LDL", "MUFU")}))
+    return loops
 
 
 def describe(entry: EntryResources) -> str:
@@ -268,6 +320,10 @@ def _mosaic_gpu_resources(args: argparse.Namespace) -> int:
         print(f"SASS: {counts['STL']} STL (spill stores), {counts['LDL']} LDL (spill loads); between the first "
               f"and last wgmma: {counts['STL_among_wgmma']} STL, {counts['LDL_among_wgmma']} LDL"
               + (f"; the whole output in {args.out / 'mosaic_gpu_compile.txt'}" if args.out else ""))
+        for loop in innermost_wgmma_loops(result.stdout):
+            print(f"  loop {loop.start:#07x}-{loop.end:#07x}: {loop.instructions} instructions a pass, "
+                  f"{loop.counts['HGMMA']} wgmma, {loop.counts['STL']} STL / {loop.counts['LDL']} LDL, "
+                  f"{loop.counts['MUFU']} MUFU")
     return 0
 
 

@@ -519,6 +519,41 @@ ptxas info    : Used 168 registers, used 16 barriers
 """
 
 
+# SASS of two nested loops (the inner one issuing wgmma), a barrier wait's retry placed out
+# of line (its way back an unconditional branch) and a spin loop without wgmma.
+NESTED_LOOPS_SASS = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_2:
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3], R4 ;
+        /*0030*/              @!P0 BRA `(.L_x_9) ;
+.L_x_3:
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0050*/                   LDL R5, [R1+0x8] ;
+        /*0060*/                   MUFU.EX2 R6, R6 ;
+        /*0070*/                   ISETP.NE.AND P1, PT, R2, R7, PT ;
+        /*0080*/               @P1 BRA `(.L_x_2) ;
+        /*0090*/                   STL [R1+0x4], R2 ;
+        /*00a0*/               @P2 BRA `(.L_x_1) ;
+        /*00b0*/                   EXIT ;
+.L_x_9:
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64 P0, [R3], R4 ;
+        /*00d0*/              @!P0 BRA `(.L_x_9) ;
+        /*00e0*/                   BRA `(.L_x_3) ;
+"""
+
+
+def test_kernel_resources_finds_the_innermost_wgmma_loops():
+    """The per-block loops of a kernel's SASS: innermost loops closed by a conditional
+    branch back that issue wgmma, with their instruction counts; not the outer loop, not
+    a wait's out-of-line retry and its way back, not a loop without wgmma."""
+    resources = _load("kernel_resources")
+    loops = resources.innermost_wgmma_loops(NESTED_LOOPS_SASS)
+    assert [(loop.start, loop.end, loop.instructions, loop.counts) for loop in loops] == [
+        (0x20, 0x80, 7, {"HGMMA": 1, "STL": 0, "LDL": 1, "MUFU": 1})]
+
+
 def test_kernel_resources_reads_mosaic_gpu_reports():
     """A performance note marks the entry it names (ptxas prints it before the entry), or,
     naming none (C7507), the next entry; SASS spill instructions are STL / LDL, not
