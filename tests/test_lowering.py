@@ -419,6 +419,33 @@ def test_varlen_lowers_to_mosaic_gpu_kernel(paged, head_size, q_dtype, kv_dtype,
     assert TRITON_CALL not in text
 
 
+@pytest.mark.covering(pairs=False)  # each value once by default; every case with --full
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("masking", [dict(causal=False), dict(causal=False, window_size=(7, 3)),
+                                     dict(causal=False, window_size=(-1, 2)), dict(causal=False, window_size=(4, -1)),
+                                     dict(causal=True)],
+                         ids=["full", "window-both", "window-right", "window-left", "causal"])
+def test_mosaic_varlen_masks_of_every_kind_lower(masking, paged):
+    """Each kind of mask (none, a two-sided, right or left window, causal) lowers in the
+    Mosaic GPU kernel's masked blocks (each key against its row's interval of visible
+    keys: with no bound on the right the interval ends at the key count), over packed
+    keys and a paged cache."""
+    q = jnp.ones((40, 8, 128), jnp.bfloat16)
+    cu = jnp.array([0, 7, 40], jnp.int32)
+    cu_k = jnp.array([0, 60, 150], jnp.int32)
+    kwargs = dict(implementation="mosaic_gpu", **masking)
+    if paged:
+        k, v = _paged_cache(num_blocks=12, block_size=16, head_size=128, dtype=jnp.bfloat16)
+        table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+        fn = lambda q, k, v, cq, ck, t: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 100, 90, block_table=t, **kwargs)
+        text = lower_for_cuda(fn, q, k, v, cu, cu_k, table)
+    else:
+        k = jnp.ones((150, 2, 128), jnp.bfloat16)
+        fn = lambda q, k, v, cq, ck: jpa.flash_attn_varlen_func(q, k, v, cq, ck, 100, 90, **kwargs)
+        text = lower_for_cuda(fn, q, k, k, cu, cu_k)
+    assert MOSAIC_GPU_CALL in text
+
+
 def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
     """flash_attn_with_kvcache(implementation="mosaic_gpu") runs the Mosaic GPU decode
     kernel, not the Triton one."""
