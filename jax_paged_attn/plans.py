@@ -696,9 +696,17 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     # holds it beside the tiling chosen above (it never costs the tiling a slot, a wider
     # block or a warpgroup).
     has_next = heads_per_program > 1 or (config.persistent_programs > 0 and config.warp_specialized)
-    query_buffers = 2 if (config.prefetch_queries and has_next and mosaic_prefill_smem_bytes(
-        workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(), query_buffers=2)
-        <= tuning.MOSAIC_SHARED_MEMORY_BUDGET) else 1
+    query_buffers = 1
+    if config.prefetch_queries and not has_next:
+        _drop_config_field("prefetch_queries", "a program has no next head or item to load queries for "
+                           "(one head a program, not persistent with a producer)")
+    elif config.prefetch_queries and mosaic_prefill_smem_bytes(
+            workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(),
+            query_buffers=2) > tuning.MOSAIC_SHARED_MEMORY_BUDGET:
+        _drop_config_field("prefetch_queries", f"no shared memory for a second query tile beside {workers} "
+                           f"compute warpgroups, {block_k}-key blocks and {stages} ring slots at head size {head_size}")
+    elif config.prefetch_queries:
+        query_buffers = 2
     # overlap_softmax only for 16-bit keys and values (fp8 blocks run one by one,
     # `tuning.MosaicPrefillConfig`).
     overlap_softmax = config.overlap_softmax

@@ -400,9 +400,11 @@ class MosaicPrefillConfig:
     shared memory holds it (D 64 and 128 at the default tiling, not D 256), instead of
     after the current head's output store (about 0.8 µs a head on the H200, the
     timelines of 2026-12-02); with persistent programs and a producer, the next item's
-    queries at the start of each item. Off: measured slower on the H200 with several
-    heads (2026-12-03, 4 heads, alternating rounds: 0.835 against 0.721 ms at B8 S2048
-    D128, 4.42 against 4.26 ms at B1 S16384); not yet measured with persistent programs.
+    queries at the start of each item. Where the plan cannot honour it (no next head or
+    item, no room) a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off:
+    measured slower on the H200 with several heads (2026-12-03, 4 heads, alternating
+    rounds: 0.835 against 0.721 ms at B8 S2048 D128, 4.42 against 4.26 ms at B1 S16384);
+    not yet measured with persistent programs.
     overlap_softmax: in the unmasked blocks, each block's softmax runs while the previous
     block's P·V wgmma runs (FlashAttention-3's intra-warpgroup overlap, in its order): Q·K^T
     of block j is issued, the accumulator rescaled, P·V of block j - 1 issued with its

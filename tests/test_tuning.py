@@ -4,6 +4,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import warnings
 
 import jax.numpy as jnp
 import pytest
@@ -226,16 +227,30 @@ def test_mosaic_prefill_heads_per_program_divide_the_query_heads(requested, num_
     (128, 4, 0, True, 2), (64, 4, 0, True, 2), (256, 4, 0, True, 1), (128, 1, 0, True, 1),
     (128, 0, 132, True, 2), (256, 0, 132, True, 1), (128, 0, 132, False, 1)])
 def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head_size, hpp, persistent,
-                                                                            specialized, expected):
+                                                                            specialized, expected, monkeypatch):
     """prefetch_queries: a second query tile per warpgroup only with a next head or item to
     load it for (several heads per program; persistent programs with a producer) and room
-    beside the tiling (D 256's two warpgroups already fill shared memory)."""
+    beside the tiling (D 256's two warpgroups already fill shared memory); where the plan
+    cannot honour it, a warning says why."""
+    monkeypatch.setattr(plans, "_dropped_fields", set())
     config = dataclasses.replace(tuning.mosaic_prefill_config(head_size, "bfloat16"), heads_per_program=hpp,
                                  prefetch_queries=True, persistent_programs=persistent,
                                  warp_specialized=specialized,
                                  **({} if specialized else dict(compute_warpgroups=1)))
-    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
-                                              block_size=None, config=config, num_q_heads=32)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
+                                                  block_size=None, config=config, num_q_heads=32)
+    dropped = [str(w.message) for w in said if w.category is plans.ConfigFieldDroppedWarning]
+    if expected == 2:
+        assert dropped == []
+    elif hpp > 1 or (persistent and specialized):
+        assert dropped == [f"config.prefetch_queries is off for this call: no shared memory for a second query "
+                           f"tile beside {tiling.compute_warpgroups} compute warpgroups, {tiling.block_k}-key "
+                           f"blocks and {tiling.num_stages} ring slots at head size {head_size}."]
+    else:
+        assert dropped == ["config.prefetch_queries is off for this call: a program has no next head or item to "
+                           "load queries for (one head a program, not persistent with a producer)."]
     plain = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, max_seqlen_q=2048, max_seqlen_k=2048,
                                              block_size=None, config=dataclasses.replace(config, prefetch_queries=False),
                                              num_q_heads=32)
