@@ -371,6 +371,25 @@ def _prefill_kernel(
 
     wg = lax.axis_index("wg")
 
+    def load_query_tile(q_row: Array, h: Array, buffer: Array | int) -> None:
+        """A compute warpgroup's 64 query rows from packed row ``q_row`` of head ``h`` into
+        its query tile ``buffer``."""
+        qi = buffer * workers + wg
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], q_smem.at[qi], q_bars.at[qi])
+
+    def drain_ring(streamed: Array) -> None:
+        """The producer waits for the releases of a stream's last blocks, which no copy
+        follows: every completed phase of a barrier is waited for by the thread that waits
+        on it (the Mosaic GPU interpreter checks this; on the GPU the producer is idle
+        here anyway)."""
+        def drain(i, _):
+            slot = lax.rem(i, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+        with jax.named_scope("drain"):
+            lax.fori_loop(jnp.maximum(streamed - stages, 0), streamed, drain, None)
+
     def work_item(t: Array, h0: Array, num_heads_here: int, role: str | None = None,
                   ring_offset: Array | None = None, q_buffer: Array | None = None) -> Array | None:
         """Query tile ``t`` of the plan for query heads ``h0 .. h0 + num_heads_here - 1``, in
@@ -505,16 +524,7 @@ def _prefill_kernel(
                     with jax.named_scope("refill"):
                         lax.fori_loop(jnp.int32(stages), stream, refill, stream_block(jnp.int32(stages)))
 
-                    def drain(i, _):  # the last blocks' releases, refilled by nothing
-                        slot = lax.rem(i, jnp.int32(stages))
-                        plgpu.barrier_wait(k_free.at[slot])
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    # Every completed phase of a barrier is waited for by the thread that
-                    # waits on it (the Mosaic GPU interpreter checks this; on the GPU the
-                    # producer is idle here anyway).
-                    with jax.named_scope("drain"):
-                        lax.fori_loop(jnp.maximum(stream - stages, 0), stream, drain, None)
+                    drain_ring(stream)
 
                 for_warpgroups(wg == workers, _producer)
 
@@ -526,8 +536,7 @@ def _prefill_kernel(
             prefetch = tiling.query_buffers == 2
 
             def load_queries(h: Array, buffer: Array | int) -> None:
-                qi = buffer * workers + wg
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, rows), h], q_smem.at[qi], q_bars.at[qi])
+                load_query_tile(q_row, h, buffer)
 
             def compute_head(h: Array, base: Array, j: Array | int) -> None:
                 """Rows ``wg * 64 ..`` of the tile, query head ``h`` (the program's ``j``-th),
@@ -1039,11 +1048,8 @@ def _prefill_kernel(
 
             @pl.when(plan_ref[tile, int(TileField.Q_ROWS)] > 0)
             def _():
-                q_row = pl.multiple_of(plan_ref[tile, int(TileField.Q_ROW0)] + wg * ROWS_PER_WARPGROUP,
-                                       TMA_ROW_ALIGN)
-                qi = buffer * workers + wg
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row, ROWS_PER_WARPGROUP), head], q_smem.at[qi],
-                                        q_bars.at[qi])
+                q_row = pl.multiple_of(plan_ref[tile, int(TileField.Q_ROW0)] + wg * rows, TMA_ROW_ALIGN)
+                load_query_tile(q_row, head, buffer)
 
         def items(role: str | None) -> Array:
             """The program's items for ``role``; the blocks they streamed through the ring.
@@ -1071,15 +1077,7 @@ def _prefill_kernel(
             @pl.when(wg == workers)
             def _producer_items():
                 plgpu.set_max_registers(producer_registers, action="decrease")
-                streamed = items("producer")
-
-                def drain(i, _):  # the last blocks' releases, refilled by nothing (see work_item)
-                    slot = lax.rem(i, jnp.int32(stages))
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                with jax.named_scope("drain"):
-                    lax.fori_loop(jnp.maximum(streamed - stages, 0), streamed, drain, None)
+                drain_ring(items("producer"))
 
             @pl.when(wg < workers)
             def _compute_items():
