@@ -55,9 +55,18 @@ import os
 # XLA compiling interpret-mode kernels and engine programs (each a fresh program); XLA's
 # optimization level 0 compiles them in about 60 % of the time, and the tests time
 # nothing. Set before JAX creates its CPU client; a level the user set is kept.
-if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)) and \
-        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+_CPU_HOST = not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+if _CPU_HOST and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# The Mosaic GPU interpreter runs each warpgroup of a warp-specialized kernel as a thread
+# whose barrier waits block inside callbacks that XLA's CPU client runs on its worker
+# pool, one thread a core by default: on a 2-core host two blocked warpgroups left the
+# others no thread, and a kernel with a producer and two or three compute warpgroups hung
+# (2026-12). XLA sizes that pool by NPROC where it is set; 16 threads leave every
+# warpgroup of a program one. Set before JAX creates its CPU client; a value the user
+# set is kept.
+if _CPU_HOST:
+    os.environ.setdefault("NPROC", "16")
 
 import dataclasses
 import functools

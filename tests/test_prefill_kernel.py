@@ -418,30 +418,24 @@ MOSAIC_TILINGS = [
      dict(q_lens=[20], k_lens=[300], num_q_heads=2, num_kv_heads=2, head_size=64, paged=True,
           block_size=16, dtype=jnp.float16),
      dict(causal=True, softcap=10.0, alibi=True)),
-    # The warp-specialized forms run a warpgroup per interpreter thread, each blocking
-    # inside a callback on a barrier the others complete; on the 2 cores of a CI host
-    # XLA's CPU runtime can run out of threads to start the others, and the interpreter
-    # hangs (seen with ping-pong from the start, and with 2 compute warpgroups once in
-    # 2026-12, 3 warpgroups in all). They run compiled on a GPU host; the 1-compute
-    # warpgroup form (2 threads) stays interpreted here.
-    pytest.param(
-        "specialized-2wg-packed-window-wraps",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
-        dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
-        dict(causal=True, window_size=(100, 0)), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-packed-window-wraps",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=True),
-        dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
-        dict(causal=True, window_size=(100, 0)), marks=pytest.mark.gpu),
+    # The GPU default's forms: a producer and two compute warpgroups (ping-pong or not),
+    # three at D 64; the interpreter runs each warpgroup as a thread (tests/conftest.py
+    # gives XLA's CPU client a thread for each).
+    ("specialized-2wg-packed-window-wraps",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
+     dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
+    ("specialized-2wg-pingpong-packed-window-wraps",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=True),
+     dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=32),
+     dict(causal=True, window_size=(100, 0))),
     # Causal without a window: the second warpgroup sees the first one's diagonal block
     # whole, and runs it unmasked (the tile's plan has it masked); a NaN behind the mask
     # of the first warpgroup's rows must still reach only the rows that see it.
-    pytest.param(
-        "specialized-2wg-causal-whole-blocks",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
-        dict(q_lens=[256, 100], k_lens=[256, 164], num_q_heads=2, num_kv_heads=1, head_size=64),
-        dict(causal=True), marks=pytest.mark.gpu),
+    ("specialized-2wg-causal-whole-blocks",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, pingpong=False),
+     dict(q_lens=[256, 100], k_lens=[256, 164], num_q_heads=2, num_kv_heads=1, head_size=64),
+     dict(causal=True)),
     # A producer's items stream through the ring back to back (the next item's first
     # blocks in the slots the last one frees): 3 slots, items of 0 to 5 blocks, a
     # window's skipped lead blocks, surplus tiles.
@@ -461,29 +455,25 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, persistent_programs=2),
      dict(q_lens=[130, 9, 64], k_lens=[300, 30, 64], num_q_heads=2, num_kv_heads=1, head_size=32),
      dict(causal=True, window_size=(100, 0))),
-    pytest.param(
-        "specialized-2wg-pingpong-persistent-5-programs",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5),
-        dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
-        dict(causal=True), marks=pytest.mark.gpu),
+    ("specialized-2wg-pingpong-persistent-5-programs",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5),
+     dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(causal=True)),
     # D 256: the probe with one compute warpgroup (its second product tile), and two
     # whose masked blocks borrow the query tile (the default's choice).
-    pytest.param(
-        "specialized-1wg-probe-d256",
-        tuning.MosaicPrefillConfig(nonfinite_check="probe"),
-        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
-        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-key-flags-query-tile-d256",
-        tuning.MosaicPrefillConfig(nonfinite_check="key_flags"),
-        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
-        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-slab-output",
-        tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, direct_output=False),
-        dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=2,
-             head_size=64),
-        dict(causal=True), marks=pytest.mark.gpu),
+    ("specialized-1wg-probe-d256",
+     tuning.MosaicPrefillConfig(nonfinite_check="probe"),
+     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
+     dict(causal=True, window_size=(120, 0))),
+    ("specialized-2wg-pingpong-key-flags-query-tile-d256",
+     tuning.MosaicPrefillConfig(nonfinite_check="key_flags"),
+     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=256),
+     dict(causal=True, window_size=(120, 0))),
+    ("specialized-2wg-pingpong-slab-output",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, direct_output=False),
+     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=2,
+          head_size=64),
+     dict(causal=True)),
     # Several heads per program: the ring carries the tile's blocks once per head as one
     # stream (3 slots over 5- and 1-block tiles: the slots wrap across heads), each head
     # its own queries, ALiBi slope and output; a GQA group's heads read the same keys, an
@@ -513,41 +503,36 @@ MOSAIC_TILINGS = [
                                 prefetch_queries=True, value_work_tile="query", nonfinite_check="key_flags"),
      dict(q_lens=[130, 9], k_lens=[300, 30], num_q_heads=4, num_kv_heads=2, head_size=32),
      dict(causal=True, window_size=(100, 0))),
-    pytest.param(
-        "specialized-2wg-pingpong-heads-per-program-4-prefetch-queries",
-        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
-                                   precheck_values=True, heads_per_program=4, prefetch_queries=True),
-        dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
-             head_size=128),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-heads-per-program-4-precheck",
-        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
-                                   precheck_values=True, heads_per_program=4),
-        dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
-             head_size=128),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
-        tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
-        dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
-        dict(causal=True, window_size=(120, 0)), marks=pytest.mark.gpu),
+    ("specialized-2wg-pingpong-heads-per-program-4-prefetch-queries",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                precheck_values=True, heads_per_program=4, prefetch_queries=True),
+     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+          head_size=128),
+     dict(causal=True)),
+    ("specialized-2wg-pingpong-heads-per-program-4-precheck",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                precheck_values=True, heads_per_program=4),
+     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+          head_size=128),
+     dict(causal=True)),
+    ("specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
+     tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
+     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
+     dict(causal=True, window_size=(120, 0))),
     # Three compute warpgroups (D 64: 192-row tiles, no ping-pong): the third sees the
     # first two's diagonal blocks whole; sequences shorter than a tile leave warpgroups
     # without rows; several heads per program, packed and paged.
-    pytest.param(
-        "specialized-3wg-causal-whole-blocks-probe-precheck",
-        tuning.MosaicPrefillConfig(compute_warpgroups=3, nonfinite_check="probe", precheck_values=True,
-                                   heads_per_program=2),
-        dict(q_lens=[400, 100, 31, 1, 200], k_lens=[400, 164, 31, 9, 200], num_q_heads=4, num_kv_heads=2,
-             head_size=64),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-3wg-bk128-masked-parts-paged-window-alibi",
-        tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe"),
-        dict(q_lens=[400, 77, 1], k_lens=[520, 140, 9], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
-             block_size=16, extra_blocks=2),
-        dict(causal=True, window_size=(150, 0), alibi=True), marks=pytest.mark.gpu),
+    ("specialized-3wg-causal-whole-blocks-probe-precheck",
+     tuning.MosaicPrefillConfig(compute_warpgroups=3, nonfinite_check="probe", precheck_values=True,
+                                heads_per_program=2),
+     dict(q_lens=[400, 100, 31, 1, 200], k_lens=[400, 164, 31, 9, 200], num_q_heads=4, num_kv_heads=2,
+          head_size=64),
+     dict(causal=True)),
+    ("specialized-3wg-bk128-masked-parts-paged-window-alibi",
+     tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe"),
+     dict(q_lens=[400, 77, 1], k_lens=[520, 140, 9], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
+          block_size=16, extra_blocks=2),
+     dict(causal=True, window_size=(150, 0), alibi=True)),
     # Each unmasked block's softmax beside the previous block's P·V (overlap_softmax): a
     # warpgroup's unmasked run of 0, 1 and several blocks (its first block's scores alone,
     # the last one's P·V after the loop), several heads a program (the ring's stream), a
@@ -565,37 +550,32 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=1, overlap_softmax=True),
      dict(q_lens=[200, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=32),
      dict(causal=True)),
-    pytest.param(
-        "specialized-2wg-pingpong-overlap-softmax-heads-per-program-4-precheck",
-        tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
-                                   precheck_values=True, heads_per_program=4, overlap_softmax=True),
-        dict(q_lens=[700, 256, 100, 31, 1, 77], k_lens=[900, 256, 164, 31, 9, 77], num_q_heads=8,
-             num_kv_heads=2, head_size=128),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-pingpong-overlap-softmax-paged-bs16-window-softcap-alibi",
-        tuning.MosaicPrefillConfig(block_k=128, num_stages=3, compute_warpgroups=2, masked_block_k=64,
-                                   nonfinite_check="probe", overlap_softmax=True),
-        dict(q_lens=[600, 77, 1], k_lens=[1100, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=128,
-             paged=True, block_size=16, extra_blocks=2),
-        dict(causal=True, window_size=(500, 0), softcap=20.0, alibi=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-3wg-overlap-softmax-d64-bk128",
-        tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe",
-                                   overlap_softmax=True),
-        dict(q_lens=[800, 100, 31, 1], k_lens=[800, 164, 31, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-overlap-softmax-key-flags-d256",
-        tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
-        dict(q_lens=[600, 77, 1], k_lens=[600, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
-        dict(causal=True), marks=pytest.mark.gpu),
-    pytest.param(
-        "specialized-2wg-overlap-softmax-paged-fp8-runs-blocks-one-by-one",
-        tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, nonfinite_check="probe", overlap_softmax=True),
-        dict(q_lens=[400, 3], k_lens=[700, 50], num_q_heads=4, num_kv_heads=2, head_size=128, paged=True,
-             block_size=16, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
-        dict(causal=True), marks=pytest.mark.gpu),
+    ("specialized-2wg-pingpong-overlap-softmax-heads-per-program-4-precheck",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                precheck_values=True, heads_per_program=4, overlap_softmax=True),
+     dict(q_lens=[700, 256, 100, 31, 1, 77], k_lens=[900, 256, 164, 31, 9, 77], num_q_heads=8,
+          num_kv_heads=2, head_size=128),
+     dict(causal=True)),
+    ("specialized-2wg-pingpong-overlap-softmax-paged-bs16-window-softcap-alibi",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=3, compute_warpgroups=2, masked_block_k=64,
+                                nonfinite_check="probe", overlap_softmax=True),
+     dict(q_lens=[600, 77, 1], k_lens=[1100, 140, 9], num_q_heads=4, num_kv_heads=2, head_size=128,
+          paged=True, block_size=16, extra_blocks=2),
+     dict(causal=True, window_size=(500, 0), softcap=20.0, alibi=True)),
+    ("specialized-3wg-overlap-softmax-d64-bk128",
+     tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe",
+                                overlap_softmax=True),
+     dict(q_lens=[800, 100, 31, 1], k_lens=[800, 164, 31, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(causal=True)),
+    ("specialized-2wg-overlap-softmax-key-flags-d256",
+     tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
+     dict(q_lens=[600, 77, 1], k_lens=[600, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
+     dict(causal=True)),
+    ("specialized-2wg-overlap-softmax-paged-fp8-runs-blocks-one-by-one",
+     tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, nonfinite_check="probe", overlap_softmax=True),
+     dict(q_lens=[400, 3], k_lens=[700, 50], num_q_heads=4, num_kv_heads=2, head_size=128, paged=True,
+          block_size=16, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
+     dict(causal=True)),
     ("specialized-1wg-paged-bs48-ring3-fp8",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1),
      dict(q_lens=[60, 3], k_lens=[260, 50], num_q_heads=1, num_kv_heads=1, head_size=32, paged=True,
@@ -616,13 +596,15 @@ def _tiling_params(cases):
     return params
 
 
-@pytest.mark.parametrize("config, build, attention", covering_cases(_tiling_params(MOSAIC_TILINGS)))
-def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention):
-    """Interpreted on a CPU host, compiled on a GPU host (the gpu-marked cases run only
-    there: the interpreter can hang on them, see `MOSAIC_TILINGS`)."""
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("config, build, attention", covering_cases(
+    _tiling_params(MOSAIC_TILINGS), keep=["specialized-1wg-persistent-3-programs-paged-ring3-window"]))
+def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention, interpret):
+    """Each form interpreted (a covering subset by default, `covering_cases`) and compiled
+    on a Hopper GPU (every case)."""
     problem = make_varlen_problem(np.random.default_rng(5), **build)
-    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU,
-                              interpret=jax.default_backend() == "cpu")
+    out = _kernel_with_config(problem, config, attention, lowering=prefill.MOSAIC_GPU, interpret=interpret)
     _assert_matches_reference(out, problem, attention)
 
 
