@@ -494,6 +494,8 @@ class MosaicPrefillTiling:
         persistent form with a producer, the next item's) queries while the current one
         computes (`tuning.MosaicPrefillConfig.prefetch_queries`, where shared memory holds
         the second tile), else 1.
+      pingpong_across_items: the ping-pong's two compute warpgroups stay staggered across
+        a program's work items (`tuning.MosaicPrefillConfig.pingpong_across_items`).
     """
 
     compute_warpgroups: int
@@ -513,6 +515,7 @@ class MosaicPrefillTiling:
     heads_per_program: int = 1
     query_buffers: int = 1
     overlap_softmax: bool = False
+    pingpong_across_items: bool = False
 
     @property
     def block_q(self) -> int:
@@ -538,7 +541,7 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if config.compute_warpgroups not in (1, 2, 3):
         raise ValueError(f"config.compute_warpgroups must be 1, 2 or 3, got {config.compute_warpgroups!r}.")
     for name in ("warp_specialized", "pingpong", "longest_first", "fence_softmax", "direct_output",
-                 "precheck_values", "prefetch_queries", "overlap_softmax"):
+                 "precheck_values", "prefetch_queries", "overlap_softmax", "pingpong_across_items"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"config.{name} must be a bool, got {getattr(config, name)!r}.")
     if not (isinstance(config.persistent_programs, int) and config.persistent_programs >= 0):
@@ -712,6 +715,13 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     overlap_softmax = config.overlap_softmax
     if overlap_softmax and (k_itemsize != q_itemsize or v_itemsize != q_itemsize):
         overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one")
+    pingpong_across_items = config.pingpong_across_items
+    if pingpong_across_items and not (config.pingpong and workers == 2):
+        pingpong_across_items = _drop_config_field(
+            "pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)")
+    elif pingpong_across_items and not (heads_per_program > 1 or config.persistent_programs > 0):
+        pingpong_across_items = _drop_config_field(
+            "pingpong_across_items", "a program has one work item (one head a program, not persistent)")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
@@ -724,7 +734,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                work_rows=work_rows(),
                                precheck_values=config.precheck_values and block_size is None,
                                heads_per_program=heads_per_program, query_buffers=query_buffers,
-                               overlap_softmax=overlap_softmax)
+                               overlap_softmax=overlap_softmax, pingpong_across_items=pingpong_across_items)
 
 
 MOSAIC_AUTO_HEADS_PER_PROGRAM = 4

@@ -415,6 +415,16 @@ class MosaicPrefillConfig:
     yet measured; earlier forms measured slower on the H200 (2026-12-04, alternating
     rounds, x0.72 - 0.91: probabilities converted between the two wgmmas, which ptxas
     serialized, or kept in a shared-memory tile).
+    pingpong_across_items: with ping-pong and several work items a program (several
+    heads, or persistent programs), the two compute warpgroups stay staggered from one
+    item to the next: the second warpgroup meets the first once before the program's
+    first item and the first once after its last, instead of before and after every
+    item, so the first warpgroup starts the next item's Q·K^T and softmax while the
+    second finishes the current one's last P·V and stores its output (FlashAttention-3's
+    ping-pong across tiles). Where a program has one item, or no ping-pong, a
+    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: not yet measured
+    (the per-item meetings measured 1.4 µs of a 4-head program's 74 at B8 S2048 D128 on
+    the H200, 2026-12-04, besides the epilogue they keep from overlapping).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -438,6 +448,7 @@ class MosaicPrefillConfig:
     heads_per_program: int = 1
     prefetch_queries: bool = False
     overlap_softmax: bool = False
+    pingpong_across_items: bool = False
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")

@@ -515,6 +515,20 @@ MOSAIC_TILINGS = [
      dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
           head_size=128),
      dict(causal=True)),
+    # The two warpgroups staggered across a program's items, not restaggered at each:
+    # several heads a program (the next head's queries prefetched), persistent programs.
+    ("specialized-2wg-pingpong-across-items-heads-per-program-4-prefetch-queries",
+     tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
+                                precheck_values=True, heads_per_program=4, prefetch_queries=True,
+                                pingpong_across_items=True),
+     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+          head_size=128),
+     dict(causal=True)),
+    ("specialized-2wg-pingpong-across-items-persistent-5-programs-window",
+     tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5,
+                                pingpong_across_items=True),
+     dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(causal=True, window_size=(100, 0))),
     ("specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
      tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
      dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
@@ -599,7 +613,9 @@ def _tiling_params(cases):
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
                                        pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 @pytest.mark.parametrize("config, build, attention", covering_cases(
-    _tiling_params(MOSAIC_TILINGS), keep=["specialized-1wg-persistent-3-programs-paged-ring3-window"]))
+    _tiling_params(MOSAIC_TILINGS), keep=["specialized-1wg-persistent-3-programs-paged-ring3-window",
+                                          "specialized-2wg-pingpong-across-items-heads-per-program-4-prefetch-queries",
+                                          "specialized-2wg-pingpong-across-items-persistent-5-programs-window"]))
 def test_mosaic_ring_and_paged_copies_match_reference(config, build, attention, interpret):
     """Each form interpreted (a covering subset by default, `covering_cases`) and compiled
     on a Hopper GPU (every case)."""

@@ -278,13 +278,15 @@ class _PingPong:
 
     A barrier both warpgroups arrive on: each phase completes when both have arrived.
     Per KV block each warpgroup meets the other once while its Q·K^T wgmma runs, and
-    once more (arrive, then wait) between its softmax and its P·V; warpgroup 1 meets once before its first
-    block and warpgroup 0 once after its last, so warpgroup 1 runs half a block behind
-    and both complete the same phases.
+    once more (arrive, then wait) between its softmax and its P·V; warpgroup 1 meets once
+    before its first block (`lead_in`) and warpgroup 0 once after its last (`lead_out`),
+    so warpgroup 1 runs half a block behind and both complete the same phases: around
+    each work item, or with ``tiling.pingpong_across_items`` around a program's items.
     """
 
-    def __init__(self, barrier):
+    def __init__(self, barrier, wg: Array):
         self.barrier = barrier
+        self.wg = wg
 
     def arrive(self) -> None:
         plgpu.barrier_arrive(self.barrier)
@@ -295,6 +297,15 @@ class _PingPong:
     def meet(self) -> None:
         self.arrive()
         self.wait()
+
+    def lead_in(self) -> None:
+        """Warpgroup 1 starts one meeting behind warpgroup 0 ..."""
+        pl.when(self.wg == 1)(self.meet)
+
+    def lead_out(self) -> None:
+        """... and warpgroup 0 ends one behind: both meet as often."""
+        with jax.named_scope("final_meet"):
+            pl.when(self.wg == 0)(self.meet)
 
 
 def _prefill_kernel(
@@ -360,16 +371,18 @@ def _prefill_kernel(
     ops = _Ops(interpret)
     rows, block_k, stages = ROWS_PER_WARPGROUP, tiling.block_k, tiling.num_stages
     workers, specialized = tiling.compute_warpgroups, tiling.warp_specialized
+    wg = lax.axis_index("wg")
     # (Ping-pong staggers exactly two: three compute warpgroups interleave on their own.)
-    pingpong = _PingPong(schedule.at[0]) if tiling.pingpong and workers == 2 else None
+    pingpong = _PingPong(schedule.at[0], wg) if tiling.pingpong and workers == 2 else None
+    # The stagger around each work item, or (pingpong_across_items) around a program's.
+    item_pingpong = pingpong if pingpong and not tiling.pingpong_across_items else None
+    program_pingpong = pingpong if pingpong and tiling.pingpong_across_items else None
     compute_registers, producer_registers = REGISTER_SPLIT[workers]
     copy_rows = tiling.copy_rows
     head_size = q_smem.shape[-1]
     dtype = q_smem.dtype
     k_plane, v_plane = planes
     out_shape = (rows, head_size)
-
-    wg = lax.axis_index("wg")
 
     def load_query_tile(q_row: Array, h: Array, buffer: Array | int) -> None:
         """A compute warpgroup's 64 query rows from packed row ``q_row`` of head ``h`` into
@@ -891,8 +904,8 @@ def _prefill_kernel(
                 )
                 with jax.named_scope("q_wait"):
                     plgpu.barrier_wait(q_bar)
-                if pingpong:  # warpgroup 1 starts one meeting behind warpgroup 0 ...
-                    pl.when(wg == 1)(pingpong.meet)
+                if item_pingpong:
+                    item_pingpong.lead_in()
                 # Every compute warpgroup goes through every block of the tile, in order (the
                 # ring's slots are released by all of them), but computes only the blocks its
                 # own rows can see: the plan's masked / unmasked split is the whole tile's,
@@ -941,9 +954,8 @@ def _prefill_kernel(
                     with jax.named_scope(region):
                         carry = run_blocks(lo, hi, carry)
                 acc, _, l_sum = carry
-                if pingpong:  # ... and warpgroup 0 ends one behind: both meet as often
-                    with jax.named_scope("final_meet"):
-                        pl.when(wg == 0)(pingpong.meet)
+                if item_pingpong:
+                    item_pingpong.lead_out()
                 with jax.named_scope("epilogue"):
                     # One reciprocal per row; a row that sees no key -> 0.
                     inv_sum = common.nan_rows_scale(1.0 / jnp.where(l_sum > 0, l_sum, 1.0), acc)
@@ -1004,7 +1016,11 @@ def _prefill_kernel(
                     def next_head(j, _):
                         compute_head(h0 + j, j * num_blocks, j)
 
+                    if program_pingpong:
+                        program_pingpong.lead_in()
                     lax.fori_loop(0, num_heads_here, next_head, None)
+                    if program_pingpong:
+                        program_pingpong.lead_out()
 
             for_warpgroups(wg < workers, _compute)
 
@@ -1082,7 +1098,11 @@ def _prefill_kernel(
             @pl.when(wg < workers)
             def _compute_items():
                 plgpu.set_max_registers(compute_registers, action="increase")
+                if program_pingpong:
+                    program_pingpong.lead_in()
                 items("compute")
+                if program_pingpong:
+                    program_pingpong.lead_out()
         else:
             items(None)
     else:
