@@ -200,7 +200,8 @@ def test_the_tables_in_use_are_described_in_words():
     ("block_k", 96), ("num_stages", 1), ("compute_warpgroups", 4), ("masked_block_k", 32),
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
     ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", -1),
-    ("heads_per_program", 2.0), ("prefetch_queries", 1), ("overlap_softmax", "yes")])
+    ("heads_per_program", 2.0), ("prefetch_queries", 1), ("overlap_softmax", "yes"),
+    ("pingpong_across_items", 1)])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
@@ -259,6 +260,28 @@ def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head
     smem = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size, tiling.num_stages,
                                            2, 2, 2, tiling.work_rows, query_buffers=tiling.query_buffers)
     assert smem <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+
+
+@pytest.mark.parametrize("hpp, persistent, workers, pingpong, max_seqlen_q, dropped", [
+    (4, 0, 2, True, 2048, None), (0, 132, 2, True, 2048, None),
+    (1, 0, 2, True, 2048, "a program has one work item (one head a program, not persistent)"),
+    (4, 0, 2, False, 2048, "no ping-pong (it staggers two compute warpgroups)"),
+    (4, 0, 3, True, 2048, "no ping-pong (it staggers two compute warpgroups)"),
+    (4, 0, 2, True, 64, "no ping-pong (it staggers two compute warpgroups)")])  # (one warpgroup: 64 rows)
+def test_mosaic_prefill_pingpong_across_items_needs_pingpong_and_items(hpp, persistent, workers, pingpong,
+                                                                       max_seqlen_q, dropped, monkeypatch):
+    """pingpong_across_items: kept with two ping-pong compute warpgroups and several work
+    items a program (several heads, or persistent programs); otherwise off, said once."""
+    monkeypatch.setattr(plans, "_dropped_fields", set())
+    config = tuning.MosaicPrefillConfig(block_k=64, heads_per_program=hpp, persistent_programs=persistent,
+                                        compute_warpgroups=workers, pingpong=pingpong, pingpong_across_items=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, max_seqlen_q=max_seqlen_q, max_seqlen_k=2048,
+                                                  block_size=None, config=config, num_q_heads=32)
+    said = [str(w.message) for w in said if w.category is plans.ConfigFieldDroppedWarning]
+    assert tiling.pingpong_across_items == (dropped is None)
+    assert said == ([] if dropped is None else [f"config.pingpong_across_items is off for this call: {dropped}."])
 
 
 @pytest.mark.parametrize("max_seqlen_k, paged, persistent, expected", [
