@@ -260,7 +260,7 @@ def test_packed_window(rng, impl):
     check_against_oracle(problem, impl, window_size=(5, 3))
 
 
-MOSAIC_TILING = "tests/test_prefill_kernel.py::test_mosaic_ring_and_paged_copies_match_reference[{}]"
+MOSAIC_TILING = "tests/test_prefill_kernel.py::test_mosaic_ring_and_paged_copies_match_reference[{}-interpret]"
 # The Mosaic GPU kernel grids' cases at each head size (in its interpreter by default).
 MOSAIC_PREFILL_AT_HEAD_SIZE = {
     32: MOSAIC_TILING.format("single-ring3-paged-bs48-three-copies-per-block"),
