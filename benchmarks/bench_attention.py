@@ -975,9 +975,11 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
     ping-ponged compute warpgroups, varying the masked blocks' non-finite check and
     value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile),
     128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
-    memory at large head sizes) and, second, the default with one persistent program per
-    SM of the device (also with the next item's queries prefetched, and with the softmax
-    beside the previous block's P·V) and with ``overlap_softmax``."""
+    memory at large head sizes) and, second, the default with its next heads' queries
+    prefetched and its warpgroups staggered across heads (``pingpong_across_items``),
+    with one persistent program per SM of the device (also with the next item's queries
+    prefetched and the stagger across items, and with the softmax beside the previous
+    block's P·V) and with ``overlap_softmax``."""
     from jax_paged_attn import tuning
     from jax_paged_attn.tuning import MosaicPrefillConfig
 
@@ -990,18 +992,21 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
         dict(bk128, nonfinite_check="key_flags"),
     ]
     default = tuning.mosaic_prefill_config(head_size, "bfloat16")
-    # Right after the default: its next heads' queries prefetched, then 1, 4 and 2 heads
-    # per program (those the default does not set), then one persistent program per SM
-    # (the device's count; the next item's queries prefetched; the overlapped softmax),
-    # then the default with the overlapped softmax.
-    heads = [dataclasses.replace(default, prefetch_queries=True)] + [
+    # Right after the default: its next heads' queries prefetched, its warpgroups
+    # staggered across heads (with and without the prefetch), then 1, 4 and 2 heads per
+    # program (those the default does not set), then one persistent program per SM (the
+    # device's count; the next item's queries prefetched and the stagger across items;
+    # the overlapped softmax too), then the default with the overlapped softmax.
+    heads = [dataclasses.replace(default, prefetch_queries=True),
+             dataclasses.replace(default, pingpong_across_items=True),
+             dataclasses.replace(default, pingpong_across_items=True, prefetch_queries=True)] + [
         dataclasses.replace(default, heads_per_program=n) for n in (1, 4, 2) if n != default.heads_per_program]
     sms = getattr(jax.devices()[0], "core_count", 0) or 0
     persistent = []
     if sms > 0:
         one_per_sm = dataclasses.replace(default, persistent_programs=sms, heads_per_program=1)
-        persistent = [one_per_sm, dataclasses.replace(one_per_sm, prefetch_queries=True),
-                      dataclasses.replace(one_per_sm, prefetch_queries=True, overlap_softmax=True)]
+        streaming = dataclasses.replace(one_per_sm, prefetch_queries=True, pingpong_across_items=True)
+        persistent = [one_per_sm, streaming, dataclasses.replace(streaming, overlap_softmax=True)]
     overlapped = [dataclasses.replace(default, overlap_softmax=True)]
     grid = [MosaicPrefillConfig(**fields) for fields in choices]
     return list(dict.fromkeys([default] + heads + persistent + overlapped + grid))
