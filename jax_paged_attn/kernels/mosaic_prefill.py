@@ -15,7 +15,10 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
   CPU tests' default: the interpreter runs it several times faster).
 
 With two compute warpgroups a shared barrier staggers them (ping-pong,
-`tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma.
+`tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma; the
+stagger is set up around each work item, or with ``pingpong_across_items`` (off by
+default, not yet measured) once around a program's items, so one warpgroup starts the
+next item while the other finishes the current one.
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
 SM walks the (tile, head) work items, each role in its own item loop, the items streaming
