@@ -462,7 +462,8 @@ def test_kvcache_with_mosaic_gpu_lowers_to_the_mosaic_decode_kernel():
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("form", ["single-warpgroup", "key-flags", "fence-softmax", "persistent", "slab-output",
                                   "masked-parts", "probe", "probe-masked-parts", "precheck-values",
-                                  "heads-per-program", "prefetch-queries", "persistent-prefetch-queries"])
+                                  "heads-per-program", "prefetch-queries", "persistent-prefetch-queries",
+                                  "pingpong-across-items", "persistent-pingpong-across-items"])
 def test_other_mosaic_forms_lower(paged, form):
     """The single-warpgroup form (the CPU tests' interpret default), and the default form
     with per-key non-finite flags in its masked blocks, with the softmax fenced before
@@ -472,7 +473,8 @@ def test_other_mosaic_forms_lower(paged, form):
     around wgmma), or with its values checked once and masked blocks run whole while all
     are finite (a branch per masked block; paged: off), or running 4 heads per program
     (one ring stream through them; with the next head's queries prefetched), or
-    persistent with the next item's queries prefetched, lower too."""
+    persistent with the next item's queries prefetched, or with the ping-pong's
+    warpgroups staggered across a program's heads or persistent items, lower too."""
     import dataclasses
 
     from jax_paged_attn import prefill, tuning
@@ -493,7 +495,11 @@ def test_other_mosaic_forms_lower(paged, form):
               "prefetch-queries": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, heads_per_program=4,
                                                       prefetch_queries=True),
               "persistent-prefetch-queries": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, persistent_programs=132,
-                                                                 prefetch_queries=True)}[form]
+                                                                 prefetch_queries=True),
+              "pingpong-across-items": dataclasses.replace(tuning.MOSAIC_PREFILL_CONFIG, heads_per_program=4,
+                                                           prefetch_queries=True, pingpong_across_items=True),
+              "persistent-pingpong-across-items": dataclasses.replace(
+                  tuning.MOSAIC_PREFILL_CONFIG, persistent_programs=132, pingpong_across_items=True)}[form]
 
     sds = jax.ShapeDtypeStruct
     q = sds((40, 8, 128), jnp.bfloat16)
