@@ -57,7 +57,7 @@ pytestmark = pytest.mark.covering  # products: a covering subset by default, all
 MOSAIC_PREFILL = "tests/test_prefill_kernel.py::test_mosaic_kernel_matches_reference[{}]"
 MOSAIC_OTHER_CHECKS = "tests/test_prefill_kernel.py::test_mosaic_other_nonfinite_checks_match_reference[{}]"
 MOSAIC_NONFINITE = [f"tests/test_prefill_kernel.py::test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them[{i}]"
-                    for i in ("bk64-False-product-interpret", "bk128-parts-True-key_flags-interpret")]
+                    for i in ("bk64-False-product-interpret", "bk128-parts-True-key_flags-interpret-default-form")]
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]

@@ -636,22 +636,33 @@ def _poisoned_long_problem(paged: bool) -> VarlenProblem:
                                  1: [(25, "v", inf)]})
 
 
+# The forms the poisoned-key tests run: (interpret, base config) for the single-warpgroup
+# form (the interpreter's quickest) and the GPU default (a producer and two ping-ponged
+# compute warpgroups, whose second warpgroup runs the first one's diagonal block whole) in
+# the Mosaic GPU interpreter, and the default compiled on a Hopper GPU.
+MOSAIC_POISONED_FORMS = [
+    pytest.param((True, tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP), id="interpret"),
+    pytest.param((True, tuning.MOSAIC_PREFILL_CONFIG), id="interpret-default-form"),
+    pytest.param((False, tuning.MOSAIC_PREFILL_CONFIG), marks=pytest.mark.gpu, id="gpu"),
+]
+
+
 @pytest.mark.covering(pairs=False)
-@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
-                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("form", MOSAIC_POISONED_FORMS)
 @pytest.mark.parametrize("nonfinite_check", tuning.MOSAIC_NONFINITE_CHECKS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("masked_parts", [pytest.param(False, id="bk64"), pytest.param(True, id="bk128-parts")])
-def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts, paged, nonfinite_check, interpret):
+def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts, paged, nonfinite_check, form):
     """The Mosaic GPU kernel's masked blocks on the same poisoned keys as the Triton
     test, every way of finding the rows that see a non-finite value (a 0/1 matrix
     product; per-key flags through shared memory; the probe of P·V that redoes the
     block with per-key flags), and 128-key blocks whose masked ones
-    run in 64-key parts: the single-warpgroup form in the interpreter (by default each
-    check, layout and block size once; ``--full``: every combination), the default
-    (warp-specialized, ping-pong) form compiled on a GPU, every combination."""
+    run in 64-key parts: the single-warpgroup form and the default (warp-specialized,
+    ping-pong) form in the interpreter (by default each check, layout, block size and
+    form once; ``--full``: every combination), the default form compiled on a GPU, every
+    combination."""
     problem = _poisoned_long_problem(paged) if masked_parts else _poisoned_problem(paged)
-    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    interpret, base = form
     config = dataclasses.replace(base, nonfinite_check=nonfinite_check)
     if masked_parts:
         config = dataclasses.replace(config, block_k=128, masked_block_k=64)
@@ -660,10 +671,9 @@ def test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them(masked_parts,
     _assert_nonfinite_rows_match(out, problem)
 
 
-@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
-                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("form", MOSAIC_POISONED_FORMS)
 @pytest.mark.parametrize("nonfinite_check", ["product", "key_flags"])
-def test_mosaic_masked_blocks_in_the_borrowed_query_tile(nonfinite_check, interpret):
+def test_mosaic_masked_blocks_in_the_borrowed_query_tile(nonfinite_check, form):
     """Masked blocks whose values are rewritten in the compute warpgroup's query tile
     (``value_work_tile="query"``, the default's choice at D 256), the queries reloaded
     after each one that is not the warpgroup's last: a sequence of 100 whose rows 64..99
@@ -671,17 +681,16 @@ def test_mosaic_masked_blocks_in_the_borrowed_query_tile(nonfinite_check, interp
     the second one computes with reloaded queries; the poisoned keys reach only the rows
     that see them."""
     problem = _poisoned_long_problem(paged=False)
-    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    interpret, base = form
     config = dataclasses.replace(base, nonfinite_check=nonfinite_check, value_work_tile="query")
     out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
                               lowering=prefill.MOSAIC_GPU)
     _assert_nonfinite_rows_match(out, problem)
 
 
-@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
-                                       pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("form", MOSAIC_POISONED_FORMS)
 @pytest.mark.parametrize("poisoned", [pytest.param(False, id="finite"), pytest.param(True, id="poisoned")])
-def test_mosaic_prechecked_values_run_masked_blocks_whole_only_while_finite(poisoned, interpret):
+def test_mosaic_prechecked_values_run_masked_blocks_whole_only_while_finite(poisoned, form):
     """``precheck_values``: one reduction tells the kernel whether every value is
     finite. Finite, the masked blocks (a window's left edge, the causal diagonal; 128-key
     blocks, whose parts the guarded path would take) run whole with P·V as in an
@@ -691,7 +700,7 @@ def test_mosaic_prechecked_values_run_masked_blocks_whole_only_while_finite(pois
     if not poisoned:
         problem = make_varlen_problem(np.random.default_rng(4), q_lens=[100, 9], k_lens=[100, 30],
                                       num_q_heads=2, num_kv_heads=1, head_size=32, q_padding_rows=3)
-    base = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP if interpret else tuning.MOSAIC_PREFILL_CONFIG
+    interpret, base = form
     config = dataclasses.replace(base, block_k=128, masked_block_k=64, nonfinite_check="probe",
                                  precheck_values=True)
     out = _kernel_with_config(problem, config, POISONED_ATTENTION, interpret=interpret,
