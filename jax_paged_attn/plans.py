@@ -719,7 +719,7 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     if pingpong_across_items and not (config.pingpong and workers == 2):
         pingpong_across_items = _drop_config_field(
             "pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)")
-    elif pingpong_across_items and not (heads_per_program > 1 or config.persistent_programs > 0):
+    elif pingpong_across_items and not has_next:  # (ping-pong has a producer: persistent programs have items)
         pingpong_across_items = _drop_config_field(
             "pingpong_across_items", "a program has one work item (one head a program, not persistent)")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,

@@ -380,6 +380,15 @@ def _prefill_kernel(
     # The stagger around each work item, or (pingpong_across_items) around a program's.
     item_pingpong = pingpong if pingpong and not tiling.pingpong_across_items else None
     program_pingpong = pingpong if pingpong and tiling.pingpong_across_items else None
+
+    def staggered_items(run_items) -> None:
+        """A compute warpgroup's ``run_items()``, between the program's stagger meetings
+        where the ping-pong spans its items (``pingpong_across_items``)."""
+        if program_pingpong:
+            program_pingpong.lead_in()
+        run_items()
+        if program_pingpong:
+            program_pingpong.lead_out()
     compute_registers, producer_registers = REGISTER_SPLIT[workers]
     copy_rows = tiling.copy_rows
     head_size = q_smem.shape[-1]
@@ -1019,11 +1028,7 @@ def _prefill_kernel(
                     def next_head(j, _):
                         compute_head(h0 + j, j * num_blocks, j)
 
-                    if program_pingpong:
-                        program_pingpong.lead_in()
-                    lax.fori_loop(0, num_heads_here, next_head, None)
-                    if program_pingpong:
-                        program_pingpong.lead_out()
+                    staggered_items(lambda: lax.fori_loop(0, num_heads_here, next_head, None))
 
             for_warpgroups(wg < workers, _compute)
 
@@ -1061,9 +1066,12 @@ def _prefill_kernel(
         # output store has read it by then): the tiles alternate item by item.
         prefetch_items = tiling.query_buffers == 2 and specialized
 
+        def tile_and_head(item: Array) -> tuple[Array, Array]:  # tile fastest within a head
+            return lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles))
+
         def load_item_queries(item: Array, buffer: Array | int) -> None:
             """A compute warpgroup's 64 query rows of ``item`` (if a real tile) into ``buffer``."""
-            tile, head = lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles))
+            tile, head = tile_and_head(item)
 
             @pl.when(plan_ref[tile, int(TileField.Q_ROWS)] > 0)
             def _():
@@ -1080,7 +1088,7 @@ def _prefill_kernel(
 
             def next_item(i, streamed):
                 item = program + i * step
-                tile, head = lax.rem(item, jnp.int32(num_tiles)), lax.div(item, jnp.int32(num_tiles))
+                tile, head = tile_and_head(item)
                 if not continuous:
                     work_item(tile, head, 1)
                     return streamed
@@ -1101,11 +1109,7 @@ def _prefill_kernel(
             @pl.when(wg < workers)
             def _compute_items():
                 plgpu.set_max_registers(compute_registers, action="increase")
-                if program_pingpong:
-                    program_pingpong.lead_in()
-                items("compute")
-                if program_pingpong:
-                    program_pingpong.lead_out()
+                staggered_items(lambda: items("compute"))
         else:
             items(None)
     else:
