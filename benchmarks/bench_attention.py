@@ -975,8 +975,8 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
     ping-ponged compute warpgroups, varying the masked blocks' non-finite check and
     value work tile, ``fence_softmax``, ``direct_output`` (off: the slab per tile),
     128-key blocks whose masked ones run in 64-key parts (block_k is shrunk to fit shared
-    memory at large head sizes) and, second, the default with its next heads' queries
-    prefetched and its warpgroups staggered across heads (``pingpong_across_items``),
+    memory at large head sizes) and, second, the default with ``prefetch_queries``
+    flipped and its warpgroups staggered across heads (``pingpong_across_items``),
     with one persistent program per SM of the device (also with the next item's queries
     prefetched and the stagger across items, and with the softmax beside the previous
     block's P·V) and with ``overlap_softmax``."""
@@ -992,14 +992,16 @@ def mosaic_prefill_grid(quick: bool, head_size: int) -> list[Any]:
         dict(bk128, nonfinite_check="key_flags"),
     ]
     default = tuning.mosaic_prefill_config(head_size, "bfloat16")
-    # Right after the default: its next heads' queries prefetched, its warpgroups
-    # staggered across heads (with and without the prefetch), then 1, 4 and 2 heads per
+    # Right after the default: it with its next heads' queries prefetched or not
+    # (whichever it does not), its warpgroups staggered across heads (with and without
+    # the prefetch), then 1, 4 and 2 heads per
     # program (those the default does not set), then one persistent program per SM (the
     # device's count; the next item's queries prefetched and the stagger across items;
     # the overlapped softmax too), then the default with the overlapped softmax.
-    heads = [dataclasses.replace(default, prefetch_queries=True),
-             dataclasses.replace(default, pingpong_across_items=True),
-             dataclasses.replace(default, pingpong_across_items=True, prefetch_queries=True)] + [
+    flipped = not default.prefetch_queries
+    heads = [dataclasses.replace(default, prefetch_queries=flipped),
+             dataclasses.replace(default, pingpong_across_items=True, prefetch_queries=flipped),
+             dataclasses.replace(default, pingpong_across_items=True)] + [
         dataclasses.replace(default, heads_per_program=n) for n in (1, 4, 2) if n != default.heads_per_program]
     sms = getattr(jax.devices()[0], "core_count", 0) or 0
     persistent = []

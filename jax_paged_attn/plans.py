@@ -626,9 +626,10 @@ class ConfigFieldDroppedWarning(UserWarning):
 _dropped_fields: set[tuple[str, str]] = set()
 
 
-def _drop_config_field(field: str, reason: str) -> bool:
-    """Warns once per (field, reason) that ``config.<field>`` is off for this call; False."""
-    if (field, reason) not in _dropped_fields:
+def _drop_config_field(field: str, reason: str, warn: bool = True) -> bool:
+    """Warns once per (field, reason) that ``config.<field>`` is off for this call (with
+    ``warn``); False."""
+    if warn and (field, reason) not in _dropped_fields:
         _dropped_fields.add((field, reason))
         warnings.warn(f"config.{field} is off for this call: {reason}.", ConfigFieldDroppedWarning, stacklevel=3)
     return False
@@ -636,7 +637,8 @@ def _drop_config_field(field: str, reason: str) -> bool:
 
 def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int, v_itemsize: int, *,
                                num_q_heads: int, max_seqlen_q: int, max_seqlen_k: int, block_size: int | None,
-                               config: tuning.MosaicPrefillConfig) -> MosaicPrefillTiling:
+                               config: tuning.MosaicPrefillConfig,
+                               warn_dropped: bool = True) -> MosaicPrefillTiling:
     """The Mosaic GPU varlen kernel's tiling for these shapes and `config` (checked).
 
     block_k shrinks to ``max_seqlen_k`` (a power of 2, at least `MOSAIC_MIN_BLOCK_K`) and
@@ -656,6 +658,10 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     misaligned address); other head sizes keep the slab per tile.
     ``query_buffers`` is 2 with ``config.prefetch_queries``, several heads per program (or
     persistent programs with a producer) and room for the second query tile, else 1.
+    A field the plan cannot honour is dropped with a `ConfigFieldDroppedWarning`, once per
+    field and reason, unless ``warn_dropped`` is False: the package's own config
+    (`tuning.mosaic_prefill_config`, a call without ``config``) sets fields such as
+    ``prefetch_queries`` for every call of a head size, meaning "where it applies".
     ``heads_per_program`` is the largest divisor of ``num_q_heads`` up to
     ``config.heads_per_program``, or with 0 (auto) up to `MOSAIC_AUTO_HEADS_PER_PROGRAM` for
     packed keys of at most `MOSAIC_AUTO_HEADS_PER_PROGRAM_MAX_KEYS` a sequence, else 1.
@@ -702,26 +708,29 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     query_buffers = 1
     if config.prefetch_queries and not has_next:
         _drop_config_field("prefetch_queries", "a program has no next head or item to load queries for "
-                           "(one head a program, not persistent with a producer)")
+                           "(one head a program, not persistent with a producer)", warn=warn_dropped)
     elif config.prefetch_queries and mosaic_prefill_smem_bytes(
             workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(),
             query_buffers=2) > tuning.MOSAIC_SHARED_MEMORY_BUDGET:
         _drop_config_field("prefetch_queries", f"no shared memory for a second query tile beside {workers} "
-                           f"compute warpgroups, {block_k}-key blocks and {stages} ring slots at head size {head_size}")
+                           f"compute warpgroups, {block_k}-key blocks and {stages} ring slots at head size {head_size}",
+                           warn=warn_dropped)
     elif config.prefetch_queries:
         query_buffers = 2
     # overlap_softmax only for 16-bit keys and values (fp8 blocks run one by one,
     # `tuning.MosaicPrefillConfig`).
     overlap_softmax = config.overlap_softmax
     if overlap_softmax and (k_itemsize != q_itemsize or v_itemsize != q_itemsize):
-        overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one")
+        overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one",
+                                             warn=warn_dropped)
     pingpong_across_items = config.pingpong_across_items
     if pingpong_across_items and not (config.pingpong and workers == 2):
         pingpong_across_items = _drop_config_field(
-            "pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)")
+            "pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)", warn=warn_dropped)
     elif pingpong_across_items and not has_next:  # (ping-pong has a producer: persistent programs have items)
         pingpong_across_items = _drop_config_field(
-            "pingpong_across_items", "a program has one work item (one head a program, not persistent)")
+            "pingpong_across_items", "a program has one work item (one head a program, not persistent)",
+            warn=warn_dropped)
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,

@@ -188,6 +188,7 @@ def varlen_attention(
     num_kv_heads = k.shape[-2]
     paged = block_table is not None
     device = tuning.target_device()
+    package_config = config is None  # the package's choice: its fields apply where they can, unsaid
     if lowering == MOSAIC_GPU:
         if config is None:
             config = tuning.mosaic_prefill_config(head_size, jnp.dtype(q.dtype).name, paged=paged,
@@ -206,7 +207,7 @@ def varlen_attention(
         return _mosaic_varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes, k_scale, v_scale,
             spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, config=config,
-            interpret=interpret)
+            interpret=interpret, warn_dropped=not package_config)
 
     tiling = plans.plan_prefill_tiling(num_q_heads, num_kv_heads, head_size, max_seqlen_q=max_seqlen_q,
                                        max_seqlen_k=max_seqlen_k, paged=paged, config=config,
@@ -249,12 +250,13 @@ def _mosaic_varlen_attention(
     q: Array, k: Array | CachePlane, v: Array | CachePlane, cu_seqlens_q: Array, cu_seqlens_k: Array,
     block_table: Array | None, seqused_k: Array | None, alibi_slopes: Array | None,
     k_scale: Array | float, v_scale: Array | float, *, spec: AttentionSpec, max_seqlen_q: int,
-    max_seqlen_k: int, config: tuning.MosaicPrefillConfig, interpret: bool,
+    max_seqlen_k: int, config: tuning.MosaicPrefillConfig, interpret: bool, warn_dropped: bool,
 ) -> Array:  # [Tq, Hq, D], q.dtype
     """`varlen_attention` through `jax_paged_attn.kernels.mosaic_prefill` (checked, non-empty
     call): `plan_mosaic_varlen`, then `run_mosaic_varlen`."""
     tiling, plan = plan_mosaic_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, spec=spec,
-                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, config=config)
+                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, config=config,
+                                      warn_dropped=warn_dropped)
     return run_mosaic_varlen(q, k, v, plan, block_table, alibi_slopes, k_scale, v_scale, spec=spec,
                              tiling=tiling, interpret=interpret)
 
@@ -262,18 +264,19 @@ def _mosaic_varlen_attention(
 def plan_mosaic_varlen(
     q: Array, k: Array | CachePlane, v: Array | CachePlane, cu_seqlens_q: Array, cu_seqlens_k: Array,
     block_table: Array | None, seqused_k: Array | None, *, spec: AttentionSpec, max_seqlen_q: int,
-    max_seqlen_k: int, config: tuning.MosaicPrefillConfig,
+    max_seqlen_k: int, config: tuning.MosaicPrefillConfig, warn_dropped: bool = True,
 ) -> tuple[plans.MosaicPrefillTiling, Array]:
     """The Mosaic GPU kernel's tiling (static, from the shapes and ``config``) and its work
     list (i32[num_tiles, TILE_INFO_WIDTH], `plans.plan_tiles` aligned to
     `plans.MOSAIC_TMA_ROW_ALIGN`) for `run_mosaic_varlen`; arguments as `varlen_attention`.
-    Only the shapes and dtypes of q, k and v are read."""
+    Only the shapes and dtypes of q, k and v are read. ``warn_dropped``: as
+    `plans.plan_mosaic_prefill_tiling` (False for the package's own config)."""
     itemsize = lambda x: jnp.dtype(x.dtype).itemsize
     paged = block_table is not None
     tiling = plans.plan_mosaic_prefill_tiling(
         q.shape[-1], itemsize(q), itemsize(k), itemsize(v), max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_size=k.shape[1] if paged else None, config=config,
-        num_q_heads=q.shape[1])
+        num_q_heads=q.shape[1], warn_dropped=warn_dropped)
     plan = plans.plan_tiles(
         cu_seqlens_q, cu_seqlens_k, seqused_k, num_q_tokens=q.shape[0],
         num_packed_keys=None if paged else k.shape[0],

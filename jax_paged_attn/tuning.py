@@ -401,10 +401,10 @@ class MosaicPrefillConfig:
     after the current head's output store (about 0.8 µs a head on the H200, the
     timelines of 2026-12-02); with persistent programs and a producer, the next item's
     queries at the start of each item. Where the plan cannot honour it (no next head or
-    item, no room) a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off:
-    measured slower on the H200 with several heads (2026-12-03, 4 heads, alternating
-    rounds: 0.835 against 0.721 ms at B8 S2048 D128, 4.42 against 4.26 ms at B1 S16384);
-    not yet measured with persistent programs.
+    item, no room) a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once (not
+    for the package's config, which sets it for every call at D 64 and 128: "where it
+    applies"). Off in the class default; on in the package's config at D 64 and 128
+    (`MOSAIC_PREFILL_BY_HEAD_SIZE`).
     overlap_softmax: in the unmasked blocks, each block's softmax runs while the previous
     block's P·V wgmma runs (FlashAttention-3's intra-warpgroup overlap, in its order): Q·K^T
     of block j is issued, the accumulator rescaled, P·V of block j - 1 issued with its
@@ -503,8 +503,10 @@ def mosaic_prefill_config(head_size: int, dtype_name: str, paged: bool = False,
 
 
 MOSAIC_PREFILL_BY_HEAD_SIZE: dict[int, dict[str, object]] = {
-    64: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0),
-    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0),
+    64: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0,
+             prefetch_queries=True),
+    128: dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True, heads_per_program=0,
+              prefetch_queries=True),
     192: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
     256: dict(nonfinite_check="key_flags", precheck_values=True, heads_per_program=0),
 }
@@ -523,7 +525,14 @@ takes "key_flags" for the same register count, not measured. ``precheck_values``
 (H100 80GB HBM3, 2026-12-02, `benchmarks/prefill_parts.py` timelines): the masked tail
 of a D 128 work item 4.24 -> 2.52 µs, the kernel's span -8 % at B8 S2048; -10 % at D 256
 (B4 S4096), -3.5 % at D 64; D 192 takes it with its neighbours, not measured. ``heads_per_program``
-0 (auto): see `MosaicPrefillConfig`."""
+0 (auto): see `MosaicPrefillConfig`. ``prefetch_queries`` at D 64 and 128 (the H200,
+2026-12-05, the kernel alone in 5 alternating rounds, `prefill_parts.py --versus`): 0.648
+against 0.685 ms at B8 S2048 D128 (x1.056), 0.266 against 0.279 at B16 S1024 D64 (x1.052),
+2.141 against 2.254 ms for the whole call on the varlen suite's 16 mixed sequences
+(`bench_attention.py --suite varlen`, the ``ours_mosaic_gpu`` sweep, one measurement each);
+where a program has one head (B1 S16384, paged keys) the plan leaves it out, and those
+shapes measured the same (x0.98-1.005). Earlier forms of the kernel measured it slower
+(2026-12-03: 0.835 against 0.721 ms at B8 S2048 D128); D 256 has no room for it."""
 
 
 # device kind -> {table name -> {key -> config}}: the measured entries of each GPU model.

@@ -645,6 +645,30 @@ def test_mosaic_prefill_default_takes_the_fields_measured_fastest_per_head_size(
         tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP  # interpret mode keeps its one form
 
 
+@pytest.mark.parametrize("head_size, paged", [(128, False), (128, True), (64, False), (64, True)],
+                         ids=["d128-packed", "d128-paged-bs16", "d64-packed", "d64-paged-bs16"])
+def test_mosaic_prefill_package_config_lowers_without_warnings(head_size, paged):
+    """A call without ``config`` (the package's config: the next head's queries prefetched
+    where a program has several heads) lowers for CUDA over packed keys (4 heads a program,
+    two query tiles a warpgroup) and a paged cache (one head a program: no prefetch), and
+    says nothing about a field it did not honour: the user chose none."""
+    from jax_paged_attn import plans, prefill
+    from jax_paged_attn.spec import AttentionSpec
+
+    sds = jax.ShapeDtypeStruct
+    q = sds((1024, 8, head_size), jnp.bfloat16)
+    kv = sds((40, 16, 2, head_size), jnp.bfloat16) if paged else sds((2048, 2, head_size), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    table = sds((2, 20), jnp.int32) if paged else None
+    spec = AttentionSpec.create(head_size, causal=True)
+    fn = lambda q, k, v, cq, ck, table: prefill.varlen_attention(
+        q, k, v, cq, ck, table, None, None, 1.0, 1.0, spec=spec, max_seqlen_q=512,
+        max_seqlen_k=640 if paged else 1024, lowering="mosaic_gpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plans.ConfigFieldDroppedWarning)
+        assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu, table)
+
+
 @pytest.mark.parametrize("head_size, paged, fields", [
     (128, False, dict(block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True,
                       heads_per_program=4)),

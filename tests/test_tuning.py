@@ -1,6 +1,7 @@
 """The measured tuning tables: the package data loads into valid configs, the sweep
 output turns into table entries, and calls look up the entry of their own kind."""
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -260,6 +261,31 @@ def test_mosaic_prefill_prefetched_queries_take_a_second_tile_where_it_fits(head
     smem = plans.mosaic_prefill_smem_bytes(tiling.compute_warpgroups, tiling.block_k, head_size, tiling.num_stages,
                                            2, 2, 2, tiling.work_rows, query_buffers=tiling.query_buffers)
     assert smem <= tuning.MOSAIC_SHARED_MEMORY_BUDGET
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_mosaic_prefill_package_config_prefetches_where_it_applies(head_size, monkeypatch):
+    """The package's config at D 64 and 128 prefetches the next head's queries (measured
+    faster on the H200, 2026-12-05): the plan takes it where a program has several heads
+    (short packed sequences) and leaves it where it has one (long sequences, paged keys)
+    without a warning (``warn_dropped=False``, a call without ``config``); the same config
+    given by a user is warned about."""
+    monkeypatch.setattr(plans, "_dropped_fields", set())
+    config = tuning.mosaic_prefill_config(head_size, "bfloat16")
+    assert config.prefetch_queries
+    plan = functools.partial(plans.plan_mosaic_prefill_tiling, head_size, 2, 2, 2, max_seqlen_q=2048,
+                             config=config, num_q_heads=32)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        short = plan(max_seqlen_k=2048, block_size=None, warn_dropped=False)
+        long = plan(max_seqlen_k=16384, block_size=None, warn_dropped=False)
+        paged = plan(max_seqlen_k=4096, block_size=16, warn_dropped=False)
+    assert [w for w in said if w.category is plans.ConfigFieldDroppedWarning] == []
+    assert (short.heads_per_program, short.query_buffers) == (4, 2)
+    assert (long.heads_per_program, long.query_buffers) == (1, 1)
+    assert (paged.heads_per_program, paged.query_buffers) == (1, 1)
+    with pytest.warns(plans.ConfigFieldDroppedWarning, match="prefetch_queries is off .*no next head"):
+        assert plan(max_seqlen_k=16384, block_size=None) == long
 
 
 @pytest.mark.parametrize("hpp, persistent, workers, pingpong, max_seqlen_q, dropped", [
