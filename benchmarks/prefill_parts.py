@@ -3,11 +3,12 @@
 
     python benchmarks/prefill_parts.py [--config FIELD=VALUE ...] [--reps N] [--head-sizes D ...]
                                        [--timeline DIR] [--no-stock] [--versus FIELD=VALUE ...]
-                                       [--case B,S,HQ,HK,D ...] [--no-causal]
+                                       [--case B,S,HQ,HK,D ...] [--suite varlen|prefix ...] [--no-causal]
 
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
-sequences of equal length; ``--case`` for others, ``--no-causal`` without the mask),
-times back-to-back calls (`bench_attention.Timer`) of:
+sequences of equal length; ``--case`` for others, ``--no-causal`` without the mask), and
+each case of its varlen (16 mixed packed lengths) and prefix (new tokens over a paged
+cache) suites with ``--suite``, times back-to-back calls (`bench_attention.Timer`) of:
 
 * ``full``: `jax_paged_attn.prefill.varlen_attention` with ``lowering="mosaic_gpu"``,
   what a user's call runs;
@@ -18,7 +19,8 @@ times back-to-back calls (`bench_attention.Timer`) of:
   for (`one_call_ms`);
 * ``stock_bkv64`` / ``stock_bkv128``: JAX's stock ``attention_mgpu`` kernel (fp16, the
   query pre-scaled, 64-row query blocks, 64- / 128-key blocks, a 2-deep ring), which has
-  no plan, no varlen and no masking of non-finite values (``--no-stock`` leaves it out).
+  no plan, no varlen and no masking of non-finite values (``--no-stock`` leaves it out;
+  dense shapes only).
 
 Each shape runs the package's config for its head size
 (`jax_paged_attn.tuning.mosaic_prefill_config`); ``--config`` overrides its fields with Python
@@ -43,6 +45,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -55,8 +58,10 @@ for path in (_HERE.parent, _HERE):
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from bench_attention import Timer, short_error  # noqa: E402
+from bench_attention import (FULL_CASES, TINY_CASES, AttentionCase, Timer, build_attention_inputs,  # noqa: E402
+                             short_error)
 from kernel_resources import parse_overrides  # noqa: E402
 
 SHAPES = ((8, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 1024, 32, 8, 64), (4, 4096, 16, 16, 256))
@@ -84,6 +89,9 @@ def main() -> int:
     parser.add_argument("--no-stock", action="store_true", help="leave the stock attention_mgpu kernel out")
     parser.add_argument("--case", action="append", default=[], metavar="B,S,HQ,HK,D",
                         help="a shape instead of the suite's (repeatable; --head-sizes still filters)")
+    parser.add_argument("--suite", action="append", default=[], choices=("varlen", "prefix"),
+                        help="also (without --case: only) bench_attention.py's cases of this suite: mixed "
+                             "packed lengths, or new tokens over a paged cache (repeatable)")
     parser.add_argument("--no-causal", dest="causal", action="store_false",
                         help="every query sees every key of its sequence: no masked blocks where S is a "
                              "multiple of the block sizes, so times over several S separate a work item's "
@@ -108,91 +116,117 @@ def main() -> int:
     interpret = args.interpret
     timer = Timer.dry_run() if interpret else Timer(reps=args.reps)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, config overrides {overrides or 'none'}")
-    shapes = [parse_shape(text) for text in args.case] or (INTERPRET_SHAPES if interpret else SHAPES)
-    for batch, seq, q_heads, kv_heads, head_size in shapes:
-        if args.head_sizes and head_size not in args.head_sizes:
+    for case in selected_cases(args):
+        if args.head_sizes and case.head_dim not in args.head_sizes:
             continue
-        config = config_for(head_size, overrides, interpret)
-        keys = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(keys[0], (batch * seq, q_heads, head_size), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (batch * seq, kv_heads, head_size), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (batch * seq, kv_heads, head_size), jnp.bfloat16)
-        cu = jnp.arange(batch + 1, dtype=jnp.int32) * seq
-        spec = AttentionSpec.create(head_size, causal=args.causal)
-        full = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=seq,
-                                         max_seqlen_k=seq, lowering="mosaic_gpu", config=config,
-                                         interpret=interpret))
-        plan_call = functools.partial(prefill.plan_mosaic_varlen, q, k, v, spec=spec, max_seqlen_q=seq,
-                                      max_seqlen_k=seq, config=config)
-        tiling, _ = plan_call(cu, cu, None, None)
-        plan_fn = jax.jit(lambda cu: plan_call(cu, cu, None, None)[1])
-        plan = plan_fn(cu)
+        measure_case(case, args, overrides, timer)
+    return 0
 
-        def kernel_fn(q, k, v, plan, profile_dir=None, tiling=tiling):
-            return prefill.run_mosaic_varlen(q, k, v, plan, None, None, 1.0, 1.0, spec=spec, tiling=tiling,
-                                             interpret=interpret, profile_dir=profile_dir)
 
-        kernel = jax.jit(kernel_fn)
-        times = {}
-        times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu, cu, None, None, None, 1.0, 1.0))
-        times["plan"], _, _ = timer.jax(lambda: plan_fn(cu))
-        times["kernel"], _, part = timer.jax(lambda: kernel(q, k, v, plan))
-        times["kernel_once"] = one_call_ms(lambda: kernel(q, k, v, plan), 1 if interpret else 5)
-        if not jnp.array_equal(part, whole):
-            raise AssertionError("the kernel alone and the whole call disagree")
-        if interpret or args.no_stock:  # (JAX's stock kernel has no interpret path here)
-            block_kvs = ()
-        else:
-            from jax.experimental.pallas.ops.gpu import attention_mgpu as stock
+def selected_cases(args: argparse.Namespace) -> list:
+    """The `bench_attention.AttentionCase`s to run: ``--case`` shapes, else the dense
+    suite's (`SHAPES`; `INTERPRET_SHAPES` with ``--interpret``), then those of each
+    ``--suite`` (bench_attention's varlen / prefix cases; their tiny cases with
+    ``--interpret``)."""
+    shapes = [parse_shape(text) for text in args.case]
+    if not shapes and not args.suite:
+        shapes = INTERPRET_SHAPES if args.interpret else SHAPES
+    cases = [AttentionCase.dense_prefill(*shape) for shape in shapes]
+    for suite in args.suite:
+        cases += (TINY_CASES if args.interpret else FULL_CASES)[suite]
+    return cases
 
-            block_kvs = (64, 128)
-        dense = lambda x: x.reshape(batch, seq, *x.shape[1:])
+
+def measure_case(case, args: argparse.Namespace, overrides: dict, timer: Timer) -> None:
+    """Times one case's whole call, plan and kernel (and the stock kernel on dense
+    shapes), then ``--versus`` and ``--timeline``; prints the figures."""
+    from jax_paged_attn import prefill
+    from jax_paged_attn.spec import AttentionSpec
+
+    interpret = args.interpret
+    head_size = case.head_dim
+    config = config_for(head_size, overrides, interpret)
+    x = build_attention_inputs(case)
+    q, k, v, table = x.q, x.k, x.v, x.block_table
+    cu_q, cu_k = x.cu_seqlens_q, x.cu_seqlens_k
+    max_q, max_k = x.max_q, x.max_k
+    spec = AttentionSpec.create(head_size, causal=args.causal)
+    full = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, lowering="mosaic_gpu", config=config,
+                                     interpret=interpret))
+    plan_call = functools.partial(prefill.plan_mosaic_varlen, q, k, v, spec=spec, max_seqlen_q=max_q,
+                                  max_seqlen_k=max_k, config=config)
+    tiling, _ = plan_call(cu_q, cu_k, table, None)
+    plan_fn = jax.jit(lambda cu_q, cu_k, table: plan_call(cu_q, cu_k, table, None)[1])
+    plan = plan_fn(cu_q, cu_k, table)
+
+    def kernel_fn(q, k, v, plan, table, profile_dir=None, tiling=tiling):
+        return prefill.run_mosaic_varlen(q, k, v, plan, table, None, 1.0, 1.0, spec=spec, tiling=tiling,
+                                         interpret=interpret, profile_dir=profile_dir)
+
+    kernel = jax.jit(kernel_fn)
+    times = {}
+    times["full"], _, whole = timer.jax(lambda: full(q, k, v, cu_q, cu_k, table, None, None, 1.0, 1.0))
+    times["plan"], _, _ = timer.jax(lambda: plan_fn(cu_q, cu_k, table))
+    times["kernel"], _, part = timer.jax(lambda: kernel(q, k, v, plan, table))
+    times["kernel_once"] = one_call_ms(lambda: kernel(q, k, v, plan, table), 1 if interpret else 5)
+    if not jnp.array_equal(part, whole):
+        raise AssertionError("the kernel alone and the whole call disagree")
+    if interpret or args.no_stock or not case.dense:  # (JAX's stock kernel: dense, no interpret path here)
+        block_kvs = ()
+    else:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as stock
+
+        block_kvs = (64, 128)
+    batch, seq = case.batch, max_q
+    dense = lambda x: x.reshape(batch, seq, *x.shape[1:])
+    for block_kv in block_kvs:
         q16 = dense((q.astype(jnp.float32) * head_size ** -0.5).astype(jnp.float16))
         k16, v16 = dense(k.astype(jnp.float16)), dense(v.astype(jnp.float16))
-        for block_kv in block_kvs:
-            tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=args.causal)
-            fn = jax.jit(functools.partial(stock.attention, config=tuning))
-            try:
-                times[f"stock_bkv{block_kv}"], _, _ = timer.jax(lambda: fn(q16, k16, v16))
-            except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
-                print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
-        flop = 4 * batch * q_heads * head_size * seq * seq / (2 if args.causal else 1)
-        shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_size}" + ("" if args.causal else " non-causal")
-        print(f"{shape}, {config}\n  ({tiling.compute_warpgroups} compute "
-              f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
-            f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
-            for name, ms in times.items()), flush=True)
-        if args.versus:
-            variants = [parse_overrides(fields) for fields in args.versus]
-            calls = [lambda: kernel(q, k, v, plan)]
-            for versus in variants:
-                other_tiling, other_plan = functools.partial(plan_call, config=dataclasses.replace(
-                    config, **versus))(cu, cu, None, None)
-                other = jax.jit(functools.partial(kernel_fn, tiling=other_tiling))
-                check_variant(other(q, k, v, other_plan), part, versus)
-                calls.append(functools.partial(other, q, k, v, other_plan))
-            medians = compare_kernels(calls, timer, 1 if interpret else args.rounds)
-            print(f"  {args.rounds} alternating rounds, medians: config's kernel {medians[0]:.3f} ms", flush=True)
-            for versus, other_ms in zip(variants, medians[1:]):
-                print(f"  versus {versus}: {other_ms:.3f} ms ({flop / other_ms / 1e9:.0f} TFLOP/s), "
-                      f"config's / this x{medians[0] / other_ms:.3f}", flush=True)
-        if args.timeline:
-            trace_dir = pathlib.Path(args.timeline) / shape.replace(" ", "_")
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
-            for _ in range(2):  # the first call compiles; the second's trace is read
-                jax.block_until_ready(profiled(q, k, v, plan))
-            jax.effects_barrier()  # (the trace is written by a host callback)
-            trace = _unwrap_cycles(json.loads(
-                max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
-            warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
-            fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
-            clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
-            source = "given" if args.clock_mhz else "fitted to the block starts" if fitted else "nvidia-smi maximum"
-            print(f"  SM clock {clock:.0f} MHz ({source})", flush=True)
-            print(format_timeline(summarize_timeline(
-                trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
-    return 0
+        tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=args.causal)
+        fn = jax.jit(functools.partial(stock.attention, config=tuning))
+        try:
+            times[f"stock_bkv{block_kv}"], _, _ = timer.jax(lambda: fn(q16, k16, v16))
+        except Exception as e:  # noqa: BLE001 - e.g. shared memory at D 256: say so, go on
+            print(f"  stock_bkv{block_kv}: {short_error(e, 160)}")
+    # (without the mask every query sees its sequence's keys)
+    flop = case.work if args.causal else 4.0 * case.q_heads * head_size * float(np.dot(x.q_lens, x.k_lens))
+    shape = case.label + ("" if args.causal else " non-causal")
+    print(f"{shape}, {config}\n  ({tiling.compute_warpgroups} compute "
+          f"warpgroups, block_k {tiling.block_k}, work rows {tiling.work_rows}): " + "  ".join(
+        f"{name} {ms:.3f} ms" + (f" ({flop / ms / 1e9:.0f} TFLOP/s)" if name != "plan" else "")
+        for name, ms in times.items()), flush=True)
+    if args.versus:
+        variants = [parse_overrides(fields) for fields in args.versus]
+        calls = [lambda: kernel(q, k, v, plan, table)]
+        for versus in variants:
+            other_tiling, other_plan = functools.partial(plan_call, config=dataclasses.replace(
+                config, **versus))(cu_q, cu_k, table, None)
+            other = jax.jit(functools.partial(kernel_fn, tiling=other_tiling))
+            check_variant(other(q, k, v, other_plan, table), part, versus)
+            calls.append(functools.partial(other, q, k, v, other_plan, table))
+        rounds = 1 if interpret else args.rounds
+        medians = compare_kernels(calls, timer, rounds)
+        print(f"  {rounds} alternating rounds, medians: config's kernel {medians[0]:.3f} ms", flush=True)
+        for versus, other_ms in zip(variants, medians[1:]):
+            print(f"  versus {versus}: {other_ms:.3f} ms ({flop / other_ms / 1e9:.0f} TFLOP/s), "
+                  f"config's / this x{medians[0] / other_ms:.3f}", flush=True)
+    if args.timeline:
+        trace_dir = pathlib.Path(args.timeline) / re.sub(r"[^\w.-]+", "_", shape)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
+        for _ in range(2):  # the first call compiles; the second's trace is read
+            jax.block_until_ready(profiled(q, k, v, plan, table))
+        jax.effects_barrier()  # (the trace is written by a host callback)
+        trace = _unwrap_cycles(json.loads(
+            max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
+        warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
+        fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
+        clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
+        source = "given" if args.clock_mhz else "fitted to the block starts" if fitted else "nvidia-smi maximum"
+        print(f"  SM clock {clock:.0f} MHz ({source})", flush=True)
+        print(format_timeline(summarize_timeline(
+            trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
 
 
 def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:

@@ -626,6 +626,21 @@ def test_prefill_parts_dry_run_checks_the_kernel_against_the_whole_call(monkeypa
     assert " plan " in out and " kernel " in out and " kernel_once " in out
 
 
+@pytest.mark.full  # (as the case above)
+def test_prefill_parts_dry_run_of_the_prefix_suite_over_a_paged_cache(monkeypatch, capsys):
+    """`prefill_parts.py --interpret --suite prefix`: bench_attention's (tiny) prefix case,
+    new tokens over a paged cache, through the whole call, the plan and the kernel alone
+    with the block table (the kernel's output equal to the whole call's, or the script
+    raises); no dense shape runs without ``--case``."""
+    parts = _load("prefill_parts")
+    monkeypatch.setattr(sys, "argv", ["prefill_parts.py", "--interpret", "--reps", "1", "--suite", "prefix"])
+    assert parts.main() == 0
+    out = capsys.readouterr().out
+    assert "prefix: B2 q16 k88 Hq4 Hk2 D32 page16, MosaicPrefillConfig(" in out
+    assert " plan " in out and " kernel " in out and " kernel_once " in out
+    assert "S80" not in out  # (the dense dry-run shape)
+
+
 # A --full case: the script times the Mosaic GPU kernel in its interpreter call after call (minutes
 # of a CPU run for the suite); the kernel itself is checked by the kernel tests, and the script
 # runs on the GPU in the sessions that measure with it (`gpu_session.sh parts`).
