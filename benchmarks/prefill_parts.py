@@ -178,11 +178,11 @@ def measure_case(case, args: argparse.Namespace, overrides: dict, timer: Timer) 
         from jax.experimental.pallas.ops.gpu import attention_mgpu as stock
 
         block_kvs = (64, 128)
-    batch, seq = case.batch, max_q
-    dense = lambda x: x.reshape(batch, seq, *x.shape[1:])
-    for block_kv in block_kvs:
+    if block_kvs:
+        dense = lambda x: x.reshape(case.batch, max_q, *x.shape[1:])
         q16 = dense((q.astype(jnp.float32) * head_size ** -0.5).astype(jnp.float16))
         k16, v16 = dense(k.astype(jnp.float16)), dense(v.astype(jnp.float16))
+    for block_kv in block_kvs:
         tuning = stock.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=args.causal)
         fn = jax.jit(functools.partial(stock.attention, config=tuning))
         try:
