@@ -353,7 +353,8 @@ class MosaicPrefillConfig:
     one (short sequences pay the ring's fill once per SM, not per tile). An earlier form
     (one item loop over both roles' code, the ring filled and drained per item) measured
     slower on the H200 at one program per SM in either item order (2026-12-02, -04): ptxas
-    ignored its register split and serialized its wgmmas; this form is not yet measured;
+    ignored its register split and serialized its wgmmas; this form (with prefetched queries
+    and the stagger across items) ran at x0.62 - 1.01 the grid form's speed (2026-12-05);
     masked_block_k: keys per step of a masked block (a multiple of 64 dividing block_k;
     capped at block_k): a masked block (the causal diagonal, window edges, sequence
     ends) runs in parts of that many keys, each keeping non-finite values from the rows
@@ -411,10 +412,11 @@ class MosaicPrefillConfig:
     16-bit probabilities as a register operand (converted at the end of the previous
     block), the scores waited for alone. Only with 16-bit keys and values (fp8 blocks are
     converted in shared memory first): else the blocks run one by one, and a
-    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: this form is not
-    yet measured; earlier forms measured slower on the H200 (2026-12-04, alternating
-    rounds, x0.72 - 0.91: probabilities converted between the two wgmmas, which ptxas
-    serialized, or kept in a shared-memory tile).
+    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: this form ran at
+    x0.89 - 0.98 the default's speed on the H200 (2026-12-05, the four dense
+    shapes, alternating rounds); earlier forms x0.72 - 0.91 (2026-12-04: probabilities
+    converted between the two wgmmas, which ptxas serialized, or kept in a shared-memory
+    tile).
     pingpong_across_items: with ping-pong and several work items a program (several
     heads, or persistent programs), the two compute warpgroups stay staggered from one
     item to the next: the second warpgroup meets the first once before the program's
@@ -422,9 +424,11 @@ class MosaicPrefillConfig:
     item, so the first warpgroup starts the next item's Q·K^T and softmax while the
     second finishes the current one's last P·V and stores its output (FlashAttention-3's
     ping-pong across tiles). Where a program has one item, or no ping-pong, a
-    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: not yet measured
-    (the per-item meetings measured 1.4 µs of a 4-head program's 74 at B8 S2048 D128 on
-    the H200, 2026-12-04, besides the epilogue they keep from overlapping).
+    `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so once. Off: x1.006 the
+    default's speed at B8 S2048 D128, x0.93 at B16 S1024 D64; with prefetched queries
+    x1.02 / x1.00 there, against x1.056 / x1.052 for the prefetch alone (the H200,
+    2026-12-05, alternating rounds), though the per-item meetings it removes measured
+    1.4 µs of a 4-head program's 74 at B8 S2048 D128 (2026-12-04).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it

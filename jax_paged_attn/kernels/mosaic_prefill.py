@@ -17,7 +17,7 @@ Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
 With two compute warpgroups a shared barrier staggers them (ping-pong,
 `tuning.MosaicPrefillConfig.pingpong`): one's softmax overlaps the other's wgmma; the
 stagger is set up around each work item, or with ``pingpong_across_items`` (off by
-default, not yet measured) once around a program's items, so one warpgroup starts the
+default: level or slower on the H200, 2026-12-05) once around a program's items, so one warpgroup starts the
 next item while the other finishes the current one.
 
 Optional forms (`tuning.MosaicPrefillConfig`): ``persistent_programs`` (one program per
@@ -26,8 +26,9 @@ through the ring back to back: the producer fetches the next item's first blocks
 the compute warpgroups finish the current one, and with ``prefetch_queries`` each compute
 warpgroup loads the next item's queries at the start of the current one; off by default:
 an earlier form measured 1.5-2.5x slower than the grid form on the H200 (2026-12-02, -04),
-its wgmmas serialized by ptxas for want of registers, see `_prefill_kernel`; this form
-is not yet measured), ``fence_softmax`` (the
+its wgmmas serialized by ptxas for want of registers, see `_prefill_kernel`; this form,
+with prefetched queries and the stagger across items, x0.62 - 1.01 the grid form's
+speed, 2026-12-05), ``fence_softmax`` (the
 stock kernel's softmax order before the P·V barriers; measured level),
 ``direct_output`` (below; on by default) and ``masked_block_k``: a masked block runs in
 parts of that many keys, so that 128-key blocks (the stock kernel's best at D 128, and
@@ -45,10 +46,12 @@ forms measured slower on the H200 (2026-12-04, alternating rounds): the probabil
 converted between the two wgmmas made ptxas serialize them (its C7513 note), x0.72 at
 B8 S2048 D128; through a shared-memory tile, x0.76 (its stores, barriers and fences on
 each block's path, and spills). This form compiles without that note and with the
-default's hot loop (1 - 2 spill reloads a block); not yet measured.
+default's hot loop (1 - 2 spill reloads a block), yet measured slower too: x0.89 - 0.98
+the default's speed on the four dense shapes (the H200, 2026-12-05).
 
-Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): that overlap
-and the persistent form measured, GQA packing of a KV group's heads into one tile (K/V
+Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): why that overlap
+and the persistent form lose (their timelines), GQA packing of a KV group's heads into
+one tile (K/V
 are read once per query head, the reuse left to L2). A
 work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
 us on the H200 against 1.75 us per 128 x 128 block: 30 % of the kernel at B8 S2048 D128.
@@ -1055,8 +1058,10 @@ def _prefill_kernel(
         # Off by default: the earlier form (one item loop over both roles' code, the ring
         # filled and drained per item) measured 1.6x the grid form's kernel time at B8
         # S2048 D128 under Nsight Compute, its SMs 90 % active, DRAM 7 % busy (the H200,
-        # 2026-12-04): each item ran slower, its wgmmas serialized. This form is not yet
-        # measured.
+        # 2026-12-04): each item ran slower, its wgmmas serialized. This form (with
+        # prefetched queries and the stagger across items) ran at x1.01 the grid form's
+        # speed at B8 S2048 D128 but x0.62 at B1 S16384, x0.91 at D 64 and x0.83 at D 256
+        # (the H200, 2026-12-05).
         num_items = num_tiles * num_heads
         program, step = lax.axis_index("program"), jnp.int32(min(tiling.persistent_programs, num_items))
 
