@@ -279,9 +279,14 @@ PREFILL_CASES = (
 )
 _MIXED = mixed_lengths(16, 64, 4096, seed=0)
 VARLEN_CASES = (AttentionCase("mixed", _MIXED, _MIXED, 32, 8, 128),)
+# The engine's prompt steps: fresh prompts (nothing cached, so queries and keys are the same
+# tokens) attended over the paged cache they were just written to, about one step of
+# 8,192 prompt tokens, at the 1.1B Llama's heads (bench_engine.py, bench_serving.py).
+_ENGINE_PROMPTS = mixed_lengths(8, 128, 2048, seed=3)  # 8,218 tokens, 292..1,797
 PREFIX_CASES = tuple(
     AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 128, page_size=page) for page in (16, 64)
-) + (AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 64, page_size=16),)
+) + (AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 64, page_size=16),
+     AttentionCase("prompts", _ENGINE_PROMPTS, _ENGINE_PROMPTS, 32, 4, 64, page_size=16))
 CACHE_CASES = (
     CacheCase("decode step", seqs=256, tokens_per_seq=1, context=1024, kv_heads=8, head_dim=128),
     CacheCase("prefill", seqs=16, tokens_per_seq=2048, context=2048, kv_heads=8, head_dim=128),
