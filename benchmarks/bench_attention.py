@@ -281,12 +281,14 @@ _MIXED = mixed_lengths(16, 64, 4096, seed=0)
 VARLEN_CASES = (AttentionCase("mixed", _MIXED, _MIXED, 32, 8, 128),)
 # The engine's prompt steps: fresh prompts (nothing cached, so queries and keys are the same
 # tokens) attended over the paged cache they were just written to, about one step of
-# 8,192 prompt tokens, at the 1.1B Llama's heads (bench_engine.py, bench_serving.py).
+# 8,192 prompt tokens, at the heads of the 1.1B Llama (bench_engine.py, bench_serving.py)
+# and of an 8B one (bench_tp.py).
 _ENGINE_PROMPTS = mixed_lengths(8, 128, 2048, seed=3)  # 8,218 tokens, 292..1,797
 PREFIX_CASES = tuple(
     AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 128, page_size=page) for page in (16, 64)
 ) + (AttentionCase("prefix", (512,) * 8, (4096,) * 8, 32, 8, 64, page_size=16),
-     AttentionCase("prompts", _ENGINE_PROMPTS, _ENGINE_PROMPTS, 32, 4, 64, page_size=16))
+     AttentionCase("prompts", _ENGINE_PROMPTS, _ENGINE_PROMPTS, 32, 4, 64, page_size=16),
+     AttentionCase("prompts", _ENGINE_PROMPTS, _ENGINE_PROMPTS, 32, 8, 128, page_size=16))
 CACHE_CASES = (
     CacheCase("decode step", seqs=256, tokens_per_seq=1, context=1024, kv_heads=8, head_dim=128),
     CacheCase("prefill", seqs=16, tokens_per_seq=2048, context=2048, kv_heads=8, head_dim=128),
@@ -1157,10 +1159,18 @@ def prefix_cudnn_paged(mask_name: str):
         q = x.padded_q()
         page_table = x.block_table[:, None, :, None]  # [B, 1, pages, 1]
         q_lens, k_lens = jnp.asarray(x.q_lens, jnp.int32), jnp.asarray(x.k_lens, jnp.int32)
+        k, v = x.k, x.v
+        if k.shape[0] < x.block_table.size:
+            # cuDNN takes a cache of at least as many pages as the table has entries (unequal
+            # lengths leave fewer): zero pages appended, never read, outside the timing.
+            pad = ((0, x.block_table.size - k.shape[0]),) + ((0, 0),) * (k.ndim - 1)
+            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
         fn = jax.jit(functools.partial(cudnn.paged_attention, scale=_softmax_scale(case.head_dim),
                                        mask_type=getattr(cudnn.MaskType, mask_name)))
-        return ctx.time_jax(lambda: fn(q, x.k, x.v, q_lens, k_lens, page_table, page_table), x.unpad,
-                            note=_CUDNN_PREFIX_NOTES[mask_name])
+        note = _CUDNN_PREFIX_NOTES[mask_name]
+        if mask_name == "CAUSAL" and tuple(x.q_lens) == tuple(x.k_lens):
+            note = "nothing cached: cuDNN's top-left causal mask is the bottom-right one here"
+        return ctx.time_jax(lambda: fn(q, k, v, q_lens, k_lens, page_table, page_table), x.unpad, note=note)
 
     return run
 
