@@ -302,6 +302,11 @@ MOSAIC_FORMS = {
     "specialized-2wg-pingpong-probe": dict(compute_warpgroups=2, nonfinite_check="probe"),
     "specialized-2wg-pingpong-bk128-masked-parts-probe": dict(compute_warpgroups=2, block_k=128, masked_block_k=64,
                                                               nonfinite_check="probe"),
+    # The package's D 128 fields with 4 heads a program and the next head's queries
+    # prefetched: over the paged cache, the engine's fresh prompts (queries are the keys).
+    "package-d128-heads-per-program-4-prefetch-queries": dict(
+        compute_warpgroups=2, block_k=128, masked_block_k=64, nonfinite_check="probe", precheck_values=True,
+        heads_per_program=4, prefetch_queries=True),
 }
 
 
