@@ -56,8 +56,9 @@ TARGETS = (
     Target("prefill", "torch_sdpa_cudnn", 1.0, subject=AUTO),
     Target("varlen", "cudnn_padded", 1.5, subject=AUTO),
     # (512 new tokens on 3,584 cached at D 128, pages 16 and 64; the suite's D 64 shape
-    # is there for the head-size choice, `tuning.MOSAIC_PREFILL_HEAD_SIZES`)
-    Target("prefix", None, 500.0, subject=AUTO, shapes="D128"),
+    # and its engine prompt steps are there for the head-size choice,
+    # `tuning.MOSAIC_PREFILL_HEAD_SIZES`)
+    Target("prefix", None, 500.0, subject=AUTO, shapes="q512 on ctx4096 Hq32 Hk8 D128"),
 )
 
 RATIO_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {

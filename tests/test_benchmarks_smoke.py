@@ -177,7 +177,9 @@ def test_report_auto_column_ratio_columns_and_absolute_targets():
         _row("prefill", "P", "ours", 400.0), _row("prefill", "P", "auto", 600.0),
         _row("prefill", "P", "torch_sdpa_cudnn", 500.0), _row("prefill", "P", "cudnn", None, status="failed",
                                                              error="no cuDNN"),
-        _row("prefix", "q512 D128 page16", "auto", 510.0), _row("prefix", "q512 D64 page16", "auto", 330.0),
+        _row("prefix", "prefix: B8 q512 on ctx4096 Hq32 Hk8 D128 page16", "auto", 510.0),
+        _row("prefix", "prefix: B8 q512 on ctx4096 Hq32 Hk8 D64 page16", "auto", 330.0),
+        _row("prefix", "prompts: B8 q8218 k8218 Hq32 Hk8 D128 page16", "auto", 217.0),
     ]
     report.attach_ratios(rows)
     decode = "\n".join(report.render_suite("decode", rows, "t", {}))
@@ -189,8 +191,10 @@ def test_report_auto_column_ratio_columns_and_absolute_targets():
     lines = report.target_lines(rows)
     assert "FAIL decode: auto >= 3800 on every shape: min 3500 at B (2 shapes); below: B 3500" in lines
     assert "PASS prefill: auto/torch_sdpa_cudnn >= 1 on every shape: min ×1.20 at P (1 shapes)" in lines
-    # The prefix target holds for its D 128 shapes; the suite's D 64 shape is not judged by it.
-    assert "PASS prefix: auto >= 500 on every D128 shape: min 510 at q512 D128 page16 (1 shapes)" in lines
+    # The prefix target holds for its cached-prefix D 128 shapes; the suite's D 64 shape and
+    # its engine prompt steps are not judged by it.
+    assert ("PASS prefix: auto >= 500 on every q512 on ctx4096 Hq32 Hk8 D128 shape: min 510 at "
+            "prefix: B8 q512 on ctx4096 Hq32 Hk8 D128 page16 (1 shapes)") in lines
 
 
 def test_tuning_literal_picks_the_best_geomean_config_per_table_key():
