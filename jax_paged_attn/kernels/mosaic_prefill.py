@@ -51,8 +51,11 @@ the default's speed on the four dense shapes (the H200, 2026-12-05).
 
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): why that overlap
 and the persistent form lose (their timelines), GQA packing of a KV group's heads into
-one tile (K/V
-are read once per query head, the reuse left to L2). A
+one tile (K/V are read once per query head, the reuse left to L2; short prompts over a
+paged cache run a program per head of a few blocks, mostly fixed cost: 0.66x the Triton
+kernel, which packs the group, at D 64 on the H200, 2026-12-05), and cheaper lead blocks
+(a packed sequence starting off a multiple of 8 rows gives each of its tiles a masked
+first block: 11.6 % of the varlen suite's programs). A
 work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
 us on the H200 against 1.75 us per 128 x 128 block: 30 % of the kernel at B8 S2048 D128.
 Two single-warpgroup programs an SM, which overlap one's fixed cost with the other's
@@ -80,7 +83,9 @@ producer runs on into the next head's blocks), and each compute warpgroup reload
 queries after storing the previous head's output (3-6 % faster at 1-4k keys on the
 H200; its per-block loop measured about 7 % slower, so long sequences keep 1), or
 with ``prefetch_queries`` loads the next head's queries into a second query tile while
-the current head computes (the two tiles used in turn; measured 4-16 % slower, so off).
+the current head computes (the two tiles used in turn; 5 % faster at D 64 and 128 on the
+H200, 2026-12-05, where the package's config turns it on; an earlier form measured 4-16 %
+slower).
 Every compute warpgroup goes through all of the tile's blocks in order (each slot is
 released by all of them) and computes those its own rows can see, with the tile's
 masked / unmasked split, except that blocks of the tile's masked tail that its
