@@ -480,9 +480,10 @@ per-head-size configs: 1.50x / 2.22x at D 128, 1.26x at D 256, 0.89x at D 64;
 cache with 512 new tokens on 3,584 cached; 2026-12-05, whole calls, alternating rounds: 1.03x
 dense B16 S1024, 1.10x over the paged cache, but 0.66x on the engine's prompt step, 8 fresh
 prompts of 292-1,797 tokens (8,218) over the paged cache they were written to, Hq32 Hk4:
-0.310 ms against the Triton kernel's 0.205. The Triton kernel packs a KV group's 8 query
-heads into one tile, the Mosaic GPU kernel runs a work item per query head, one head a
-program over a paged cache. D 64 stays on Triton: the engine's prefills are that call)."""
+0.310 ms against the Triton kernel's 0.205: there a Mosaic GPU program is one head's 128
+positions over a few blocks, mostly fixed cost and the causal diagonal, one program an
+SM, where the Triton kernel's tiles hold 16 positions of a KV group's 8 heads, two
+programs an SM. D 64 stays on Triton: the engine's prefills are that call)."""
 
 
 def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:

@@ -51,9 +51,10 @@ the default's speed on the four dense shapes (the H200, 2026-12-05).
 
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): why that overlap
 and the persistent form lose (their timelines), GQA packing of a KV group's heads into
-one tile (K/V are read once per query head, the reuse left to L2; short prompts over a
-paged cache run a program per head of a few blocks, mostly fixed cost: 0.66x the Triton
-kernel, which packs the group, at D 64 on the H200, 2026-12-05), and cheaper lead blocks
+one tile (K/V are read once per query head, the reuse left to L2), short work items
+(short prompts over a paged cache run a program per head of a few blocks, mostly fixed
+cost and the causal diagonal, one program an SM: 0.66x the Triton kernel at D 64 on the
+H200, 2026-12-05), and cheaper lead blocks
 (a packed sequence starting off a multiple of 8 rows gives each of its tiles a masked
 first block: 11.6 % of the varlen suite's programs). A
 work item's fixed cost (its launch, ring fill, query load and epilogue) measured 6.7-7.8
