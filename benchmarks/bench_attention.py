@@ -1161,8 +1161,9 @@ def prefix_cudnn_paged(mask_name: str):
         q_lens, k_lens = jnp.asarray(x.q_lens, jnp.int32), jnp.asarray(x.k_lens, jnp.int32)
         k, v = x.k, x.v
         if k.shape[0] < x.block_table.size:
-            # cuDNN takes a cache of at least as many pages as the table has entries (unequal
-            # lengths leave fewer): zero pages appended, never read, outside the timing.
+            # cuDNN wants as many cache pages as the table has entries (its error otherwise:
+            # "must have same number of blocks"); unequal lengths leave fewer: zero pages
+            # appended, never read, outside the timing.
             pad = ((0, x.block_table.size - k.shape[0]),) + ((0, 0),) * (k.ndim - 1)
             k, v = jnp.pad(k, pad), jnp.pad(v, pad)
         fn = jax.jit(functools.partial(cudnn.paged_attention, scale=_softmax_scale(case.head_dim),
