@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]] [ncu_pipes[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -87,6 +87,23 @@ for step in "${steps[@]}"; do
         --metrics gpu__time_duration.sum,launch__grid_size,launch__occupancy_limit_shared_mem,sm__cycles_elapsed.avg.per_second \
         python3 benchmarks/prefill_parts.py --no-stock --reps 2 $args 2>&1 \
         | grep -v "^W\|^I0\|Deprecat\|warnings.warn" | tee -a "$out/ncu.log" ;;
+    ncu_pipes|ncu_pipes=*)  # how busy the Mosaic GPU prefill kernel keeps each SM pipe: the tensor
+      # cores (wgmma), the XU (exp2 and conversions), FMA and ALU, % of peak while an SM is active,
+      # per launch (ncu_pipes=ARG,ARG,...: prefill_parts.py's arguments, as for parts): the
+      # softmax's work against the matmuls'. Metric names differ between ncu versions; those
+      # this ncu lists for the GPU are asked for, and the list is printed.
+      args="$(step_args "$step")"
+      known="$(ncu --query-metrics --chip "${NCU_CHIP:-gh100}" 2>/dev/null | awk '{print $1}')"  # (H100 / H200)
+      metrics="gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second"
+      for name in sm__pipe_tensor_op_gmma_cycles_active sm__pipe_tensor_cycles_active sm__inst_executed_pipe_xu \
+          sm__pipe_xu_cycles_active sm__pipe_fma_cycles_active sm__pipe_fmaheavy_cycles_active sm__pipe_alu_cycles_active; do
+        grep -qx "$name" <<<"$known" && metrics+=",$name.avg.pct_of_peak_sustained_active"
+      done
+      echo "ncu metrics: $metrics" | tee -a "$out/ncu_pipes.log"
+      # shellcheck disable=SC2086
+      timeout 240 ncu --kernel-name regex:varlen_attention --launch-count "${NCU_LAUNCHES:-4}" --csv --metrics "$metrics" \
+        python3 benchmarks/prefill_parts.py --no-stock --reps 2 $args 2>&1 \
+        | grep -v "^W\|^I0\|Deprecat\|warnings.warn" | tee -a "$out/ncu_pipes.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
