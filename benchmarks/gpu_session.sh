@@ -95,10 +95,12 @@ for step in "${steps[@]}"; do
       args="$(step_args "$step")"
       known="$(ncu --query-metrics --chip "${NCU_CHIP:-gh100}" 2>/dev/null | awk '{print $1}')"  # (H100 / H200)
       metrics="gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second"
-      for name in sm__pipe_tensor_op_gmma_cycles_active sm__pipe_tensor_cycles_active sm__inst_executed_pipe_xu \
-          sm__pipe_xu_cycles_active sm__pipe_fma_cycles_active sm__pipe_fmaheavy_cycles_active sm__pipe_alu_cycles_active; do
+      for name in sm__pipe_tensor_cycles_active sm__pipe_tensor_op_gmma_cycles_active sm__inst_executed_pipe_tensor_op_gmma \
+          sm__inst_executed_pipe_xu sm__pipe_xu_cycles_active sm__inst_executed_pipe_fma sm__pipe_fma_cycles_active \
+          sm__inst_executed_pipe_alu sm__pipe_alu_cycles_active; do
         grep -qx "$name" <<<"$known" && metrics+=",$name.avg.pct_of_peak_sustained_active"
       done
+      [ -n "$known" ] || echo "ncu --query-metrics listed nothing for ${NCU_CHIP:-gh100}: durations only" | tee -a "$out/ncu_pipes.log"
       echo "ncu metrics: $metrics" | tee -a "$out/ncu_pipes.log"
       # shellcheck disable=SC2086
       timeout 240 ncu --kernel-name regex:varlen_attention --launch-count "${NCU_LAUNCHES:-4}" --csv --metrics "$metrics" \
