@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import warnings
 
@@ -705,32 +706,29 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     # holds it beside the tiling chosen above (it never costs the tiling a slot, a wider
     # block or a warpgroup).
     has_next = heads_per_program > 1 or (config.persistent_programs > 0 and config.warp_specialized)
+    drop = functools.partial(_drop_config_field, warn=warn_dropped)  # (a C partial: the warning's stacklevel holds)
     query_buffers = 1
     if config.prefetch_queries and not has_next:
-        _drop_config_field("prefetch_queries", "a program has no next head or item to load queries for "
-                           "(one head a program, not persistent with a producer)", warn=warn_dropped)
+        drop("prefetch_queries", "a program has no next head or item to load queries for "
+             "(one head a program, not persistent with a producer)")
     elif config.prefetch_queries and mosaic_prefill_smem_bytes(
             workers, block_k, head_size, stages, q_itemsize, k_itemsize, v_itemsize, work_rows(),
             query_buffers=2) > tuning.MOSAIC_SHARED_MEMORY_BUDGET:
-        _drop_config_field("prefetch_queries", f"no shared memory for a second query tile beside {workers} "
-                           f"compute warpgroups, {block_k}-key blocks and {stages} ring slots at head size {head_size}",
-                           warn=warn_dropped)
+        drop("prefetch_queries", f"no shared memory for a second query tile beside {workers} "
+             f"compute warpgroups, {block_k}-key blocks and {stages} ring slots at head size {head_size}")
     elif config.prefetch_queries:
         query_buffers = 2
     # overlap_softmax only for 16-bit keys and values (fp8 blocks run one by one,
     # `tuning.MosaicPrefillConfig`).
     overlap_softmax = config.overlap_softmax
     if overlap_softmax and (k_itemsize != q_itemsize or v_itemsize != q_itemsize):
-        overlap_softmax = _drop_config_field("overlap_softmax", "fp8 keys or values run their blocks one by one",
-                                             warn=warn_dropped)
+        overlap_softmax = drop("overlap_softmax", "fp8 keys or values run their blocks one by one")
     pingpong_across_items = config.pingpong_across_items
     if pingpong_across_items and not (config.pingpong and workers == 2):
-        pingpong_across_items = _drop_config_field(
-            "pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)", warn=warn_dropped)
+        pingpong_across_items = drop("pingpong_across_items", "no ping-pong (it staggers two compute warpgroups)")
     elif pingpong_across_items and not has_next:  # (ping-pong has a producer: persistent programs have items)
-        pingpong_across_items = _drop_config_field(
-            "pingpong_across_items", "a program has one work item (one head a program, not persistent)",
-            warn=warn_dropped)
+        pingpong_across_items = drop("pingpong_across_items",
+                                     "a program has one work item (one head a program, not persistent)")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
