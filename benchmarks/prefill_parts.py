@@ -64,8 +64,6 @@ from bench_attention import (FULL_CASES, TINY_CASES, AttentionCase, Timer, build
                              short_error)
 from kernel_resources import parse_overrides  # noqa: E402
 
-SHAPES = ((8, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 1024, 32, 8, 64), (4, 4096, 16, 16, 256))
-"""(batch, sequence length, query heads, KV heads, head size): the prefill suite's shapes."""
 INTERPRET_SHAPES = ((2, 80, 2, 1, 64),)
 
 
@@ -124,14 +122,14 @@ def main() -> int:
 
 
 def selected_cases(args: argparse.Namespace) -> list:
-    """The `bench_attention.AttentionCase`s to run: ``--case`` shapes, else the dense
-    suite's (`SHAPES`; `INTERPRET_SHAPES` with ``--interpret``), then those of each
+    """The `bench_attention.AttentionCase`s to run: ``--case`` shapes, else bench_attention's
+    dense prefill cases (`INTERPRET_SHAPES` with ``--interpret``), then those of each
     ``--suite`` (bench_attention's varlen / prefix cases; their tiny cases with
     ``--interpret``)."""
-    shapes = [parse_shape(text) for text in args.case]
-    if not shapes and not args.suite:
-        shapes = INTERPRET_SHAPES if args.interpret else SHAPES
-    cases = [AttentionCase.dense_prefill(*shape) for shape in shapes]
+    cases = [AttentionCase.dense_prefill(*parse_shape(text)) for text in args.case]
+    if not cases and not args.suite:
+        cases = ([AttentionCase.dense_prefill(*shape) for shape in INTERPRET_SHAPES] if args.interpret
+                 else list(FULL_CASES["prefill"]))
     for suite in args.suite:
         cases += (TINY_CASES if args.interpret else FULL_CASES)[suite]
     return cases
@@ -215,8 +213,10 @@ def measure_case(case, args: argparse.Namespace, overrides: dict, timer: Timer) 
         trace_dir = pathlib.Path(args.timeline) / re.sub(r"[^\w.-]+", "_", shape)
         trace_dir.mkdir(parents=True, exist_ok=True)
         profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
-        for _ in range(2):  # the first call compiles; the second's trace is read
-            jax.block_until_ready(profiled(q, k, v, plan, table))
+        # One call: the profiler does not overwrite a kernel's trace file, so a second call's
+        # trace was never written ("profile already exists"); this is the first run after
+        # compiling.
+        jax.block_until_ready(profiled(q, k, v, plan, table))
         jax.effects_barrier()  # (the trace is written by a host callback)
         trace = _unwrap_cycles(json.loads(
             max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
