@@ -126,8 +126,9 @@ def main() -> int:
                 trace_dir = pathlib.Path(args.timeline) / f"{index}-{i}"
                 trace_dir.mkdir(parents=True, exist_ok=True)
                 profiled = call_for(config, str(trace_dir))
-                for _ in range(2):  # the first call compiles; the second's trace is read
-                    jax.block_until_ready(profiled())
+                # One call: the profiler does not overwrite a kernel's trace file, so a second
+                # call's trace was never written; this is the first run after compiling.
+                jax.block_until_ready(profiled())
                 jax.effects_barrier()
                 trace = _unwrap_cycles(json.loads(
                     max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
