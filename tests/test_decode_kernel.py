@@ -14,6 +14,7 @@ plus a small absolute term for the kernel's low-precision softmax probabilities.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -598,6 +599,41 @@ def test_mosaic_compiled_on_gpu_matches_reference(case: Case) -> None:
     """The Mosaic GPU scenarios compiled for a Hopper GPU (run with ``pytest -m gpu``)."""
     inputs = make_inputs(case)
     assert_matches_reference(case, inputs, run_kernel(case, inputs, interpret=False))
+
+
+@pytest.mark.gpu
+def test_mosaic_profile_records_every_item_of_a_program(tmp_path) -> None:
+    """With ``profile_dir`` the kernel writes the Mosaic GPU profiler's trace of every item
+    a program attends (benchmarks/decode_parts.py --timeline reads it): each compute
+    warpgroup's ``scores`` region once a tile of each of its items, not the first item's
+    alone, and the same output as without the profiler."""
+    import json
+
+    from jax_paged_attn.kv_view import as_plane
+
+    items, tiles = 4, 4  # 8 sequences of 4 64-key tiles, 4 a program
+    case = Case("profile-items", num_q_heads=8, num_kv_heads=2, head_size=64, seqlens=(64 * tiles,) * 8,
+                max_blocks=4 * tiles, num_blocks=128, lowering=MOSAIC,
+                config=MosaicDecodeConfig(tile_keys=64, num_splits=1, num_stages=4, compute_warpgroups=1,
+                                          items_per_program=items))
+    inputs = make_inputs(case)
+    q, k_cache, v_cache, *rest = (inputs[n] for n in INPUT_NAMES)
+
+    def call(profile_dir):
+        return decode.run_mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), *rest, spec=spec_of(case),
+                                        config=case.config, profile_dir=profile_dir)
+
+    plain = jax.jit(functools.partial(call, None))()
+    profiled = jax.jit(functools.partial(call, str(tmp_path)))()
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(profiled, np.float32), np.asarray(plain, np.float32))
+    (trace_file,) = tmp_path.glob("*trace.json")
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    scores = collections.Counter(event["tid"] for event in events
+                                 if event["name"] == "scores" and event["ph"] == "B")
+    programs = case.num_kv_heads * len(case.seqlens) // items
+    assert len(scores) == programs  # one compute warpgroup a program
+    assert set(scores.values()) == {items * tiles}
 
 
 def test_mosaic_unsupported_reason() -> None:

@@ -645,16 +645,19 @@ PROFILE_RANGES_PER_TILE = 4
 """Named regions a compute warpgroup records per tile (waits for K and V, scores,
 values), what the profiler's event buffer is sized for, beside `PROFILE_RANGES_FIXED`."""
 PROFILE_RANGES_FIXED = 8
-"""Regions a warpgroup records once per program (the profiler's own among them)."""
+"""Regions a warpgroup records once per item (the query wait, the merge, the epilogue) or
+once per program (the profiler's own among them)."""
 
 
 def _compiler_params(profile_dir: str | None, tiling: MosaicDecodeTiling, max_keys: int):
     if not profile_dir:
         return plgpu.CompilerParams(approx_math=True)
-    # The most tiles a program can take: its split of the longest sequence, plus one for a
-    # window's first page starting mid-tile.
+    # The most tiles an item can take: its split of the longest sequence, plus one for a
+    # window's first page starting mid-tile. A program records every item it attends: sized
+    # for one item, the trace of a program of several held the first item's tiles alone.
     tiles = -(-(-(-max_keys // tiling.tile_keys)) // tiling.num_splits) + 1
-    profile = dict(profile_space=PROFILE_RANGES_PER_TILE * tiles + PROFILE_RANGES_FIXED, profile_dir=profile_dir)
+    space = tiling.items_per_program * (PROFILE_RANGES_PER_TILE * tiles + PROFILE_RANGES_FIXED)
+    profile = dict(profile_space=space, profile_dir=profile_dir)
     if "profile_bounds_check" in plgpu.CompilerParams.__dataclass_fields__:  # (jax >= 0.11)
         profile["profile_bounds_check"] = True  # a longer trace is cut, not written over shared memory
     return plgpu.CompilerParams(approx_math=True, **profile)
