@@ -703,6 +703,21 @@ def lower_for_cuda(fn: Any, *args: Any) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def profiled_trace_events(call: Any, profile_dir: Any) -> list[dict]:
+    """Runs ``call(profile_dir)`` jitted, a Mosaic GPU kernel's call, without the profiler
+    (``None``) and with it (``str(profile_dir)``, an empty folder); asserts the two outputs
+    are equal and returns the events of the trace the profiled call wrote (GPU only)."""
+    import json
+    import pathlib
+
+    plain = jax.jit(functools.partial(call, None))()
+    profiled = jax.jit(functools.partial(call, str(profile_dir)))()
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(profiled, np.float32), np.asarray(plain, np.float32))
+    (trace_file,) = pathlib.Path(profile_dir).glob("*trace.json")
+    return json.loads(trace_file.read_text())["traceEvents"]
+
+
 def count_in_calls(stablehlo_text: str, needle: str) -> int:
     """Occurrences of ``needle`` that ``@main`` of a StableHLO module reaches, counting a
     function's once per call (a kernel call is a jitted callee that the layers share:

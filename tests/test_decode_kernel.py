@@ -29,7 +29,7 @@ from jax_paged_attn import decode, plans, reference, tuning
 from jax_paged_attn.kernels import mosaic_decode, triton_decode
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 from jax_paged_attn.tuning import DecodeConfig, MosaicDecodeConfig
-from conftest import CompileCounter, covering_cases, lower_for_cuda
+from conftest import CompileCounter, covering_cases, lower_for_cuda, profiled_trace_events
 
 pytestmark = pytest.mark.covering  # products: a covering subset by default, all with --full (conftest.py)
 
@@ -607,8 +607,6 @@ def test_mosaic_profile_records_every_item_of_a_program(tmp_path) -> None:
     a program attends (benchmarks/decode_parts.py --timeline reads it): each compute
     warpgroup's ``scores`` region once a tile of each of its items, not the first item's
     alone, and the same output as without the profiler."""
-    import json
-
     from jax_paged_attn.kv_view import as_plane
 
     items, tiles = 4, 4  # 8 sequences of 4 64-key tiles, 4 a program
@@ -623,12 +621,7 @@ def test_mosaic_profile_records_every_item_of_a_program(tmp_path) -> None:
         return decode.run_mosaic_decode(q, as_plane(k_cache), as_plane(v_cache), *rest, spec=spec_of(case),
                                         config=case.config, profile_dir=profile_dir)
 
-    plain = jax.jit(functools.partial(call, None))()
-    profiled = jax.jit(functools.partial(call, str(tmp_path)))()
-    jax.effects_barrier()
-    np.testing.assert_array_equal(np.asarray(profiled, np.float32), np.asarray(plain, np.float32))
-    (trace_file,) = tmp_path.glob("*trace.json")
-    events = json.loads(trace_file.read_text())["traceEvents"]
+    events = profiled_trace_events(call, tmp_path)
     scores = collections.Counter(event["tid"] for event in events
                                  if event["name"] == "scores" and event["ph"] == "B")
     programs = case.num_kv_heads * len(case.seqlens) // items

@@ -28,7 +28,7 @@ import pytest
 
 import jax_paged_attn
 from conftest import (VarlenProblem, alibi_slopes, assert_nonfinite_rows_match_oracle, lower_for_cuda,
-                      covering_cases, make_varlen_problem, poison_keys)
+                      covering_cases, make_varlen_problem, poison_keys, profiled_trace_events)
 from jax_paged_attn import plans, prefill, reference, tuning
 from jax_paged_attn.spec import UNBOUNDED, AttentionSpec
 
@@ -743,8 +743,6 @@ def test_mosaic_kernel_profile_writes_a_timeline_of_its_regions(tmp_path):
     """With ``profile_dir`` the kernel also writes the Mosaic GPU profiler's trace of its
     named regions (benchmarks/prefill_parts.py --timeline reads it), and computes the
     same output."""
-    import json
-
     batch, seq, heads, head_size = 2, 512, 4, 128
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (batch * seq, heads, head_size), jnp.bfloat16) for key in keys)
@@ -758,12 +756,7 @@ def test_mosaic_kernel_profile_writes_a_timeline_of_its_regions(tmp_path):
         return prefill.run_mosaic_varlen(q, k, v, plan, None, None, 1.0, 1.0, spec=spec, tiling=tiling,
                                          profile_dir=profile_dir)
 
-    plain = jax.jit(functools.partial(call, None))()
-    profiled = jax.jit(functools.partial(call, str(tmp_path)))()
-    jax.effects_barrier()
-    np.testing.assert_array_equal(np.asarray(profiled, np.float32), np.asarray(plain, np.float32))
-    (trace_file,) = tmp_path.glob("*trace.json")
-    events = json.loads(trace_file.read_text())["traceEvents"]
+    events = profiled_trace_events(call, tmp_path)
     names = {event["name"] for event in events}
     assert {"setup", "fill", "refill", "drain", "q_wait", "unmasked", "tail_masked", "final_meet", "epilogue"} <= names
     programs = plan.shape[0] * heads // tiling.heads_per_program
