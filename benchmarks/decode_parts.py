@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 import sys
@@ -46,8 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 from bench_attention import (DECODE_CASES, Context, Deadline, DecodeCase, Timer, _torch_sdpa,  # noqa: E402
                              build_decode_inputs)
 from kernel_resources import parse_overrides  # noqa: E402
-from prefill_parts import (_unwrap_cycles, compare_kernels, fit_clock_mhz, format_timeline,  # noqa: E402
-                           parse_case_fields, refuse_without_gpu, sm_clock_mhz, summarize_timeline)
+from prefill_parts import (compare_kernels, fit_clock_mhz, format_timeline, parse_case_fields,  # noqa: E402
+                           profile_once, refuse_without_gpu, sm_clock_mhz, summarize_timeline)
 
 INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
 
@@ -125,13 +124,7 @@ def main() -> int:
             if args.timeline:
                 trace_dir = pathlib.Path(args.timeline) / f"{index}-{i}"
                 trace_dir.mkdir(parents=True, exist_ok=True)
-                profiled = call_for(config, str(trace_dir))
-                # One call: the profiler does not overwrite a kernel's trace file, so a second
-                # call's trace was never written; this is the first run after compiling.
-                jax.block_until_ready(profiled())
-                jax.effects_barrier()
-                trace = _unwrap_cycles(json.loads(
-                    max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
+                trace = profile_once(call_for(config, str(trace_dir)), trace_dir)
                 workers = max(tiling.compute_warpgroups, 1)
                 warpgroups = workers + tiling.warp_specialized
                 fitted = fit_clock_mhz(trace, warpgroups)

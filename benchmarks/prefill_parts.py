@@ -107,9 +107,6 @@ def main() -> int:
     args = parser.parse_args()
     if refuse_without_gpu("prefill_parts.py", args):
         return 2
-    from jax_paged_attn import prefill
-    from jax_paged_attn.spec import AttentionSpec
-
     overrides = parse_overrides(args.config)
     interpret = args.interpret
     timer = Timer.dry_run() if interpret else Timer(reps=args.reps)
@@ -213,13 +210,7 @@ def measure_case(case, args: argparse.Namespace, overrides: dict, timer: Timer) 
         trace_dir = pathlib.Path(args.timeline) / re.sub(r"[^\w.-]+", "_", shape)
         trace_dir.mkdir(parents=True, exist_ok=True)
         profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
-        # One call: the profiler does not overwrite a kernel's trace file, so a second call's
-        # trace was never written ("profile already exists"); this is the first run after
-        # compiling.
-        jax.block_until_ready(profiled(q, k, v, plan, table))
-        jax.effects_barrier()  # (the trace is written by a host callback)
-        trace = _unwrap_cycles(json.loads(
-            max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
+        trace = profile_once(lambda: profiled(q, k, v, plan, table), trace_dir)
         warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
         fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
         clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
@@ -309,6 +300,18 @@ CLOCK_WRAP = 2 ** 32
 """The profiler's cycle counts are 32-bit: an event whose cycles, less the profiler's
 overhead correction, fell below its trace's first event's came back as about 2^32
 cycles after it (a 2^32-cycle region seen on the H100, 2026-12-02)."""
+
+
+def profile_once(call, trace_dir: pathlib.Path) -> dict:
+    """Runs ``call`` (a kernel compiled to write its Mosaic GPU profiler trace into
+    ``trace_dir``) once and returns that trace, cycles unwrapped (`_unwrap_cycles`).
+
+    One call: the profiler does not overwrite a kernel's trace file ("profile already
+    exists"), so a second call's trace is never written; the trace is the first run after
+    compiling."""
+    jax.block_until_ready(call())
+    jax.effects_barrier()  # (the trace is written by a host callback)
+    return _unwrap_cycles(json.loads(max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
 
 
 def _unwrap_cycles(trace: dict) -> dict:
