@@ -101,6 +101,34 @@ def test_without_a_tokenizer_prompts_are_token_ids(checkpoint, tmp_path, caplog)
     assert LLM.from_model(model, tokenizer=tokenizer).tokenizer is tokenizer
 
 
+def test_prompts_and_the_checkpoint_argument_take_vllms_forms(checkpoint):
+    directory, tokenizer, _ = checkpoint
+    llm = LLM(model=str(directory), implementation="xla", **ENGINE)  # vLLM's keyword
+    text = "the cat sat"
+    ids = tokenizer.encode(text).ids
+    (reference,) = llm.generate([text], greedy(4), use_tqdm=False)
+    (one,) = llm.generate(text, greedy(4), use_tqdm=False)  # one prompt, not a list
+    (tokens,) = llm.generate(ids, greedy(4), use_tqdm=False)  # one prompt's token ids
+    (as_dict,) = llm.generate({"prompt": text, "cache_salt": "tenant-a"}, greedy(4), use_tqdm=False)
+    (ids_dict,) = llm.generate([{"prompt_token_ids": ids}], greedy(4), use_tqdm=False)
+    for out in (one, tokens, as_dict, ids_dict):
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert one.prompt == as_dict.prompt == text and tokens.prompt is None and tokens.prompt_token_ids == ids
+    assert as_dict.num_cached_tokens == 0  # the only request salted "tenant-a" so far
+    with pytest.raises(ValueError, match=r"prompts\[1\] is an empty text"):
+        llm.generate(["the cat", ""], greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\] must hold exactly one of 'prompt'"):
+        llm.generate([{"prompt": text, "prompt_token_ids": ids}], greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\] has unknown key\(s\) \['promt'\]"):
+        llm.generate({"promt": text}, greedy(2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert LLM(checkpoint_dir=directory, implementation="xla", **ENGINE).tokenizer is not None  # the older name
+    with pytest.raises(TypeError, match="LLM takes the checkpoint directory once"):
+        LLM(directory, checkpoint_dir=directory)
+    with pytest.raises(TypeError, match="for a model already built use LLM.from_model"):
+        LLM(llm.model)
+
+
 def test_a_missing_checkpoint_is_said_once(tmp_path, caplog):
     caplog.set_level("WARNING", logger="jax_paged_attn")
     with pytest.raises(FileNotFoundError, match=r"checkpoint directory '.*does-not-exist' does not exist\.$"):
@@ -125,10 +153,12 @@ def test_bad_arguments_are_named(checkpoint):
     with pytest.raises(FileNotFoundError, match="no tokenizer file"):
         LLM.from_model(model, tokenizer=directory / "missing.json")
     llm = LLM.from_model(model, **ENGINE)
-    with pytest.raises(TypeError, match=r"prompts must be a list .*\[prompt\]"):
-        llm.generate("the cat", greedy(2))
-    with pytest.raises(TypeError, match=r"prompts\[0\] must be a text or a list of token ids"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] is text, but this LLM has no tokenizer"):
+        llm.generate("the cat", greedy(2))  # one prompt, as vLLM takes it
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a text, a list or 1-D integer array of token ids"):
         llm.generate([3.5], greedy(2))
+    with pytest.raises(TypeError, match="prompts must be a text, token ids, a dict prompt or a list of them"):
+        llm.generate(42, greedy(2))
     with pytest.raises(ValueError, match="cannot encode text: this LLM has no tokenizer"):
         llm.encode("the cat")
 

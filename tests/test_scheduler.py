@@ -313,7 +313,7 @@ def test_stop_tokens_eos_and_abort():
     drain(s, cache)
     assert eos.finish_reason == FinishReason.STOP and len(eos.output_token_ids) == 1
     assert ignore.finish_reason == FinishReason.LENGTH and len(ignore.output_token_ids) == 5
-    assert ctx.finish_reason == FinishReason.MAX_MODEL_LEN and ctx.num_tokens == 8
+    assert ctx.finish_reason == FinishReason.LENGTH and ctx.num_tokens == 8
     with pytest.raises(KeyError, match="unknown request_id"):
         s.abort("nope")
 

@@ -40,13 +40,23 @@ class NoFreeBlocksError(RuntimeError):
     """Raised by `BlockAllocator.allocate` when every block is in use."""
 
 
-_ROOT_DIGEST = bytes(32)  # the parent digest of a sequence's first block
+_ROOT_DIGEST = bytes(32)  # the parent digest of an unsalted sequence's first block
+
+
+def root_digest(cache_salt: str | None) -> bytes | None:
+    """The parent digest of a sequence's first block: None (`_ROOT_DIGEST`) without a
+    salt, else a digest of the salt, so that salted requests' blocks are found only by
+    requests with the same salt (`SamplingParams.cache_salt`)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"jax_paged_attn cache_salt\0" + cache_salt.encode()).digest()
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """SHA-256 digest of one full block: its tokens and (through ``parent_hash``) all before it.
 
-    ``parent_hash`` is the previous block's digest (None for a sequence's first block);
+    ``parent_hash`` is the previous block's digest (for a sequence's first block
+    `root_digest` of its salt: None without one);
     the tokens enter as little-endian int64s. The digest is what the prefix cache is
     keyed by; `BlockAllocator.lookup` still compares a candidate's tokens and parent, so
     correctness never rests on the digest being collision-free. Cost on the host: about
@@ -67,6 +77,7 @@ class _CachedContent:
     token_ids: tuple[int, ...]
     parent_content_id: int | None
     content_id: int
+    cache_salt: str | None = None  # a first block's salt (later blocks inherit it through their parent)
 
 
 class BlockAllocator:
@@ -179,14 +190,16 @@ class BlockAllocator:
             self.free(block_id)
 
     # ---------------------------------------------------------- prefix cache
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_block: int | None) -> int | None:
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_block: int | None,
+               cache_salt: str | None = None) -> int | None:
         """Returns a computed block holding these tokens after ``parent_block``, taking a
         reference, or None.
 
         ``parent_block`` is the block this lookup's sequence holds just before (the
         previous hit; None for a sequence's first block). The candidate found by
         ``block_hash`` counts only when its tokens equal ``token_ids`` and it was
-        registered after that very parent content.
+        registered after that very parent content (a first block: with the same
+        ``cache_salt``).
         """
         if not self.enable_prefix_caching:
             return None
@@ -199,6 +212,8 @@ class BlockAllocator:
             return None
         if content.token_ids != tuple(token_ids) or content.parent_content_id != parent_content_id:
             return None
+        if parent_block is None and content.cache_salt != cache_salt:
+            return None
         if self._ref_counts[block_id] == 0:
             del self._evictable[block_id]
         self._ref_counts[block_id] += 1
@@ -208,9 +223,10 @@ class BlockAllocator:
         return self.enable_prefix_caching and block_hash in self._block_by_hash
 
     def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int],
-                 parent_block: int | None) -> bool:
+                 parent_block: int | None, cache_salt: str | None = None) -> bool:
         """Marks a full, computed block as holding ``token_ids`` (digest ``block_hash``)
-        right after the content of ``parent_block`` (None: the sequence's first block).
+        right after the content of ``parent_block`` (None: the sequence's first block,
+        of a sequence salted with ``cache_salt``).
 
         Returns False (and changes nothing findable) when prefix caching is off, another
         block already holds that digest, this block already holds content, or the parent
@@ -225,15 +241,16 @@ class BlockAllocator:
         if parent_block is not None and parent_content_id is None:
             return False
         token_ids = tuple(int(t) for t in token_ids)
+        salt = cache_salt if parent_block is None else None
         holder = self._block_by_hash.get(block_hash)
         if holder is not None:
             held = self._content_of_block[holder]
-            if held.token_ids == token_ids and held.parent_content_id == parent_content_id:
+            if held.token_ids == token_ids and held.parent_content_id == parent_content_id and held.cache_salt == salt:
                 self._duplicate_content_id[block_id] = held.content_id
             return False
         self._block_by_hash[block_hash] = block_id
         self._content_of_block[block_id] = _CachedContent(
-            block_hash, token_ids, parent_content_id, next(self._content_ids))
+            block_hash, token_ids, parent_content_id, next(self._content_ids), salt)
         return True
 
     def _parent_content_id(self, parent_block: int | None) -> int | None:

@@ -81,7 +81,7 @@ from jax_paged_attn.builder import (
     sequence_rows,
 )
 from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
-from jax_paged_attn.engine.sampling import (Logprob, SamplingParams, logprob_dicts, logprobs_bucket,
+from jax_paged_attn.engine.sampling import (Logprob, SamplingParams, as_bool, logprob_dicts, logprobs_bucket,
                                             params_per_prompt)
 from jax_paged_attn.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
@@ -210,6 +210,12 @@ class EngineConfig:
         of the package at run time should turn this off: such a change is not in the key.
       compilation_cache_dir: its directory; None: ``$XDG_CACHE_HOME/jax_paged_attn/xla``
         (``~/.cache/jax_paged_attn/xla``).
+      on_step_failure: what happens to the requests that hold KV blocks (running,
+        swapped out) when a step fails (a program raising on the device, an interrupt):
+        "abort" (default: they finish with ``finish_reason`` "abort", and a failure that
+        repeats cannot loop) or "recompute" (they wait again with their tokens so far and
+        are recomputed, as after a preemption). Either way the engine stays usable and
+        the step's error is raised to its caller.
     """
 
     num_blocks: int | None = None
@@ -233,10 +239,14 @@ class EngineConfig:
     compiler_options: Mapping[str, Any] | None = None
     compilation_cache: bool = True
     compilation_cache_dir: str | None = None
+    on_step_failure: str = "abort"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             _check_int(getattr(self, name), name, 1)
+        for name in ("enable_prefix_caching", "coarse_length_bounds", "decode_during_prefill", "async_scheduling",
+                     "compilation_cache"):
+            as_bool(getattr(self, name), name)
         if self.num_blocks is not None:
             _check_int(self.num_blocks, "num_blocks", 1)
         if self.block_size % 16:
@@ -254,6 +264,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+        if self.on_step_failure not in ("abort", "recompute"):
+            raise ValueError(f"on_step_failure must be 'abort' or 'recompute', got {self.on_step_failure!r}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
 
@@ -278,7 +290,8 @@ class CompletionOutput:
         token (the top ``logprobs`` tokens in decreasing order, then the sampled token if
         it is not among them); else None.
       finish_reason: "length" (``max_tokens``), "stop" (EOS, a stop id or a stop
-        string), "max_model_len" or "aborted"; None while it runs.
+        string), or "abort" (vLLM's names; "length" also when the context reached
+        ``max_model_len``); None while it runs.
       stop_reason: what stopped it with "stop": the stop string, or the id from
         ``stop_token_ids``; None for EOS and the other reasons (vLLM's field).
     """
@@ -711,7 +724,36 @@ class LLMEngine:
         tokens of one decode window (after dispatching the next). Otherwise it first
         reads the windows in flight, then runs one scheduled step. Finished requests
         stay retrievable with `pop_output` (`generate` pops its own).
+
+        A step that raises (a program failing on the device, an interrupt) leaves the
+        engine usable: the requests that held KV blocks are aborted or queued for
+        recomputation (`EngineConfig.on_step_failure`), the KV caches are rebuilt where
+        the failed program had consumed them, the prefix cache is emptied (a failed
+        program may have left half-written blocks), a warning says so, and the error is
+        raised again.
         """
+        try:
+            return self._step()
+        except BaseException as error:
+            self._recover_from_failed_step(error)
+            raise
+
+    def _recover_from_failed_step(self, error: BaseException) -> None:
+        """Puts the engine back in a usable state after ``error`` interrupted a step."""
+        self._batch = None
+        self.runner.drop_decode_state()
+        rebuilt = self.runner.rebuild_kv_caches_if_consumed()
+        self._host_caches = None  # swapped-out blocks are dropped with their requests' state
+        recompute = self.config.on_step_failure == "recompute"
+        affected = self.scheduler.reset_after_failure(recompute=recompute)
+        logger.warning(
+            "LLMEngine.step failed (%s: %s): %s; %d request(s) that held KV blocks %s "
+            "(EngineConfig.on_step_failure=%r); the prefix cache was emptied.",
+            type(error).__name__, error,
+            "the KV caches it had consumed were allocated anew" if rebuilt else "the KV caches were kept",
+            len(affected), "queued for recomputation" if recompute else "aborted", self.config.on_step_failure)
+
+    def _step(self) -> list[RequestOutput]:
         start_time = time.perf_counter()
         traces_before = self.runner.num_traces
         self._compile_events_before = _compile_events  # see `_record`
@@ -1342,6 +1384,9 @@ class LLMEngine:
 
         Every prompt is validated before any runs: a bad one raises ValueError naming
         its index (``prompts[i]: ...``), and requests already in the engine are untouched.
+        When anything raises later (a step, ``stop_checker``, an interrupt), this call's
+        unfinished requests are aborted and removed, their blocks freed, before the
+        error propagates.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}.")
@@ -1383,6 +1428,14 @@ class LLMEngine:
                     outputs[rid] = self.pop_output(rid)
                 progress.update(len(done), self.stats.num_generated_tokens - tokens_before, elapsed_s,
                                 compiled=self.stats.compile_steps > compiles_before)
+        except BaseException:
+            # Whatever raised (a stop_checker, an interrupt, a failed step), no later call
+            # may inherit this call's requests: they leave the engine with their blocks.
+            for rid in pending:
+                if rid in self.scheduler.requests:
+                    self.scheduler.abort(rid)
+                    self.scheduler.pop_finished(rid)
+            raise
         finally:
             progress.close()
         return [RequestOutput.merge([outputs[rid] for rid in ids]) for ids in samples]

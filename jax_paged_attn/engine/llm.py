@@ -157,7 +157,8 @@ class LLM:
     """A model, its tokenizer and an `LLMEngine`: generate from text or token-id prompts.
 
     Args:
-      checkpoint_dir: a Hugging Face checkpoint directory, loaded with
+      model: a Hugging Face checkpoint directory (vLLM's argument name; its older name
+        here, ``checkpoint_dir``, is taken too), loaded with
         `jax_paged_attn.models.load_llama`.
       dtype: compute dtype, or "auto": the dtype the checkpoint names.
       kv_cache_dtype: "auto" (the compute dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2".
@@ -185,8 +186,9 @@ class LLM:
 
     def __init__(
         self,
-        checkpoint_dir: str | os.PathLike,
+        model: str | os.PathLike | None = None,
         *,
+        checkpoint_dir: str | os.PathLike | None = None,
         dtype: Any = "auto",
         kv_cache_dtype: str = "auto",
         implementation: str | None = None,
@@ -200,13 +202,21 @@ class LLM:
         from jax_paged_attn.models import load_llama
         from jax_paged_attn.models.checkpoint import read_hf_config
 
+        if (model is None) == (checkpoint_dir is None):
+            raise TypeError("LLM takes the checkpoint directory once: LLM(model=PATH) (or LLM(PATH)); got "
+                            + ("neither model nor checkpoint_dir." if model is None else "both model and checkpoint_dir."))
+        if model is None:
+            model = checkpoint_dir
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint directory (a str or os.PathLike), got {type(model).__name__}; "
+                            f"for a model already built use LLM.from_model(model).")
         config = _engine_config(engine_options)  # bad options fail before the weights load
         mesh = None
         if tensor_parallel_size != 1:
             from jax_paged_attn import parallel
 
             mesh = parallel.tensor_parallel_mesh(tensor_parallel_size)  # ValueError naming tensor_parallel_size
-        checkpoint_dir = os.fspath(checkpoint_dir)
+        checkpoint_dir = os.path.expanduser(os.fspath(model))
         read_hf_config(checkpoint_dir)  # a missing directory or config.json is said first, and alone
         if isinstance(tokenizer, str) and tokenizer == "auto":
             if os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_FILE)):
@@ -216,9 +226,9 @@ class LLM:
                 logger.warning("no %s in %s: prompts must be token ids and outputs carry no text "
                                "(pass tokenizer= to use one from elsewhere).", TOKENIZER_FILE, checkpoint_dir)
         tokenizer = _as_tokenizer(tokenizer)
-        model = load_llama(checkpoint_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                           implementation=implementation, interpret=interpret, mesh=mesh)
-        self._setup(model, tokenizer, config, warmup)
+        loaded = load_llama(checkpoint_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                            implementation=implementation, interpret=interpret, mesh=mesh)
+        self._setup(loaded, tokenizer, config, warmup)
 
     @classmethod
     def from_model(
@@ -308,7 +318,7 @@ class LLM:
     # ------------------------------------------------------------ generate
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
@@ -316,8 +326,11 @@ class LLM:
         """Generates for every prompt; outputs come back in prompt order.
 
         Args:
-          prompts: a list whose entries are each a text (needs a tokenizer) or a list of
-            token ids; both kinds may be mixed.
+          prompts: one prompt or a list of them (vLLM's forms): a text (needs a
+            tokenizer), token ids (a list of ints or a 1-D integer NumPy / JAX array), or
+            a dict with ``"prompt"`` (text) or ``"prompt_token_ids"`` and optionally
+            ``"cache_salt"`` (`SamplingParams.cache_salt` for that prompt); the kinds may
+            be mixed. One prompt returns a list of one output.
           sampling_params: one `SamplingParams` for all prompts or one per prompt (None:
             vLLM's defaults).
           use_tqdm: show progress.
@@ -339,30 +352,35 @@ class LLM:
           tokenizer, ids out of the vocabulary, ...) or ``sampling_params`` (stop strings
           without a tokenizer); nothing runs then.
         """
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a list of texts or of token-id lists, got {type(prompts).__name__} "
-                            f"(for one prompt pass [prompt]).")
+        prompts = _as_prompt_list(prompts)
         params_list = params_per_prompt(sampling_params, len(prompts))
+        token_ids: list[Any] = []
+        texts: list[str | None] = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict):
+                prompt, salt = _dict_prompt(prompt, f"prompts[{i}]")
+                if salt is not None:
+                    params_list[i] = dataclasses.replace(params_list[i], cache_salt=salt)
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompts[{i}] is text, but this LLM has no tokenizer; pass token ids or "
+                                     f"give it a tokenizer ({TOKENIZER_FILE}).")
+                if not prompt:
+                    raise ValueError(f"prompts[{i}] is an empty text; a prompt needs at least one token.")
+                token_ids.append(self.encode(prompt))
+                texts.append(prompt)
+            elif _is_token_prompt(prompt):
+                token_ids.append(prompt)  # checked by the engine (`validate_prompt`), errors naming prompts[i]
+                texts.append(None)
+            else:
+                raise TypeError(f"prompts[{i}] must be a text, a list or 1-D integer array of token ids, or a dict "
+                                f"with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}.")
         if self.tokenizer is None:
             for i, params in enumerate(params_list):
                 if params.stop:
                     where = "sampling_params" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}]"
                     raise ValueError(f"{where}.stop={list(params.stop)!r}: stop strings need a tokenizer and this "
                                      f"LLM has none (pass tokenizer=, or use stop_token_ids).")
-        token_ids: list[list[int]] = []
-        texts: list[str | None] = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompts[{i}] is text, but this LLM has no tokenizer; pass token ids or "
-                                     f"give it a tokenizer ({TOKENIZER_FILE}).")
-                token_ids.append(self.encode(prompt))
-                texts.append(prompt)
-            elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
-                token_ids.append(list(prompt))
-                texts.append(None)
-            else:
-                raise TypeError(f"prompts[{i}] must be a text or a list of token ids, got {type(prompt).__name__}.")
         checker = _StopStrings(self, params_list) if any(p.stop for p in params_list) else None
         results = self.engine.generate(token_ids, params_list, use_tqdm=use_tqdm, stop_checker=checker)
         if self.tokenizer is None:
@@ -375,6 +393,51 @@ class LLM:
                 for c in out.outputs])
             for text, params, out in zip(texts, params_list, results)
         ]
+
+
+_DICT_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _is_token_prompt(value: Any) -> bool:
+    """Whether ``value`` has the form of one token-id prompt: a list / tuple, or an
+    array (NumPy's, JAX's) of one dimension."""
+    if isinstance(value, (list, tuple)):
+        return True
+    return hasattr(value, "__array__") and np.ndim(value) == 1
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """`LLM.generate`'s prompts as a list: one prompt (a text, a dict, a flat list or a
+    1-D array of token ids) becomes a list of one."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if hasattr(prompts, "__array__") and not isinstance(prompts, (list, tuple)):
+        if np.ndim(prompts) != 1:
+            raise TypeError(f"prompts as an array must be one prompt's token ids (1-D), got {np.ndim(prompts)}-D; "
+                            f"pass a list of prompts.")
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a text, token ids, a dict prompt or a list of them, got "
+                        f"{type(prompts).__name__}.")
+    if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt's token ids (vLLM reads a flat list of ints so)
+    return list(prompts)
+
+
+def _dict_prompt(prompt: dict, where: str) -> tuple[Any, str | None]:
+    """``(text or token ids, cache_salt)`` of vLLM's dict prompt (``TextPrompt`` /
+    ``TokensPrompt``)."""
+    unknown = sorted(set(prompt) - set(_DICT_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {unknown}; a dict prompt takes {list(_DICT_PROMPT_KEYS)}.")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"{where} must hold exactly one of 'prompt' (text) and 'prompt_token_ids'.")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise TypeError(f"{where}['prompt'] must be a str, got {type(prompt['prompt']).__name__}.")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"{where}['cache_salt'] must be a str, got {type(salt).__name__}.")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), salt
 
 
 class _StopStrings:

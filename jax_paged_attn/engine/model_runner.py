@@ -376,7 +376,8 @@ class ModelRunner:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         self.params: tuple[Array, ...] = tuple(leaves)
         self.block_size = block_size
-        self.kv_caches: list[Array] = list(model.allocate_kv_caches(num_blocks, block_size))
+        self._allocate_kv_caches = functools.partial(model.allocate_kv_caches, num_blocks, block_size)
+        self.kv_caches: list[Array] = list(self._allocate_kv_caches())
         options = tuple(sorted((compiler_options or {}).items()))
         self._programs = _programs(graphdef, treedef, options)
         self._decode_state: DecodeState | None = None
@@ -427,6 +428,18 @@ class ModelRunner:
             self.params, self.kv_caches, token_ids, positions, metadata, sampling, greedy=greedy,
             num_logprobs=num_logprobs)
         return tokens if logprobs is None else (tokens, logprobs)
+
+    def rebuild_kv_caches_if_consumed(self) -> bool:
+        """Allocates the KV caches anew when a program that failed had consumed (been
+        donated) any of them; returns whether it did. Their contents are lost either way
+        a failed step leaves them: the caller drops what pointed into them."""
+        if not any(cache.is_deleted() for cache in self.kv_caches):
+            return False
+        for cache in self.kv_caches:
+            if not cache.is_deleted():
+                cache.delete()  # its memory is needed for the new caches
+        self.kv_caches = list(self._allocate_kv_caches())
+        return True
 
     def start_decode(self, rows: DecodeState) -> None:
         """Uploads a new persistent batch (host rows from `DecodeState.empty`, filled in)."""

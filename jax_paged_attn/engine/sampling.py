@@ -87,6 +87,11 @@ class SamplingParams:
         tokenizer_config.json names, ...) out of the text (default); False keeps them.
         Text options (``stop``, ``include_stop_str_in_output``, ``skip_special_tokens``)
         act in `LLM`; the engine itself returns token ids only.
+      cache_salt: scopes this request's prefix-cache hits (vLLM's ``cache_salt``): a
+        request reuses cached blocks only of requests with the same salt (None: the
+        shared, unsalted cache). A server holding several tenants gives each its own
+        salt, so that no tenant can tell from its requests' speed or
+        ``num_cached_tokens`` which prompts another tenant sent.
     """
 
     temperature: float = 1.0
@@ -101,6 +106,7 @@ class SamplingParams:
     stop: str | Sequence[str] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         temperature = _as_float(self.temperature, "temperature")
@@ -133,18 +139,23 @@ class SamplingParams:
             raise TypeError(f"stop must be a str or a sequence of str, got {self.stop!r}.")
         if any(not s for s in stop):
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}.")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise TypeError(f"cache_salt must be None or a str, got {type(self.cache_salt).__name__}.")
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must not be empty (None shares the unsalted prefix cache).")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", TOP_K_DISABLED if top_k == 0 else top_k)
         object.__setattr__(self, "max_tokens", max_tokens)
         object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "stop_token_ids", stop_ids)
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "ignore_eos", as_bool(self.ignore_eos, "ignore_eos"))
         object.__setattr__(self, "logprobs", logprobs)
         object.__setattr__(self, "n", n)
         object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "include_stop_str_in_output", bool(self.include_stop_str_in_output))
-        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
+        object.__setattr__(self, "include_stop_str_in_output",
+                           as_bool(self.include_stop_str_in_output, "include_stop_str_in_output"))
+        object.__setattr__(self, "skip_special_tokens", as_bool(self.skip_special_tokens, "skip_special_tokens"))
 
     @property
     def greedy(self) -> bool:
@@ -175,6 +186,14 @@ def _as_float(x: object, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}.")
     return float(x)
+
+
+def as_bool(x: object, name: str) -> bool:
+    """``x`` if it is a bool (Python's or NumPy's); TypeError naming ``name`` otherwise.
+    Truthiness is not enough: a JSON or command-line ``"false"`` is a non-empty string."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}.")
+    return bool(x)
 
 
 def _as_int(x: object, name: str) -> int:

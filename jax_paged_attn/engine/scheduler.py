@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jax_paged_attn.engine.block_allocator import BlockAllocator, hash_block_tokens
+from jax_paged_attn.engine.block_allocator import BlockAllocator, hash_block_tokens, root_digest
 from jax_paged_attn.engine.sampling import SamplingParams
 
 
@@ -52,10 +52,11 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    LENGTH = "length"  # max_tokens reached
+    """Why a request ended, as vLLM names it in ``CompletionOutput.finish_reason``."""
+
+    LENGTH = "length"  # max_tokens reached, or the context is full (max_model_len)
     STOP = "stop"  # a stop token or the EOS token was produced
-    MAX_MODEL_LEN = "max_model_len"  # the context is full
-    ABORTED = "aborted"
+    ABORTED = "abort"
 
 
 @dataclasses.dataclass(eq=False)
@@ -232,10 +233,7 @@ class Scheduler:
         self.eos_token_ids: tuple[int, ...] = (
             () if eos_token_id is None else (int(eos_token_id),) if isinstance(eos_token_id, (int, np.integer))
             else tuple(int(t) for t in eos_token_id))
-        self.device_blocks = BlockAllocator(num_device_blocks, block_size, name="device",
-                                            enable_prefix_caching=config.enable_prefix_caching)
-        self.host_blocks = BlockAllocator(num_host_blocks, block_size, name="host",
-                                          enable_prefix_caching=False)
+        self._new_block_pools(num_device_blocks, num_host_blocks)
         # Each queue is kept sorted by arrival (FCFS).
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -550,10 +548,8 @@ class Scheduler:
         params = request.sampling_params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.MAX_MODEL_LEN
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -609,7 +605,8 @@ class Scheduler:
         hits = []
         for index, block_hash in enumerate(request.block_hashes):
             block = self.device_blocks.lookup(block_hash, self._block_tokens(request, index),
-                                              parent_block=hits[-1] if hits else None)
+                                              parent_block=hits[-1] if hits else None,
+                                              cache_salt=request.sampling_params.cache_salt)
             if block is None:
                 break
             hits.append(block)
@@ -621,7 +618,8 @@ class Scheduler:
     def _extend_hashes(self, request: Request, num_known_tokens: int) -> None:
         while (len(request.block_hashes) + 1) * self.block_size <= num_known_tokens:
             index = len(request.block_hashes)
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else root_digest(
+                request.sampling_params.cache_salt)
             request.block_hashes.append(hash_block_tokens(parent, self._block_tokens(request, index)))
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -635,7 +633,8 @@ class Scheduler:
         for index in range(request.num_registered_blocks, num_full):
             self.device_blocks.register(request.block_table[index], request.block_hashes[index],
                                         self._block_tokens(request, index),
-                                        parent_block=request.block_table[index - 1] if index else None)
+                                        parent_block=request.block_table[index - 1] if index else None,
+                                        cache_salt=request.sampling_params.cache_salt)
         request.num_registered_blocks = num_full
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -674,15 +673,50 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         _insort(self.running, request)
 
+    def reset_after_failure(self, *, recompute: bool) -> list[Request]:
+        """Forgets every block after a step failed (the device caches' contents are lost
+        or unknown: a failed program may have half-written blocks, some of them already
+        offered to the prefix cache at dispatch). The unfinished requests that held
+        blocks or had computed tokens are aborted, or with ``recompute`` queued again to
+        recompute their tokens so far (as after a preemption); returns them."""
+        affected = [r for r in self.requests.values()
+                    if not r.is_finished and (r.block_table or r.host_block_table or r.num_computed_tokens)]
+        for request in affected:
+            request.block_table, request.host_block_table = [], []
+            request.num_computed_tokens = request.num_registered_blocks = 0
+            if not recompute:
+                self._finish(request, FinishReason.ABORTED)
+            elif request.status != RequestStatus.WAITING:
+                for queue in (self.running, self.swapped):
+                    if request in queue:
+                        queue.remove(request)
+                request.status = RequestStatus.WAITING
+                _insort(self.waiting, request)
+        self._new_block_pools(self.device_blocks.num_blocks, self.host_blocks.num_blocks)
+        return affected
+
+    def _new_block_pools(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        """Empty device and host block pools (the device's with the prefix cache, if on)."""
+        self.device_blocks = BlockAllocator(num_device_blocks, self.block_size, name="device",
+                                            enable_prefix_caching=self.config.enable_prefix_caching)
+        self.host_blocks = BlockAllocator(num_host_blocks, self.block_size, name="host", enable_prefix_caching=False)
+
 
 def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
     """Checks a prompt of token ids and returns it as a list of Python ints.
 
-    Raises TypeError for something that is not a sequence of ints (a str, floats) and
-    ValueError for an empty prompt or ids outside ``[0, vocab_size)``.
+    A prompt is a sequence of ints or a one-dimensional integer array (NumPy's, JAX's or
+    anything else with ``__array__``). Raises TypeError for anything else (a str,
+    floats, a 2-D array) and ValueError for an empty prompt or ids outside
+    ``[0, vocab_size)``.
     """
     if isinstance(prompt_token_ids, (str, bytes)):
         raise TypeError("prompt_token_ids must be a sequence of token ids, got a string; tokenize it first.")
+    if hasattr(prompt_token_ids, "__array__") and not isinstance(prompt_token_ids, (list, tuple)):
+        array = np.asarray(prompt_token_ids)
+        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+            raise TypeError(f"prompt_token_ids must be a 1-D integer array, got {array.ndim}-D {array.dtype}.")
+        prompt_token_ids = array.tolist()
     try:
         tokens = list(prompt_token_ids)
     except TypeError as e:
