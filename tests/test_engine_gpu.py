@@ -135,8 +135,7 @@ def test_a_second_engine_loads_its_compiled_kernels_from_the_program_store(model
     from jax_paged_attn.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
-    # Pages of 32: programs no earlier test of this module ran (an executable JAX already
-    # ran may not serialize: see the program store's warning).
+    # Pages of 32: programs no earlier test of this module ran.
     config = dataclasses.replace(BASE, block_size=32, num_blocks=32, num_host_blocks=32)
     prompts = _prompts(4, [7, 40, 19])
     with jax.default_matmul_precision("highest"):

@@ -1475,28 +1475,62 @@ class WarmupReport:
 
 def _program_store_dir(config: EngineConfig) -> str | None:
     """Where the engine keeps its compiled programs (`program_store`): beside JAX's
-    persistent compilation cache, in its directory, and off when that cache is off."""
+    persistent compilation cache, in its directory, and off when that cache is off
+    (`_use_compilation_cache` leaves it off in an untrusted directory). The runner checks
+    the directory itself again (`program_store.make_private_directory`)."""
+    from jax_paged_attn.engine import program_store
+
     if not config.compilation_cache or not jax.config.jax_enable_compilation_cache:
         return None
     directory = jax.config.jax_compilation_cache_dir
-    return os.path.join(directory, "jax_paged_attn_programs") if directory else None
+    if not directory or program_store.untrusted_directory_reason(directory):
+        return None
+    return os.path.join(directory, "jax_paged_attn_programs")
+
+
+_CACHE_DIR_SET_BY_ENGINE: list[str] = []
+"""The directory an engine pointed JAX's process-wide persistent cache at, if any."""
 
 
 def _use_compilation_cache(config: EngineConfig) -> str:
     """Points JAX's persistent compilation cache at ``config``'s directory unless the
-    process chose one; returns the line saying what holds."""
+    process chose one; returns the line saying what holds.
+
+    The cache and the program store load native code from the directory, so a directory
+    others can write (`program_store.untrusted_directory_reason`) is not used: the
+    engine runs without both and says so. JAX's cache is one per process: an engine
+    whose ``compilation_cache_dir`` differs from the directory in use raises."""
+    from jax_paged_attn.engine import program_store
+
     current = jax.config.jax_compilation_cache_dir
     if not config.compilation_cache:
         return f"compilation cache: off (EngineConfig.compilation_cache=False){'' if not current else f'; JAX caches in {current}'}"
     if not jax.config.jax_enable_compilation_cache:
         return "compilation cache: off (the process set jax_enable_compilation_cache=False)"
+    requested = None if config.compilation_cache_dir is None else os.path.expanduser(config.compilation_cache_dir)
+    if current and requested and os.path.realpath(requested) != os.path.realpath(current):
+        raise ValueError(
+            f"EngineConfig.compilation_cache_dir={config.compilation_cache_dir!r}, but JAX's persistent compilation "
+            f"cache (one per process) already uses {current!r}; pass that directory or None.")
     if current:
-        return f"compilation cache: {current} (set by the process)"
-    directory = config.compilation_cache_dir
+        reason = program_store.untrusted_directory_reason(current)
+        owner = "an engine" if current in _CACHE_DIR_SET_BY_ENGINE else "the process"
+        if reason:
+            return (f"compilation cache: {current} (set by {owner}); program store off: the directory is not safe "
+                    f"({reason})")
+        return f"compilation cache: {current} (set by {owner})"
+    directory = requested
     if directory is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "jax_paged_attn", "xla")
+    reason = program_store.make_private_directory(directory)
+    if reason:
+        # JAX's cache would load executables from there as the store would: both off.
+        return (f"compilation cache: off, program store off ({reason}; a directory others can write would choose "
+                f"the code this process runs: make it yours with mode 700, or set "
+                f"EngineConfig.compilation_cache_dir)")
     jax.config.update("jax_compilation_cache_dir", directory)
+    _CACHE_DIR_SET_BY_ENGINE.append(directory)
     # Every program, not only those over JAX's default second of compile time: a warm
     # start should trace and load, never compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -215,6 +215,11 @@ def whole_vocabulary(model: Any, logits: Array) -> Array:
     return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
+DONATE_ARGNUMS = dict(insert=(0,), step=(1,), window=(1, 2), mixed=(1, 2))
+"""Each program's donated arguments (the decode state, the KV caches): the program
+store's loaded programs, which are never traced, take them from here."""
+
+
 class _Programs:
     """The jitted programs of one model structure (shared by engines, so by their
     compiled programs), and how often each was traced (= compiled)."""
@@ -337,18 +342,22 @@ class _Programs:
             state = insert(state, join_index, joined)
             return tokens, logprobs, out[None], rows_lp, state, list(new_caches)
 
-        self.insert = jax.jit(insert, donate_argnums=(0,))
-        self.step = jax.jit(step, donate_argnums=(1,), static_argnames=("greedy", "num_logprobs"), compiler_options=options)
-        self.window = jax.jit(window, donate_argnums=(1, 2),
+        self.insert = jax.jit(insert, donate_argnums=DONATE_ARGNUMS["insert"])
+        self.step = jax.jit(step, donate_argnums=DONATE_ARGNUMS["step"], static_argnames=("greedy", "num_logprobs"), compiler_options=options)
+        self.window = jax.jit(window, donate_argnums=DONATE_ARGNUMS["window"],
                               static_argnames=("num_steps", "greedy", "block_size", "max_model_len", "num_logprobs"),
                               compiler_options=options)
-        self.mixed = jax.jit(mixed, donate_argnums=(1, 2),
+        self.mixed = jax.jit(mixed, donate_argnums=DONATE_ARGNUMS["mixed"],
                              static_argnames=("greedy", "block_size", "max_model_len", "num_logprobs"),
                              compiler_options=options)
 
     def _count_trace(self) -> None:  # runs only while tracing: one per compiled program
         with self._lock:
             self.num_traces += 1
+
+
+# The programs' argument and result trees hold these: the store's files carry the trees.
+store_lib.register_pytree_serialization(DecodeState, FlashAttentionMetadata, TokenLogprobs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -387,14 +396,20 @@ class ModelRunner:
         self.program_store_line = "program store: off"
         if program_store_dir is not None:
             key, reason = store_lib.model_key(graphdef, model, self.params, options)
+            untrusted = None if reason else store_lib.make_private_directory(program_store_dir)
             if reason:
                 self.program_store_line = f"program store: off ({reason}: its programs cannot be keyed by source)"
+            elif untrusted:
+                self.program_store_line = (f"program store: off ({untrusted}: whoever can write there would choose "
+                                           f"the programs this process runs)")
             else:
                 store = self.program_store = store_lib.ProgramStore(program_store_dir, key)
                 self._step, self._window, self._mixed = (
-                    store_lib.StoredProgram(getattr(programs, name), name, store, params_first=True)
+                    store_lib.StoredProgram(getattr(programs, name), name, store, params_first=True,
+                                            donate_argnums=DONATE_ARGNUMS[name], compiler_options=dict(options))
                     for name in ("step", "window", "mixed"))
-                self._insert = store_lib.StoredProgram(programs.insert, "insert", store, params_first=False)
+                self._insert = store_lib.StoredProgram(programs.insert, "insert", store, params_first=False,
+                                                       donate_argnums=DONATE_ARGNUMS["insert"])
                 self.program_store_line = (f"program store: {program_store_dir} (compiled programs by source, "
                                            f"model, JAX and device; a second start loads them without tracing)")
 

@@ -1,13 +1,34 @@
 """Compiled engine programs kept on disk, so that a second start loads them instead of
-tracing, lowering and compiling them again.
+tracing the model again.
 
 JAX's persistent compilation cache keys a program by its lowered module, so a warm
-start still traces and lowers every program (about 1.5 s each for a 16-layer model's
-decode window on a 2-core CPU host) before the cache can answer. The store keys a program by
-what determines it instead: the package's source, the source files of the model's
-classes, JAX's version and configuration, the devices, the XLA options, the parameters'
-shapes and the call's static arguments and shapes; the executable comes back from
-`jax.experimental.serialize_executable` with its donations and pytrees.
+start with that cache alone still traces and lowers every program (about 1.5 s each for a
+16-layer model's decode window on a 2-core CPU host) before the cache can answer. The
+store keeps each program as a `jax.export` artifact (StableHLO in a flatbuffer: data,
+never code or a pickle) and, at the next start, reads it back, wraps it in a ``jax.jit``
+with the program's donations and compiles that wrapper, whose executable comes from
+JAX's persistent cache: a start with both traces no model and compiles nothing. The cold
+path compiles the same wrapper (export, read back, wrap, compile), so that the cache
+holds exactly what the warm path asks for.
+
+Where: a directory beside JAX's persistent cache (the engine's ``compilation_cache_dir``),
+used only when it is trusted (`untrusted_directory_reason`: owned by this user, not
+writable by group or others, nor any ancestor unless sticky): whoever can write there
+chooses the code this process runs, through JAX's cache if not through the store.
+
+What is keyed, and stored inside each file (a JSON header before the payload, compared
+line by line on load; the file name is only a hash of it): the package's source, the
+source files of the model's classes, the model's structure, its parameters' shapes,
+dtypes and shardings, the XLA options, JAX's and jaxlib's versions and configuration,
+XLA_FLAGS, the backend and devices, the program's name, its call signature and static
+arguments, and its donated arguments. The header also carries the payload's length and
+SHA-256 (a torn or truncated file).
+
+On a mismatch, a stale, torn or foreign file, or a program that fails to load or is
+refused at its first call before it ran: the program is traced and compiled again and
+the file replaced, said once in the log (a warning naming the file and why). Files are
+written to a temporary file in the same directory and renamed over the old one, so
+processes sharing the directory see a whole file or none.
 
 Not in the key: anything else a program reads while it is traced (a function of the
 package replaced at run time, for example). Turn the store off
@@ -16,23 +37,35 @@ package replaced at run time, for example). Turn the store off
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
-import pickle
 import re
+import stat
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
-STORE_FORMAT = 2
-"""Bumped when the files' layout changes; part of every key. 2: the executable's device
-ids are stored with it."""
+STORE_FORMAT = 3
+"""Bumped when the files' layout changes; part of every key. 3: `jax.export` artifacts
+behind a JSON header holding the whole key (2 and before: pickled executables)."""
+
+FILE_MAGIC = b"jax_paged_attn program store\n"
+"""First bytes of every file the store writes; anything else is not read further."""
+
+FILE_SUFFIX = ".jaxprog"
+
+# The engine's programs may hold Pallas Triton kernels: XLA does not promise to read a
+# Triton custom call of another version, and the key pins JAX, jaxlib and the devices,
+# so export's stability check has nothing to add for them. (Mosaic GPU's target,
+# ``mosaic_gpu_v2``, is on export's stable list.)
+_DISABLED_EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),)
 
 _UNKEYED_CONFIG_PREFIXES = (
     "jax_compilation_cache", "jax_enable_compilation_cache", "jax_persistent_cache", "jax_raise_persistent_cache",
@@ -132,93 +165,295 @@ def signature_text(signature: tuple) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x?", text)  # object addresses differ between processes
 
 
+def untrusted_directory_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` (a directory, existing or not) cannot be trusted with programs this
+    process will run, or None where it can: as ssh and pip judge theirs, the directory
+    must be owned by this user and not writable by group or others, and each ancestor
+    owned by this user or root and not writable by group or others unless sticky
+    (``/tmp``); a missing directory is judged by its nearest existing ancestor."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - POSIX only
+        return "file ownership cannot be checked on this platform"
+    uid = os.getuid()
+    current = pathlib.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    is_target = True
+    while True:
+        try:
+            info = os.stat(current)  # follows links: the directory the files land in
+        except FileNotFoundError:
+            if current.parent == current:
+                return f"{current} does not exist"
+            current, is_target = current.parent, False
+            continue
+        except OSError as error:
+            return f"{current} cannot be examined ({error})"
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{current} is not a directory"
+        writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if is_target:
+            if info.st_uid != uid:
+                return f"{current} is owned by uid {info.st_uid}, not by this user (uid {uid})"
+            if writable_by_others:
+                return f"{current} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+        else:
+            if info.st_uid not in (uid, 0):
+                return f"its ancestor {current} is owned by uid {info.st_uid}, neither this user nor root"
+            if writable_by_others and not info.st_mode & stat.S_ISVTX:
+                return (f"its ancestor {current} is writable by group or others and not sticky "
+                        f"(mode {stat.S_IMODE(info.st_mode):o})")
+        if current.parent == current:
+            return None
+        current, is_target = current.parent, False
+
+
+def make_private_directory(path: str | os.PathLike) -> str | None:
+    """Creates ``path`` and its missing ancestors with mode 0o700 and returns
+    `untrusted_directory_reason` of it (None: trusted). An existing directory is left as
+    it is: a loose one is refused, not repaired behind the user's back."""
+    path = pathlib.Path(os.path.expanduser(os.fspath(path)))
+    reason = untrusted_directory_reason(path)
+    if reason is not None and path.exists():
+        return reason
+    missing = []
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first: judged below
+            pass
+        except OSError as error:
+            return f"{directory} cannot be created ({error})"
+    return untrusted_directory_reason(path)
+
+
+def _encode_aux(value: Any) -> Any:
+    """JSON of a pytree node's static data, tuples tagged (JSON has only lists, and a
+    tree with a list where the program had a tuple is another tree)."""
+    if isinstance(value, tuple):
+        return {"tuple": [_encode_aux(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode_aux(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"pytree static data {value!r} ({type(value).__name__}) has no JSON form")
+
+
+def _decode_aux(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(_decode_aux(v) for v in value["tuple"])
+    if isinstance(value, list):
+        return [_decode_aux(v) for v in value]
+    return value
+
+
+def register_pytree_serialization(*node_types: type) -> None:
+    """Lets `jax.export` write and read pytree nodes of ``node_types`` (registered with
+    ``jax.tree_util``; static data of JSON types: ints, floats, strings, None, tuples and
+    lists of them), so that a stored program's argument and result trees come back as
+    the engine's own types. Registering a type twice is a no-op."""
+    from jax._src.export import _export as export_internals  # the registry export consults
+
+    for node_type in node_types:
+        if node_type in export_internals.serialization_registry:
+            continue
+        jax.export.register_pytree_node_serialization(
+            node_type, serialized_name=f"{node_type.__module__}.{node_type.__qualname__}",
+            serialize_auxdata=lambda aux: json.dumps(_encode_aux(aux)).encode(),
+            deserialize_auxdata=lambda data: _decode_aux(json.loads(data)))
+
+
+def _compile_exported(exported: jax.export.Exported, donated: Sequence[int], leaves: Sequence[Any],
+                      compiler_options: Mapping[str, Any] | None) -> Any:
+    """The `jax.stages.Compiled` of ``exported`` called on the flat argument ``leaves``,
+    donating the leaves at ``donated``, compiled with ``compiler_options`` (export keeps
+    the program, not its jit's XLA options). The wrapper is the same function in every process
+    and on both paths, so its lowered module (and JAX's persistent cache key) is too."""
+    in_tree = exported.in_tree
+
+    def stored_program(*flat: Any) -> Any:
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+        return exported.call(*args, **kwargs)
+
+    wrapper = jax.jit(stored_program, donate_argnums=tuple(donated))
+    return wrapper.trace(*leaves).lower().compile(compiler_options=dict(compiler_options or {}) or None)
+
+
+def _donated_leaves(args: tuple, donate_argnums: Sequence[int]) -> list[int]:
+    """Indices, among the leaves of ``(args, {})``, of the leaves of the donated arguments."""
+    donated, start = [], 0
+    for i, arg in enumerate(args):
+        count = len(jax.tree_util.tree_leaves(arg))
+        if i in donate_argnums:
+            donated.extend(range(start, start + count))
+        start += count
+    return donated
+
+
+def _mismatch(exported: jax.export.Exported, in_tree: Any, leaves: Sequence[Any]) -> str | None:
+    """How the call (``in_tree``, ``leaves``) differs from what ``exported`` takes, or
+    None: checked before a loaded program first runs, so that a program of another
+    signature is refused while its donated arguments are still alive."""
+    if exported.in_tree != in_tree:
+        return f"its arguments' tree {exported.in_tree} is not the call's {in_tree}"
+    for i, (aval, leaf) in enumerate(zip(exported.in_avals, leaves)):
+        dtype = getattr(leaf, "dtype", None)  # a Python scalar takes the program's type
+        if tuple(aval.shape) != tuple(np.shape(leaf)) or (
+                dtype is not None and aval.dtype != _canonical_dtype(dtype)):
+            return f"argument leaf {i} is {aval.str_short()} in the file, {dtype}{list(np.shape(leaf))} here"
+    return None
+
+
+def _canonical_dtype(dtype: Any) -> np.dtype:
+    """The dtype jit gives an argument of ``dtype`` (64-bit types narrowed without x64)."""
+    canonicalize = getattr(jax.dtypes, "canonicalize_dtype", None)
+    return np.dtype(dtype) if canonicalize is None else canonicalize(dtype)
+
+
+class StoredFileError(Exception):
+    """A store file that is not the program asked for (the message says why)."""
+
+
 class ProgramStore:
-    """A directory of serialized executables of one model's programs.
+    """A directory of `jax.export` artifacts of one model's programs (see the module
+    docstring for what it trusts and keys).
 
     Args:
-      directory: where the files live (created if missing).
-      program_key: what decides the programs besides each call (`environment_key`, the
-        package and model source digests, the parameters' shapes, the XLA options).
+      directory: where the files live (created with mode 0o700 if missing; the caller
+        checks it is trusted: `make_private_directory`).
+      program_key: what decides the programs besides each call (`model_key`: the
+        environment, the package and model source digests, the parameters' shapes, the
+        XLA options).
     """
 
     def __init__(self, directory: str | os.PathLike, program_key: list[str]) -> None:
         self.directory = pathlib.Path(directory)
-        self._base = hashlib.sha256("\n".join(program_key).encode()).hexdigest()
+        self.program_key = list(program_key)
+        self._base = hashlib.sha256("\n".join(self.program_key).encode()).hexdigest()
         self.num_loaded = 0  # programs read from the directory
         self.num_stored = 0  # programs compiled and written to it
-        self.num_unserializable = 0  # programs compiled that the backend could not serialize
+        self.num_unserializable = 0  # programs export refused: compiled by their plain jit, not stored
 
     def _path(self, name: str, signature: tuple) -> pathlib.Path:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature_text(signature)}".encode()).hexdigest()
-        return self.directory / f"{name}-{key[:40]}.jaxexe"
+        return self.directory / f"{name}-{key[:40]}{FILE_SUFFIX}"
 
-    def load_or_compile(self, name: str, jitted: Any, args: tuple, static: dict[str, Any], signature: tuple) -> Any:
-        """The `jax.stages.Compiled` of ``jitted(*args, **static)``: read from the store,
-        or traced, compiled and written to it. A file that cannot be read (another JAX
-        build, a torn write) is compiled anew and replaced, said in the log."""
-        from jax.experimental import serialize_executable
+    def file_key(self, name: str, signature: tuple, donated: Sequence[int]) -> list[str]:
+        """The key lines a file of program ``name`` at ``signature`` must hold."""
+        return [*self.program_key, f"program {name}", f"call {signature_text(signature)}", f"donated {list(donated)}"]
 
+    def load_or_compile(self, name: str, jitted: Any, args: tuple, static: dict[str, Any], signature: tuple, *,
+                        donate_argnums: Sequence[int] = (), compiler_options: Mapping[str, Any] | None = None
+                        ) -> Callable[..., Any]:
+        """A function of ``args`` that runs ``jitted(*args, **static)``'s program, read
+        from the store, or traced, exported, compiled and written to it.
+        ``donate_argnums`` and ``compiler_options`` are ``jitted``'s (export keeps
+        neither; a loaded program gets them back from here, untraced). A file that is not
+        this program (another key, a torn write, a foreign file) or that fails to load is
+        compiled anew and replaced, said once in the log."""
+        leaves, in_tree = jax.tree_util.tree_flatten((args, {}))
+        donated = _donated_leaves(args, donate_argnums)
         path = self._path(name, signature)
+        key = self.file_key(name, signature, donated)
         if path.exists():
             try:
-                payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
-                compiled = serialize_executable.deserialize_and_load(
-                    payload, in_tree, out_tree, execution_devices=_devices_by_id(device_ids))
+                exported = jax.export.deserialize(bytearray(self._read(path, key)))
+                reason = _mismatch(exported, in_tree, leaves)
+                if reason:
+                    raise StoredFileError(f"it does not fit the call: {reason}")
+                compiled = _compile_exported(exported, donated, leaves, compiler_options)
                 self.num_loaded += 1
-                return compiled
-            except Exception as error:  # noqa: BLE001 - any unreadable file is recompiled
-                logger.warning("program store: %s could not be loaded (%s: %s); compiling it again",
-                               path.name, type(error).__name__, error)
-        compiled = jitted.trace(*args, **static).lower().compile()
+                return _FlatCall(compiled)
+            except Exception as error:  # noqa: BLE001 - any file that is not this program is recompiled
+                logger.warning("program store: %s not used (%s: %s); compiling the program again",
+                               path, type(error).__name__, error)
+        traced = jitted.trace(*args, **static)  # jit keeps it: export below does not trace again
+        traced_donated = [i for i, info in enumerate(jax.tree_util.tree_leaves(traced.args_info)) if info.donated]
+        if traced_donated != donated:
+            raise ValueError(f"donate_argnums={tuple(donate_argnums)} of the stored program {name!r} are not its jit's "
+                             f"(donated leaves {traced_donated}, not {donated})")
         try:
-            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        except Exception as error:  # noqa: BLE001 - the program runs; only the next start pays
-            # XLA:CPU cannot serialize an executable with a sort once it has run, and
-            # JAX hands back the executable its jit already compiled and ran in this
-            # process (an engine without the store ran the same program): such a program
-            # is compiled (or read from JAX's cache) at the next start.
+            data = jax.export.export(jitted, disabled_checks=_DISABLED_EXPORT_CHECKS)(*args, **static).serialize()
+            # What the warm path compiles, so that JAX's persistent cache holds it.
+            compiled = _compile_exported(jax.export.deserialize(data), donated, leaves, compiler_options)
+        except Exception as error:  # noqa: BLE001 - the program still runs; only the next start pays
             self.num_unserializable += 1
-            logger.warning("program store: %s cannot be serialized on this backend (%s: %s); it is compiled again at "
-                           "the next start", path.name, type(error).__name__, error)
-            return compiled
+            logger.warning("program store: %s cannot be exported (%s: %s); it is compiled without the store, "
+                           "and again at the next start", path.name, type(error).__name__, error)
+            return traced.lower().compile()
+        self._write(path, key, bytes(data))
+        return _FlatCall(compiled)
+
+    @staticmethod
+    def _read(path: pathlib.Path, key: list[str]) -> bytes:
+        """The payload of ``path`` once its header matches ``key`` and its length and
+        SHA-256 match the header; raises `StoredFileError` saying why not. Nothing of the
+        file is interpreted before the magic bytes and the JSON header check out."""
+        data = path.read_bytes()
+        if not data.startswith(FILE_MAGIC):
+            raise StoredFileError("not a program store file (no magic bytes)")
+        end = data.find(b"\n", len(FILE_MAGIC))
+        if end < 0:
+            raise StoredFileError("torn file: the header is incomplete")
         try:
-            data = pickle.dumps((payload, in_tree, out_tree, _execution_device_ids(compiled)))
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, suffix=".tmp") as f:
-                f.write(data)
+            header = json.loads(data[len(FILE_MAGIC):end])
+            file_format, file_key = header["format"], header["key"]
+            length, digest = header["payload_bytes"], header["payload_sha256"]
+        except (ValueError, TypeError, KeyError) as error:
+            raise StoredFileError(f"unreadable header ({error})") from None
+        if file_format != STORE_FORMAT:
+            raise StoredFileError(f"store format {file_format!r}, this package reads {STORE_FORMAT}")
+        if file_key != key:
+            differing = next((theirs, ours) for theirs, ours in zip([*file_key, ""], [*key, ""]) if theirs != ours)
+            label = (differing[1] or differing[0]).split(" ", 1)[0]
+            raise StoredFileError(f"it holds another program: its key differs at {label!r}")
+        payload = data[end + 1:]
+        if len(payload) != length or hashlib.sha256(payload).hexdigest() != digest:
+            raise StoredFileError(f"torn file: {len(payload)} payload bytes of {length}, or their SHA-256 differs")
+        return payload
+
+    def _write(self, path: pathlib.Path, key: list[str], payload: bytes) -> None:
+        header = dict(format=STORE_FORMAT, key=key, payload_bytes=len(payload),
+                      payload_sha256=hashlib.sha256(payload).hexdigest())
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, prefix=".", suffix=".tmp") as f:
+                f.write(FILE_MAGIC + json.dumps(header).encode() + b"\n" + payload)
             os.replace(f.name, path)  # readers see the whole file or none
             self.num_stored += 1
         except OSError as error:  # the program runs; only the next start pays
-            logger.warning("program store: %s not written (%s)", path.name, error)
-        return compiled
+            logger.warning("program store: %s not written (%s)", path, error)
 
 
-def _execution_device_ids(compiled: Any) -> list[int] | None:
-    """Ids of the devices ``compiled`` runs on, in its device assignment's order (None
-    where the runtime does not say)."""
-    executable = compiled.runtime_executable()
-    devices = executable.local_devices() if hasattr(executable, "local_devices") else None
-    return None if devices is None else [device.id for device in devices]
+class _FlatCall:
+    """Calls a compiled flat-leaf wrapper (`_compile_exported`) with the program's
+    argument tree."""
 
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
 
-def _devices_by_id(device_ids: list[int] | None) -> list[Any] | None:
-    """The devices of ``device_ids`` (a KeyError names a missing one: the program is
-    compiled again). Without ids the loader takes every device of the backend, which
-    fails a one-device program on a host of several at its first call."""
-    if device_ids is None:
-        return None
-    devices = {device.id: device for device in jax.devices()}
-    return [devices[i] for i in device_ids]
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*jax.tree_util.tree_leaves((args, {})))
 
 
 class StoredProgram:
-    """Calls ``jitted`` through a `ProgramStore`: one executable per call signature,
+    """Calls ``jitted`` through a `ProgramStore`: one program per call signature,
     loaded or compiled on its first call (`call_signature`). With ``params_first`` the
     first argument is the runner's parameters, whose shapes are in the store's key, and
-    is left out of the per-call signature (hundreds of leaves, the same at every call)."""
+    is left out of the per-call signature (hundreds of leaves, the same at every call).
+    ``donate_argnums`` and ``compiler_options``: ``jitted``'s (checked against its trace
+    when a program is compiled), given to the loaded programs, which are not traced.
 
-    def __init__(self, jitted: Any, name: str, store: ProgramStore, *, params_first: bool) -> None:
+    A stored program refused at a call before it ran (its donated arguments still alive)
+    is replaced by ``jitted`` for that signature, said once; one that failed after
+    consuming its donations raises."""
+
+    def __init__(self, jitted: Any, name: str, store: ProgramStore, *, params_first: bool,
+                 donate_argnums: Sequence[int] = (), compiler_options: Mapping[str, Any] | None = None) -> None:
         self.jitted = jitted
+        self.donate_argnums = tuple(donate_argnums)
+        self.compiler_options = compiler_options
         self.name = name
         self.store = store
         self._skip = 1 if params_first else 0
@@ -228,6 +463,18 @@ class StoredProgram:
         signature = call_signature(args[self._skip:], static)
         compiled = self._compiled.get(signature)
         if compiled is None:
-            compiled = self.store.load_or_compile(self.name, self.jitted, args, static, signature)
+            compiled = self.store.load_or_compile(self.name, self.jitted, args, static, signature,
+                                                  donate_argnums=self.donate_argnums,
+                                                  compiler_options=self.compiler_options)
             self._compiled[signature] = compiled
-        return compiled(*args)
+        if not isinstance(compiled, _FlatCall):
+            return compiled(*args)
+        try:
+            return compiled(*args)
+        except Exception as error:
+            if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree_util.tree_leaves(args)):
+                raise  # it ran (and took its donations): nothing to retry with
+            logger.warning("program store: the stored %s program refused its call (%s: %s); using the traced "
+                           "program instead", self.name, type(error).__name__, error)
+            compiled = self._compiled[signature] = self.jitted.trace(*args, **static).lower().compile()
+            return compiled(*args)
