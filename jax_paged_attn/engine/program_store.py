@@ -140,9 +140,20 @@ def environment_key() -> list[str]:
     devices = jax.devices()
     config = sorted((k, v) for k, v in jax.config.values.items() if not k.startswith(_UNKEYED_CONFIG_PREFIXES))
     return [f"format {STORE_FORMAT}", f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+            f"plugins {_plugin_versions()}",
             f"backend {jax.default_backend()} {getattr(devices[0].client, 'platform_version', '')}",
             f"devices {len(devices)} x {devices[0].device_kind}", f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
             f"config {config!r}"]
+
+
+def _plugin_versions() -> str:
+    """The installed JAX PJRT plugins and their versions (``jax-cuda13-plugin`` and the
+    like): a plugin upgrade changes the compiler without changing jax or jaxlib."""
+    from importlib import metadata
+
+    plugins = sorted((dist.metadata["Name"] or "", dist.version) for dist in metadata.distributions()
+                     if (dist.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm", "jax-tpu")))
+    return ", ".join(f"{name} {version}" for name, version in plugins) or "none"
 
 
 def call_signature(args: tuple, static: dict[str, Any]) -> tuple:
