@@ -97,6 +97,35 @@ def test_greedy_matches_dense_when_preemption_recomputes(model, swap_expected):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("decode_during_prefill", [True, False])
+def test_recomputed_request_whose_blocks_stay_cached_refills_as_a_prompt_chunk(model, decode_during_prefill):
+    """Issue #49 item 4. Two 16-token prompts in a 5-block cache each need a third block at
+    their 33rd token; the younger is preempted by recomputation while its two full blocks
+    stay in the prefix cache. Readmitted, the hit covers all its tokens but the last: that
+    one token is the rest of its prefill, so it runs in the prompt section (a decode there
+    broke the mixed step: "concatenate_sections takes a prefill-only and a decode-only
+    batch"), and the tokens are the dense ones."""
+    prompts = random_prompts(7, [16, 16])
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_blocks=5, num_host_blocks=0,
+                                                  decode_during_prefill=decode_during_prefill))
+    prompt_steps = []
+    schedule_prefills = engine.scheduler.schedule_prefills
+
+    def recording_prompt_steps():
+        out = schedule_prefills()
+        prompt_steps.append([(item.request.request_id, item.start, item.num_new_tokens, item.is_prefill)
+                             for item in out.scheduled])
+        return out
+
+    engine.scheduler.schedule_prefills = recording_prompt_steps
+    outs = run_with_arrivals(engine, prompts, greedy(20), arrivals=[0, 0])
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+    assert engine.stats.num_recomputed_requests == 1 and outs[1].num_cached_tokens == 32
+    assert ("req1", 32, 1, True) in [item for step in prompt_steps for item in step]
+    assert all(is_prefill for step in prompt_steps for *_, is_prefill in step)
+    assert_all_blocks_free(engine)
+
+
 def test_prefix_sharing_and_copy_on_write_match_dense(model):
     (shared,) = random_prompts(2, [32])  # exactly two blocks
     prompts = [shared, shared + [5, 6, 7], shared[:20] + [1, 2], shared]

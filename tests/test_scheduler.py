@@ -217,6 +217,23 @@ def test_recompute_when_host_swap_space_is_full_keeps_tokens():
         assert s.requests[f"r{i}"].output_token_ids == expected_output(p, 12)
 
 
+def test_recompute_readmitted_through_a_prefix_hit_of_all_but_its_last_token_is_a_prefill():
+    """Issue #49 item 4. "b" is preempted by recomputation at its 9th token (its two full
+    blocks stay cached) and, readmitted, finds all its tokens but the last in the prefix
+    cache. That token finishes its prefill: a prompt-only step holds it as a prefill chunk."""
+    s = make_scheduler(num_blocks=5, num_host_blocks=0, block_size=4, decode_during_prefill=False)
+    cache = SimulatedCache(s, 0)
+    s.add_request("a", [1, 2, 3, 4], greedy(6), seed=0)
+    s.add_request("b", [5, 6, 7, 8], greedy(6), seed=0)
+    steps = drain(s, cache)
+    assert s.num_recomputed_requests == 1
+    readmission = [item for out, _ in steps for item in out.scheduled
+                   if item.request.request_id == "b" and item.start == 8 and item.num_new_tokens == 1]
+    assert len(readmission) == 1 and readmission[0].is_prefill
+    assert all(out.num_prefills in (0, len(out.scheduled)) for out, _ in steps)
+    assert s.requests["b"].output_token_ids == expected_output([5, 6, 7, 8], 6)
+
+
 def test_waiting_requests_do_not_overtake_swapped_ones():
     s = make_scheduler(num_blocks=4, num_host_blocks=16, block_size=4, enable_prefix_caching=False)
     cache = SimulatedCache(s, 16)

@@ -77,6 +77,9 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Tokens it held when last preempted by recomputation (0: never was): its prefill
+    # runs through all of them, as vLLM recomputes prompt + output as one prompt.
+    num_recomputed_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # set by a stop the host decides (`LLMEngine.stop_request`)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
@@ -112,8 +115,11 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """True while more than the last sampled token is pending (prompt, or a recompute)."""
-        return self.num_computed_tokens < self.num_prompt_tokens or self.num_tokens - self.num_computed_tokens > 1
+        """True until the request's prefill has run: its prompt, or after a preemption by
+        recomputation every token it held then. A prefix-cache hit on readmission may
+        leave just the last of those to feed; that one token is still a prefill chunk
+        (a prompt-only step may hold it), not a decode of a token sampled before."""
+        return self.num_computed_tokens < max(self.num_prompt_tokens, self.num_recomputed_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,6 +659,7 @@ class Scheduler:
             _insort(self.swapped, request)
         else:
             # No host room: drop the K/V, keep every token; its next prefill recomputes them.
+            request.num_recomputed_tokens = request.num_tokens
             request.num_computed_tokens = 0
             request.num_registered_blocks = 0
             request.status = RequestStatus.WAITING
