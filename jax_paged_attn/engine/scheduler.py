@@ -420,7 +420,8 @@ class Scheduler:
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             if hits:
-                request.num_cached_prompt_tokens = start
+                if not request.num_preemptions:  # vLLM's count: the first admission's hit, of prompt tokens only
+                    request.num_cached_prompt_tokens = start
                 request.num_registered_blocks = len(hits)
                 self.num_prefix_cache_hit_tokens += start
             _insort(self.running, request)
