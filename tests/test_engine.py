@@ -623,9 +623,11 @@ def test_the_engine_keeps_the_process_choice_of_compilation_cache(tmp_path):
         assert line.startswith(f"compilation cache: {tmp_path} ")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path)
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
-        # a directory the process set is kept
-        assert engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere")) == (
+        # a directory the process set is kept; another named by a second engine is an error, not ignored
+        assert engine_module._use_compilation_cache(EngineConfig()) == (
             f"compilation cache: {tmp_path} (set by the process)")
+        with pytest.raises(ValueError, match="compilation_cache_dir='/elsewhere', but JAX's persistent compilation"):
+            engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere"))
         assert engine_module._use_compilation_cache(EngineConfig(compilation_cache=False)).startswith(
             "compilation cache: off (EngineConfig.compilation_cache=False)")
     finally:
