@@ -120,7 +120,9 @@ def test_recomputed_request_whose_blocks_stay_cached_refills_as_a_prompt_chunk(m
     engine.scheduler.schedule_prefills = recording_prompt_steps
     outs = run_with_arrivals(engine, prompts, greedy(20), arrivals=[0, 0])
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
-    assert engine.stats.num_recomputed_requests == 1 and outs[1].num_cached_tokens == 32
+    # Its readmission hit 32 tokens; num_cached_tokens is vLLM's count, its first admission's (prompt) hit.
+    assert engine.stats.num_recomputed_requests == 1 and engine.stats.num_prefix_cache_hit_tokens >= 32
+    assert outs[1].num_cached_tokens == 0
     assert ("req1", 32, 1, True) in [item for step in prompt_steps for item in step]
     assert all(is_prefill for step in prompt_steps for *_, is_prefill in step)
     assert_all_blocks_free(engine)
@@ -623,9 +625,9 @@ def test_the_engine_keeps_the_process_choice_of_compilation_cache(tmp_path):
         assert line.startswith(f"compilation cache: {tmp_path} ")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path)
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
-        # a directory the process set is kept; another named by a second engine is an error, not ignored
+        # the directory in use is kept; another named by a second engine is an error, not ignored
         assert engine_module._use_compilation_cache(EngineConfig()) == (
-            f"compilation cache: {tmp_path} (set by the process)")
+            f"compilation cache: {tmp_path} (set by an engine)")
         with pytest.raises(ValueError, match="compilation_cache_dir='/elsewhere', but JAX's persistent compilation"):
             engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere"))
         assert engine_module._use_compilation_cache(EngineConfig(compilation_cache=False)).startswith(
