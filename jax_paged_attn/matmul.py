@@ -8,7 +8,7 @@ layer calls. `linear_partials` keeps a split-K product's partials for a consumer
 sums them with its own work (`jax_paged_attn.norm.add_rms_norm`), and `gated_linear`
 computes a SwiGLU inside the gate/up product.
 
-Measured on an H200 (benchmarks/RESULTS.md, "Weight-streaming matmul" and "Fused
+Measured on an H200 (benchmarks/NOTES.md, "Weight-streaming matmul" and "Fused
 decoder layers"): inside the engine's compiled decode step the kernel ran each product
 in XLA's time, but with the work XLA does not fuse into its GEMMs folded in (the
 residual add and norm after a product, the SwiGLU) a step took 0.88 / 1.01 ms at batch

@@ -573,7 +573,7 @@ f32 accumulator, the masked blocks' second product tile and a 64 x block_k score
 D 64 only. Past it a config's 3 runs 2; so do queries of at most 128 positions (a third
 warpgroup would hold idle rows). An option, not the default: at B16 S1024 D64 it measured
 level with two (0.328 against 0.327 ms, 0.337 with 128-key blocks against two's 0.299;
-the H200, 2026-12-04, benchmarks/RESULTS.md)."""
+the H200, 2026-12-04, benchmarks/NOTES.md)."""
 
 MOSAIC_SECOND_PRODUCT_MAX_HEAD_SIZE = 128
 """Largest head size at which the Mosaic GPU prefill runs two compute warpgroups with the

@@ -11,7 +11,7 @@ each table.
 
 Tables are per GPU model. The measured entries (package data, `MEASURED_TABLES_FILE`)
 were chosen by measurement with `benchmarks/bench_attention.py --tune` (see
-benchmarks/RESULTS.md) and apply only on the GPU they were measured on (its
+benchmarks/NOTES.md) and apply only on the GPU they were measured on (its
 ``device_kind``, e.g. ``"NVIDIA H200"``). On a GPU without measured entries the kernels run
 the defaults below, starting points for the H200, which `TuningDevice`'s shared-memory
 limit then shrinks to fit (`jax_paged_attn.plans`); that is said once
@@ -218,7 +218,7 @@ class MosaicDecodeConfig:
     min_tiles_per_split: the KV split choice, as in `DecodeConfig`
     (`jax_paged_attn.plans.choose_num_splits`). Default: 4 pages of 16 keys per stage,
     2 stages, the fastest of a 9-config sweep on 3 of the 4 decode shapes of
-    benchmarks/RESULTS.md (H200, 2026-12-01: 0.31-0.38 ms where 4 stages took
+    benchmarks/NOTES.md (H200, 2026-12-01: 0.31-0.38 ms where 4 stages took
     0.40-0.47; a shallower ring leaves shared memory for more programs per SM, which
     hides more latency than a deeper ring does in one program).
 
@@ -241,7 +241,7 @@ class MosaicDecodeConfig:
     queries go to a second query tile), so short sequences pay the ring's fill and the
     program's launch once per program (measured, with the unpadded query rows: 4 a
     program 3-6 % faster than 1 at three shapes, 6 % slower at B256 ctx1024; one wave
-    3-5 % faster than the simple form on all four, benchmarks/RESULTS.md 2026-12-03).
+    3-5 % faster than the simple form on all four, benchmarks/NOTES.md 2026-12-03).
     0: auto, as many as make one wave of programs
     (about one per SM, `TuningDevice.multiprocessors`: ``ceil(B * Hk * row_blocks *
     splits / SMs)``, at most B); without warp specialization always 1.
@@ -470,7 +470,7 @@ MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP = MosaicPrefillConfig(compute_warpgroups=
 
 MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128, 256})}
 """Head sizes at which auto runs prefill through the Mosaic GPU kernel instead of the
-Triton one, per GPU model: where it was measured faster (benchmarks/RESULTS.md, H200,
+Triton one, per GPU model: where it was measured faster (benchmarks/NOTES.md, H200,
 jax 0.11.2; 2026-12-01: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1 S16384,
 1.12x on 16 mixed lengths, 2.0x on a cached prefix; 2026-12-02, with the kernel's
 direct output store: 1.41x / 1.84x at D 128, 1.04x at D 256 (B4 S4096), 0.80x at D 64,
@@ -608,7 +608,7 @@ MOSAIC_DECODE_MEASURED = MosaicDecodeConfig(num_stages=4, target_programs=512, c
                                             items_per_program=0)
 """The Mosaic GPU decode kernel's measured config: a producer warpgroup and one compute
 warpgroup, 4 stages, programs attending one wave's worth of sequences each. On the H200
-(benchmarks/RESULTS.md, 2026-12-03 05:59 UTC, D 128, page 16, alternating rounds in one
+(benchmarks/NOTES.md, 2026-12-03 05:59 UTC, D 128, page 16, alternating rounds in one
 process) 3-5 % faster than `MosaicDecodeConfig()` on every decode shape of the
 benchmark (3,495-3,622 GB/s against 3,349-3,519)."""
 
@@ -699,7 +699,7 @@ MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig] = {
     # (`benchmarks/bench_matmul.py`, 2026-12-02, jax 0.11.2). Comments: us per product
     # in that benchmark's chains, ours / XLA's dot. Inside the engine's decode step the
     # same products ran level with XLA's GEMMs; auto takes the kernel there for the work
-    # it folds in (the fused decoder layers: benchmarks/RESULTS.md, "Fused decoder
+    # it folds in (the fused decoder layers: benchmarks/NOTES.md, "Fused decoder
     # layers"; `jax_paged_attn.matmul.auto_takes_kernel`).
     (2048, 3072, 16): MatmulConfig(target_programs=512),  # 8.5 / 16.7
     (2048, 3072, 32): MatmulConfig(block_n=128, target_programs=512, num_stages=3),  # 9.3 / 16.5

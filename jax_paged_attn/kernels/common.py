@@ -265,7 +265,7 @@ def quarantine_nonfinite_values(masked_scores: Array, v: Array, correction: Arra
     the softmax and rewrites ``[M, N]`` probabilities, the extra state here is two
     vectors (which keys are bad, which rows see one) and one ``[N, D]`` select on the
     values. On the H200 neither form, in full-width masked steps, avoided slowing the
-    Triton prefill kernel by 20-40 % (benchmarks/RESULTS.md).
+    Triton prefill kernel by 20-40 % (benchmarks/NOTES.md).
     """
     bad_key = nonfinite_rows(v)  # [N]
     v = jnp.where(bad_key[:, None], jnp.zeros_like(v), v)

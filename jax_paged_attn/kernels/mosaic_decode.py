@@ -6,7 +6,7 @@ rows out for the kernel and merges the KV splits. Semantics are those of
 `jax_paged_attn.reference.paged_decode_attention` within the limits `decode.unsupported_reason`
 names for this lowering.
 
-On the H200 (benchmarks/RESULTS.md, 2026-12-03 05:59 UTC) it passes the GPU tests and,
+On the H200 (benchmarks/NOTES.md, 2026-12-03 05:59 UTC) it passes the GPU tests and,
 with its measured config (`tuning.MOSAIC_DECODE_MEASURED`: a producer and one compute
 warpgroup, one wave of programs), reads 3,495-3,622 GB/s of K/V, 0.97-0.99x the Triton
 decode kernel in alternating rounds, so auto does not run it; the 64-row wgmma tile

@@ -1,6 +1,6 @@
 """Varlen (prefill) flash attention kernel for the Pallas Mosaic GPU lowering (Hopper).
 
-Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 21:39 UTC: 387-586 TFLOP/s at D 128
+Measured on the H200 (benchmarks/NOTES.md, 2026-12-02 21:39 UTC: 387-586 TFLOP/s at D 128
 and 461 at D 256, where auto runs it). K/V blocks arrive by TMA in a
 ``num_stages``-deep shared-memory ring, one barrier per slot, and ``wgmma`` computes
 Q·K^T (Q and K from shared memory) and P·V (P from registers). Two forms
