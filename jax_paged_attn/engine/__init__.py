@@ -22,15 +22,8 @@ from jax_paged_attn.engine.engine import (
 from jax_paged_attn.engine.llm import LLM, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, greedy_tokens, sample_tokens
-from jax_paged_attn.engine.scheduler import (
-    FinishReason,
-    Request,
-    RequestStatus,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from jax_paged_attn.engine.request import FinishReason, Request, RequestStatus, ScheduledRequest, SchedulerOutput
+from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
     "BlockAllocator",

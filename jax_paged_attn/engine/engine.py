@@ -83,7 +83,8 @@ from jax_paged_attn.builder import (
 from jax_paged_attn.engine.model_runner import NO_TOKEN, CausalLM, DecodeState, ModelRunner, check_model
 from jax_paged_attn.engine.sampling import (Logprob, SamplingParams, as_bool, logprob_dicts, logprobs_bucket,
                                             params_per_prompt)
-from jax_paged_attn.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SchedulerOutput
+from jax_paged_attn.engine.request import FinishReason, Request, SchedulerOutput
+from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.spec import PAD_SLOT_ID
