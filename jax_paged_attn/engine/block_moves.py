@@ -30,6 +30,8 @@ class BlockMoves:
         self.host_caches: list[Array] | None = None
 
     def host_swap_space(self) -> list[Array]:
+        """The host caches swapped-out blocks live in, one per layer (``num_host_blocks``
+        blocks each), allocated at the first swap."""
         if self.host_caches is None:
             # The device caches' head count, not the config's: a tensor-parallel model may
             # store each KV head several times (`LlamaForCausalLM.kv_head_replicas`).
