@@ -24,6 +24,7 @@ from jax_paged_attn.engine import (
     SamplingParams,
     sample_tokens,
 )
+from jax_paged_attn.engine.decode_batch import DecodeBatch
 from jax_paged_attn.engine.model_runner import DecodeState, decode_batch_rows
 from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
@@ -235,20 +236,20 @@ def test_device_decode_metadata_equals_the_builder():
     assert np.asarray(md.slot_mapping)[3] == -1 and np.asarray(md.seq_lens)[3] == 0  # a stopped row
 
 
-def test_decode_windows_overlap_and_read_once_per_window(model):
+def test_decode_windows_overlap_and_read_once_per_window(model, monkeypatch):
     """The host dispatches window n + 1 before it reads window n, and reads each window's
     tokens once (not once per token); the outputs are still the dense ones."""
     engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
     events = []
-    dispatch, read = engine.runner.run_decode_window, engine._read_window
+    dispatch, read = engine.runner.run_decode_window, DecodeBatch.read_window
 
     def counting_dispatch(*args, **kwargs):
         events.append("dispatch")
         return dispatch(*args, **kwargs)
 
-    def counting_read():
+    def counting_read(batch):
         events.append("read")
-        return read()
+        return read(batch)
 
     run_mixed = engine.runner.run_mixed
 
@@ -256,7 +257,8 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
         events.append("mixed")
         return run_mixed(*args, **kwargs)
 
-    engine.runner.run_decode_window, engine._read_window = counting_dispatch, counting_read
+    engine.runner.run_decode_window = counting_dispatch
+    monkeypatch.setattr(DecodeBatch, "read_window", counting_read)
     engine.runner.run_mixed = counting_mixed
     prompts = random_prompts(11, [9, 20, 4])
     traces = engine.runner.num_traces
@@ -279,14 +281,14 @@ def test_decode_windows_overlap_and_read_once_per_window(model):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, swap_expected, async_scheduling):
+def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, swap_expected, async_scheduling, monkeypatch):
     """With ``async_scheduling`` the host dispatches mixed step n + 1 before it reads step
     n (so the device never waits for the host's bookkeeping between them); without it,
     each mixed step is read before the next is scheduled. Chunked prompts, admissions
     and a tiny cache (preemption) give the same tokens as the dense reference either way."""
     engine = LLMEngine(model, dataclasses.replace(BASE, async_scheduling=async_scheduling))
     events = []
-    run_mixed, read_prompt_tokens = engine.runner.run_mixed, engine._read_prompt_tokens
+    run_mixed, read_prompt_tokens = engine.runner.run_mixed, DecodeBatch.read_prompt_tokens
 
     def counting_mixed(*args, **kwargs):
         events.append("dispatch")
@@ -296,7 +298,8 @@ def test_mixed_steps_are_dispatched_before_the_last_one_is_read(model, swap_expe
         events.append("read")
         return read_prompt_tokens(*args, **kwargs)
 
-    engine.runner.run_mixed, engine._read_prompt_tokens = counting_mixed, counting_read
+    engine.runner.run_mixed = counting_mixed
+    monkeypatch.setattr(DecodeBatch, "read_prompt_tokens", counting_read)
     engine.runner.insert_decode_rows = None  # prompts join the batch inside the mixed step
     outs = run_with_arrivals(engine, SWAP_PROMPTS, greedy(SWAP_MAX_TOKENS), arrivals=[0, 0, 1, 2, 5])
     assert [o.outputs[0].token_ids for o in outs] == swap_expected
@@ -375,8 +378,9 @@ def test_admissions_join_the_running_batch_without_draining_it(model):
     run_step, dispatch = engine.runner.run_step, engine.runner.run_decode_window
 
     def watching_step(*args, **kwargs):
-        in_flight_at_prefill.append(len(engine._batch.inflight) if engine._batch is not None else 0)
-        events.append("prefill" if engine._batch is not None else "prefill without a batch")
+        batch = engine._loop.batch
+        in_flight_at_prefill.append(len(batch.inflight) if batch is not None else 0)
+        events.append("prefill" if batch is not None else "prefill without a batch")
         return run_step(*args, **kwargs)
 
     def watching_dispatch(*args, **kwargs):
@@ -428,7 +432,7 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
             break
         for out in engine.step():
             outputs[out.request_id] = engine.pop_output(out.request_id)
-        batch = engine._batch
+        batch = engine._loop.batch
         if not aborted and batch is not None and batch.inflight and engine.scheduler.requests["r1"] in batch.requests:
             engine.abort_request("r1")  # in the batch, with a window in flight
             aborted = True
@@ -471,7 +475,7 @@ def test_decode_window_program_has_no_conditional():
         with cuda_lowering_target():
             text = runner.mixed_program.trace(
                 runner.params, runner.kv_caches, mixed_state, np.ones(rows, bool), np.full(rows, rows, np.int32),
-                np.zeros((rows, width), np.int32), *engine._padding_prompt_inputs(num_tokens, num_seqs), *join,
+                np.zeros((rows, width), np.int32), *engine._inputs.padding_prompt_inputs(num_tokens, num_seqs), *join,
                 greedy=greedy_batch, block_size=16, max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
         assert_no_data_dependent_branch(text)
@@ -584,12 +588,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, capsys):
 
 def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypatch):
     from jax_paged_attn import tuning
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
 
     model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), implementation="triton", interpret=True)
-    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(startup.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("NVIDIA L4", 99 * 1024))
-    assert engine_module._implementation_report(model) == (
+    assert startup.implementation_report(model) == (
         "triton (chosen by the model's implementation argument); no tile configs measured on the NVIDIA L4: "
         "defaults fitted to its 99 KiB of shared memory per block")
 
@@ -597,12 +601,12 @@ def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypa
 @pytest.mark.parametrize("head_dim, mosaic", [(128, True), (64, False)])
 def test_the_start_report_says_when_auto_prefills_through_the_mosaic_gpu_kernel(monkeypatch, head_dim, mosaic):
     from jax_paged_attn import tuning
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
 
     config = LlamaConfig.tiny(head_dim=head_dim)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
-    report = engine_module._implementation_report(model)
+    monkeypatch.setattr(startup.jax, "default_backend", lambda: "gpu")
+    report = startup.implementation_report(model)
     assert report.startswith("auto: Pallas Triton kernels")
     assert ("rows per sequence) through the Mosaic GPU kernel" in report) == mosaic
     assert (f"head size {head_dim} on this GPU" in report) == mosaic
@@ -610,27 +614,27 @@ def test_the_start_report_says_when_auto_prefills_through_the_mosaic_gpu_kernel(
 
 
 def test_the_engine_keeps_the_process_choice_of_compilation_cache(tmp_path):
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
 
     options = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
                "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
     saved = {name: getattr(jax.config, name) for name in options}
     try:
         # conftest turned JAX's cache off for the run: an engine leaves it off and says so
-        assert engine_module._use_compilation_cache(EngineConfig()) == (
+        assert startup.use_compilation_cache(EngineConfig()) == (
             "compilation cache: off (the process set jax_enable_compilation_cache=False)")
         assert jax.config.jax_compilation_cache_dir == saved["jax_compilation_cache_dir"]
         jax.config.update("jax_enable_compilation_cache", True)
-        line = engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir=str(tmp_path)))
+        line = startup.use_compilation_cache(EngineConfig(compilation_cache_dir=str(tmp_path)))
         assert line.startswith(f"compilation cache: {tmp_path} ")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path)
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
         # the directory in use is kept; another named by a second engine is an error, not ignored
-        assert engine_module._use_compilation_cache(EngineConfig()) == (
+        assert startup.use_compilation_cache(EngineConfig()) == (
             f"compilation cache: {tmp_path} (set by an engine)")
         with pytest.raises(ValueError, match="compilation_cache_dir='/elsewhere', but JAX's persistent compilation"):
-            engine_module._use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere"))
-        assert engine_module._use_compilation_cache(EngineConfig(compilation_cache=False)).startswith(
+            startup.use_compilation_cache(EngineConfig(compilation_cache_dir="/elsewhere"))
+        assert startup.use_compilation_cache(EngineConfig(compilation_cache=False)).startswith(
             "compilation cache: off (EngineConfig.compilation_cache=False)")
     finally:
         for name, value in saved.items():
@@ -643,23 +647,23 @@ def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(mo
     count from the peak gave a second start other programs than the persistent
     compilation cache held: the count comes from what is alive and XLA's buffer
     assignment, a multiple of KV_CACHE_BLOCK_QUANTUM."""
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
 
     config = dataclasses.replace(BASE, num_blocks=None, gpu_memory_utilization=0.5)
     bytes_per_block = sum(int(c.nbytes) for c in model.allocate_kv_caches(1, config.block_size))
-    activations = engine_module._largest_step_activation_bytes(model, config, model.config.max_position_embeddings)
+    activations = startup.largest_step_activation_bytes(model, config, model.config.max_position_embeddings)
     assert activations > 0
     limit, in_use = 128 << 20, 16 << 20  # a few thousand blocks of the tiny model
 
     def blocks(peak: int, alive: int = in_use) -> tuple[int, str]:
         stats = dict(bytes_limit=limit, bytes_in_use=alive, peak_bytes_in_use=peak)
-        monkeypatch.setattr(engine_module, "_device_memory_stats", lambda device: stats)
-        return engine_module._kv_cache_blocks_for_memory(model, config, model.config.max_position_embeddings)
+        monkeypatch.setattr(startup, "device_memory_stats", lambda device: stats)
+        return startup.kv_cache_blocks_for_memory(model, config, model.config.max_position_embeddings)
 
     cold, line = blocks(peak=96 << 20)
     warm, _ = blocks(peak=in_use)
     assert cold == warm
-    quantum = engine_module.KV_CACHE_BLOCK_QUANTUM
+    quantum = startup.KV_CACHE_BLOCK_QUANTUM
     assert cold % quantum == 0
     assert cold * bytes_per_block + in_use + activations <= limit * 0.5
     assert (cold + quantum) * bytes_per_block + in_use + activations > limit * 0.5
@@ -670,7 +674,7 @@ def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(mo
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         blocks(peak=limit, alive=limit // 2)
     # the engine uses it
-    monkeypatch.setattr(engine_module, "_device_memory_stats",
+    monkeypatch.setattr(startup, "device_memory_stats",
                         lambda device: dict(bytes_limit=limit, bytes_in_use=in_use, peak_bytes_in_use=limit))
     engine = LLMEngine(model, config)
     assert engine.config.num_blocks == cold
@@ -682,10 +686,10 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
     process: tests/test_program_store.py starts processes with it) and generates the same
     tokens; an unreadable file is compiled again and replaced; another model or other
     XLA options get programs of their own."""
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
     from jax_paged_attn.engine.program_store import FILE_SUFFIX
 
-    monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
+    monkeypatch.setattr(startup, "program_store_dir", lambda config: str(tmp_path))
     config = dataclasses.replace(BASE, max_model_len=64)
     prompts = random_prompts(11, (5, 20, 9))
 

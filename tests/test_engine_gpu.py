@@ -132,9 +132,9 @@ def test_engine_greedy_matches_dense_with_the_weight_streaming_matmul():
 def test_a_second_engine_loads_its_compiled_kernels_from_the_program_store(model, monkeypatch, tmp_path):
     """The engine's programs, Pallas kernels inside, serialized on the GPU and loaded by
     a second engine untraced, generate the same tokens as the dense forward."""
-    from jax_paged_attn.engine import engine as engine_module
+    from jax_paged_attn.engine import startup
 
-    monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path))
+    monkeypatch.setattr(startup, "program_store_dir", lambda config: str(tmp_path))
     # Pages of 32: programs no earlier test of this module ran.
     config = dataclasses.replace(BASE, block_size=32, num_blocks=32, num_host_blocks=32)
     prompts = _prompts(4, [7, 40, 19])

@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+from jax_paged_attn.engine import decode_batch, outputs, step_loop
 from jax_paged_attn.engine import engine as engine_module
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 
@@ -52,7 +53,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeClock()
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    for module in (engine_module, step_loop, decode_batch, outputs):  # every engine room that reads the clock
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
     jax.monitoring.register_event_duration_secs_listener(fake.on_event)
     yield fake
     jax.monitoring.unregister_event_duration_listener(fake.on_event)

@@ -8,6 +8,12 @@ the plans; the kernels (``jax_paged_attn/kernels/*``) import only the spec, the 
 wrapper (``prefill``, ``decode``, ``cache``), the public API, the layers or the
 dispatch, nor another kernel. Imports are read with ``ast`` (function-level imports
 included), so nothing is imported to check them.
+
+The engine (``jax_paged_attn/engine/``) lives in rooms: every module is at most
+`MAX_ENGINE_MODULE_LINES` lines, says in its docstring what it owns, is named in
+``engine.py``'s docstring (the room table and the walk of `LLMEngine.step`), and sits
+below `LLMEngine`: none imports ``engine.py`` but ``llm.py`` (built on it) and the
+package's ``__init__``.
 """
 from __future__ import annotations
 
@@ -118,3 +124,25 @@ def test_the_import_reader_sees_every_form():
         f"{PACKAGE}.prefill", f"{PACKAGE}.decode", f"{PACKAGE}.plans", f"{PACKAGE}.cache",
         f"{PACKAGE}.spec", f"{PACKAGE}.kernels.common", f"{PACKAGE}.dispatch",
     }
+
+
+ENGINE_MODULES = sorted((_ROOT / "engine").glob("*.py"))
+MAX_ENGINE_MODULE_LINES = 600
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda path: path.name)
+def test_every_engine_room_is_small_and_says_what_it_owns(path):
+    source = path.read_text()
+    assert len(source.splitlines()) <= MAX_ENGINE_MODULE_LINES, f"{path.name}: split it into rooms"
+    assert ast.get_docstring(ast.parse(source)), f"{path.name} has no module docstring"
+
+
+def test_the_engine_names_every_room_and_no_room_imports_the_engine():
+    engine_doc = ast.get_docstring(ast.parse((_ROOT / "engine" / "engine.py").read_text()))
+    rooms = [path for path in ENGINE_MODULES if path.stem != "__init__"]
+    assert len(rooms) > 10
+    for path in rooms:
+        assert f"``{path.name}``" in engine_doc, f"engine.py's docstring does not name {path.name}"
+        if path.stem not in ("engine", "llm"):
+            module = module_name(path)
+            assert f"{PACKAGE}.engine.engine" not in imports_of(module), f"{module} imports the engine"

@@ -140,7 +140,7 @@ def test_logprobs_match_dense_log_softmax(model, windows):
     prompts = random_prompts(0, [5, 21, 9, 14])
     engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4))
     if not windows:  # every decode then runs as a scheduled step
-        engine._decode_window_ready = lambda: False
+        engine._loop.decode_window_ready = lambda: False
     calls = spy_logprobs_args(engine)
     params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=3),
               SamplingParams(temperature=0.0, max_tokens=10, logprobs=0),

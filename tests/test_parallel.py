@@ -579,7 +579,7 @@ def _replication_main() -> None:
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"tp={tp} {path}")
         # The engine's swap space holds the stored heads, like its device caches.
         engine = LLMEngine(loaded, engine_base())
-        host, device = engine._host_swap_space()[0], engine.runner.kv_caches[0]
+        host, device = engine._loop.block_moves.host_swap_space()[0], engine.runner.kv_caches[0]
         assert host.shape[2:] == device.shape[2:] == (16, tp, config.head_dim), (host.shape, device.shape)
         checked.append(f"tp={tp} with {num_kv_heads} KV heads")
     print("checked " + ", ".join(checked))

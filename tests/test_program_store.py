@@ -23,8 +23,7 @@ from flax import nnx
 
 from conftest import engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams
-from jax_paged_attn.engine import engine as engine_module
-from jax_paged_attn.engine import program_store
+from jax_paged_attn.engine import program_store, startup
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -155,13 +154,13 @@ def test_an_untrusted_cache_directory_turns_the_cache_and_the_store_off(jax_cach
 def test_the_cache_directory_expands_home_and_a_second_differing_one_raises(jax_cache_config, tmp_path,
                                                                             monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    line = engine_module._use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir="~/jaxcache"))
+    line = startup.use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir="~/jaxcache"))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jaxcache") and str(tmp_path) in line
     assert (tmp_path / "jaxcache").is_dir() and not (pathlib.Path.cwd() / "~").exists()
-    assert engine_module._program_store_dir(CONFIG) == str(tmp_path / "jaxcache" / "jax_paged_attn_programs")
+    assert startup.program_store_dir(CONFIG) == str(tmp_path / "jaxcache" / "jax_paged_attn_programs")
     with pytest.raises(ValueError, match="compilation_cache_dir"):
-        engine_module._use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir=str(tmp_path / "b")))
-    engine_module._use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir=str(tmp_path / "jaxcache")))
+        startup.use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir=str(tmp_path / "b")))
+    startup.use_compilation_cache(dataclasses.replace(CONFIG, compilation_cache_dir=str(tmp_path / "jaxcache")))
 
 
 def _files_by_call(directory: pathlib.Path) -> dict[tuple[str, str], pathlib.Path]:
@@ -179,7 +178,7 @@ def test_a_program_of_another_model_under_the_base_models_name_is_not_loaded(mon
     one with another intermediate size, copied over the base model's files: none is
     loaded, each is said, and the base model's tokens come out."""
     directory_of_run = []
-    monkeypatch.setattr(engine_module, "_program_store_dir", lambda config: str(tmp_path / directory_of_run[-1]))
+    monkeypatch.setattr(startup, "program_store_dir", lambda config: str(tmp_path / directory_of_run[-1]))
     prompts = random_prompts(3, (7, 12))
 
     def run(model_config, directory):

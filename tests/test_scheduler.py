@@ -12,14 +12,8 @@ import pytest
 
 from jax_paged_attn.engine import scheduler as scheduler_module
 from jax_paged_attn.engine.sampling import SamplingParams
-from jax_paged_attn.engine.scheduler import (
-    FinishReason,
-    RequestStatus,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from jax_paged_attn.engine.request import FinishReason, RequestStatus, ScheduledRequest, SchedulerOutput
+from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
 
 EMPTY = -1
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from conftest import engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams
-from jax_paged_attn.engine.scheduler import RequestStatus, Scheduler, SchedulerOutput
+from jax_paged_attn.engine.request import RequestStatus, SchedulerOutput
+from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
 BASE = engine_base()

@@ -12,25 +12,15 @@
   `LLMEngine`; stop strings.
 """
 from jax_paged_attn.engine.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
-from jax_paged_attn.engine.engine import (
-    CompletionOutput,
-    EngineConfig,
-    EngineStats,
-    LLMEngine,
-    RequestOutput,
-)
+from jax_paged_attn.engine.config import EngineConfig
+from jax_paged_attn.engine.engine import LLMEngine
 from jax_paged_attn.engine.llm import LLM, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
+from jax_paged_attn.engine.outputs import CompletionOutput, RequestOutput
+from jax_paged_attn.engine.request import FinishReason, Request, RequestStatus, ScheduledRequest, SchedulerOutput
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, greedy_tokens, sample_tokens
-from jax_paged_attn.engine.scheduler import (
-    FinishReason,
-    Request,
-    RequestStatus,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
+from jax_paged_attn.engine.stats import EngineStats
 
 __all__ = [
     "BlockAllocator",

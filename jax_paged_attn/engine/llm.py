@@ -44,7 +44,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_paged_attn.engine.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from jax_paged_attn.engine.config import EngineConfig
+from jax_paged_attn.engine.engine import LLMEngine
+from jax_paged_attn.engine.outputs import CompletionOutput, RequestOutput
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, params_per_prompt
 
 if TYPE_CHECKING:
