@@ -225,9 +225,16 @@ print(json.dumps(dict(tokens=[o.outputs[0].token_ids for o in outs], loaded=stor
 """
 
 
+# The child processes run on the CPU on every host: on a GPU host this process has
+# already taken most of the GPU's memory (JAX preallocates it), and what is tested, the
+# store's files across processes, does not depend on the backend (tests/test_engine_gpu.py
+# loads compiled GPU programs from the store).
+_CHILD_ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
 def _run_engine_process(package_root: pathlib.Path, cache: pathlib.Path) -> dict:
     done = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, str(package_root), str(cache)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(package_root)},
+                          capture_output=True, text=True, env={**_CHILD_ENV, "PYTHONPATH": str(package_root)},
                           cwd=package_root, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -265,12 +272,12 @@ print(store.num_loaded, store.num_stored)
 
 
 def test_two_processes_writing_one_directory_at_once_leave_whole_files(tmp_path):
-    runs = [subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(tmp_path)], cwd=REPO,
+    runs = [subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(tmp_path)], cwd=REPO, env=_CHILD_ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-3000:]
     assert not list(tmp_path.glob("*.tmp"))
-    done = subprocess.run([sys.executable, "-c", _WRITER_SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _WRITER_SCRIPT, str(tmp_path)], cwd=REPO, env=_CHILD_ENV,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["5", "0"], done.stderr[-3000:]
