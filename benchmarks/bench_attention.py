@@ -30,7 +30,8 @@ with ``--update-committed-md``.
 ``--tune`` instead sweeps our kernels' configs (`jax_paged_attn.tuning.DecodeConfig` /
 `PrefillConfig`) on the selected suites (default decode,prefill), writes
 ``<date>-<device>-tuning.md`` and ``.json``, and prints dict literals ready to paste
-into tuning.py's tables.
+into tuning.py's tables. The grids, the timing loop and the choice are the package's
+(`jax_paged_attn.tune`, whose ``python3 -m jax_paged_attn.tune`` is the users' command).
 
 Without a GPU the run stops at once with an error (exit code 2), unless ``--tiny`` or
 ``--interpret`` asks for a CPU dry run of the harness. It exits with 1 when no job
