@@ -50,8 +50,8 @@ def merge(existing: dict, sweep: dict) -> dict:
               for name in TABLES}
     for (table, key_text), (config_text, score, shapes) in report.best_per_table_key(rows).items():
         _, fields = parse_config(config_text)
-        entry = {"device": device, "key": list(ast.literal_eval(key_text)), "config": fields,
-                 "score": round(score, 4), "shapes": [case for _, case in shapes], "measured": measured}
+        entry = tuning.table_entry(device, ast.literal_eval(key_text), fields, score,
+                                   [case for _, case in shapes], measured)
         tables[table][ident(entry)] = entry
     return {name: sorted(entries.values(), key=lambda e: (e["device"], e["key"]))
             for name, entries in tables.items()}

@@ -30,7 +30,8 @@ with ``--update-committed-md``.
 ``--tune`` instead sweeps our kernels' configs (`jax_paged_attn.tuning.DecodeConfig` /
 `PrefillConfig`) on the selected suites (default decode,prefill), writes
 ``<date>-<device>-tuning.md`` and ``.json``, and prints dict literals ready to paste
-into tuning.py's tables.
+into tuning.py's tables. The grids, the timing loop and the choice are the package's
+(`jax_paged_attn.tune`, whose ``python3 -m jax_paged_attn.tune`` is the users' command).
 
 Without a GPU the run stops at once with an error (exit code 2), unless ``--tiny`` or
 ``--interpret`` asks for a CPU dry run of the harness. It exits with 1 when no job
@@ -53,7 +54,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -75,6 +75,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import report  # noqa: E402
+from jax_paged_attn import tune, tuning  # noqa: E402
 
 Array = jax.Array
 
@@ -540,27 +541,11 @@ class Timer:
         return cls(warmup=1, reps=1, min_calls=1)
 
     def _calls(self, single_ms: float) -> int:
-        return int(min(self.max_calls, max(self.min_calls, math.ceil(self.sample_ms / max(single_ms, 1e-3)))))
+        return tune.calls_per_sample(single_ms, self.sample_ms, self.min_calls, self.max_calls)
 
     def jax(self, call: Callable[[], Any]) -> tuple[float, float, Any]:
         """Returns (median ms per call, first-call seconds, last output) of the zero-arg `call`."""
-        start = time.perf_counter()
-        out = _block(call())
-        compile_s = time.perf_counter() - start
-        single_ms = compile_s * 1e3  # the last warm-up call's time sizes the samples
-        for _ in range(self.warmup - 1):
-            start = time.perf_counter()
-            out = _block(call())
-            single_ms = (time.perf_counter() - start) * 1e3
-        calls = self._calls(single_ms)
-        times = []
-        for _ in range(self.reps):
-            start = time.perf_counter()
-            for _ in range(calls):
-                out = call()
-            out = _block(out)
-            times.append((time.perf_counter() - start) * 1e3 / calls)
-        return statistics.median(times), compile_s, out
+        return tune.time_jax(call, self.warmup, self.reps, self.sample_ms, self.min_calls, self.max_calls)
 
     def torch(self, torch: Any, call: Callable[[], Any]) -> tuple[float, float, Any]:
         start = time.perf_counter()
@@ -1427,101 +1412,23 @@ def table_choice(suite: str, case: Any) -> Any:
 
 
 def tune_grid(suite: str, cases: Sequence[Any], quick: bool) -> list[Any]:
-    """The current table's choices first, then a modest grid (deduplicated, in order)."""
-    from jax_paged_attn.tuning import DecodeConfig, PrefillConfig
-
+    """The current table's choices first, then the package's grid (`jax_paged_attn.tune`:
+    the decode grid, or the varlen kernel's over paged keys for the prefix suite, D 128's
+    for varlen, every head size's for prefill), deduplicated, in order."""
     if suite == "decode":
-        # Page ids prefetched a step ahead give the K/V loads num_stages - 1 buffers, so
-        # num_stages - 2 tiles stay in flight during a step's math (ids read in the step:
-        # the table's 1 buffer, issued at the end of a step, waited on at the next); the
-        # sweep trades tile size x depth (bytes in flight per program) against programs per
-        # SM (shared memory ~ (num_stages - 1) * 2 * tile_keys * 256 B at D 128 bf16).
-        # (pages_per_step, num_warps, num_stages, target_programs), all with prefetched ids:
-        prefetched = ((2, 4, 4, 1024), (4, 4, 3, 1024), (2, 4, 5, 1024)) if quick else (
-            (1, 4, 7, 1024),
-            (2, 4, 3, 1024), (2, 4, 4, 1024), (2, 4, 5, 1024), (2, 4, 6, 1024),
-            (2, 1, 4, 1024), (2, 2, 4, 1024), (2, 2, 5, 1024), (2, 8, 4, 1024),
-            (4, 4, 3, 1024), (4, 4, 4, 1024), (4, 8, 3, 1024), (4, 8, 4, 1024), (4, 2, 3, 1024),
-            (2, 4, 4, 2048), (2, 4, 4, 4096), (4, 4, 3, 2048), (2, 4, 4, 512),
-            # Longer tiles for head size 64 (half the bytes per key of D 128).
-            (8, 4, 3, 1024), (8, 4, 4, 1024), (8, 8, 3, 1024), (4, 4, 5, 1024),
-        )
-        base = DecodeConfig(prefetch_page_ids=True)
-        grid = [dataclasses.replace(base, pages_per_step=p, num_warps=w, num_stages=st, target_programs=t)
-                for p, w, st, t in prefetched]
-        if not quick:
-            # The same depth with ids read in the step: isolates the prefetch's effect.
-            grid.append(DecodeConfig(pages_per_step=2, num_warps=4, num_stages=4))
+        grid = tune.decode_grid(quick)
     else:
-        # (block_q, block_k, num_warps, num_stages, knobs). Register / shared-memory notes
-        # from compiling for sm_90 (ptxas): at D 128, 128 x 128 / 8 warps / 2 stages (the
-        # stock mha tiling) needs 160 KiB and spills ~nothing, 3 stages 224 KiB (fits);
-        # at D 64 the 4-warp 128 x 128 tile spills, 8 warps do not; at D 256 only 64-row
-        # tiles over 8 warps compile without spills, 128-row ones spill a little.
-        # Configs that do not fit a shape's head size fail fast (shared memory) and are
-        # skipped by the sweep. The prefix suite (paged) varies the paged-only knobs.
-        # Measured 2026-11-29 (H200): at D 128, 32-key blocks beat 64 and 128 (+15-25 %):
-        # the QK^T tile of a 128 x 32 block leaves the registers for the PV accumulator.
-        dense_d128 = [  # D 64 / 128
-            (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 2, {}),
-            (128, 32, 8, 3, {}), (128, 32, 8, 4, {}), (64, 32, 4, 3, {}), (64, 32, 4, 4, {}),
-            (128, 32, 4, 3, {}), (128, 32, 8, 3, dict(pack_gqa=False)),
-            (128, 128, 8, 2, dict(pack_gqa=False)), (128, 128, 8, 2, dict(single_kv_loop=True)),
-            (128, 64, 8, 3, dict(single_kv_loop=True)), (128, 128, 8, 2, dict(longest_first=False)),
-            (128, 128, 4, 2, {}), (128, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 64, 4, 3, {}),
-            # Width of the masked (diagonal / window-edge) steps, which also keep non-finite
-            # values from the rows that cannot see them: narrower than block_k, or full.
-            (128, 32, 8, 3, dict(masked_block_k=16)), (128, 64, 8, 3, dict(masked_block_k=16)),
-            (128, 64, 8, 3, dict(masked_block_k=64)), (128, 128, 8, 2, dict(masked_block_k=128)),
-        ]
-        dense_d256 = [  # D 256 (and small tiles for the others)
-            (64, 64, 8, 2, {}), (64, 32, 8, 2, {}), (64, 32, 8, 3, {}), (128, 64, 8, 2, {}),
-            (128, 32, 8, 2, {}), (64, 64, 4, 2, {}), (64, 64, 8, 2, dict(pack_gqa=False)),
-            (64, 64, 8, 2, dict(single_kv_loop=True)),
-            (128, 64, 8, 2, dict(masked_block_k=16)), (128, 64, 8, 2, dict(masked_block_k=64)),
-        ]
-        paged = [  # D 128 over a paged cache: page ids prefetched (default) or read in the step
-            (128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 8, 4, {}),
-            (128, 32, 8, 2, {}), (128, 32, 8, 3, {}), (64, 32, 4, 3, {}),
-            (128, 64, 8, 3, dict(prefetch_page_ids=False)),
-            (128, 64, 8, 3, dict(prefetch_page_ids=False, num_stages_paged=5)),
-            (128, 128, 8, 2, dict(prefetch_page_ids=False, num_stages_paged=4)),
-            (128, 128, 8, 2, dict(single_kv_loop=True)), (128, 64, 8, 3, dict(pack_gqa=False)),
-            (64, 64, 4, 3, {}), (128, 128, 4, 2, {}),
-            (128, 32, 8, 2, dict(masked_block_k=16)), (128, 32, 8, 3, dict(masked_block_k=16)),
-        ]
-        if suite == "prefix":
-            choices = paged[:4] if quick else paged
-        elif suite == "varlen":  # D 128 only
-            choices = dense_d128[:4] if quick else dense_d128
-        else:
-            choices = dense_d128[:3] + dense_d256[:2] if quick else dense_d128 + dense_d256
-        grid = [PrefillConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st, **knobs)
-                for bq, bk, w, st, knobs in choices]
+        grid = tune.prefill_grid({"prefix": "paged", "varlen": "varlen"}.get(suite, "dense"), quick)
     return list(dict.fromkeys([table_choice(suite, c) for c in cases] + grid))
 
 
 def decode_with_config(ctx: Context, case: DecodeCase, x: DecodeInputs, config: Any) -> Callable[[], Any]:
-    from jax_paged_attn import decode
-    from jax_paged_attn.spec import AttentionSpec
-
-    spec = AttentionSpec.create(case.head_dim, causal=True)
-    scale = jnp.ones((), jnp.float32)
-    fn = jax.jit(functools.partial(decode.paged_decode_attention, spec=spec, lowering="triton",
-                                   interpret=ctx.interpret, config=config))
-    return lambda: fn(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, None, scale, scale)
+    return tune.decode_call(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, config, ctx.interpret)
 
 
 def prefill_with_config(ctx: Context, case: AttentionCase, x: AttentionInputs, config: Any) -> Callable[[], Any]:
-    from jax_paged_attn import prefill
-    from jax_paged_attn.spec import AttentionSpec
-
-    spec = AttentionSpec.create(case.head_dim, causal=True)
-    scale = jnp.ones((), jnp.float32)
-    fn = jax.jit(functools.partial(prefill.varlen_attention, spec=spec, max_seqlen_q=x.max_q,
-                                   max_seqlen_k=x.max_k, lowering="triton", interpret=ctx.interpret,
-                                   config=config))
-    return lambda: fn(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.block_table, None, None, scale, scale)
+    return tune.prefill_call(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.block_table, x.max_q, x.max_k,
+                             config, ctx.interpret)
 
 
 # =========================================================================== jobs
@@ -1872,7 +1779,7 @@ def no_gpu_message(platform_name: str, device_kind: str) -> str | None:
 
 def device_slug(device_kind: str) -> str:
     """``"NVIDIA H200"`` -> ``"nvidia-h200"``: the device part of the output file names."""
-    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return tuning.device_slug(device_kind)
 
 
 def output_paths(args: argparse.Namespace, device_kind: str, started: datetime.datetime) -> list[pathlib.Path]:

@@ -296,27 +296,13 @@ def best_per_table_key(rows: Sequence[Row]) -> dict[tuple[str, str], tuple[str, 
     Only configs that ran on every such shape compete. Returns
     ``{(table, key): (config, score in (0, 1], [(suite, case), ...])}``.
     """
-    best = best_per_case(rows)
+    from jax_paged_attn import tune  # (the package's tuner makes the same choice)
+
     times: dict[tuple[str, str], dict[str, dict[tuple[str, str], float]]] = defaultdict(lambda: defaultdict(dict))
-    shapes_of: dict[tuple[str, str], set] = defaultdict(set)  # shapes where some config ran
     for row in rows:
         if row["status"] == "ok":
-            table_key = (row["table"], row["table_key"])
-            shapes_of[table_key].add((row["suite"], row["case"]))
-            times[table_key][row["config"]][(row["suite"], row["case"])] = row["ms"]
-    result = {}
-    for table_key, per_config in times.items():
-        shapes = sorted(shapes_of[table_key])
-        candidates = []
-        for config, per_shape in per_config.items():
-            if set(per_shape) != set(shapes):
-                continue
-            logs = [math.log(best[s]["ms"] / per_shape[s]) for s in shapes]
-            candidates.append((math.exp(sum(logs) / len(logs)), config))
-        if candidates:
-            score, config = max(candidates)
-            result[table_key] = (config, score, shapes)
-    return result
+            times[(row["table"], row["table_key"])][row["config"]][(row["suite"], row["case"])] = row["ms"]
+    return tune.choose(times)
 
 
 def tuning_literals(rows: Sequence[Row]) -> str:

@@ -17,6 +17,16 @@ the defaults below, starting points for the H200, which `TuningDevice`'s shared-
 limit then shrinks to fit (`jax_paged_attn.plans`); that is said once
 (`UntunedDeviceWarning`). On a CPU (interpret mode, or lowering for CUDA from a CPU host)
 the H200's tables apply: that is the GPU the kernels are developed and tested on.
+
+A user can measure a table for their own GPU: ``python3 -m jax_paged_attn.tune`` (see
+`jax_paged_attn.tune`) sweeps the configs for a model's shapes and writes a user table,
+a JSON file per GPU model beside the compilation cache (`user_tables_dir`,
+``$JAX_PAGED_ATTN_TUNING_DIR`` moves it; ``off`` turns user tables off), read on the
+first lookup for that GPU. Precedence, per table key: an explicit ``config=`` argument,
+then the user table of the GPU (if written by this JAX version), then the shipped
+measured table, then the defaults. A user who tuned wants their table, so it wins over
+the shipped one for the keys it holds; every other key keeps the shipped entry.
+`describe_tables` says which table is in force (the engine's start report).
 """
 from __future__ import annotations
 
@@ -24,9 +34,12 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
+import re
+import tempfile
 import warnings
-from typing import Iterable
+from typing import Any, Iterable
 
 
 def next_power_of_2(x: int) -> int:
@@ -201,7 +214,7 @@ def _warn_untuned(device: TuningDevice) -> None:
         f"no tuning table was measured on {device.kind}: the Pallas kernels use default tile configs "
         f"(starting points for the {REFERENCE_DEVICE_KIND}, shrunk to its "
         f"{device.shared_memory_per_block // 1024} KiB of shared memory per block), which may be slower than "
-        f"tuned ones; `benchmarks/bench_attention.py --tune` and `benchmarks/apply_tuning.py` measure a table.",
+        f"tuned ones; `{TUNE_COMMAND}` measures a table for it.",
         UntunedDeviceWarning, stacklevel=4)
 
 
@@ -296,12 +309,22 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}  # measured entries:
 
 
 def describe_tables(device: TuningDevice | None = None) -> str:
-    """Which tile configs the kernels take on ``device`` (default: `target_device`), in words."""
+    """Which tile configs the kernels take on ``device`` (default: `target_device`), in
+    words: the user's table (its path, date and JAX version), the shipped measured
+    table, or none (the defaults, and the command that measures a table). The engine's
+    start report carries it."""
     device = target_device() if device is None else device
+    user = user_table(device.kind)
+    if user is not None:
+        rest = ("the shipped table measured on it" if device.kind in MEASURED_TABLES
+                else "the defaults") + " for other shapes"
+        return (f"tile configs tuned on this {device.kind} by the user ({user.path}, {user.date}, "
+                f"jax {user.jax_version}; {rest})")
     if device.kind in MEASURED_TABLES:
         return f"tile configs measured on the {device.kind}"
     return (f"no tile configs measured on the {device.kind}: defaults fitted to its "
-            f"{device.shared_memory_per_block // 1024} KiB of shared memory per block")
+            f"{device.shared_memory_per_block // 1024} KiB of shared memory per block; "
+            f"`{TUNE_COMMAND}` measures a table for it")
 
 
 # Shared memory the Mosaic GPU prefill kernel may take (of Hopper's 227 KiB per block,
@@ -548,11 +571,22 @@ shapes measured the same (x0.98-1.005). Earlier forms of the kernel measured it 
 MEASURED_TABLES: dict[str, dict[str, dict[tuple, object]]] = {}
 
 
-def _lookup(name: str, defaults: dict, key: tuple, fallback, device: TuningDevice | None):
+TABLE_SOURCES = ("user", "shipped")
+"""The tables a lookup consults before the defaults, first first: the user table of the
+GPU (`user_table`), the shipped measured one (`MEASURED_TABLES`). A lookup given fewer
+(``tables=``) skips the others: the tuner sweeps from the defaults with ``()`` and
+compares a user table with the shipped one through ``("shipped",)``."""
+
+
+def _lookup(name: str, defaults: dict, key: tuple, fallback, device: TuningDevice | None,
+            tables: tuple[str, ...] = TABLE_SOURCES):
     device = target_device() if device is None else device
-    measured = MEASURED_TABLES.get(device.kind)
+    user = user_table(device.kind) if "user" in tables else None
+    if user is not None and key in user.tables.get(name, {}):
+        return user.tables[name][key]
+    measured = MEASURED_TABLES.get(device.kind) if "shipped" in tables else {}
     if measured is None:
-        if device.kind != REFERENCE_DEVICE_KIND:
+        if device.kind != REFERENCE_DEVICE_KIND and user is None:
             _warn_untuned(device)
         measured = {}
     table = measured.get(name, {})
@@ -560,24 +594,32 @@ def _lookup(name: str, defaults: dict, key: tuple, fallback, device: TuningDevic
 
 
 def prefill_config(head_size: int, dtype_name: str, paged: bool = False,
-                   device: TuningDevice | None = None) -> PrefillConfig:
-    """The varlen kernel's config for ``device`` (default: `target_device`): its measured
-    entry, else `PREFILL_TABLE`'s, else `PrefillConfig()`."""
+                   device: TuningDevice | None = None, *,
+                   tables: tuple[str, ...] = TABLE_SOURCES) -> PrefillConfig:
+    """The varlen kernel's config for ``device`` (default: `target_device`): the user
+    table's entry (`user_table`), else the shipped measured one, else `PREFILL_TABLE`'s,
+    else `PrefillConfig()`. ``tables``: which tables to consult (`TABLE_SOURCES`)."""
     key = (next_power_of_2(head_size), dtype_name, bool(paged))
-    return _lookup("PREFILL_TABLE", PREFILL_TABLE, key, PrefillConfig(), device)
+    return _lookup("PREFILL_TABLE", PREFILL_TABLE, key, PrefillConfig(), device, tables)
 
 
 def decode_config(head_size: int, block_size: int, group_size: int,
-                  device: TuningDevice | None = None) -> DecodeConfig:
-    """The decode kernel's config for ``device`` (default: `target_device`): its measured
-    entry, else `DECODE_TABLE`'s, else the measured entry of the nearest key with the
-    same head size (`nearest_decode_key`), else `DecodeConfig()`."""
+                  device: TuningDevice | None = None, *,
+                  tables: tuple[str, ...] = TABLE_SOURCES) -> DecodeConfig:
+    """The decode kernel's config for ``device`` (default: `target_device`): the user
+    table's entry, else the shipped measured one, else `DECODE_TABLE`'s, else the entry
+    (user or measured) of the nearest key with the same head size
+    (`nearest_decode_key`), else `DecodeConfig()`. ``tables``: which tables to consult
+    (`TABLE_SOURCES`)."""
     key = (next_power_of_2(head_size), block_size, next_power_of_2(group_size))
-    config = _lookup("DECODE_TABLE", DECODE_TABLE, key, None, device)
+    config = _lookup("DECODE_TABLE", DECODE_TABLE, key, None, device, tables)
     if config is not None:
         return config
     device = target_device() if device is None else device
-    known = {**DECODE_TABLE, **MEASURED_TABLES.get(device.kind, {}).get("DECODE_TABLE", {})}
+    user = user_table(device.kind) if "user" in tables else None
+    shipped = MEASURED_TABLES.get(device.kind, {}) if "shipped" in tables else {}
+    known = {**DECODE_TABLE, **shipped.get("DECODE_TABLE", {}),
+             **(user.tables.get("DECODE_TABLE", {}) if user is not None else {})}
     nearest = nearest_decode_key(key, known)
     return DecodeConfig() if nearest is None else known[nearest]
 
@@ -762,3 +804,215 @@ def load_measured_tables(path) -> dict[str, dict[str, dict[tuple, object]]]:
 
 
 MEASURED_TABLES.update(load_measured_tables(pathlib.Path(__file__).with_name(MEASURED_TABLES_FILE)))
+
+
+def table_entry(device: str, key: Iterable, config: dict[str, Any], score: float | None,
+                shapes: list[str], measured: dict[str, Any]) -> dict[str, Any]:
+    """One entry of a table file (`MEASURED_TABLES_FILE` or a user table): the GPU model,
+    the table key, the config's fields, its score (geometric mean of the per-shape best
+    time over its time), the shapes it was chosen on and where the numbers come from."""
+    return {"device": device, "key": list(key), "config": dict(config),
+            "score": None if score is None else round(score, 4), "shapes": list(shapes), "measured": dict(measured)}
+
+
+# --------------------------------------------------------------------------- user tables
+TUNE_COMMAND = "python3 -m jax_paged_attn.tune"
+"""The command that measures a user table (`jax_paged_attn.tune`)."""
+
+USER_TABLES_ENV = "JAX_PAGED_ATTN_TUNING_DIR"
+"""Environment variable: the folder of the user tables (default: `user_tables_dir`), or
+``off``: no user table is read (the shipped tables and defaults only)."""
+
+USER_TABLE_FORMAT = "jax_paged_attn user tuning table"
+USER_TABLE_VERSION = 1
+"""The user table file's ``format`` and ``version``: a file of another format or version
+is not read (warned, then the shipped tables and defaults apply)."""
+
+TABLE_NAMES = ("PREFILL_TABLE", "DECODE_TABLE")
+_CONFIG_TYPES = {"PREFILL_TABLE": PrefillConfig, "DECODE_TABLE": DecodeConfig}
+_QUERY_DTYPES = ("bfloat16", "float16", "float32")
+# Integer config fields that must be powers of 2, and the least value of each (else 0):
+# what the kernels' own checks (`jax_paged_attn.plans`) refuse at call time.
+_POWER_OF_2_FIELDS = frozenset({"block_q", "block_k", "masked_block_k", "num_warps", "max_q_rows"})
+_LEAST = {"block_q": 16, "block_k": 16, "masked_block_k": 16, "max_q_rows": 16, "num_stages": 1,
+          "num_stages_paged": 1, "pages_per_step": 1, "target_programs": 1, "num_warps": 1}
+
+
+class UserTableWarning(UserWarning):
+    """A user table file is not used (malformed, an invalid entry, written for another
+    GPU or JAX version); said once per file, with the command that writes a new one."""
+
+
+def device_slug(device_kind: str) -> str:
+    """``"NVIDIA H100 PCIe"`` -> ``"nvidia-h100-pcie"``: a GPU model as a file name."""
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+
+
+def user_tables_dir() -> pathlib.Path | None:
+    """The folder of the user tables: ``$JAX_PAGED_ATTN_TUNING_DIR``, else
+    ``$XDG_CACHE_HOME/jax_paged_attn/tuning`` (``~/.cache/jax_paged_attn/tuning``, beside
+    the engine's compilation cache in ``jax_paged_attn/xla``); None when the variable is
+    ``off``."""
+    chosen = os.environ.get(USER_TABLES_ENV, "").strip()
+    if chosen.lower() == "off":
+        return None
+    if chosen:
+        return pathlib.Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jax_paged_attn" / "tuning"
+
+
+def user_table_path(device_kind: str, directory: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """The user table file of a GPU model: ``<directory>/<device_slug>.json`` (directory
+    default: `user_tables_dir`; None when user tables are off)."""
+    folder = user_tables_dir() if directory is None else pathlib.Path(directory)
+    return None if folder is None else folder / f"{device_slug(device_kind)}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserTable:
+    """A user table as loaded: its file, the GPU model and JAX version it was measured
+    with, when and by which command, and its configs by table name and key."""
+
+    path: pathlib.Path
+    device_kind: str
+    jax_version: str
+    date: str
+    command: str
+    tables: dict[str, dict[tuple, Any]]
+
+
+def _is_power_of_2(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def config_from_fields(table: str, fields: Any) -> PrefillConfig | DecodeConfig:
+    """The config of a table entry's ``"config"`` fields, every field checked against the
+    config dataclass (known name, type, range); ValueError naming the field otherwise."""
+    config_type = _CONFIG_TYPES[table]
+    if not isinstance(fields, dict):
+        raise ValueError(f"config must be an object of {config_type.__name__} fields, got {fields!r}")
+    types = {f.name: f.type for f in dataclasses.fields(config_type)}
+    unknown = sorted(set(fields) - set(types))
+    if unknown:
+        raise ValueError(f"{config_type.__name__} has no field(s) {unknown}")
+    for name, value in fields.items():
+        if value is None and "None" in types[name]:
+            continue
+        wanted = bool if types[name] == "bool" else int
+        if type(value) is not wanted:  # (a bool is an int; 2.0 is not)
+            raise ValueError(f"config.{name} must be {types[name]}, got {value!r}")
+        if wanted is int and (value < _LEAST.get(name, 0)
+                              or (name in _POWER_OF_2_FIELDS and not _is_power_of_2(value))):
+            raise ValueError(f"config.{name}={value!r} is out of range")
+    return config_type(**fields)
+
+
+def key_from_list(table: str, key: Any) -> tuple:
+    """A table key from its JSON list, checked: PREFILL_TABLE ``[head size (a power of 2),
+    query dtype name, paged]``, DECODE_TABLE ``[head size, block size, query heads per KV
+    head (powers of 2 but the block size)]``; ValueError otherwise."""
+    if table == "PREFILL_TABLE":
+        ok = (isinstance(key, list) and len(key) == 3 and type(key[0]) is int and _is_power_of_2(key[0])
+              and key[1] in _QUERY_DTYPES and type(key[2]) is bool)
+    else:
+        ok = (isinstance(key, list) and len(key) == 3 and all(type(k) is int and k >= 1 for k in key)
+              and _is_power_of_2(key[0]) and _is_power_of_2(key[2]))
+    if not ok:
+        raise ValueError(f"{table} key {key!r} is not a valid key")
+    return tuple(key)
+
+
+def read_user_table(path: str | os.PathLike, device_kind: str | None = None,
+                    jax_version: str | None = None) -> UserTable:
+    """The user table in ``path``, checked whole: its format and version, the GPU model
+    (``device_kind`` if given), the JAX version (``jax_version`` if given) and every
+    entry's key and config fields. Raises ValueError (or OSError) saying what is wrong:
+    a table is used entire or not at all."""
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != USER_TABLE_FORMAT:
+        raise ValueError(f"not a user tuning table (no \"format\": {USER_TABLE_FORMAT!r})")
+    if data.get("version") != USER_TABLE_VERSION:
+        raise ValueError(f"format version {data.get('version')!r}, this jax_paged_attn reads {USER_TABLE_VERSION}")
+    for field in ("device_kind", "jax_version", "date", "command"):
+        if not isinstance(data.get(field), str):
+            raise ValueError(f"no {field!r} string")
+    if device_kind is not None and data["device_kind"] != device_kind:
+        raise ValueError(f"measured on a {data['device_kind']}, not this {device_kind}")
+    if jax_version is not None and data["jax_version"] != jax_version:
+        raise ValueError(f"measured with jax {data['jax_version']}, this process runs jax {jax_version}")
+    tables: dict[str, dict[tuple, Any]] = {}
+    for name in TABLE_NAMES:
+        entries = data.get(name, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{name} must be a list of entries")
+        for i, entry in enumerate(entries):
+            try:
+                if not isinstance(entry, dict):
+                    raise ValueError("not an object")
+                if entry.get("device") != data["device_kind"]:
+                    raise ValueError(f"device {entry.get('device')!r} is not the table's {data['device_kind']!r}")
+                key = key_from_list(name, entry.get("key"))
+                tables.setdefault(name, {})[key] = config_from_fields(name, entry.get("config"))
+            except ValueError as e:
+                raise ValueError(f"{name} entry {i}: {e}") from e
+    return UserTable(path, data["device_kind"], data["jax_version"], data["date"], data["command"], tables)
+
+
+_user_tables: dict[str, UserTable | None] = {}
+
+
+def user_table(device_kind: str) -> UserTable | None:
+    """The user table of a GPU model (`user_table_path`), read on the first call for it
+    and kept: None where there is no file, user tables are off, or the file cannot be
+    used (malformed, an invalid entry, another GPU model or JAX version), which a
+    `UserTableWarning` names once with the file's path and the command to re-tune."""
+    if device_kind in _user_tables:
+        return _user_tables[device_kind]
+    table, path = None, user_table_path(device_kind)
+    if path is not None and path.exists():
+        import jax
+
+        try:
+            table = read_user_table(path, device_kind, jax.__version__)
+        except (OSError, ValueError) as e:
+            warnings.warn(f"the user tuning table {path} is not used: {e}. The shipped tables and defaults apply; "
+                          f"`{TUNE_COMMAND}` measures a new table for this GPU and JAX version.",
+                          UserTableWarning, stacklevel=4)
+    _user_tables[device_kind] = table
+    return table
+
+
+def forget_user_tables() -> None:
+    """Read the user tables again on the next lookup (after a tuning run wrote one)."""
+    _user_tables.clear()
+
+
+def user_table_document(device_kind: str, jax_version: str, date: str, command: str,
+                        entries: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The JSON document of a user table (`read_user_table` reads it back); ``entries``:
+    `table_entry` dicts by table name."""
+    return {"format": USER_TABLE_FORMAT, "version": USER_TABLE_VERSION, "device_kind": device_kind,
+            "jax_version": jax_version, "date": date, "command": command,
+            **{name: sorted(entries.get(name, []), key=lambda e: json.dumps(e["key"])) for name in TABLE_NAMES}}
+
+
+def write_user_table(path: str | os.PathLike, document: dict[str, Any]) -> pathlib.Path:
+    """Writes a user table document to ``path`` atomically (a temporary file in the same
+    folder, then `os.replace`): a process reading it sees the old file or the new one,
+    never half of one. Returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(document, indent=1) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return path

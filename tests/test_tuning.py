@@ -194,7 +194,8 @@ def test_a_table_field_this_version_does_not_know_is_said_not_dropped_silently(t
 def test_the_tables_in_use_are_described_in_words():
     assert tuning.describe_tables(tuning.REFERENCE_DEVICE) == "tile configs measured on the NVIDIA H200"
     assert tuning.describe_tables(L4) == ("no tile configs measured on the NVIDIA L4: defaults fitted to its "
-                                          "99 KiB of shared memory per block")
+                                          "99 KiB of shared memory per block; `python3 -m jax_paged_attn.tune` "
+                                          "measures a table for it")
 
 
 @pytest.mark.parametrize("field, value", [
