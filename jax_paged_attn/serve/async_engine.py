@@ -292,10 +292,12 @@ class AsyncEngine:
         added.set_result(None)
 
     def _drop(self, rid: str) -> None:
-        """Removes an engine request (aborting it first if it runs) and forgets it."""
+        """Removes an engine request (aborting it first if it runs) and forgets it; the
+        metrics count it as finished by "abort"."""
         self._sequences.pop(rid, None)
         self.engine.abort_request(rid)
-        self.engine.pop_output(rid)
+        final = self.engine.pop_output(rid)
+        self.metrics.finish("abort", final.time_to_first_token_s, final.latency_s, len(final.outputs[0].token_ids))
 
     def _drop_stream(self, stream: RequestStream) -> None:
         for rid in stream.engine_request_ids:
@@ -339,6 +341,7 @@ class AsyncEngine:
                 logprobs=None if out.logprobs is None else out.logprobs[start:],
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_tokens=len(out.token_ids)))
         self.metrics.add_tokens(generation=num_generated)
+        self._update_load()  # before the clients hear of these tokens, so /metrics never lags them
         for stream, items in deltas.items():
             self._post(stream, items)
 
