@@ -448,3 +448,66 @@ def _refused(server: Server) -> bool:
     except OSError:  # the listening socket is closed
         return True
     return status == 503 and body["error"]["type"] == "service_unavailable"
+
+
+# ---------------------------------------------------------------- units (no server)
+class BytesTokenizer:
+    """Each id is a byte string; decoding joins them as ``tokenizers`` does (an
+    incomplete UTF-8 sequence becomes U+FFFD)."""
+
+    PIECES = {0: b"caf", 1: b"\xc3", 2: b"\xa9", 3: b" Obs", 4: b"erv", 5: b"ation", 6: b" ok", 7: b"</s>"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 7)).decode(errors="replace")
+
+
+def test_sequence_text_holds_back_split_characters_and_stop_prefixes():
+    from jax_paged_attn.serve.detokenizer import SequenceText
+
+    text = SequenceText(BytesTokenizer(), ["Observation"], include_stop_str_in_output=False, skip_special_tokens=True)
+    ids = [0, 1, 2, 3, 4, 5]
+    pieces = [text.update(ids[:k], None, None) for k in range(1, 4)]
+    assert pieces == ["caf", "", "é"]  # "\xc3" alone is held back, not sent as U+FFFD
+    assert text.update(ids[:4], None, None) == " "  # "Obs" may start the stop string
+    assert text.find_stop(ids[:5]) is None and text.update(ids[:5], None, None) == ""
+    assert text.find_stop(ids) == (6, "Observation")  # the token that completed it is kept
+    assert text.update(ids, "stop", "Observation") == "" and text.text == "café "
+    tail = SequenceText(BytesTokenizer(), ["Observation"], include_stop_str_in_output=False,
+                        skip_special_tokens=True)
+    assert tail.update([3], None, None) == " " and tail.update([3, 6], None, None) == "Obs ok"
+    eos = SequenceText(BytesTokenizer(), [], include_stop_str_in_output=True, skip_special_tokens=False)
+    assert eos.update([6, 7], "stop", None) == " ok</s>"  # a stop token's text with include_stop_str_in_output
+
+
+def test_chat_template_loading_and_rendering(tmp_path):
+    from jax_paged_attn.serve.chat_template import ChatTemplateError, load_chat_template
+
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}, "chat_template": [
+        {"name": "default", "template": "  {% for m in messages %}\n{{ m.content | tojson }}{{ eos_token }}"
+                                        "{% endfor %}{% if messages|length > 1 %}{{ raise_exception('one') }}"
+                                        "{% endif %}"}]}))
+    template = load_chat_template(tmp_path)
+    assert template.render([{"role": "user", "content": "é"}]) == '"é"</s>'  # trim/lstrip blocks, no ASCII escapes
+    with pytest.raises(ChatTemplateError, match="one"):
+        template.render([{"role": "user", "content": "a"}] * 2)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert load_chat_template(tmp_path).render([{"role": "user", "content": "x"}]) == "x"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--block-size", "20"], "--block-size"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--port", "70000"], "--port"),
+    (["--engine-options", '{"no_such_field": 1}'], "--engine-options"),
+    (["--engine-options", '{"max_num_seqs": 3}'], "--engine-options"),
+    (["--dtype", "int8"], "--dtype"),
+])
+def test_bad_flags_are_argparse_errors_naming_the_flag(checkpoint, capsys, flags, named):
+    from jax_paged_attn.serve import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main([str(checkpoint[0]), *flags])
+    assert exited.value.code == 2 and named in capsys.readouterr().err

@@ -141,7 +141,10 @@ class _Server:
         try:
             return await self.front.generate(prompts, params)
         except (ValueError, TypeError) as e:
-            raise protocol.from_validation_error(e, {"prompt_token_ids": field, "prompt": field}) from None
+            # The engine's messages name its arguments; "request ... may reach N tokens" is
+            # a max_tokens the KV cache could never hold.
+            raise protocol.from_validation_error(
+                e, {"prompt_token_ids": field, "prompt": field, "request": "max_tokens"}) from None
 
     async def collect(self, request: Any, stream: RequestStream) -> list[list[SequenceDelta]]:
         """Every delta of every sequence, by choice index (a non-streaming reply)."""
