@@ -30,13 +30,9 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-
-from flax import nnx  # noqa: E402
+from flax import nnx
 
 from jax_paged_attn.engine import LLM, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint  # noqa: E402
