@@ -169,18 +169,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if id(item) not in dropped_ids]
 
 
-def covering_cases(cases: Sequence[Any], *, id_of: Any = str, keep: Sequence[str] = (),
-                   cost_of: Any = None) -> list[Any]:
+def covering_cases(cases: Sequence[Any], *, id_of: Any = str, keep: Sequence[str] = ()) -> list[Any]:
     """``cases`` (a hand-made grid whose ids name their features, ``"paged-bs32-gqa4-d64"``)
     as `pytest.param` s, those outside a covering subset marked ``full``.
 
     The subset holds every feature (each ``-``-separated word of an id) of the cases that
     run on a CPU in at least one of them: a greedy set cover in the grid's order, plus the
-    ids ``keep`` names. With ``cost_of`` (a case's values -> its estimated seconds on a
-    CPU) the cover takes the case with the most new features per second first, so a
-    feature that a small problem also shows is not paid for with a large one. A case
-    already a `pytest.param` keeps its id and marks; a ``gpu`` case is left as it is (it
-    runs, and only, on the GPU).
+    ids ``keep`` names. A case already a `pytest.param` keeps its id and marks; a ``gpu``
+    case is left as it is (it runs, and only, on the GPU).
     """
     def unwrap(case: Any) -> tuple[tuple, str | None, tuple]:
         if isinstance(case, type(pytest.param(None))):
@@ -195,10 +191,8 @@ def covering_cases(cases: Sequence[Any], *, id_of: Any = str, keep: Sequence[str
     on_gpu_only = set(kept) - {i for i, n in enumerate(names) if n in keep}
     uncovered = (set().union(set(), *(f for i, f in enumerate(features) if i not in on_gpu_only))
                  - set().union(set(), *(features[i] for i in kept - on_gpu_only)))
-    costs = [1.0 if cost_of is None else float(cost_of(*values)) for values, _, _ in entries]
     while uncovered:
-        best = max((i for i in range(len(names)) if i not in kept),
-                   key=lambda i: len(features[i] & uncovered) / costs[i])
+        best = max((i for i in range(len(names)) if i not in kept), key=lambda i: len(features[i] & uncovered))
         kept.add(best)
         uncovered -= features[best]
     return [pytest.param(*values, id=names[i], marks=marks if i in kept else (*marks, pytest.mark.full))
