@@ -226,7 +226,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         sys.stderr.flush()
 
 
-SERVING_TEST_PACKAGES = ("fastapi", "uvicorn", "openai")
+SERVING_TEST_PACKAGES = ("fastapi", "uvicorn", "jinja2", "openai")
 """What tests/test_serve.py needs: the ``serve`` extra and the openai client, both in the
 ``test`` extra (CI has them); a GPU host's image may lack them."""
 _missing_serving_packages = [name for name in SERVING_TEST_PACKAGES if importlib.util.find_spec(name) is None]
