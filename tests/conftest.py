@@ -250,6 +250,10 @@ hypothesis.settings.load_profile("ci")
 # unless the process turned the cache off. A test run neither writes the user's cache nor
 # loads what an earlier run left there (a compilation a test counts would be a cache hit).
 jax.config.update("jax_enable_compilation_cache", False)
+# A tuning table the developer measured for their own GPU (`python3 -m jax_paged_attn.tune`,
+# under ~/.cache) must not change what the tests expect; tests/test_tuner.py points it at
+# folders of its own.
+os.environ["JAX_PAGED_ATTN_TUNING_DIR"] = "off"
 
 
 # --------------------------------------------------------------------------- implementations

@@ -595,7 +595,8 @@ def test_the_start_report_names_the_attention_code_and_its_tile_configs(monkeypa
     monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("NVIDIA L4", 99 * 1024))
     assert startup.implementation_report(model) == (
         "triton (chosen by the model's implementation argument); no tile configs measured on the NVIDIA L4: "
-        "defaults fitted to its 99 KiB of shared memory per block")
+        "defaults fitted to its 99 KiB of shared memory per block; `python3 -m jax_paged_attn.tune` measures a "
+        "table for it")
 
 
 @pytest.mark.parametrize("head_dim, mosaic", [(128, True), (64, False)])
