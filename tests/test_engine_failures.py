@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 from conftest import engine_base, random_prompts
-from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+from jax_paged_attn.engine import EngineConfig, EngineLoad, LLMEngine, SamplingParams
 from jax_paged_attn.engine.block_allocator import BlockAllocator
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
@@ -163,6 +163,28 @@ def test_with_recompute_the_requests_of_a_failed_program_finish_exactly(model, e
 def test_on_step_failure_is_checked():
     with pytest.raises(ValueError, match="on_step_failure must be 'abort' or 'recompute'"):
         EngineConfig(on_step_failure="retry")
+
+
+def test_peek_output_and_load_show_running_requests_without_removing_them(model, expected):
+    engine = LLMEngine(model, BASE)
+    assert engine.load() == EngineLoad(num_running=0, num_waiting=0, num_swapped=0, kv_cache_usage=0.0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, greedy(MAX_TOKENS), request_id=f"r{i}")
+    assert engine.load().num_waiting == len(PROMPTS)
+    seen = {f"r{i}": 0 for i in range(len(PROMPTS))}
+    while engine.has_unfinished_requests():
+        engine.step()
+        load = engine.load()
+        assert load.num_running + load.num_waiting + load.num_swapped <= len(PROMPTS)
+        assert 0.0 <= load.kv_cache_usage <= 1.0
+        for rid in seen:
+            tokens = engine.peek_output(rid).outputs[0].token_ids  # grows, never shrinks, stays in the engine
+            assert len(tokens) >= seen[rid] and tokens == expected[int(rid[1:])][:len(tokens)]
+            seen[rid] = len(tokens)
+    assert [engine.pop_output(f"r{i}").outputs[0].token_ids for i in range(len(PROMPTS))] == expected
+    with pytest.raises(KeyError, match="unknown request_id 'r0'"):
+        engine.peek_output("r0")
+    assert engine.load().kv_cache_usage == 0.0
 
 
 # --------------------------------------------------------------------------- cache_salt

@@ -16,7 +16,7 @@ from jax_paged_attn.engine.config import EngineConfig
 from jax_paged_attn.engine.engine import LLMEngine
 from jax_paged_attn.engine.llm import LLM, load_tokenizer
 from jax_paged_attn.engine.model_runner import CausalLM, ModelConfig, ModelRunner
-from jax_paged_attn.engine.outputs import CompletionOutput, RequestOutput
+from jax_paged_attn.engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from jax_paged_attn.engine.request import FinishReason, Request, RequestStatus, ScheduledRequest, SchedulerOutput
 from jax_paged_attn.engine.sampling import Logprob, SamplingParams, greedy_tokens, sample_tokens
 from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
@@ -37,6 +37,7 @@ __all__ = [
     "NoFreeBlocksError",
     "Request",
     "RequestOutput",
+    "EngineLoad",
     "RequestStatus",
     "SamplingParams",
     "ScheduledRequest",

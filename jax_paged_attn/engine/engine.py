@@ -78,7 +78,7 @@ from jax_paged_attn.engine import startup, stats as stats_lib
 from jax_paged_attn.engine.block_moves import BlockMoves
 from jax_paged_attn.engine.config import EngineConfig
 from jax_paged_attn.engine.model_runner import CausalLM, ModelRunner, check_model
-from jax_paged_attn.engine.outputs import CompletionOutput, RequestOutput, StopChecker
+from jax_paged_attn.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, StopChecker
 from jax_paged_attn.engine.request import FinishReason
 from jax_paged_attn.engine.sampling import SamplingParams, params_per_prompt
 from jax_paged_attn.engine.scheduler import Scheduler, SchedulerConfig
@@ -280,6 +280,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped out (or a window is in flight)."""
         return self.scheduler.has_unfinished() or bool(self._loop.batch and self._loop.batch.inflight)
+
+    def peek_output(self, request_id: str) -> RequestOutput:
+        """The output of a request so far, finished or not, leaving it in the engine (a
+        server streams a running request's tokens from it). KeyError for an unknown id."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request_id {request_id!r}.")
+        return RequestOutput.of(request)
+
+    def load(self) -> EngineLoad:
+        """The engine's queues and the share of its device KV blocks held now."""
+        scheduler = self.scheduler
+        blocks = scheduler.device_blocks
+        return EngineLoad(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                          num_swapped=len(scheduler.swapped),
+                          kv_cache_usage=blocks.num_used_blocks / max(blocks.num_blocks, 1))
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """Removes a finished (or aborted) request from the engine and returns its output."""

@@ -152,3 +152,15 @@ def append_logprobs(request: Request, tokens: np.ndarray, logprobs: Any, index: 
     request.output_logprobs.extend(logprob_dicts(tokens, mine, k))
     request.cumulative_logprob += float(mine.sampled_logprob.astype(np.float64).sum())
 
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds now (`LLMEngine.load`): requests running (holding device
+    blocks), waiting to be admitted (new or preempted for recomputation) and swapped out
+    to host memory, and the fraction of the device KV blocks in use, in [0, 1] (cached
+    prefix blocks that no request holds count as free)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float

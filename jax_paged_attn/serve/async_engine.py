@@ -20,11 +20,9 @@ Engine failure: when a step raises, the engine aborts the requests it had runnin
 generic message, the cause stays in the log) and their sequences are removed. Requests
 that only waited go on.
 
-Reading unfinished requests: `LLMEngine` has no public call yet that returns a running
-request's tokens so far (`step` returns finished requests only), so `_progress` reads
-them from ``engine.scheduler`` as `LLMEngine.generate` does, and `_load` reads the queue
-lengths and block use for the metrics; both are the only places this module touches the
-engine's internals.
+Running requests' tokens so far come from `LLMEngine.peek_output` (`step` returns
+finished requests only), the queue lengths and block use of the metrics from
+`LLMEngine.load`: the front end uses the engine's public API alone.
 """
 from __future__ import annotations
 
@@ -352,16 +350,12 @@ class AsyncEngine:
 
 
 def _progress(engine: "LLMEngine", request_id: str) -> CompletionOutput:
-    """The sequence an engine request has generated so far (finished or not): the
-    engine's own `CompletionOutput.of` over its scheduler's record, as
-    `LLMEngine.generate` reads it (no public call returns a running request's tokens)."""
-    return CompletionOutput.of(engine.scheduler.requests[request_id])
+    """The sequence an engine request has generated so far (finished or not)."""
+    return engine.peek_output(request_id).outputs[0]
 
 
 def _load(engine: "LLMEngine") -> dict[str, Any]:
     """The engine's queue lengths and the fraction of its device KV blocks held."""
-    scheduler = engine.scheduler
-    blocks = scheduler.device_blocks
-    return dict(running=len(scheduler.running), waiting=len(scheduler.waiting), swapped=len(scheduler.swapped),
-                kv_cache_usage=blocks.num_used_blocks / max(blocks.num_blocks, 1))
-
+    load = engine.load()
+    return dict(running=load.num_running, waiting=load.num_waiting, swapped=load.num_swapped,
+                kv_cache_usage=load.kv_cache_usage)
