@@ -11,7 +11,7 @@ LM head (1 per step).
 Each product is timed as a chain over separate weight arrays (a layer's worth each,
 together several times the 50 MB L2), so every call reads its weights from HBM as in a
 decode step; the time per call is the chain's device time divided by its length
-(`bench_attention.Timer`). Per rows: GB/s of weights read for XLA and for the kernel's
+(`timing.Timer`). Per rows: GB/s of weights read for XLA and for the kernel's
 best config of a sweep (`--quick`: the default config only), the ratio, and the sum
 over one step (16 layers + head) against the weight-read floor at 4.2 TB/s. Outputs are
 compared with XLA's (max |diff| / max |ref|).
@@ -40,9 +40,9 @@ for path in (_HERE.parent, _HERE):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_attention import Timer, short_error  # noqa: E402
 from jax_paged_attn import matmul  # noqa: E402
 from jax_paged_attn.tuning import MatmulConfig  # noqa: E402
+from timing import Timer, short_error  # noqa: E402
 
 COPY_RATE_GBPS = 4200.0
 """The H200's measured device-to-device copy rate (GB/s), the floor's bandwidth."""

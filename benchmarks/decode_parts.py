@@ -12,14 +12,14 @@ sequence ``context`` keys long, a random page permutation), times
 with the package's `MosaicDecodeConfig` overridden by ``--config``, and prints GB/s of
 K+V read. Each ``--versus`` (repeatable; a group of FIELD=VALUE overrides applied on top
 of ``--config``) adds a config; all are timed in the same alternating rounds in this
-process (`prefill_parts.compare_kernels`: the H200 varies by up to ~15 % between
+process (`timing.compare_kernels`: the H200 varies by up to ~15 % between
 processes); ``--triton`` adds the Triton decode kernel the same way. Every output is
 checked against the first config's. ``--page-size`` changes the cache's page size;
 ``--case B,CTX,HQ,HK[,D]`` runs other shapes (e.g. the same bytes with one KV head, whose
 16-row pages are 4 KiB contiguous per head, not 16 rows strided by the other heads);
 ``--torch`` adds torch's cuDNN SDPA on contiguous K/V. ``--timeline DIR``
 also runs each config once with the Mosaic GPU profiler and prints where a program's
-time goes per warpgroup role and named region (`prefill_parts.summarize_timeline`):
+time goes per warpgroup role and named region (`parts_common.profiled_timeline`):
 the waits for each tile's K and V, its scores and values, the producer's refill, the
 merge and the epilogue. Needs a Hopper GPU, exits with 2 otherwise, except with
 ``--interpret``: a CPU dry run (one small shape, the Mosaic GPU interpreter;
@@ -42,11 +42,11 @@ for path in (_HERE.parent, _HERE):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_attention import (DECODE_CASES, Context, Deadline, DecodeCase, Timer, _torch_sdpa,  # noqa: E402
-                             build_decode_inputs)
 from kernel_resources import parse_overrides  # noqa: E402
-from prefill_parts import (compare_kernels, fit_clock_mhz, format_timeline, parse_case_fields,  # noqa: E402
-                           profile_once, refuse_without_gpu, sm_clock_mhz, summarize_timeline)
+from parts_common import parse_case_fields, profiled_timeline, refuse_without_gpu  # noqa: E402
+from peers import _torch_sdpa  # noqa: E402
+from suites import DECODE_CASES, DecodeCase, build_decode_inputs  # noqa: E402
+from timing import Context, Deadline, Timer, compare_kernels  # noqa: E402
 
 INTERPRET_CASES = (DecodeCase(2, 100, 8, 2, 64),)
 
@@ -124,13 +124,10 @@ def main() -> int:
             if args.timeline:
                 trace_dir = pathlib.Path(args.timeline) / f"{index}-{i}"
                 trace_dir.mkdir(parents=True, exist_ok=True)
-                trace = profile_once(call_for(config, str(trace_dir)), trace_dir)
                 workers = max(tiling.compute_warpgroups, 1)
-                warpgroups = workers + tiling.warp_specialized
-                fitted = fit_clock_mhz(trace, warpgroups)
-                clock = fitted[0] if fitted else sm_clock_mhz()
-                print(format_timeline(summarize_timeline(trace, clock, workers,
-                                                         has_producer=tiling.warp_specialized)), flush=True)
+                timeline, _, _ = profiled_timeline(call_for(config, str(trace_dir)), trace_dir, workers,
+                                                   tiling.warp_specialized)
+                print(timeline, flush=True)
         if args.torch:
             torch_ms = time_torch_sdpa(x, case, timer)
             print(f"  torch cuDNN SDPA, contiguous K/V\n    {torch_ms:.4f} ms, {kv_bytes / torch_ms / 1e6:.0f} GB/s",
@@ -150,8 +147,8 @@ def parse_case(text: str) -> DecodeCase:
 
 
 def time_torch_sdpa(x, case: DecodeCase, timer: Timer) -> float:
-    """ms of `bench_attention`'s ``torch_sdpa_cudnn`` peer (torch's cuDNN SDPA over this
-    shape's K/V made contiguous) on these inputs."""
+    """ms of `bench_attention.py`'s ``torch_sdpa_cudnn`` peer (`peers._torch_sdpa`: torch's cuDNN
+    SDPA over this shape's K/V made contiguous) on these inputs."""
     context = Context(timer, Deadline(math.inf))
     return _torch_sdpa("CUDNN_ATTENTION")(context, case, x).ms
 

@@ -8,7 +8,7 @@
 For each dense causal shape of `bench_attention.py`'s prefill suite (bf16, packed
 sequences of equal length; ``--case`` for others, ``--no-causal`` without the mask), and
 each case of its varlen (16 mixed packed lengths) and prefix (new tokens over a paged
-cache) suites with ``--suite``, times back-to-back calls (`bench_attention.Timer`) of:
+cache) suites with ``--suite``, times back-to-back calls (`timing.Timer`) of:
 
 * ``full``: `jax_paged_attn.prefill.varlen_attention` with ``lowering="mosaic_gpu"``,
   what a user's call runs;
@@ -30,8 +30,8 @@ call's. ``--timeline DIR`` also runs the kernel once with the Mosaic GPU profile
 (`jax_paged_attn.prefill.run_mosaic_varlen`'s ``profile_dir``; its Chrome trace files stay
 in DIR for chrome://tracing or Perfetto) and prints where a work item's time goes per
 warpgroup role and named region, and the gap between work items on an SM
-(`summarize_timeline`). ``--versus`` times the kernel with other fields in alternating
-rounds beside the config's, in the same process (`compare_kernels`; repeat ``--versus``
+(`parts_common.profiled_timeline`). ``--versus`` times the kernel with other fields in alternating
+rounds beside the config's, in the same process (`timing.compare_kernels`; repeat ``--versus``
 for several variants in the same rounds). Needs a Hopper GPU, exits with 2 otherwise,
 except with ``--interpret``: a CPU
 dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
@@ -40,16 +40,11 @@ dry run (one small shape, the Mosaic GPU interpreter, the stock kernel left out;
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
-import json
 import pathlib
 import re
-import statistics
-import subprocess
 import sys
-import time
 
 _HERE = pathlib.Path(__file__).resolve().parent
 for path in (_HERE.parent, _HERE):
@@ -60,9 +55,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_attention import (FULL_CASES, TINY_CASES, AttentionCase, Timer, build_attention_inputs,  # noqa: E402
-                             short_error)
 from kernel_resources import parse_overrides  # noqa: E402
+from parts_common import parse_case_fields, profiled_timeline, refuse_without_gpu  # noqa: E402
+from suites import FULL_CASES, TINY_CASES, AttentionCase, build_attention_inputs  # noqa: E402
+from timing import Timer, compare_kernels, one_call_ms, short_error  # noqa: E402
 
 INTERPRET_SHAPES = ((2, 80, 2, 1, 64),)
 
@@ -119,7 +115,7 @@ def main() -> int:
 
 
 def selected_cases(args: argparse.Namespace) -> list:
-    """The `bench_attention.AttentionCase`s to run: ``--case`` shapes, else bench_attention's
+    """The `suites.AttentionCase`s to run: ``--case`` shapes, else bench_attention's
     dense prefill cases (`INTERPRET_SHAPES` with ``--interpret``), then those of each
     ``--suite`` (bench_attention's varlen / prefix cases; their tiny cases with
     ``--interpret``)."""
@@ -210,54 +206,15 @@ def measure_case(case, args: argparse.Namespace, overrides: dict, timer: Timer) 
         trace_dir = pathlib.Path(args.timeline) / re.sub(r"[^\w.-]+", "_", shape)
         trace_dir.mkdir(parents=True, exist_ok=True)
         profiled = jax.jit(functools.partial(kernel_fn, profile_dir=str(trace_dir)))
-        trace = profile_once(lambda: profiled(q, k, v, plan, table), trace_dir)
-        warpgroups = tiling.compute_warpgroups + tiling.warp_specialized
-        fitted = None if args.clock_mhz else fit_clock_mhz(trace, warpgroups)
-        clock = args.clock_mhz or (fitted[0] if fitted else sm_clock_mhz())
-        source = "given" if args.clock_mhz else "fitted to the block starts" if fitted else "nvidia-smi maximum"
+        timeline, clock, source = profiled_timeline(lambda: profiled(q, k, v, plan, table), trace_dir,
+                                                    tiling.compute_warpgroups, tiling.warp_specialized, args.clock_mhz)
         print(f"  SM clock {clock:.0f} MHz ({source})", flush=True)
-        print(format_timeline(summarize_timeline(
-            trace, clock, tiling.compute_warpgroups, has_producer=tiling.warp_specialized)), flush=True)
-
-
-def refuse_without_gpu(script: str, args: argparse.Namespace) -> bool:
-    """True (with the reason on stderr) where ``script`` cannot run as asked: no GPU and
-    no ``--interpret``, or ``--timeline`` in the interpreter."""
-    if jax.default_backend() != "gpu" and not args.interpret:
-        print(f"{script} needs a GPU (the Mosaic GPU kernels run on Hopper)", file=sys.stderr)
-        return True
-    if args.timeline and args.interpret:
-        print("--timeline needs a GPU: the Mosaic GPU profiler has no interpreter", file=sys.stderr)
-        return True
-    return False
-
-
-def parse_case_fields(text: str, usage: str, counts: tuple[int, ...]) -> tuple[int, ...]:
-    """``--case``'s comma-separated positive integers, as many as one of ``counts``
-    (``usage`` names them in the error, e.g. ``"B,S,HQ,HK,D"``)."""
-    try:
-        fields = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        fields = ()
-    if len(fields) not in counts or min(fields) < 1:
-        raise SystemExit(f"--case takes {usage} (positive integers), got {text!r}")
-    return fields
+        print(timeline, flush=True)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     """``"B,S,HQ,HK,D"`` -> (batch, sequence length, query heads, KV heads, head size)."""
     return parse_case_fields(text, "B,S,HQ,HK,D", (5,))
-
-
-def compare_kernels(calls, timer, rounds: int) -> list[float]:
-    """Median ms of each call, timed in alternating rounds (first, second, ..., first, ...)
-    in one process: the H200 varies by up to ~15 % between processes, so a comparison of
-    configs read across processes can flip."""
-    times = [[] for _ in calls]
-    for _ in range(rounds):
-        for call, kept in zip(calls, times):
-            kept.append(timer.jax(call)[0])
-    return [statistics.median(kept) for kept in times]
 
 
 VARIANT_TOLERANCE = 2e-2
@@ -274,176 +231,6 @@ def check_variant(output, expected, versus: dict) -> None:
     worst = float(jnp.nanmax(diff))
     if not (bool(same_nan) and worst <= VARIANT_TOLERANCE):
         raise AssertionError(f"the kernel with {versus} and the config's disagree: max |diff| {worst:.3g}")
-
-
-def one_call_ms(call, reps: int) -> float:
-    """Median wall time of ``reps`` calls made one at a time, each waited for (host
-    dispatch and the wait included: tens of µs). Beside the back-to-back timing it
-    would tell a cost that only consecutive calls pay (none found: the persistent
-    form's 2x over its profiled span came from reading the span at the maximum clock)."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def sm_clock_mhz() -> float:
-    """The GPU's maximum SM clock (nvidia-smi), to turn the profiler's cycles into time."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return float(out.split()[0])
-
-
-CLOCK_WRAP = 2 ** 32
-"""The profiler's cycle counts are 32-bit: an event whose cycles, less the profiler's
-overhead correction, fell below its trace's first event's came back as about 2^32
-cycles after it (a 2^32-cycle region seen on the H100, 2026-12-02)."""
-
-
-def profile_once(call, trace_dir: pathlib.Path) -> dict:
-    """Runs ``call`` (a kernel compiled to write its Mosaic GPU profiler trace into
-    ``trace_dir``) once and returns that trace, cycles unwrapped (`_unwrap_cycles`).
-
-    One call: the profiler does not overwrite a kernel's trace file ("profile already
-    exists"), so a second call's trace is never written; the trace is the first run after
-    compiling."""
-    jax.block_until_ready(call())
-    jax.effects_barrier()  # (the trace is written by a host callback)
-    return _unwrap_cycles(json.loads(max(trace_dir.glob("*trace.json"), key=lambda f: f.stat().st_mtime).read_text()))
-
-
-def _unwrap_cycles(trace: dict) -> dict:
-    """``trace`` with every event's time unwrapped (`CLOCK_WRAP`): an event read more
-    than 2^31 cycles after its trace's first event (a second, at these clocks) is
-    2^32 cycles earlier."""
-    first, events = {}, []
-    for event in trace["traceEvents"]:
-        start = first.setdefault(event["tid"], event["ts"])
-        if (event["ts"] - start) * 1e3 > CLOCK_WRAP // 2:
-            event = dict(event, ts=event["ts"] - CLOCK_WRAP / 1e3)
-        events.append(event)
-    return dict(trace, traceEvents=events)
-
-
-def _warpgroup_spans(trace: dict) -> dict:
-    """{tid: (sm, start, cycles)} of a profiler trace, one per warpgroup trace: its first
-    event's time (µs, global timer) and the clock cycles from it to its last event
-    (later events add cycles / 1000 to the first one's time)."""
-    first, last, sm_of = {}, {}, {}
-    for event in trace["traceEvents"]:
-        tid = event["tid"]
-        first.setdefault(tid, event["ts"])
-        last[tid] = max(last.get(tid, event["ts"]), event["ts"])
-        sm_of[tid] = event["pid"]
-    return {tid: (sm_of[tid], start, (last[tid] - start) * 1e3) for tid, start in first.items()}
-
-
-def _block_starts_and_cycles(trace: dict, warpgroups: int) -> dict:
-    """{block: (sm, start, cycles)}: the start of a block's earliest warpgroup and the
-    most cycles one of its warpgroups ran (`_warpgroup_spans`; they start together)."""
-    blocks = {}
-    for tid, (sm, start, cycles) in _warpgroup_spans(trace).items():
-        block = (tid - 1) // warpgroups
-        _, block_start, block_cycles = blocks.get(block, (sm, start, 0.0))
-        blocks[block] = (sm, min(block_start, start), max(block_cycles, cycles))
-    return blocks
-
-
-def fit_clock_mhz(trace: dict, warpgroups: int) -> tuple[float, float] | None:
-    """(SM clock in MHz, mean gap between blocks on an SM in µs), fitted to the trace:
-    on each SM, the time from a block's start to the next one's (global timer) is the
-    block's cycles / clock plus the gap; a least-squares line over every such pair.
-    (Under load the SM clock runs below its maximum: read at the maximum, the blocks
-    look shorter and the gaps longer than they are.) None when the blocks' lengths do
-    not vary enough to fit."""
-    per_sm = collections.defaultdict(list)
-    for sm, start, cycles in _block_starts_and_cycles(trace, warpgroups).values():
-        per_sm[sm].append((start, cycles))
-    pairs = []
-    for blocks in per_sm.values():
-        blocks.sort()
-        pairs += [(a[1], b[0] - a[0]) for a, b in zip(blocks, blocks[1:])]
-    if len(pairs) < 3:
-        return None
-    n = len(pairs)
-    mean_x, mean_y = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
-    var_x = sum((x - mean_x) ** 2 for x, _ in pairs)
-    if var_x <= (0.05 * mean_x) ** 2 * n:
-        return None
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in pairs) / var_x  # µs per cycle
-    if slope <= 0:
-        return None
-    return 1.0 / slope, mean_y - slope * mean_x
-
-
-def summarize_timeline(trace: dict, clock_mhz: float, compute_warpgroups: int, has_producer: bool = True) -> dict:
-    """Where the work items' time goes in a Mosaic GPU profiler trace of the kernel.
-
-    ``trace``: the profiler's Chrome trace (``traceEvents`` of begin / end events, ``tid``
-    numbering the warpgroups block by block, ``pid`` the SM; a block's first event sits
-    at its start on the global timer, in µs, later ones add clock cycles / 1000).
-    A block's warpgroups: ``compute_warpgroups``, then the producer (``has_producer``).
-
-    Returns: ``clock_mhz``; ``blocks``; ``sms``; ``span_us`` (first block's start to last
-    block's end); ``block_us`` (mean start-to-last-event of a block); ``busy`` (the SMs'
-    share of the span spent inside blocks); ``gap_us`` (mean time between a block's end
-    and the next block's start on the same SM); ``regions``: {role: {region: mean µs
-    per block}}, role ``"compute"`` (summed over the compute warpgroups, divided by
-    their number) or ``"producer"``.
-    """
-    warpgroups = compute_warpgroups + has_producer
-    by_trace = collections.defaultdict(list)
-    for event in trace["traceEvents"]:
-        by_trace[event["tid"]].append(event)
-    block_spans = collections.defaultdict(lambda: [float("inf"), float("-inf"), 0])  # start, end, sm
-    for tid, (sm, start, cycles) in _warpgroup_spans(trace).items():
-        span = block_spans[(tid - 1) // warpgroups]
-        span[0], span[1], span[2] = min(span[0], start), max(span[1], start + cycles / clock_mhz), sm
-    totals = {"compute": collections.Counter(), "producer": collections.Counter()}
-    for tid, events in by_trace.items():
-        role = "producer" if (tid - 1) % warpgroups == compute_warpgroups else "compute"
-        # Durations only: cycles / 1000 between two events of one trace, at the clock.
-        open_at = {}
-        for event in events:
-            if event["ph"] == "B":
-                open_at[event["name"]] = event["ts"]
-            else:
-                totals[role][event["name"]] += (event["ts"] - open_at.pop(event["name"])) * 1e3 / clock_mhz
-    per_sm = collections.defaultdict(list)
-    for start, end, sm in block_spans.values():
-        per_sm[sm].append((start, end))
-    gaps = [b[0] - a[1] for spans in per_sm.values() for a, b in zip(sorted(spans), sorted(spans)[1:])]
-    num_blocks = len(block_spans)
-    first = min(s[0] for s in block_spans.values())
-    last = max(s[1] for s in block_spans.values())
-    inside = sum(s[1] - s[0] for s in block_spans.values())
-    return {
-        "clock_mhz": clock_mhz,
-        "blocks": num_blocks,
-        "sms": len(per_sm),
-        "span_us": last - first,
-        "block_us": inside / num_blocks,
-        "busy": inside / (len(per_sm) * (last - first)) if last > first else 0.0,
-        "gap_us": sum(gaps) / len(gaps) if gaps else 0.0,
-        "regions": {
-            "compute": {k: v / (num_blocks * compute_warpgroups) for k, v in totals["compute"].items()},
-            "producer": {k: v / num_blocks for k, v in totals["producer"].items()},
-        },
-    }
-
-
-def format_timeline(summary: dict) -> str:
-    """`summarize_timeline`'s figures as three lines."""
-    head = (f"  timeline ({summary['blocks']} blocks on {summary['sms']} SMs, {summary['clock_mhz']:.0f} MHz): "
-            f"span {summary['span_us']:.1f} µs, a block {summary['block_us']:.2f} µs, SMs busy "
-            f"{100 * summary['busy']:.0f} %, gap between blocks on an SM {summary['gap_us']:.2f} µs")
-    lines = [head]
-    for role, regions in summary["regions"].items():
-        if regions:
-            lines.append(f"  {role} (µs a block): " + ", ".join(f"{k} {v:.2f}" for k, v in regions.items()))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

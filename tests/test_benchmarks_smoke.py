@@ -46,7 +46,10 @@ def _load(name: str):
 
 
 bench = _load("bench_attention")
-report = sys.modules["report"]  # imported by bench_attention from the same folder
+# The harness's modules, imported by bench_attention from the same folder.
+report, suites, timing, sweeps, suite_jobs = (sys.modules[name] for name in ("report", "suites", "timing", "sweeps",
+                                                                             "jobs"))
+parts_common = _load("parts_common")
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -54,10 +57,10 @@ report = sys.modules["report"]  # imported by bench_attention from the same fold
 
 def test_decode_bytes_and_dense_flops_follow_the_documented_counts():
     # README: 2 * B * ctx * Hk * D * 2 bytes; 4 * B * Hq * D * S^2 / 2 flops (flash-attention's count).
-    assert bench.decode_kv_bytes(64, 4096, 8, 128, 2) == 2 * 64 * 4096 * 8 * 128 * 2
-    assert bench.DecodeCase(64, 4096, 32, 8, 128).work == 2**30
-    assert bench.dense_causal_flops(8, 2048, 32, 128) == 4 * 8 * 32 * 128 * 2048**2 / 2
-    assert bench.PREFILL_CASES[0].work == bench.dense_causal_flops(8, 2048, 32, 128)
+    assert suites.decode_kv_bytes(64, 4096, 8, 128, 2) == 2 * 64 * 4096 * 8 * 128 * 2
+    assert suites.DecodeCase(64, 4096, 32, 8, 128).work == 2**30
+    assert suites.dense_causal_flops(8, 2048, 32, 128) == 4 * 8 * 32 * 128 * 2048**2 / 2
+    assert suites.PREFILL_CASES[0].work == suites.dense_causal_flops(8, 2048, 32, 128)
 
 
 @pytest.mark.parametrize("q_len,k_len", [(1, 1), (7, 7), (5, 12), (12, 5), (3, 0), (0, 4), (1, 300), (64, 64)])
@@ -65,36 +68,36 @@ def test_causal_visible_pairs_counts_the_bottom_right_mask(q_len, k_len):
     spec = AttentionSpec.create(8, causal=True)
     # key_visible is elementwise: on NumPy arrays it runs in NumPy (no compile).
     visible = reference.key_visible(np.arange(q_len)[:, None], np.arange(k_len)[None, :], q_len, k_len, spec)
-    assert bench.causal_visible_pairs(q_len, k_len) == int(np.sum(visible))
+    assert suites.causal_visible_pairs(q_len, k_len) == int(np.sum(visible))
 
 
 def test_varlen_and_prefix_work_is_exact_causal_work():
     lens = (5, 40, 17)
-    case = bench.AttentionCase("mixed", lens, lens, 4, 2, 32)
+    case = suites.AttentionCase("mixed", lens, lens, 4, 2, 32)
     assert case.work == 4 * 4 * 32 * sum(n * (n + 1) // 2 for n in lens)
-    prefix = bench.PREFIX_CASES[0]  # 8 x (512 new on 4096 keys)
+    prefix = suites.PREFIX_CASES[0]  # 8 x (512 new on 4096 keys)
     new, keys = 512, 4096
     assert prefix.work == 4 * 32 * 128 * 8 * (new * (keys - new) + new * (new + 1) // 2)
-    mixed = bench.VARLEN_CASES[0]
+    mixed = suites.VARLEN_CASES[0]
     assert len(mixed.q_lens) == 16 and all(64 <= n <= 4096 for n in mixed.q_lens)
     assert 24_000 < sum(mixed.q_lens) < 42_000  # "about 32k tokens"
 
 
 def test_cache_bytes_count_reads_writes_and_slots():
-    bf16, fp8 = bench.CACHE_CASES[1], bench.CACHE_CASES[2]
+    bf16, fp8 = suites.CACHE_CASES[1], suites.CACHE_CASES[2]
     rows = 2 * 16 * 2048 * 8 * 128
     assert bf16.work == rows * (2 + 2) + 4 * 16 * 2048
     assert fp8.work == rows * (2 + 1) + 4 * 16 * 2048 and fp8.cache_dtype == "float8_e4m3fn"
 
 
 def test_throughput_units():
-    assert bench.throughput(2e9, 1.0, "GB/s") == pytest.approx(2000.0)
-    assert bench.throughput(3e12, 10.0, "TFLOP/s") == pytest.approx(300.0)
+    assert suite_jobs.throughput(2e9, 1.0, "GB/s") == pytest.approx(2000.0)
+    assert suite_jobs.throughput(3e12, 10.0, "TFLOP/s") == pytest.approx(300.0)
 
 
 def test_stock_paged_grid_only_has_configs_the_stock_kernel_accepts():
     for pages in (64, 256, 512, 2048, 4):
-        grid = bench.stock_paged_grid(pages, quick=False)
+        grid = sweeps.stock_paged_grid(pages, quick=False)
         assert grid and len(set(grid)) == len(grid)
         for splits, per_block in grid:
             assert pages % splits == 0 and (pages // splits) % per_block == 0
@@ -104,33 +107,33 @@ def test_stock_paged_grid_only_has_configs_the_stock_kernel_accepts():
 
 
 def test_decode_inputs_use_a_permuted_block_table_and_a_consistent_contiguous_view():
-    case = bench.TINY_CASES["decode"][0]
-    x = bench.build_decode_inputs(case)
+    case = suites.TINY_CASES["decode"][0]
+    x = suites.build_decode_inputs(case)
     table = np.asarray(x.block_table)
     assert sorted(table.reshape(-1).tolist()) == list(range(x.k_cache.shape[0]))
-    k = bench.to_numpy(x.contiguous(x.k_cache, case.context))
-    cache = bench.to_numpy(x.k_cache)
+    k = timing.to_numpy(x.contiguous(x.k_cache, case.context))
+    cache = timing.to_numpy(x.k_cache)
     b, j = 1, 37
     np.testing.assert_array_equal(k[b, j], cache[table[b, j // case.page_size], j % case.page_size])
 
 
 def test_attention_inputs_paged_keys_and_padding_round_trip():
-    case = bench.TINY_CASES["prefix"][0]
-    x = bench.build_attention_inputs(case)
+    case = suites.TINY_CASES["prefix"][0]
+    x = suites.build_attention_inputs(case)
     keys, _ = x.keys_values()
     assert keys.shape[0] == sum(case.k_lens)
-    table, cache = np.asarray(x.block_table), bench.to_numpy(x.k)
+    table, cache = np.asarray(x.block_table), timing.to_numpy(x.k)
     b, j = 1, 33  # sequence 1 starts after sequence 0's keys
     row = case.k_lens[0] + j
-    np.testing.assert_array_equal(bench.to_numpy(keys)[row],
+    np.testing.assert_array_equal(timing.to_numpy(keys)[row],
                                   cache[table[b, j // case.page_size], j % case.page_size])
     padded_q = x.padded_q()
-    np.testing.assert_array_equal(x.unpad(padded_q), bench.to_numpy(x.q))
+    np.testing.assert_array_equal(x.unpad(padded_q), timing.to_numpy(x.q))
 
 
 def test_cache_inputs_write_distinct_slots_in_range():
-    case = bench.CACHE_CASES[0]  # 256 sequences writing one token each
-    x = bench.build_cache_inputs(case)
+    case = suites.CACHE_CASES[0]  # 256 sequences writing one token each
+    x = suites.build_cache_inputs(case)
     slots = np.asarray(x.slot_mapping)
     assert slots.shape == (case.tokens,) and len(set(slots.tolist())) == case.tokens
     assert slots.min() >= 0 and slots.max() < case.num_blocks * case.page_size
@@ -229,7 +232,7 @@ def test_isolated_suite_records_a_crashed_job_and_resumes_after_it(tmp_path):
         rows_path.write_text("".join(json.dumps(dataclasses.asdict(j.blank_row())) + "\n" for j in done))
         return -11 if start == 0 else 0
 
-    rows, _ = bench.run_suite_isolated("cache", jobs, args, bench.Deadline(math.inf), tmp_path, spawn_fn=fake_spawn)
+    rows, _ = suite_jobs.run_suite_isolated("cache", jobs, args, timing.Deadline(math.inf), tmp_path, spawn_fn=fake_spawn)
     assert starts == [0, 2]
     assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("xla_scatter", "failed"),
                                                          ("jax_elementwise", "ok")]
@@ -241,9 +244,9 @@ def test_a_childs_later_line_replaces_the_row_it_names(tmp_path):
     naming the row it replaces; the parent keeps one row a job, the latest."""
     path = tmp_path / "rows.jsonl"
     first = [dict(impl="ours", ms=2.0), dict(impl="peer", ms=3.0)]
-    lines = [*first, dict(impl="peer", ms=2.5, **{bench.REPLACES: 1})]
+    lines = [*first, dict(impl="peer", ms=2.5, **{suite_jobs.REPLACES: 1})]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"cut sh')
-    assert bench._read_rows(path) == [dict(impl="ours", ms=2.0), dict(impl="peer", ms=2.5)]
+    assert suite_jobs._read_rows(path) == [dict(impl="ours", ms=2.0), dict(impl="peer", ms=2.5)]
 
 
 def test_rounds_must_be_positive(capsys):
@@ -262,7 +265,7 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.md"]
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     ours = {r["suite"]: r for r in rows if r["is_ours"]}
-    assert set(ours) == set(bench.SUITES)
+    assert set(ours) == set(suites.SUITES)
     for suite, row in ours.items():
         assert row["status"] == "ok", (suite, row["error"])
         assert row["value"] > 0 and row["ms"] > 0
@@ -298,7 +301,7 @@ def test_isolated_suite_runs_in_a_child_process(tmp_path):
     args = bench.parse_args(["--tiny", "--suite", "cache", "--peers", "jax_elementwise", "--ours-impl", "xla",
                              "--reps", "1", "--warmup", "1"])
     jobs = bench.plan_jobs("cache", args)
-    rows, meta = bench.run_suite_isolated("cache", jobs, args, bench.Deadline(math.inf), tmp_path)
+    rows, meta = suite_jobs.run_suite_isolated("cache", jobs, args, timing.Deadline(math.inf), tmp_path)
     assert [(r["impl"], r["status"]) for r in rows] == [("ours", "ok"), ("jax_elementwise", "ok")]
     assert rows[0]["check_against"] == "expected" and rows[0]["check_max_abs_diff"] == 0.0
     assert meta["gpu"].startswith("cpu")
@@ -330,7 +333,7 @@ def test_exit_code_is_one_when_every_job_failed(tmp_path, monkeypatch, capsys):
     def broken_inputs(case):
         raise RuntimeError("no inputs today")
 
-    monkeypatch.setitem(bench.INPUT_BUILDERS, "cache", broken_inputs)
+    monkeypatch.setitem(suites.INPUT_BUILDERS, "cache", broken_inputs)
     assert bench.main([*_CACHE_DRY_RUN, "--budget-s", "inf", "--out", str(tmp_path), "--stem", "run"]) == 1
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert rows and all(r["status"] == "failed" and "no inputs today" in r["error"] for r in rows)
@@ -667,10 +670,9 @@ def test_decode_parts_dry_run_compares_configs_and_the_triton_kernel(monkeypatch
 
 
 def test_prefill_parts_timeline_summary_of_a_profiler_trace():
-    """`prefill_parts.summarize_timeline` on a hand-made Mosaic GPU profiler trace: two
+    """`parts_common.summarize_timeline` on a hand-made Mosaic GPU profiler trace: two
     blocks of two compute warpgroups and a producer, one after the other on SM 0 (clock
     2,000 MHz: 2,000 cycles, 1 µs, are 2.0 in a timestamp past the block's first)."""
-    parts = _load("prefill_parts")
 
     def events(tid, start, regions):  # regions: (name, begin cycles, end cycles)
         out = []
@@ -689,7 +691,7 @@ def test_prefill_parts_timeline_summary_of_a_profiler_trace():
         *events(5, 112.0, [("setup", 0, 2000), ("unmasked", 2000, 8000)]),
         *events(6, 112.0, [("setup", 0, 2000), ("refill", 2000, 6000)]),
     ]}
-    summary = parts.summarize_timeline(trace, 2000.0, compute_warpgroups=2)
+    summary = parts_common.summarize_timeline(trace, 2000.0, compute_warpgroups=2)
     assert (summary["blocks"], summary["sms"]) == (2, 1)
     assert summary["span_us"] == pytest.approx(16.0)  # 100 .. 116
     assert summary["block_us"] == pytest.approx(7.0)  # (10 + 4) / 2
@@ -700,7 +702,7 @@ def test_prefill_parts_timeline_summary_of_a_profiler_trace():
     assert compute["unmasked"] == pytest.approx((6 + 7 + 3 + 3) / 4)
     assert compute["epilogue"] == pytest.approx(3 / 4)
     assert summary["regions"]["producer"] == pytest.approx({"setup": 1.0, "refill": (5 + 2) / 2})
-    text = parts.format_timeline(summary)
+    text = parts_common.format_timeline(summary)
     assert "2 blocks on 1 SMs" in text and "gap between blocks on an SM 2.00 µs" in text
     assert "compute (µs a block): setup 1.00, unmasked 4.75, epilogue 0.75" in text
 
@@ -709,15 +711,14 @@ def test_prefill_parts_unwraps_a_32_bit_cycle_count():
     """An event the profiler read as 2^32 cycles past its trace's first (its overhead
     correction took it below the first: an unsigned count wrapped) is read 2^32 cycles
     earlier: the region ends where it began, not 2 seconds later."""
-    parts = _load("prefill_parts")
-    wrapped = 10.0 + (parts.CLOCK_WRAP - 5) / 1e3
+    wrapped = 10.0 + (parts_common.CLOCK_WRAP - 5) / 1e3
     trace = {"traceEvents": [
         {"name": "setup", "ph": "B", "ts": 10.0, "pid": 1, "tid": 1},
         {"name": "setup", "ph": "E", "ts": wrapped, "pid": 1, "tid": 1},
         {"name": "unmasked", "ph": "B", "ts": 10.0 + 4000 / 1e3, "pid": 1, "tid": 1},
         {"name": "unmasked", "ph": "E", "ts": 10.0 + 8000 / 1e3, "pid": 1, "tid": 1},
     ]}
-    summary = parts.summarize_timeline(parts._unwrap_cycles(trace), 2000.0, compute_warpgroups=1,
+    summary = parts_common.summarize_timeline(parts_common._unwrap_cycles(trace), 2000.0, compute_warpgroups=1,
                                        has_producer=False)
     assert summary["span_us"] == pytest.approx(4.0)
     assert summary["regions"]["compute"]["setup"] == pytest.approx(-0.0025)
@@ -725,10 +726,9 @@ def test_prefill_parts_unwraps_a_32_bit_cycle_count():
 
 
 def test_prefill_parts_fits_the_sm_clock_to_the_block_starts():
-    """`prefill_parts.fit_clock_mhz`: blocks of different lengths (in cycles) one after
+    """`parts_common.fit_clock_mhz`: blocks of different lengths (in cycles) one after
     the other on two SMs, 1.5 µs apart, at 1,500 MHz: the fit finds both, where the
     maximum clock (2,000 MHz) would read the blocks short and the gaps long."""
-    parts = _load("prefill_parts")
     clock, gap = 1500.0, 1.5
 
     def trace(lengths_by_sm):
@@ -745,12 +745,12 @@ def test_prefill_parts_fits_the_sm_clock_to_the_block_starts():
         return {"traceEvents": events}
 
     varied = trace({1: [3000, 9000, 4500, 12000], 2: [6000, 1500, 7500]})
-    fitted_clock, fitted_gap = parts.fit_clock_mhz(varied, warpgroups=3)
+    fitted_clock, fitted_gap = parts_common.fit_clock_mhz(varied, warpgroups=3)
     assert fitted_clock == pytest.approx(clock) and fitted_gap == pytest.approx(gap)
-    assert parts.summarize_timeline(varied, 2000.0, 2)["gap_us"] > gap + 0.5
-    assert parts.summarize_timeline(varied, fitted_clock, 2)["gap_us"] == pytest.approx(gap)
+    assert parts_common.summarize_timeline(varied, 2000.0, 2)["gap_us"] > gap + 0.5
+    assert parts_common.summarize_timeline(varied, fitted_clock, 2)["gap_us"] == pytest.approx(gap)
     # Blocks all of one length: a clock and a gap cannot be told apart.
-    assert parts.fit_clock_mhz(trace({1: [4000] * 4, 2: [4000] * 3}), warpgroups=3) is None
+    assert parts_common.fit_clock_mhz(trace({1: [4000] * 4, 2: [4000] * 3}), warpgroups=3) is None
 
 
 def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
@@ -763,12 +763,12 @@ def test_prefill_parts_refuses_without_a_gpu(monkeypatch, capsys):
 def test_max_configs_keeps_a_sweep_to_its_first_configs():
     """Context.max_configs: a swept peer times only its first N configs (the package
     default comes first in every grid); 0 times them all."""
-    timer = bench.Timer(warmup=1, reps=1)
-    deadline = bench.Deadline(float("inf"))
+    timer = timing.Timer(warmup=1, reps=1)
+    deadline = timing.Deadline(float("inf"))
     make_call = lambda c: (lambda: jnp.full((2,), c, jnp.float32))  # noqa: E731
-    kept = bench.Context(timer, deadline, max_configs=2).sweep([1.0, 2.0, 3.0], make_call)
+    kept = timing.Context(timer, deadline, max_configs=2).sweep([1.0, 2.0, 3.0], make_call)
     assert [t["config"] for t in kept.sweep] == ["1.0", "2.0"] and kept.note == "best of 2/2 configs"
-    every = bench.Context(timer, deadline).sweep([1.0, 2.0, 3.0], make_call)
+    every = timing.Context(timer, deadline).sweep([1.0, 2.0, 3.0], make_call)
     assert len(every.sweep) == 3
 
 

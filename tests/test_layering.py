@@ -14,6 +14,10 @@ The engine (``jax_paged_attn/engine/``) lives in rooms: every module is at most
 ``engine.py``'s docstring (the room table and the walk of `LLMEngine.step`), and sits
 below `LLMEngine`: none imports ``engine.py`` but ``llm.py`` (built on it) and the
 package's ``__init__``.
+
+The benchmarks (``benchmarks/*.py``) are modules of one job each, at most
+`MAX_BENCHMARK_MODULE_LINES` lines, each with a docstring and named in
+benchmarks/README.md's layout table.
 """
 from __future__ import annotations
 
@@ -146,3 +150,20 @@ def test_the_engine_names_every_room_and_no_room_imports_the_engine():
         if path.stem not in ("engine", "llm"):
             module = module_name(path)
             assert f"{PACKAGE}.engine.engine" not in imports_of(module), f"{module} imports the engine"
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARK_MODULES = sorted(BENCHMARKS.glob("*.py"))
+MAX_BENCHMARK_MODULE_LINES = 600
+
+
+@pytest.mark.parametrize("path", BENCHMARK_MODULES, ids=lambda path: path.name)
+def test_every_benchmark_module_is_small_and_says_what_it_owns(path):
+    """The benchmarks are modules of one job each (the harness's shapes, peers, sweeps,
+    timing, jobs and report; the scripts that compose them): none over
+    `MAX_BENCHMARK_MODULE_LINES` lines, each with a docstring, each named in
+    benchmarks/README.md."""
+    source = path.read_text()
+    assert len(source.splitlines()) <= MAX_BENCHMARK_MODULE_LINES, f"{path.name}: split it by job"
+    assert ast.get_docstring(ast.parse(source)), f"{path.name} has no module docstring"
+    assert f"`{path.name}`" in (BENCHMARKS / "README.md").read_text(), f"benchmarks/README.md does not name {path.name}"
