@@ -350,6 +350,25 @@ def test_concurrent_greedy_requests_match_offline(server, offline):
     assert wait_until(lambda: metrics(server)["vllm:num_requests_running"] == 0)
 
 
+def test_the_http_benchmark_drives_the_server_with_the_offline_workload(server, checkpoint, capsys):
+    """benchmarks/bench_http.py against the real server: every request streamed to its
+    last token, at once and at Poisson arrivals of half the first run's rate."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_http
+
+    vocab_size = checkpoint[1].get_vocab_size()
+    rows = bench_http.main(["--url", server.url, "--api-key", API_KEY, "--num-requests", "6", "--rates", "inf,0.5x",
+                            "--prompt-lens", "4,12", "--output-lens", "2,6", "--vocab-size", str(vocab_size)])
+    workload = bench_http.make_workload(6, vocab_size, (4, 12), (2, 6))
+    assert [rate for rate, _ in rows][0] == "inf" and rows[1][0].startswith("0.5x (")
+    for _, result in rows:
+        assert result["failed"] == 0 and result["requests"] == 6, result["errors"]
+        assert result["output_tok_s"] * result["duration_s"] == pytest.approx(workload.output_tokens)
+        assert all(v > 0 for v in result["ttft_ms"] + result["latency_ms"])
+    assert "| 0.5x (" in capsys.readouterr().out
+    assert wait_until(lambda: metrics(server)["vllm:num_requests_running"] == 0)
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     idle = metrics(server)
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)

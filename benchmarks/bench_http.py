@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Serving benchmark over HTTP, after vLLM's ``vllm bench serve``: `bench_serving.py`'s
+workload and arrivals sent to a running OpenAI-compatible server (``jax-paged-attn
+serve``, or any other) as streamed ``/v1/completions`` requests.
+
+    python benchmarks/bench_http.py --url http://127.0.0.1:8000 [--model NAME] [--api-key KEY]
+                                    [--num-requests 1000] [--rates inf,0.5x] [--prompt-lens 32,2048]
+                                    [--output-lens 16,512] [--seed 0] [--json OUT.json]
+
+**Workload and arrivals**: `bench_serving.make_workload` and `bench_serving.poisson_arrivals`
+with the same seed, so the requests (token-id prompts, greedy, EOS ignored, ``max_tokens``
+each) and the arrival pattern are the offline run's; ``--rates`` as there (``inf``: all at
+once; a number: Poisson requests/s; ``Fx``: F times the ``inf`` run's request throughput).
+The server must hold prompts of the workload's longest length plus its output.
+
+**Client**: one thread per request in flight (the standard library's ``http.client``), each
+sending its request when its arrival time comes and reading the Server-Sent Events as they
+arrive; the server's vocabulary must hold the workload's ids (``--vocab-size``, default
+the benchmark model's 32,000).
+
+**Per rate**, vLLM's metrics: duration (first request sent to last response read), request
+throughput, output and total (prompt + output) tok/s, failed requests (any status but 200,
+an error event, a broken stream, or fewer tokens than asked), and at p50 / p90 / p99:
+TTFT (sent to the first chunk with text), TPOT ((latency - TTFT) / (output tokens - 1) per
+request), ITL (the gap between consecutive chunks with text, each chunk counting once
+however many tokens it carries) and end-to-end latency. Output tokens are the usage
+chunk's ``completion_tokens`` (``stream_options.include_usage``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import pathlib
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+for _path in (_REPO, _REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import numpy as np  # noqa: E402
+
+from bench_serving import Workload, make_workload, parse_rates, percentiles, poisson_arrivals  # noqa: E402
+
+DEFAULT_VOCAB_SIZE = 32000
+"""The vocabulary of `bench_engine.py`'s 1.1B Llama, whose ids the workload draws."""
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """One streamed request as the client saw it (times in s from the run's start)."""
+
+    sent_s: float = 0.0
+    first_text_s: float | None = None
+    done_s: float | None = None
+    chunk_times_s: list[float] = dataclasses.field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str], start: float,
+                      result: RequestResult) -> None:
+    """Sends one streamed completion and records its chunks' arrival (``result``)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
+    try:
+        result.sent_s = time.perf_counter() - start
+        connection.request("POST", "/v1/completions", json.dumps(body), headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {response.read()[:300]!r}"
+            return
+        finished = False
+        for raw in response:  # one line at a time, as the server flushes them
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                finished = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = str(event["error"])[:300]
+                return
+            now = time.perf_counter() - start
+            if event.get("usage"):
+                result.output_tokens = int(event["usage"]["completion_tokens"])
+            if any(choice.get("text") for choice in event.get("choices", [])):
+                result.first_text_s = now if result.first_text_s is None else result.first_text_s
+                result.chunk_times_s.append(now)
+        result.done_s = time.perf_counter() - start
+        if not finished:
+            result.error = "the stream ended without data: [DONE]"
+        elif result.output_tokens != body["max_tokens"]:
+            result.error = f"{result.output_tokens} tokens of the {body['max_tokens']} asked"
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    finally:
+        connection.close()
+
+
+def run_rate(url: str, model: str, api_key: str | None, workload: Workload, arrivals_s: np.ndarray
+             ) -> dict[str, Any]:
+    """Sends the workload at ``arrivals_s`` and measures it (module docstring)."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    results = [RequestResult() for _ in workload.prompts]
+    threads = []
+    start = time.perf_counter()
+    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
+        body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        delay = arrivals_s[i] - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        thread = threading.Thread(target=stream_completion, args=(url, body, headers, start, results[i]),
+                                  daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return summarize(workload, results)
+
+
+def summarize(workload: Workload, results: list[RequestResult]) -> dict[str, Any]:
+    """vLLM's serving metrics of one run's ``results`` (module docstring)."""
+    good = [(r, p) for r, p in zip(results, workload.prompts) if r.error is None]
+    duration = max((r.done_s for r, _ in good), default=0.0) - min((r.sent_s for r in results), default=0.0)
+    output_tokens = sum(r.output_tokens for r, _ in good)
+    prompt_tokens = sum(len(p) for _, p in good)
+    ttft = [1e3 * (r.first_text_s - r.sent_s) for r, _ in good if r.first_text_s is not None]
+    latency = [1e3 * (r.done_s - r.sent_s) for r, _ in good]
+    tpot = [1e3 * (r.done_s - r.first_text_s) / (r.output_tokens - 1) for r, _ in good
+            if r.first_text_s is not None and r.output_tokens > 1]
+    itl = [1e3 * gap for r, _ in good for gap in np.diff(r.chunk_times_s)]
+    per_s = (lambda n: n / duration) if duration > 0 else (lambda n: float("nan"))
+    return dict(requests=len(results), failed=len(results) - len(good),
+                errors=sorted({r.error for r in results if r.error})[:5], duration_s=duration,
+                request_rate=per_s(len(good)), output_tok_s=per_s(output_tokens),
+                total_tok_s=per_s(output_tokens + prompt_tokens), ttft_ms=percentiles(ttft),
+                tpot_ms=percentiles(tpot), itl_ms=percentiles(itl), latency_ms=percentiles(latency))
+
+
+def markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """One table row per rate."""
+    def p(values: list[float]) -> str:
+        return " / ".join(f"{v:.1f}" for v in values)
+
+    lines = ["| rate | requests | failed | duration s | req/s | output tok/s | total tok/s | TTFT ms p50 / p90 / p99 "
+             "| TPOT ms | ITL ms | latency ms |", "| --- " * 11 + "|"]
+    for rate, r in rows:
+        lines.append(f"| {rate} | {r['requests']} | {r['failed']} | {r['duration_s']:.2f} | {r['request_rate']:.2f} "
+                     f"| {r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | {p(r['ttft_ms'])} | {p(r['tpot_ms'])} "
+                     f"| {p(r['itl_ms'])} | {p(r['latency_ms'])} |")
+    return "\n".join(lines)
+
+
+def _pair(text: str, name: str) -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} takes LOW,HIGH (two ints), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{name} needs 1 <= LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="the served model name (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--rates", default="inf", help="inf, requests/s, or Fx (F times the inf run's rate)")
+    parser.add_argument("--prompt-lens", type=lambda t: _pair(t, "--prompt-lens"), default=(32, 2048))
+    parser.add_argument("--output-lens", type=lambda t: _pair(t, "--output-lens"), default=(16, 512))
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.num_requests < 1:
+        parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    try:
+        rates = parse_rates(args.rates)
+    except ValueError as error:
+        parser.error(str(error))
+    model = args.model or _first_model(args.url, args.api_key)
+    workload = make_workload(args.num_requests, args.vocab_size, args.prompt_lens, args.output_lens, args.seed)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    saturation = None
+    for rate in rates:
+        value = float("inf") if rate == "inf" else (
+            float(rate[:-1]) * saturation if rate.endswith("x") else float(rate))
+        result = run_rate(args.url, model, args.api_key, workload, poisson_arrivals(args.num_requests, value, args.seed))
+        if rate == "inf":
+            saturation = result["request_rate"]
+        rows.append((rate if value == float("inf") else f"{rate} ({value:.2f} req/s)", result))
+        print(markdown(rows[-1:]), flush=True)
+    print(f"\n# HTTP serving, {args.url}, model {model}, {args.num_requests} requests\n")
+    print(markdown(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([dict(rate=rate, **r) for rate, r in rows], indent=1))
+    return rows
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connection.request("GET", "/v1/models", headers=headers)
+    response = connection.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"GET {url}/v1/models answered {response.status}: pass --model")
+    return json.loads(response.read())["data"][0]["id"]
+
+
+if __name__ == "__main__":
+    main()
