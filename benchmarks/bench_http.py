@@ -3,9 +3,16 @@
 workload and arrivals sent to a running OpenAI-compatible server (``jax-paged-attn
 serve``, or any other) as streamed ``/v1/completions`` requests.
 
+    python benchmarks/bench_http.py --write-checkpoint DIR [--quick]
+    jax-paged-attn serve DIR --max-num-seqs 256 --max-num-batched-tokens 8192 ... &
     python benchmarks/bench_http.py --url http://127.0.0.1:8000 [--model NAME] [--api-key KEY]
                                     [--num-requests 1000] [--rates inf,0.5x] [--prompt-lens 32,2048]
                                     [--output-lens 16,512] [--seed 0] [--json OUT.json]
+
+``--write-checkpoint DIR`` saves the offline benchmark's model (`bench_engine.build_model`:
+the random-weight 1.1B Llama in bfloat16; ``--quick`` the tiny one) as a Hugging Face
+directory with a word-level tokenizer.json whose token ``w{i}`` is id ``i`` (the workload
+sends ids, so any tokenizer covering the vocabulary serves), for the server to load.
 
 **Workload and arrivals**: `bench_serving.make_workload` and `bench_serving.poisson_arrivals`
 with the same seed, so the requests (token-id prompts, greedy, EOS ignored, ``max_tokens``
@@ -175,7 +182,10 @@ def _pair(text: str, name: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--write-checkpoint", type=pathlib.Path, default=None, metavar="DIR",
+                        help="save the benchmark model and a tokenizer for the server to load, then exit")
+    parser.add_argument("--quick", action="store_true", help="with --write-checkpoint: the tiny model")
     parser.add_argument("--model", default=None, help="the served model name (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=1000)
@@ -186,6 +196,12 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
+    if args.write_checkpoint is not None:
+        args.write_checkpoint.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(args.write_checkpoint, args.quick)
+        return []
+    if args.url is None:
+        parser.error("--url is required (or --write-checkpoint DIR)")
     if args.num_requests < 1:
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     try:
@@ -209,6 +225,23 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     if args.json is not None:
         args.json.write_text(json.dumps([dict(rate=rate, **r) for rate, r in rows], indent=1))
     return rows
+
+
+def write_checkpoint(directory: pathlib.Path, quick: bool) -> None:
+    """The offline benchmark's model as a checkpoint directory the server loads (module
+    docstring)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bench_engine import build_model
+    from jax_paged_attn.models import save_checkpoint
+
+    model, _ = build_model(quick)
+    save_checkpoint(model, model.config, directory)
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    print(f"wrote {directory}: {model.config.vocab_size} token ids, {np.dtype(model.dtype).name} weights")
 
 
 def _first_model(url: str, api_key: str | None) -> str:
