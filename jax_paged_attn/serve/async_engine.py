@@ -240,6 +240,8 @@ class AsyncEngine:
                 stopping = self._stopping
             for op in ops:
                 op()
+            if ops:
+                self._update_load()  # an abort frees its blocks now: /metrics says so before the next step
             if stopping:
                 self._drop_all(RequestAborted("the server shut down"))
                 return
