@@ -36,6 +36,7 @@ package replaced at run time, for example). Turn the store off
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -146,6 +147,7 @@ def environment_key() -> list[str]:
             f"config {config!r}"]
 
 
+@functools.lru_cache(maxsize=1)
 def _plugin_versions() -> str:
     """The installed JAX PJRT plugins and their versions (``jax-cuda13-plugin`` and the
     like): a plugin upgrade changes the compiler without changing jax or jaxlib."""

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from jax_paged_attn.engine import CompletionOutput, Logprob, SamplingParams
 from jax_paged_attn.serve.detokenizer import SequenceText
@@ -348,16 +348,9 @@ class AsyncEngine:
     def _update_load(self) -> None:
         with self._cond:
             queued = self._num_queued_sequences
-        self.metrics.set_load(**_load(self.engine), queued=queued)
+        self.metrics.set_load(self.engine.load(), queued=queued)
 
 
 def _progress(engine: "LLMEngine", request_id: str) -> CompletionOutput:
     """The sequence an engine request has generated so far (finished or not)."""
     return engine.peek_output(request_id).outputs[0]
-
-
-def _load(engine: "LLMEngine") -> dict[str, Any]:
-    """The engine's queue lengths and the fraction of its device KV blocks held."""
-    load = engine.load()
-    return dict(running=load.num_running, waiting=load.num_waiting, swapped=load.num_swapped,
-                kv_cache_usage=load.kv_cache_usage)

@@ -17,6 +17,11 @@ from the server's: one lock.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax_paged_attn.engine import EngineLoad
+
 import bisect
 import collections
 import threading
@@ -56,11 +61,12 @@ class ServerMetrics:
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
 
-    def set_load(self, *, running: int, waiting: int, swapped: int, kv_cache_usage: float, queued: int = 0) -> None:
-        """The engine's queues (``queued``: sequences not yet handed to it count as waiting)."""
+    def set_load(self, load: "EngineLoad", queued: int = 0) -> None:
+        """The engine's queues and KV-cache use (`LLMEngine.load`); ``queued``: sequences
+        not yet handed to it, counted as waiting."""
         with self._lock:
-            self.gauges.update(running=running, waiting=waiting + queued, swapped=swapped,
-                               kv_cache_usage=kv_cache_usage)
+            self.gauges.update(running=load.num_running, waiting=load.num_waiting + queued, swapped=load.num_swapped,
+                               kv_cache_usage=load.kv_cache_usage)
 
     def add_tokens(self, *, prompt: int = 0, generation: int = 0) -> None:
         with self._lock:
