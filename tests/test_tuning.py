@@ -334,12 +334,3 @@ def test_mosaic_prefill_masked_parts_divide_the_block(block_k, masked_block_k, m
     tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, num_q_heads=1, max_seqlen_q=4096, max_seqlen_k=max_seqlen_k,
                                               block_size=None, config=config)
     assert (tiling.block_k, tiling.masked_block_k) == expected
-
-
-@pytest.mark.parametrize("kind, head_sizes", [("NVIDIA H200", {128, 256}), ("NVIDIA H100 80GB HBM3", {128, 256}),
-                                              ("NVIDIA H100 PCIe", set()), ("NVIDIA L4", set())])
-def test_auto_prefills_through_the_mosaic_gpu_kernel_where_it_was_measured_faster(kind, head_sizes):
-    """The H200's and the H100's measured head sizes (D 64 stays on Triton on both: the
-    engine's prompt step); a GPU without a measurement keeps the Triton kernel."""
-    device = tuning.TuningDevice(kind, 227 * 1024)
-    assert {d for d in (32, 64, 80, 128, 192, 256) if tuning.auto_prefers_mosaic_prefill(d, device)} == head_sizes
