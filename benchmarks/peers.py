@@ -159,11 +159,15 @@ def _torch_sdpa(backend_name: str):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = getattr(SDPBackend, backend_name)
+        mask = None
         if isinstance(case, DecodeCase):
             q = ctx.to_torch(x.q).transpose(1, 2).contiguous()  # [B, Hq, 1, D]
             k = ctx.to_torch(x.contiguous(x.k_cache, case.context)).transpose(1, 2).contiguous()
             v = ctx.to_torch(x.contiguous(x.v_cache, case.context)).transpose(1, 2).contiguous()
             causal, convert = False, lambda o: torch_to_numpy(o)[:, :, 0]
+            if case.contexts:  # a ragged batch: each sequence's keys past its length masked out
+                visible = ctx.to_torch(jnp.arange(case.context)[None, :] < x.seqlens[:, None])
+                mask = visible[:, None, None, :]  # [B, 1, 1, ctx]
         else:  # dense prefill: [B, H, S, D]
             seq = case.q_lens[0]
             q = ctx.to_torch(x.q).reshape(case.batch, seq, case.q_heads, -1).transpose(1, 2).contiguous()
@@ -174,7 +178,8 @@ def _torch_sdpa(backend_name: str):
 
         def call():
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                        enable_gqa=True)
 
         measured = ctx.time_torch(call, convert)
         if measured.retime is None:  # measured once: free the inputs (kept for the rounds otherwise)
@@ -207,7 +212,7 @@ def decode_torch_varlen_paged(ctx: Context, case: DecodeCase, x: DecodeInputs) -
     q = ctx.to_torch(x.q[:, 0])  # [B, Hq, D]: one query per sequence
     kc, vc = ctx.to_torch(x.k_cache), ctx.to_torch(x.v_cache)
     cu_q = torch.arange(case.batch + 1, dtype=torch.int32, device="cuda")
-    cu_k = ctx.to_torch(jnp.arange(case.batch + 1, dtype=jnp.int32) * case.context)
+    cu_k = ctx.to_torch(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x.seqlens, dtype=jnp.int32)]))
     table, used = ctx.to_torch(x.block_table), ctx.to_torch(x.seqlens)
     extra = {"enable_gqa": True} if "enable_gqa" in params else {}
     return ctx.time_torch(

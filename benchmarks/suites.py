@@ -82,7 +82,9 @@ def _itemsize(dtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCase:
-    """One query token per sequence; every sequence holds ``context`` cached tokens."""
+    """One query token per sequence; every sequence holds ``context`` cached tokens, or,
+    in a ragged batch (`ragged`), sequence b holds ``contexts[b]`` (``context`` is then
+    their maximum, the block table's width)."""
 
     batch: int
     context: int
@@ -91,19 +93,39 @@ class DecodeCase:
     head_dim: int
     page_size: int = 16
     dtype: str = "bfloat16"
+    contexts: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.contexts and (len(self.contexts) != self.batch or max(self.contexts) != self.context):
+            raise ValueError(f"contexts: {len(self.contexts)} lengths up to {max(self.contexts)} for "
+                             f"batch {self.batch} and context {self.context}")
+
+    @classmethod
+    def ragged(cls, contexts: Sequence[int], q_heads: int, kv_heads: int, head_dim: int, **kw) -> "DecodeCase":
+        """A batch of sequences of different lengths, as a serving step decodes them."""
+        contexts = tuple(int(n) for n in contexts)
+        return cls(len(contexts), max(contexts), q_heads, kv_heads, head_dim, contexts=contexts, **kw)
 
     @property
     def label(self) -> str:
-        return (f"B{self.batch} ctx{self.context} Hq{self.q_heads} Hk{self.kv_heads} "
-                f"D{self.head_dim} page{self.page_size}")
+        if self.contexts:
+            lens = f"ragged B{self.batch} ctx{min(self.contexts)}-{self.context} (mean {sum(self.contexts) // self.batch})"
+        else:
+            lens = f"B{self.batch} ctx{self.context}"
+        return f"{lens} Hq{self.q_heads} Hk{self.kv_heads} D{self.head_dim} page{self.page_size}"
 
     @property
     def pages_per_seq(self) -> int:
         return -(-self.context // self.page_size)
 
     @property
+    def seqlens(self) -> tuple[int, ...]:
+        return self.contexts or (self.context,) * self.batch
+
+    @property
     def work(self) -> float:
-        return decode_kv_bytes(self.batch, self.context, self.kv_heads, self.head_dim, _itemsize(self.dtype))
+        """Bytes of K and V the step must read: each sequence's own context."""
+        return decode_kv_bytes(1, sum(self.seqlens), self.kv_heads, self.head_dim, _itemsize(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +230,10 @@ DECODE_CASES = (
     # A GQA group of 8 at head size 64: no table entry of its own (it takes its
     # nearest measured key's config, `tuning.nearest_decode_key`).
     DecodeCase(256, 1024, 32, 4, 64),
+    # Serving's batches (bench_serving.py: prompts of 32-2,048 tokens, outputs of 16-512):
+    # a decode step's sequences hold 32-2,560 tokens, at the 1.1B Llama's heads and an 8B's.
+    DecodeCase.ragged(mixed_lengths(256, 32, 2560, seed=5), 32, 4, 64),
+    DecodeCase.ragged(mixed_lengths(64, 32, 2560, seed=6), 32, 8, 128),
 )
 PREFILL_CASES = (
     AttentionCase.dense_prefill(8, 2048, 32, 8, 128),
@@ -237,7 +263,7 @@ CACHE_CASES = (
 # Tiny shapes for CPU dry runs (--tiny): same code paths, seconds to run.
 _TINY_MIXED = (5, 40, 17)
 TINY_CASES = {
-    "decode": (DecodeCase(2, 64, 4, 2, 32),),
+    "decode": (DecodeCase(2, 64, 4, 2, 32), DecodeCase.ragged((9, 64, 30), 4, 2, 32)),
     "prefill": (AttentionCase.dense_prefill(2, 64, 4, 2, 32),),
     "varlen": (AttentionCase("mixed", _TINY_MIXED, _TINY_MIXED, 4, 2, 32),),
     "prefix": (AttentionCase("prefix", (8, 8), (48, 40), 4, 2, 32, page_size=16),),
@@ -301,7 +327,7 @@ def build_decode_inputs(case: DecodeCase, seed: int = 0) -> DecodeInputs:
     return DecodeInputs(
         q=q, k_cache=k_cache, v_cache=v_cache,
         block_table=jnp.asarray(random_permutation(seed, num_blocks).reshape(case.batch, -1)),
-        seqlens=jnp.full((case.batch,), case.context, jnp.int32),
+        seqlens=jnp.asarray(case.seqlens, jnp.int32),
     )
 
 

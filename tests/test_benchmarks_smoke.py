@@ -117,6 +117,15 @@ def test_decode_inputs_use_a_permuted_block_table_and_a_consistent_contiguous_vi
     np.testing.assert_array_equal(k[b, j], cache[table[b, j // case.page_size], j % case.page_size])
 
 
+def test_a_ragged_decode_batch_reads_each_sequence_own_context():
+    case = suites.DecodeCase.ragged((9, 64, 30), 4, 2, 32)
+    assert (case.batch, case.context, case.label) == (3, 64, "ragged B3 ctx9-64 (mean 34) Hq4 Hk2 D32 page16")
+    assert case.work == suites.decode_kv_bytes(1, 9 + 64 + 30, 2, 32, 2)
+    assert np.asarray(suites.build_decode_inputs(case).seqlens).tolist() == [9, 64, 30]
+    with pytest.raises(ValueError, match="contexts"):
+        suites.DecodeCase(2, 64, 4, 2, 32, contexts=(9, 64, 30))
+
+
 def test_attention_inputs_paged_keys_and_padding_round_trip():
     case = suites.TINY_CASES["prefix"][0]
     x = suites.build_attention_inputs(case)
@@ -264,16 +273,19 @@ def test_dry_run_of_our_implementations_through_the_harness(tmp_path):
     assert bench.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.md"]
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
-    ours = {r["suite"]: r for r in rows if r["is_ours"]}
-    assert set(ours) == set(suites.SUITES)
-    for suite, row in ours.items():
-        assert row["status"] == "ok", (suite, row["error"])
+    ours = {(r["suite"], r["case"]): r for r in rows if r["is_ours"]}
+    assert {suite for suite, _ in ours} == set(suites.SUITES)
+    assert len(ours) == sum(len(cases) for cases in suites.TINY_CASES.values())
+    for (suite, case), row in ours.items():
+        assert row["status"] == "ok", (suite, case, row["error"])
         assert row["value"] > 0 and row["ms"] > 0
         # Three alternating rounds (the default): the row's time is their median.
         assert len(row["rounds_ms"]) == 3 and row["ms"] == pytest.approx(statistics.median(row["rounds_ms"]))
-    gather = next(r for r in rows if r["impl"] == "xla_gather")
-    assert gather["check_against"] == "ours" and gather["check_max_abs_diff"] < report.AGREEMENT_ATOL
-    assert gather["ratio"] == pytest.approx(ours["decode"]["value"] / gather["value"])
+    gathers = [r for r in rows if r["impl"] == "xla_gather"]
+    assert any("ragged" in r["case"] for r in gathers)  # the ragged decode batch too, against ours
+    for gather in gathers:
+        assert gather["check_against"] == "ours" and gather["check_max_abs_diff"] < report.AGREEMENT_ATOL
+        assert gather["ratio"] == pytest.approx(ours[("decode", gather["case"])]["value"] / gather["value"])
     for row in (r for r in rows if r["suite"] == "cache"):
         assert row["check_against"] == "expected" and row["check_max_abs_diff"] == 0.0
     markdown = (tmp_path / "run.md").read_text()
