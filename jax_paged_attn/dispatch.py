@@ -13,7 +13,7 @@ Implementations (the ``implementation=`` argument of the public functions):
 * ``None`` / ``"auto"``: a Pallas kernel when the call is lowered for CUDA and a kernel
   supports the call, else ``"xla"``. The kernel is the Triton one, except for prefill
   at the head sizes where the Mosaic GPU kernel was measured faster on the GPU the call
-  is planned for (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 and 256 on the H200) when it
+  is planned for (`tuning.MOSAIC_PREFILL_HEAD_SIZES`: D 128 and 256 on the H200 and the H100) when it
   supports the call, the K/V arrays hold fewer than 2**31 elements (larger caches
   have been run through the Triton kernels only) and the sequences average at least
   `MOSAIC_AUTO_MIN_QUERY_ROWS_PER_SEQUENCE` query rows (many short rows stay on the

@@ -4,7 +4,7 @@
 (packed or paged keys, cu_seqlens, bottom-right causal, window, ALiBi, soft-cap, fp8
 cache) and runs the kernel of `jax_paged_attn.kernels.triton_prefill` (``lowering=
 "triton"``) or of `jax_paged_attn.kernels.mosaic_prefill` (``lowering="mosaic_gpu"``,
-Hopper; measured faster at head sizes 128 and 256 on the H200: the same plan and semantics, its own tiling
+Hopper; measured faster at head sizes 128 and 256 on the H200 and the H100: the same plan and semantics, its own tiling
 `plans.MosaicPrefillTiling`, and TMA's whole-tile reads and writes, see
 `plan_mosaic_varlen` and `run_mosaic_varlen`). The rest of this docstring describes the Triton kernel's
 tiling; the Mosaic kernel's is in its module. This module

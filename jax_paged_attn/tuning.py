@@ -491,7 +491,10 @@ MOSAIC_PREFILL_CONFIG = MosaicPrefillConfig()
 MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP = MosaicPrefillConfig(compute_warpgroups=1, warp_specialized=False)
 
 
-MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128, 256})}
+H100_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+
+MOSAIC_PREFILL_HEAD_SIZES: dict[str, frozenset[int]] = {REFERENCE_DEVICE_KIND: frozenset({128, 256}),
+                                                       H100_DEVICE_KIND: frozenset({128, 256})}
 """Head sizes at which auto runs prefill through the Mosaic GPU kernel instead of the
 Triton one, per GPU model: where it was measured faster (benchmarks/NOTES.md, H200,
 jax 0.11.2; 2026-12-01: at D 128 1.18x / 1.76x on dense causal B8 S2048 / B1 S16384,
@@ -506,7 +509,14 @@ prompts of 292-1,797 tokens (8,218) over the paged cache they were written to, H
 0.310 ms against the Triton kernel's 0.205: there a Mosaic GPU program is one head's 128
 positions over a few blocks, mostly fixed cost and the causal diagonal, one program an
 SM, where the Triton kernel's tiles hold 16 positions of a KV group's 8 heads, two
-programs an SM. D 64 stays on Triton: the engine's prefills are that call)."""
+programs an SM. D 64 stays on Triton: the engine's prefills are that call).
+
+The H100 (80GB HBM3; benchmarks/NOTES.md, 2026-12-06 15:50 UTC, one `bench_attention.py`
+run, jax 0.11.2, the Triton kernels on the H100's own tables, tuned that hour): the
+Mosaic GPU kernel x1.29 / x1.45 at D 128 (dense causal B8 S2048 / B1 S16384), x1.88 on a
+cached prefix (B8 q512 on ctx4096), x1.10 on the engine's prompt step (8 fresh prompts,
+Hq32 Hk8), x1.14 at D 256 (B4 S4096); x1.02 at D 64 (B16 S1024), where the engine's
+prompt step (x0.66 on the H200) has not been measured through it: D 64 stays on Triton."""
 
 
 def auto_prefers_mosaic_prefill(head_size: int, device: TuningDevice | None = None) -> bool:

@@ -609,16 +609,18 @@ def test_auto_prefills_many_short_query_runs_through_the_triton_kernel(paged):
 
 def test_auto_prefill_keeps_triton_where_the_mosaic_kernel_is_not_measured_or_cannot_run(monkeypatch):
     """float32 queries (the Mosaic GPU kernel takes 16-bit ones) and a GPU without a
-    measurement (here an H100) run the Triton kernel at D 128."""
+    measurement (here an H100 PCIe) run the Triton kernel at D 128; the H100 80GB HBM3,
+    measured, runs the Mosaic GPU kernel there."""
     from jax_paged_attn import tuning
 
     text = _auto_varlen_text(128, paged=False, q_dtype=jnp.float32)
     assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
-    monkeypatch.setattr(tuning, "target_device", lambda: tuning.TuningDevice("NVIDIA H100 80GB HBM3", 227 * 1024))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tuning.UntunedDeviceWarning)  # (the H100 has no measured tables)
-        text = _auto_varlen_text(128, paged=True)
-    assert TRITON_CALL in text and MOSAIC_GPU_CALL not in text
+    for kind, mosaic in (("NVIDIA H100 PCIe", False), ("NVIDIA H100 80GB HBM3", True)):
+        monkeypatch.setattr(tuning, "target_device", lambda kind=kind: tuning.TuningDevice(kind, 227 * 1024))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tuning.UntunedDeviceWarning)  # (no measured tile tables on either)
+            text = _auto_varlen_text(128, paged=True)
+        assert (MOSAIC_GPU_CALL in text) == mosaic and (TRITON_CALL in text) != mosaic, kind
 
 
 def test_auto_prefills_a_cache_of_2_31_elements_through_the_triton_kernel():

@@ -21,15 +21,20 @@ import apply_tuning  # noqa: E402
 def test_measured_tables_load_into_valid_configs():
     data = json.loads(pathlib.Path(tuning.__file__).with_name(tuning.MEASURED_TABLES_FILE).read_text())
     assert data["DECODE_TABLE"] and data["PREFILL_TABLE"]
+    def device(entry):  # each entry is looked up on its own GPU model, whatever this host plans for
+        return tuning.TuningDevice(entry["device"], tuning.REFERENCE_DEVICE.shared_memory_per_block)
+
+    assert {entry["device"] for table in data.values() for entry in table} >= {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
     for entry in data["PREFILL_TABLE"]:
         head_size, dtype_name, paged = entry["key"]
-        config = tuning.prefill_config(head_size, dtype_name, paged=paged)
+        config = tuning.prefill_config(head_size, dtype_name, paged=paged, device=device(entry), tables=("shipped",))
         assert config == tuning.PrefillConfig(**entry["config"])
         prefill.check_config(config)
-        assert entry["measured"]["gpu"].startswith("NVIDIA") and entry["shapes"]
+        assert entry["measured"]["gpu"].startswith(entry["device"]) and entry["shapes"]
     for entry in data["DECODE_TABLE"]:
         head_size, block_size, group = entry["key"]
-        assert tuning.decode_config(head_size, block_size, group) == tuning.DecodeConfig(**entry["config"])
+        assert tuning.decode_config(head_size, block_size, group, device=device(entry), tables=("shipped",)) \
+            == tuning.DecodeConfig(**entry["config"])
 
 
 def test_an_unmeasured_decode_key_takes_the_nearest_measured_one_of_its_head_size():
@@ -334,3 +339,12 @@ def test_mosaic_prefill_masked_parts_divide_the_block(block_k, masked_block_k, m
     tiling = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, num_q_heads=1, max_seqlen_q=4096, max_seqlen_k=max_seqlen_k,
                                               block_size=None, config=config)
     assert (tiling.block_k, tiling.masked_block_k) == expected
+
+
+@pytest.mark.parametrize("kind, head_sizes", [("NVIDIA H200", {128, 256}), ("NVIDIA H100 80GB HBM3", {128, 256}),
+                                              ("NVIDIA H100 PCIe", set()), ("NVIDIA L4", set())])
+def test_auto_prefills_through_the_mosaic_gpu_kernel_where_it_was_measured_faster(kind, head_sizes):
+    """The H200's and the H100's measured head sizes (D 64 stays on Triton on both: the
+    engine's prompt step); a GPU without a measurement keeps the Triton kernel."""
+    device = tuning.TuningDevice(kind, 227 * 1024)
+    assert {d for d in (32, 64, 80, 128, 192, 256) if tuning.auto_prefers_mosaic_prefill(d, device)} == head_sizes
