@@ -29,7 +29,8 @@ visits them:
 
 Beneath the rooms: ``block_allocator.py`` (the scheduler's block pools and prefix
 cache), ``model_runner.py`` (the device side), ``sampling.py`` (`SamplingParams`, the
-samplers), ``shapes.py`` (the programs' static shapes) and ``program_store.py``
+samplers), ``penalties.py`` (the penalties, ``logit_bias`` and ``min_tokens`` on the
+device, and the per-row token counts they read), ``shapes.py`` (the programs' static shapes) and ``program_store.py``
 (compiled programs kept on disk); above them, ``llm.py`` (`LLM`: text in, text out).
 
 A walk through `LLMEngine.step`, top to bottom, one module each:
@@ -205,9 +206,9 @@ class LLMEngine:
           request_id: unique id; default: a counter.
 
         Raises ValueError / TypeError naming the problem (empty prompt, prompt too long
-        for the model's max context, token ids out of range, stop ids outside the
-        vocabulary, duplicate id, a request the cache could never hold, ``n`` > 1 or stop
-        strings: see below).
+        for the model's max context, token ids out of range, stop ids or ``logit_bias``
+        ids outside the vocabulary, duplicate id, a request the cache could never hold,
+        ``n`` > 1 or stop strings: see below).
 
         One request is one sequence: ``SamplingParams.n`` > 1 is taken by `generate`
         (which adds ``n`` requests). Stop strings need text, which the engine does not
@@ -226,6 +227,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"sampling_params.stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}).")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"sampling_params.logit_bias token ids {bad} lie outside the vocabulary "
+                             f"[0, {self.vocab_size}).")
         if request_id is None:
             while str(self._request_counter) in self.scheduler.requests:
                 self._request_counter += 1
