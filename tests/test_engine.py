@@ -26,6 +26,7 @@ from jax_paged_attn.engine import (
 )
 from jax_paged_attn.engine.decode_batch import DecodeBatch
 from jax_paged_attn.engine.model_runner import DecodeState, decode_batch_rows
+from jax_paged_attn.engine.penalties import Penalties
 from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
@@ -448,7 +449,7 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
 def test_decode_window_program_has_no_conditional():
     """No data-dependent branch in the decode window or the mixed step lowered for CUDA
     (XLA would copy its predicate to the host, and the call would wait for the whole
-    step), greedy or sampled."""
+    step), greedy, sampled, or sampled with penalties."""
     small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(5))
     engine = LLMEngine(small, dataclasses.replace(BASE, num_scheduler_steps=2))
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=8))
@@ -458,25 +459,31 @@ def test_decode_window_program_has_no_conditional():
     state = runner._decode_state
     rows, width = state.block_tables.shape
     assert rows == 4 and state.active.tolist() == [True, False, False, False]  # BASE's batch bucket
-    for greedy_batch in (True, False):
+    num_stop_ids, vocab = state.stop_ids.shape[1], small.config.vocab_size
+    variants = [(True, None), (False, None), (False, vocab)]  # (greedy, vocabulary of the Penalties or none)
+    for greedy_batch, penalties_vocab in variants:
+        window_state = state if penalties_vocab is None else jax.device_put(
+            DecodeState.empty(rows, width, num_stop_ids, penalties_vocab))
         with cuda_lowering_target():
             text = runner.window_program.trace(
-                runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+                runner.params, runner.kv_caches, window_state, np.ones(rows, bool), np.full(rows, rows, np.int32),
                 np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
                 max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text  # the kernels, as on a GPU
         assert_no_data_dependent_branch(text)
     # The mixed step too, with the prompts joining the batch inside it.
     num_tokens, num_seqs = engine.shapes.prompt_shapes[0]
-    width, num_stop_ids = engine.shapes.block_table_width, state.stop_ids.shape[1]
-    mixed_state = jax.device_put(DecodeState.empty(rows, width, num_stop_ids))
+    width = engine.shapes.block_table_width
     join = (np.arange(num_seqs, dtype=np.int32) % (rows + 1), DecodeState.empty(num_seqs, width, num_stop_ids))
-    for greedy_batch in (True, False):
+    for greedy_batch, penalties_vocab in variants:
+        mixed_state = jax.device_put(DecodeState.empty(rows, width, num_stop_ids, penalties_vocab))
+        prompt_penalties = None if penalties_vocab is None else Penalties.neutral(num_seqs, vocab, num_stop_ids)
         with cuda_lowering_target():
             text = runner.mixed_program.trace(
                 runner.params, runner.kv_caches, mixed_state, np.ones(rows, bool), np.full(rows, rows, np.int32),
                 np.zeros((rows, width), np.int32), *engine._inputs.padding_prompt_inputs(num_tokens, num_seqs), *join,
-                greedy=greedy_batch, block_size=16, max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
+                prompt_penalties, greedy=greedy_batch, block_size=16,
+                max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
         assert_no_data_dependent_branch(text)
 

@@ -30,8 +30,9 @@ def warm_engine(model):
     engine = LLMEngine(model, CONFIG)
     report = engine.warmup(use_tqdm=False)
     shapes = engine.shapes
-    # Windows and mixed steps of every row count, greedy and sampled, plus copy-on-write sizes.
-    expected = 2 * (len(shapes.decode_rows) * len(shapes.window_widths)
+    # Windows and mixed steps of every row count, greedy, sampled and sampled with
+    # penalties, plus copy-on-write sizes.
+    expected = 3 * (len(shapes.decode_rows) * len(shapes.window_widths)
                     + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
     assert expected <= report.num_programs <= expected + 4, (report, shapes)
     return engine

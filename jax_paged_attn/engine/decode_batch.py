@@ -104,7 +104,9 @@ class DecodeBatch:
             requests=list(requests), num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
             next_position=rows.positions.astype(np.int64), table_len=np.array(
                 [len(r.block_table) for r in requests] + [0] * (num_rows - len(requests)), np.int64),
-            greedy=all(r.sampling_params.greedy for r in requests),
+            # Penalized rows sample in the sampled program (its greedy rows take the
+            # argmax of their processed logits): one penalties variant per shape, not two.
+            greedy=not penalized and all(r.sampling_params.greedy for r in requests),
             num_logprobs=program_num_logprobs(requests, vocab_size), penalized=penalized)
 
     def free_rows(self) -> list[int]:
@@ -117,11 +119,14 @@ class DecodeBatch:
 
     def needs_rebuild(self, shapes: ProgramShapes) -> bool:
         """A request outgrew its block-table row, a decoding request is outside the batch,
-        or most rows stopped (a smaller batch bucket runs faster)."""
+        most rows stopped (a smaller batch bucket runs faster), or the batch applies
+        penalties that no live row uses any more (the program without them runs faster)."""
         if self.wants_wider_table or self.missing_rows:
             return True
-        live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and shapes.rows_for(live, mixing=False) < self.num_rows
+        live = [r for r in self.requests if not r.is_finished]
+        if live and self.penalized and not uses_penalties(live):
+            return True
+        return bool(live) and shapes.rows_for(len(live), mixing=False) < self.num_rows
 
     # ------------------------------------------------------------- joining
     def joining_rows(self, out: SchedulerOutput, rows: np.ndarray, num_seqs: int

@@ -179,6 +179,9 @@ class LLMEngine:
         report.append(startup.kv_cache_report(num_blocks, config.block_size, bytes_per_block, num_host_blocks))
         report.append(f"attention: {startup.implementation_report(model)}")
         report.append(f"projections: {startup.matmul_report(model)}")
+        report.append("sampling: penalties, logit_bias, min_tokens and min_p run in a third variant of each "
+                      "program (beside greedy and sampled; warmup compiles it), which batches without them "
+                      "never run")
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
@@ -363,9 +366,10 @@ class LLMEngine:
         `generate` compiles (a server must not stall a request for a compilation).
 
         The programs and their shapes are `ProgramShapes`': decode windows and row
-        inserts of every batch size, greedy and sampled, the mixed prompt + decode steps
-        of every prompt shape (the prompt-only steps with ``decode_during_prefill``
-        False) and, with prefix caching, the copy-on-write block copies. Each runs once
+        inserts of every batch size, the mixed prompt + decode steps of every prompt
+        shape (the prompt-only steps with ``decode_during_prefill`` False), each greedy,
+        sampled, and sampled with penalties (`jax_paged_attn.engine.penalties`: one
+        extra variant per shape, which a batch without penalties never runs), and, with prefix caching, the copy-on-write block copies. Each runs once
         on padding (no cache slot is written). Not covered, and compiled on first use:
         requests asking for ``logprobs`` (a program per logprobs width), more stop ids
         than `shapes.MIN_STOP_ID_COLUMNS`, preemption by swapping (the swap programs)
@@ -376,7 +380,7 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() runs before any request: this engine has unfinished requests.")
-        tasks = warmup_tasks(self.shapes, self.config, self.runner, self._inputs)
+        tasks = warmup_tasks(self.shapes, self.config, self.runner, self._inputs, self.vocab_size)
         start, compiles_before, hits_before = time.perf_counter(), stats_lib.backend_compiles(), stats_lib.cache_hits()
         bar = None
         if use_tqdm:

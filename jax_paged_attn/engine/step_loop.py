@@ -115,13 +115,14 @@ class StepLoop:
         requests that finished their prompt join the persistent batch's free rows."""
         self.block_moves.run(out)
         metadata, token_ids, positions, rows, sampling = self.inputs.prepare(out)
-        greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
         sampling_requests = [item.request for item in out.scheduled if item.samples]
         num_logprobs = program_num_logprobs(sampling_requests, self.vocab_size)
         penalties = None
         if uses_penalties(sampling_requests):
             penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.vocab_size,
                                               self.scheduler.stop_token_ids)
+        # Penalties run in the sampled program only (greedy rows take its argmax): one variant.
+        greedy = penalties is None and all(item.request.sampling_params.greedy for item in out.scheduled)
         result = self.runner.run_step(token_ids, positions, metadata, sampling, penalties, greedy=greedy,
                                       num_logprobs=num_logprobs)
         if beside_batch and self.batch is not None and len(self.batch.inflight) < 2:
@@ -192,8 +193,9 @@ class StepLoop:
         batch = self.batch
         if batch is None or batch.wants_wider_table or batch.missing_rows:
             return False
-        if not batch.penalized and uses_penalties(self.pending_prompts()):
-            return False
+        live = [r for r in batch.requests if not r.is_finished]
+        if batch.penalized != uses_penalties(live + self.pending_prompts()):
+            return False  # a prompt needs penalties, or nobody uses them any more (a faster program)
         if batch.width != self.shapes.block_table_width or batch.num_rows not in self.shapes.mixed_rows:
             return False
         members = {r.request_id for r in batch.requests}
