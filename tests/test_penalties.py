@@ -76,8 +76,9 @@ def assert_greedy_follows_reference(model, prompt, tokens, params, stop_ids=()):
         assert row[token] >= row.max() - ATOL, (t, token, int(row.argmax()), row[token], row.max())
 
 
-def spy_penalties(engine) -> list[tuple[str, bool]]:
-    """Records, for each program call, its kind and whether it applied `Penalties`."""
+def spy_penalties(engine, setattr=setattr) -> list[tuple[str, bool]]:
+    """Records, for each program call, its kind and whether it applied `Penalties`
+    (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test)."""
     calls, runner = [], engine.runner
     window, mixed, step = runner._window, runner._mixed, runner._step
 
@@ -87,9 +88,9 @@ def spy_penalties(engine) -> list[tuple[str, bool]]:
             return program(*args, **kwargs)
         return call
 
-    runner._window = spied("window", window, lambda a: a[2].penalties is not None)
-    runner._mixed = spied("mixed", mixed, lambda a: a[12] is not None)
-    runner._step = spied("step", step, lambda a: a[6] is not None)
+    setattr(runner, "_window", spied("window", window, lambda a: a[2].penalties is not None))
+    setattr(runner, "_mixed", spied("mixed", mixed, lambda a: a[12] is not None))
+    setattr(runner, "_step", spied("step", step, lambda a: a[6] is not None))
     return calls
 
 

@@ -529,6 +529,20 @@ def test_sequence_text_holds_back_split_characters_and_stop_prefixes():
     assert eos.update([6, 7], "stop", None) == " ok</s>"  # a stop token's text with include_stop_str_in_output
 
 
+def test_sequence_text_looks_for_stop_strings_after_min_tokens():
+    """vLLM looks for stop strings only in the text after the first ``min_tokens``
+    tokens: " ok" in the first two is passed over, its next occurrence stops."""
+    from jax_paged_attn.serve.detokenizer import SequenceText
+
+    ids = [6, 0, 6, 0]  # " ok" "caf" " ok" "caf"
+    plain = SequenceText(BytesTokenizer(), [" ok"], include_stop_str_in_output=True, skip_special_tokens=True)
+    assert plain.find_stop(ids) == (1, " ok")
+    held = SequenceText(BytesTokenizer(), [" ok"], include_stop_str_in_output=True, skip_special_tokens=True,
+                        min_tokens=2)
+    assert held.find_stop(ids[:2]) is None and held.find_stop(ids) == (3, " ok")
+    assert held.update(ids[:3], "stop", " ok") == " okcaf ok" and held.text == " okcaf ok"
+
+
 def test_chat_template_loading_and_rendering(tmp_path):
     from jax_paged_attn.serve.chat_template import ChatTemplateError, load_chat_template
 
