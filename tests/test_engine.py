@@ -701,17 +701,23 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
     config = dataclasses.replace(BASE, max_model_len=64)
     prompts = random_prompts(11, (5, 20, 9))
 
+    # The middle request runs the programs with penalties (their Penalties trees stored
+    # too), biased away from the token greedy picks first.
+    dense = dense_greedy_generate(model, prompts, 6)
+    params = [greedy(6), dataclasses.replace(greedy(6), repetition_penalty=1.5, logit_bias={dense[1][0]: -5.0}),
+              greedy(6)]
+
     def start() -> tuple[LLMEngine, list[list[int]]]:
         engine = LLMEngine(model, config)
         assert str(tmp_path) in engine.start_report
         engine.warmup(use_tqdm=False)
-        return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(6), use_tqdm=False)]
+        return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
     first, tokens = start()
     stored = first.runner.program_store.num_stored
     assert stored > 0 and first.runner.program_store.num_loaded == 0
     assert first.runner.program_store.num_unserializable == 0
-    assert tokens == dense_greedy_generate(model, prompts, 6)
+    assert [tokens[0], tokens[2]] == [dense[0], dense[2]] and tokens[1] != dense[1]
     traces = first.runner.num_traces
     second, again = start()
     assert again == tokens

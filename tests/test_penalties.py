@@ -30,6 +30,7 @@ VOCAB = LlamaConfig.tiny().vocab_size
 ATOL = 2e-4  # paged vs dense logits; a token within this of the best is a tie
 PROMPTS = random_prompts(11, [9, 14, 6])
 MAX_TOKENS = 14
+DENSE_LENGTH = 160  # token ids the dense oracle runs on, right-padded
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def dense_logits(model, prompt: list[int], output: list[int]) -> np.ndarray:
     if id(model) not in _dense:
         _dense[id(model)] = jit_forward_dense(model)
     tokens = list(prompt) + list(output)
-    ids = jnp.asarray([tokens + [0] * (64 - len(tokens))], jnp.int32)  # one padded shape, one program
+    assert len(tokens) <= DENSE_LENGTH, len(tokens)
+    ids = jnp.asarray([tokens + [0] * (DENSE_LENGTH - len(tokens))], jnp.int32)  # one padded shape, one program
     return np.asarray(_dense[id(model)](ids)[0, len(prompt) - 1:len(tokens) - 1])
 
 
@@ -226,6 +228,22 @@ def test_penalties_follow_a_request_through_windows_and_the_batch_sheds_them(mod
     assert [o.outputs[0].token_ids for o in outs[1:]] == neutral_tokens[1:]
     windows = [penalized for kind, penalized in calls if kind == "window"]
     assert windows[0] and not windows[-1], calls
+
+
+@pytest.mark.parametrize("num_host_blocks", [32, 0], ids=["swap", "recompute"])
+def test_penalties_survive_preemption(model, num_host_blocks):
+    """Preempted requests come back through scheduled steps (swap-in, or recomputation of
+    prompt and output): their counts are rebuilt from the host's tokens, the prompt's
+    apart from the output's."""
+    prompts = random_prompts(2, [80, 18, 100, 42])  # 27 blocks at the end in BASE's 24
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_host_blocks=num_host_blocks))
+    params = SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3,
+                            repetition_penalty=1.2)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.stats.num_preemptions > 0
+    assert (engine.stats.num_recomputed_requests > 0) == (num_host_blocks == 0)
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_follows_reference(model, prompt, out.outputs[0].token_ids, params)
 
 
 def test_min_tokens_holds_eos_and_stop_ids_back(model, neutral_tokens):
