@@ -369,8 +369,9 @@ class LLMEngine:
         inserts of every batch size, the mixed prompt + decode steps of every prompt
         shape (the prompt-only steps with ``decode_during_prefill`` False), each greedy,
         sampled, and sampled with penalties (`jax_paged_attn.engine.penalties`: one
-        extra variant per shape, which a batch without penalties never runs), and, with prefix caching, the copy-on-write block copies. Each runs once
-        on padding (no cache slot is written). Not covered, and compiled on first use:
+        extra variant per shape, which a batch without penalties never runs), and, with
+        prefix caching, the copy-on-write block copies. Each runs once on padding (no
+        cache slot is written). Not covered, and compiled on first use:
         requests asking for ``logprobs`` (a program per logprobs width), more stop ids
         than `shapes.MIN_STOP_ID_COLUMNS`, preemption by swapping (the swap programs)
         and the scheduled steps that follow it. With ``EngineConfig.compilation_cache`` a

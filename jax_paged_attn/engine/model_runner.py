@@ -29,9 +29,10 @@ not), and stopped rows are masked. Log probabilities likewise: a static ``num_lo
 sampled tokens' logprobs and the top ``num_logprobs`` of every row (`TokenLogprobs`). The
 penalties, ``logit_bias``, ``min_tokens`` and ``min_p`` too: a program given a
 `Penalties` tree (the batch's, and the decode state's with its token counts) applies
-them, one given None is the program without them (`jax_paged_attn.engine.penalties`). The parameters are passed as one flat tuple of arrays
-(flattening an NNX state costs far more host time per call), and the caches are donated,
-so every cache write is in place.
+them, one given None is the program without them (`jax_paged_attn.engine.penalties`).
+The parameters are passed as one flat tuple of arrays (flattening an NNX state costs
+far more host time per call), and the caches are donated, so every cache write is in
+place.
 
 The model contract is `CausalLM`.
 """
@@ -362,7 +363,8 @@ class _Programs:
                 # A joining row's penalties are its prompt's, counting the token just sampled.
                 assert prompt_penalties is not None, "a batch with penalties takes the prompts' penalties"
                 counted = count_tokens(prompt_penalties, tokens, join_index < num_rows)
-                joined = dataclasses.replace(joined, penalties=dataclasses.replace(counted, stop_ids=join_rows.stop_ids))
+                counted = dataclasses.replace(counted, stop_ids=join_rows.stop_ids)  # the batch's columns
+                joined = dataclasses.replace(joined, penalties=counted)
             state = insert(state, join_index, joined)
             return tokens, logprobs, out[None], rows_lp, state, list(new_caches)
 

@@ -98,18 +98,6 @@ def fill_penalties(rows: Penalties, i: int, request: Request, stop_ids: Sequence
     rows.prompt_mask[i, np.asarray(request.prompt_token_ids, np.int64)] = True
 
 
-def step_penalties(requests: Sequence[Request | None], vocab_size: int, stop_ids: Sequence[Sequence[int]]
-                   ) -> Penalties:
-    """Host `Penalties` of a step's sampling rows: row ``i`` from ``requests[i]`` (None:
-    a row that samples nothing, neutral), whose stop ids are ``stop_ids[i]``."""
-    num_stop_ids = max([len(ids) for ids in stop_ids] + [1])
-    rows = Penalties.neutral(len(requests), vocab_size, num_stop_ids)
-    for i, (request, ids) in enumerate(zip(requests, stop_ids)):
-        if request is not None:
-            fill_penalties(rows, i, request, ids)
-    return rows
-
-
 def apply_penalties(logits: Array, p: Penalties, num_generated: Array) -> Array:
     """f32[B, V]: ``logits`` [B, V] after ``logit_bias``, ``min_tokens`` and the
     repetition, frequency and presence penalties, in vLLM V1's order; ``num_generated``

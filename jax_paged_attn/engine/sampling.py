@@ -203,7 +203,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         repetition = _as_float(self.repetition_penalty, "repetition_penalty")
         if not (math.isfinite(repetition) and repetition > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}.")
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}.")
         min_p = _as_float(self.min_p, "min_p")
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
