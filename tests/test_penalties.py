@@ -230,6 +230,29 @@ def test_penalties_follow_a_request_through_windows_and_the_batch_sheds_them(mod
     assert windows[0] and not windows[-1], calls
 
 
+@pytest.mark.parametrize("decode_during_prefill", [True, False], ids=["mixed-step-join", "insert-join"])
+def test_requests_joining_a_penalized_batch_bring_their_counts(model, neutral_tokens, decode_during_prefill):
+    """Requests arriving while a penalized batch decodes take free rows: inside the mixed
+    step (their penalties from their prompt's, counting the token it sampled, on the
+    device) or by a row insert after a prefill beside the batch (built on the host)."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, decode_during_prefill=decode_during_prefill))
+    first = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, frequency_penalty=1.1, presence_penalty=0.5)
+    later = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.6, logit_bias={9: 1.5})
+    neutral = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    arrivals = {0: [(0, first)], 2: [(1, later), (2, neutral)]}
+    outputs, step = {}, 0
+    while len(outputs) < 3:
+        for i, params in arrivals.get(step, []):
+            engine.add_request(PROMPTS[i], params, request_id=f"r{i}")
+        for out in engine.step():
+            outputs[int(out.request_id[1:])] = engine.pop_output(out.request_id).outputs[0].token_ids
+        step += 1
+    assert engine.stats.num_inserted_rows > 0  # they joined the running batch
+    assert_greedy_follows_reference(model, PROMPTS[0], outputs[0], first)
+    assert_greedy_follows_reference(model, PROMPTS[1], outputs[1], later)
+    assert outputs[2] == neutral_tokens[2] and outputs[1] != neutral_tokens[1]
+
+
 @pytest.mark.parametrize("num_host_blocks", [32, 0], ids=["swap", "recompute"])
 def test_penalties_survive_preemption(model, num_host_blocks):
     """Preempted requests come back through scheduled steps (swap-in, or recomputation of
