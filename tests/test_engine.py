@@ -26,7 +26,6 @@ from jax_paged_attn.engine import (
 )
 from jax_paged_attn.engine.decode_batch import DecodeBatch
 from jax_paged_attn.engine.model_runner import DecodeState, decode_batch_rows
-from jax_paged_attn.engine.penalties import Penalties
 from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
@@ -477,7 +476,7 @@ def test_decode_window_program_has_no_conditional():
     join = (np.arange(num_seqs, dtype=np.int32) % (rows + 1), DecodeState.empty(num_seqs, width, num_stop_ids))
     for greedy_batch, penalties_vocab in variants:
         mixed_state = jax.device_put(DecodeState.empty(rows, width, num_stop_ids, penalties_vocab))
-        prompt_penalties = None if penalties_vocab is None else Penalties.neutral(num_seqs, vocab, num_stop_ids)
+        prompt_penalties = None if penalties_vocab is None else engine._inputs.neutral_penalties(num_seqs)
         with cuda_lowering_target():
             text = runner.mixed_program.trace(
                 runner.params, runner.kv_caches, mixed_state, np.ones(rows, bool), np.full(rows, rows, np.int32),

@@ -21,7 +21,7 @@ from flax import nnx
 
 from conftest import engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams, sample_tokens
-from jax_paged_attn.engine.penalties import Penalties, apply_penalties
+from jax_paged_attn.engine.penalties import Penalties, PenaltyTokens, apply_penalties, with_token_counts
 from jax_paged_attn.engine.sampling import MAX_LOGIT_BIAS
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_dense
 
@@ -127,6 +127,24 @@ def test_apply_penalties_is_vllms_formula():
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[3], logits[3])  # a neutral row passes unchanged, bit for bit
     assert np.isneginf(got[0, list(stops)]).all() and np.isfinite(got[1, list(stops)]).all()
+
+
+def test_a_steps_token_ids_count_as_the_host_counts():
+    """A step sends its rows' token ids (`PenaltyTokens`); the program's counts equal
+    NumPy's bincount of the output and the prompt's set, padding and empty rows aside."""
+    rng = np.random.default_rng(1)
+    vocab, width = 50, 24
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 9, 0)]
+    outputs = [rng.integers(0, vocab, n).tolist() for n in (7, 0, 0)]
+    tokens = PenaltyTokens.empty(3, width)
+    tokens.token_ids[:] = 7  # junk past each row's tokens must not count
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        tokens.token_ids[i, :len(prompt) + len(output)] = prompt + output
+        tokens.num_prompt_tokens[i], tokens.num_tokens[i] = len(prompt), len(prompt) + len(output)
+    counted = jax.jit(with_token_counts, static_argnums=2)(Penalties.neutral(3, None, 8), tokens, vocab)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        np.testing.assert_array_equal(counted.output_counts[i], np.bincount(output, minlength=vocab).astype(int))
+        np.testing.assert_array_equal(np.nonzero(counted.prompt_mask[i])[0], sorted(set(prompt)))
 
 
 def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely():

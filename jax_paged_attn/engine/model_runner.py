@@ -28,11 +28,11 @@ not), and stopped rows are masked. Log probabilities likewise: a static ``num_lo
 (None: none, the programs are unchanged) compiles a variant that also returns the
 sampled tokens' logprobs and the top ``num_logprobs`` of every row (`TokenLogprobs`). The
 penalties, ``logit_bias``, ``min_tokens`` and ``min_p`` too: a program given a
-`Penalties` tree (the batch's, and the decode state's with its token counts) applies
-them, one given None is the program without them (`jax_paged_attn.engine.penalties`).
-The parameters are passed as one flat tuple of arrays (flattening an NNX state costs
-far more host time per call), and the caches are donated, so every cache write is in
-place.
+`Penalties` tree (the decode state's, with its token counts; a step's prompts send
+their token ids, `StepPenalties`, which the program counts) applies them, one given
+None is the program without them (`jax_paged_attn.engine.penalties`). The parameters
+are passed as one flat tuple of arrays (flattening an NNX state costs far more host
+time per call), and the caches are donated, so every cache write is in place.
 
 The model contract is `CausalLM`.
 """
@@ -49,7 +49,14 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn.engine import program_store as store_lib
-from jax_paged_attn.engine.penalties import Penalties, apply_penalties, count_tokens
+from jax_paged_attn.engine.penalties import (
+    Penalties,
+    PenaltyTokens,
+    StepPenalties,
+    apply_penalties,
+    count_tokens,
+    with_token_counts,
+)
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata, concatenate_sections
 from jax_paged_attn.builder import pad_to_bucket
@@ -236,6 +243,11 @@ def sample_batch(logits: Array, sampling: tuple[Array, ...], penalties: Penaltie
     return greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling, min_p=min_p)
 
 
+def counted_penalties(penalties: StepPenalties | None, vocab_size: int) -> Penalties | None:
+    """A step's `Penalties` with their counts, from the rows' token ids (traced)."""
+    return None if penalties is None else with_token_counts(*penalties, vocab_size)
+
+
 DONATE_ARGNUMS = dict(insert=(0,), step=(1,), window=(1, 2), mixed=(1, 2))
 """Each program's donated arguments (the decode state, the KV caches): the program
 store's loaded programs, which are never traced, take them from here."""
@@ -254,7 +266,7 @@ class _Programs:
             return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
 
         def step(params: tuple[Array, ...], kv_caches: list[Array], input_ids: Array, positions: Array,
-                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], penalties: Penalties | None, *,
+                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], penalties: StepPenalties | None, *,
                  greedy: bool, num_logprobs: int | None = None) -> tuple[Array, list[Array], TokenLogprobs | None]:
             self._count_trace()
             # Last token row of every sequence (padding sequences own >= 1 row or point
@@ -263,7 +275,7 @@ class _Programs:
             model = model_of(params)
             logits, new_caches = model(input_ids, positions, kv_caches, metadata, logits_indices=last_rows)
             logits = logits if greedy else whole_vocabulary(model, logits)
-            tokens = sample_batch(logits, sampling, penalties, greedy=greedy)
+            tokens = sample_batch(logits, sampling, counted_penalties(penalties, logits.shape[-1]), greedy=greedy)
             logprobs = None if num_logprobs is None else token_logprobs(logits, tokens, num_logprobs)
             return tokens, list(new_caches), logprobs
 
@@ -330,7 +342,7 @@ class _Programs:
         def mixed(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
                   block_rows: Array, block_values: Array, input_ids: Array, positions: Array,
                   metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], join_index: Array,
-                  join_rows: DecodeState, prompt_penalties: Penalties | None, *, greedy: bool, block_size: int,
+                  join_rows: DecodeState, prompt_penalties: StepPenalties | None, *, greedy: bool, block_size: int,
                   max_model_len: int, num_logprobs: int | None = None):
             # Prompt chunks (``metadata``: prefills only, the batch's block-table width)
             # and one decode step of every batch row, in one forward: the weights are
@@ -351,7 +363,8 @@ class _Programs:
                 kv_caches, md, logits_indices=last_rows)
             logits = logits if greedy else whole_vocabulary(model, logits)
             prefill_logits = logits[:num_prefill_rows]
-            tokens = sample_batch(prefill_logits, sampling, prompt_penalties, greedy=greedy)
+            prompt_counted = counted_penalties(prompt_penalties, logits.shape[-1])
+            tokens = sample_batch(prefill_logits, sampling, prompt_counted, greedy=greedy)
             logprobs = None if num_logprobs is None else token_logprobs(prefill_logits, tokens, num_logprobs)
             state, out, rows_lp = advance_rows(state, logits[num_prefill_rows:], greedy=greedy,
                                                max_model_len=max_model_len, num_logprobs=num_logprobs)
@@ -361,8 +374,8 @@ class _Programs:
             joined = dataclasses.replace(join_rows, tokens=tokens, active=join_rows.active & ~first_done)
             if state.penalties is not None:
                 # A joining row's penalties are its prompt's, counting the token just sampled.
-                assert prompt_penalties is not None, "a batch with penalties takes the prompts' penalties"
-                counted = count_tokens(prompt_penalties, tokens, join_index < num_rows)
+                assert prompt_counted is not None, "a batch with penalties takes the prompts' penalties"
+                counted = count_tokens(prompt_counted, tokens, join_index < num_rows)
                 counted = dataclasses.replace(counted, stop_ids=join_rows.stop_ids)  # the batch's columns
                 joined = dataclasses.replace(joined, penalties=counted)
             state = insert(state, join_index, joined)
@@ -383,7 +396,7 @@ class _Programs:
 
 
 # The programs' argument and result trees hold these: the store's files carry the trees.
-store_lib.register_pytree_serialization(DecodeState, FlashAttentionMetadata, TokenLogprobs, Penalties)
+store_lib.register_pytree_serialization(DecodeState, FlashAttentionMetadata, TokenLogprobs, Penalties, PenaltyTokens)
 
 
 @functools.lru_cache(maxsize=16)
@@ -457,11 +470,11 @@ class ModelRunner:
         return self._programs.mixed
 
     def run_step(self, token_ids: np.ndarray, positions: np.ndarray, metadata: FlashAttentionMetadata,
-                 sampling: tuple[np.ndarray, ...], penalties: Penalties | None = None, *, greedy: bool,
+                 sampling: tuple[np.ndarray, ...], penalties: StepPenalties | None = None, *, greedy: bool,
                  num_logprobs: int | None = None) -> Array | tuple[Array, TokenLogprobs]:
         """One forward + sampling over a builder-made batch; returns the tokens i32[B]
         (one per metadata sequence, on the device). The caches are updated in place.
-        ``penalties``: host `Penalties` of the B sequences, or None (the program without them).
+        ``penalties``: host `StepPenalties` of the B sequences, or None (the program without them).
 
         With ``num_logprobs`` (static: each value is its own program) it returns
         ``(tokens, TokenLogprobs)``, leading dim ``[B]``.
@@ -528,7 +541,7 @@ class ModelRunner:
 
     def run_mixed(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, token_ids: np.ndarray,
                   positions: np.ndarray, metadata: FlashAttentionMetadata, sampling: tuple[np.ndarray, ...],
-                  join_index: np.ndarray, join_rows: DecodeState, prompt_penalties: Penalties | None = None, *,
+                  join_index: np.ndarray, join_rows: DecodeState, prompt_penalties: StepPenalties | None = None, *,
                   greedy: bool, max_model_len: int, num_logprobs: int | None = None) -> tuple[Any, Any]:
         """One forward over prompt chunks and one decode step of the persistent batch,
         then the prompts that ended join the batch.
@@ -545,7 +558,7 @@ class ModelRunner:
             ``tokens`` is ignored (the step's sampled token is taken) and a row whose
             token already ends it is inactive. Its ``penalties`` are None: a batch with
             penalties gives each joining row its prompt's ``prompt_penalties``.
-          prompt_penalties: host `Penalties` of the P prompt sequences; given exactly when
+          prompt_penalties: host `StepPenalties` of the P prompt sequences; given exactly when
             the batch has penalties (None: the prompts sample without them).
           greedy: every prompt and every batch row samples greedily (static).
           num_logprobs: static logprobs width of the prompts' and the rows' tokens, or None.

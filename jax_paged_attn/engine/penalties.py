@@ -16,8 +16,12 @@ itself, one scatter of the sampled tokens per step. Applying the penalties is th
 few elementwise passes over the logits, which sampling reads anyway, and nothing is
 recomputed from the token history per step (that would read ``[R, max_model_len]``
 token ids and scatter them every step). The price is ``5 * V`` bytes per row uploaded
-when a row is filled, paid only by batches that use these parameters. Scheduled and
-mixed steps sample prompts' tokens from host-built rows of the same arrays.
+when a batch starts or a row is inserted, paid only by batches that use these
+parameters. Scheduled and mixed steps, which run every step while prompts are admitted,
+send their sampling rows' token ids instead (`PenaltyTokens`, ``4 * max_model_len``
+bytes a row rather than ``5 * V``: 16 KiB against 640 KiB for a 128k vocabulary at a
+4k context), and the program counts them (`with_token_counts`); a joining row keeps
+those counts.
 """
 from __future__ import annotations
 
@@ -53,6 +57,9 @@ class Penalties:
       bias_values: f32[B, MAX_LOGIT_BIAS]: their biases (0 in padding columns).
       output_counts: i32[B, V]: how often each token occurs in the row's output so far.
       prompt_mask: bool[B, V]: the token occurs in the row's prompt.
+
+    A step's host rows leave the last two None: the program counts them from the rows'
+    `PenaltyTokens` (`with_token_counts`).
     """
 
     presence: Array
@@ -63,27 +70,56 @@ class Penalties:
     stop_ids: Array
     bias_ids: Array
     bias_values: Array
-    output_counts: Array
-    prompt_mask: Array
+    output_counts: Array | None
+    prompt_mask: Array | None
 
     @staticmethod
-    def neutral(num_rows: int, vocab_size: int, num_stop_ids: int) -> "Penalties":
-        """Host rows that change nothing, for `fill_penalties` to fill."""
+    def neutral(num_rows: int, vocab_size: int | None, num_stop_ids: int) -> "Penalties":
+        """Host rows that change nothing, for `fill_penalties` to fill; ``vocab_size``
+        None: without the counts (a step's rows, counted from their `PenaltyTokens`)."""
+        counted = vocab_size is not None
         return Penalties(
             presence=np.zeros(num_rows, np.float32), frequency=np.zeros(num_rows, np.float32),
             repetition=np.ones(num_rows, np.float32), min_p=np.zeros(num_rows, np.float32),
             min_tokens=np.zeros(num_rows, np.int32), stop_ids=np.full((num_rows, num_stop_ids), -1, np.int32),
             bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), NO_BIAS_ID, np.int32),
             bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
-            output_counts=np.zeros((num_rows, vocab_size), np.int32),
-            prompt_mask=np.zeros((num_rows, vocab_size), bool))
+            output_counts=np.zeros((num_rows, vocab_size), np.int32) if counted else None,
+            prompt_mask=np.zeros((num_rows, vocab_size), bool) if counted else None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyTokens:
+    """The tokens of a step's ``B`` sampling rows, from which the program counts their
+    `Penalties` (NumPy on the host, jax arrays on the device).
+
+    Attributes:
+      token_ids: i32[B, H]: each row's prompt then output tokens so far, padded (``H``:
+        the engine's longest sequence, one shape).
+      num_prompt_tokens: i32[B]: the row's prompt length (its first tokens).
+      num_tokens: i32[B]: the row's tokens (0: a row that samples nothing).
+    """
+
+    token_ids: Array
+    num_prompt_tokens: Array
+    num_tokens: Array
+
+    @staticmethod
+    def empty(num_rows: int, max_tokens: int) -> "PenaltyTokens":
+        return PenaltyTokens(np.zeros((num_rows, max_tokens), np.int32), np.zeros(num_rows, np.int32),
+                             np.zeros(num_rows, np.int32))
+
+
+StepPenalties = tuple[Penalties, PenaltyTokens]
+"""A step's host penalties: the rows' parameters (`Penalties` without counts) and tokens."""
 
 
 def fill_penalties(rows: Penalties, i: int, request: Request, stop_ids: Sequence[int]) -> None:
     """Host row ``i`` of ``rows`` from ``request`` as it is now (its prompt and output
-    tokens so far); ``stop_ids``: the ids that end it (`Scheduler.stop_token_ids`)."""
+    tokens so far, counted where ``rows`` holds counts); ``stop_ids``: the ids that end
+    it (`Scheduler.stop_token_ids`)."""
     params = request.sampling_params
-    vocab_size = rows.output_counts.shape[1]
     rows.presence[i], rows.frequency[i] = params.presence_penalty, params.frequency_penalty
     rows.repetition[i], rows.min_p[i], rows.min_tokens[i] = params.repetition_penalty, params.min_p, params.min_tokens
     rows.stop_ids[i] = -1
@@ -93,9 +129,35 @@ def fill_penalties(rows: Penalties, i: int, request: Request, stop_ids: Sequence
         ids = list(params.logit_bias)
         rows.bias_ids[i, :len(ids)] = ids
         rows.bias_values[i, :len(ids)] = list(params.logit_bias.values())
-    rows.output_counts[i] = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=vocab_size)
-    rows.prompt_mask[i] = False
-    rows.prompt_mask[i, np.asarray(request.prompt_token_ids, np.int64)] = True
+    if rows.output_counts is not None:
+        counts = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=rows.output_counts.shape[1])
+        rows.output_counts[i] = counts
+        rows.prompt_mask[i] = False
+        rows.prompt_mask[i, np.asarray(request.prompt_token_ids, np.int64)] = True
+
+
+def fill_tokens(tokens: PenaltyTokens, i: int, request: Request) -> None:
+    """Host row ``i`` of ``tokens`` from ``request``'s prompt and output tokens so far."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    tokens.token_ids[i, :len(prompt)] = prompt
+    tokens.token_ids[i, len(prompt):len(prompt) + len(output)] = output
+    tokens.num_prompt_tokens[i], tokens.num_tokens[i] = len(prompt), len(prompt) + len(output)
+
+
+def with_token_counts(p: Penalties, tokens: PenaltyTokens, vocab_size: int) -> Penalties:
+    """``p`` (a step's, without counts) with its output counts and prompt mask counted
+    from ``tokens`` (jit-able: one scatter of ``[B, H]`` ids into ``[B, V]``)."""
+    num_rows, width = tokens.token_ids.shape
+    rows = jnp.arange(num_rows)[:, None]
+    column = jnp.arange(width)[None, :]
+    in_prompt = column < tokens.num_prompt_tokens[:, None]
+    in_output = ~in_prompt & (column < tokens.num_tokens[:, None])
+    # Ids outside their part point past the vocabulary: the scatters drop them.
+    prompt_ids = jnp.where(in_prompt, tokens.token_ids, vocab_size)
+    output_ids = jnp.where(in_output, tokens.token_ids, vocab_size)
+    prompt_mask = jnp.zeros((num_rows, vocab_size), bool).at[rows, prompt_ids].set(True, mode="drop")
+    counts = jnp.zeros((num_rows, vocab_size), jnp.int32).at[rows, output_ids].add(1, mode="drop")
+    return dataclasses.replace(p, output_counts=counts, prompt_mask=prompt_mask)
 
 
 def apply_penalties(logits: Array, p: Penalties, num_generated: Array) -> Array:
@@ -103,6 +165,7 @@ def apply_penalties(logits: Array, p: Penalties, num_generated: Array) -> Array:
     repetition, frequency and presence penalties, in vLLM V1's order; ``num_generated``
     i32[B]: tokens each row generated before the one sampled from these logits.
     Jit-able, branchless."""
+    assert p.output_counts is not None, "a step's penalties are counted first (with_token_counts)"
     logits = logits.astype(jnp.float32)
     num_rows, vocab_size = logits.shape
     rows = jnp.arange(num_rows)[:, None]

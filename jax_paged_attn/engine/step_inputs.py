@@ -18,7 +18,7 @@ from jax_paged_attn.builder import (
     pack_per_token,
     sequence_rows,
 )
-from jax_paged_attn.engine.penalties import Penalties, fill_penalties
+from jax_paged_attn.engine.penalties import Penalties, PenaltyTokens, StepPenalties, fill_penalties, fill_tokens
 from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.sampling import logprobs_bucket
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
@@ -86,20 +86,25 @@ class StepInputs:
             seed[row], counter[row] = request.seed, len(request.output_token_ids)
         return temperature, top_p, top_k, seed, counter
 
-    def penalties(self, out: SchedulerOutput, rows: np.ndarray, num_rows: int, vocab_size: int,
-                  stop_token_ids: Callable[[Request], Sequence[int]], num_stop_ids: int | None = None) -> Penalties:
-        """Host `Penalties` of a step's ``num_rows`` sequences (``rows``: each scheduled
+    def penalties(self, out: SchedulerOutput, rows: np.ndarray, num_rows: int,
+                  stop_token_ids: Callable[[Request], Sequence[int]]) -> StepPenalties:
+        """Host penalties of a step's ``num_rows`` sequences (``rows``: each scheduled
         item's, as `prepare` gives them): the sampling ones' from their requests, the
-        others neutral. ``stop_token_ids``: a request's stop ids (the scheduler's);
-        ``num_stop_ids``: their columns (default: `stop_id_columns` of the longest)."""
+        others neutral; their counts come as token ids (`PenaltyTokens`).
+        ``stop_token_ids``: a request's stop ids (the scheduler's)."""
         items = [(item.request, row) for item, row in zip(out.scheduled, rows) if item.samples]
         stops = [stop_token_ids(request) for request, _ in items]
-        if num_stop_ids is None:
-            num_stop_ids = stop_id_columns(max([len(ids) for ids in stops] + [1]))
-        penalties = Penalties.neutral(num_rows, vocab_size, num_stop_ids)
+        penalties, tokens = self.neutral_penalties(num_rows, max([len(ids) for ids in stops] + [1]))
         for (request, row), ids in zip(items, stops):
-            fill_penalties(penalties, row, request, ids[:num_stop_ids])
-        return penalties
+            fill_penalties(penalties, row, request, ids)
+            fill_tokens(tokens, row, request)
+        return penalties, tokens
+
+    def neutral_penalties(self, num_rows: int, num_stop_ids: int = 1) -> StepPenalties:
+        """Host penalties of ``num_rows`` neutral step sequences (their stop-id columns
+        `stop_id_columns` of ``num_stop_ids``; the tokens as wide as the longest sequence)."""
+        return (Penalties.neutral(num_rows, None, stop_id_columns(num_stop_ids)),
+                PenaltyTokens.empty(num_rows, self.shapes.block_table_width * self.block_size))
 
     def padding_prompt_inputs(self, num_tokens: int, num_seqs: int) -> tuple[Any, ...]:
         """``(token_ids, positions, metadata, sampling)`` of a prompt section of that shape

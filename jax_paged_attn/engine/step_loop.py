@@ -119,8 +119,7 @@ class StepLoop:
         num_logprobs = program_num_logprobs(sampling_requests, self.vocab_size)
         penalties = None
         if uses_penalties(sampling_requests):
-            penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.vocab_size,
-                                              self.scheduler.stop_token_ids)
+            penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.scheduler.stop_token_ids)
         # Penalties run in the sampled program only (greedy rows take its argmax): one variant.
         greedy = penalties is None and all(item.request.sampling_params.greedy for item in out.scheduled)
         result = self.runner.run_step(token_ids, positions, metadata, sampling, penalties, greedy=greedy,
@@ -237,8 +236,7 @@ class StepLoop:
         join_index, join_rows, joining = batch.joining_rows(out, rows, metadata.num_seqs)
         prompt_penalties = None
         if batch.penalized:  # the prompts sample with the rows' program, which applies penalties
-            prompt_penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.vocab_size,
-                                                     sched.stop_token_ids)
+            prompt_penalties = self.inputs.penalties(out, rows, metadata.num_seqs, sched.stop_token_ids)
         prompt_result, rows_result = self.runner.run_mixed(
             keep, block_rows, block_values, token_ids, positions, metadata, sampling, join_index, join_rows,
             prompt_penalties, greedy=greedy, max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)

@@ -20,7 +20,7 @@ from jax_paged_attn import cache as cache_ops
 from jax_paged_attn.engine.block_moves import copy_blocks_donated
 from jax_paged_attn.engine.config import EngineConfig
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner
-from jax_paged_attn.engine.penalties import Penalties
+from jax_paged_attn.engine.penalties import StepPenalties
 from jax_paged_attn.engine.shapes import ProgramShapes
 from jax_paged_attn.engine.step_inputs import StepInputs
 from jax_paged_attn.tuning import next_power_of_2
@@ -59,8 +59,8 @@ def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, 
     def decode_state(num_rows: int, width: int, penalized: bool) -> DecodeState:
         return DecodeState.empty(num_rows, width, num_stop_ids, vocab_size if penalized else None)
 
-    def prompt_penalties(num_seqs: int, penalized: bool) -> Penalties | None:
-        return Penalties.neutral(num_seqs, vocab_size, num_stop_ids) if penalized else None
+    def prompt_penalties(num_seqs: int, penalized: bool) -> StepPenalties | None:
+        return step_inputs.neutral_penalties(num_seqs) if penalized else None
 
     def no_row_update(num_rows: int, width: int) -> tuple[np.ndarray, ...]:
         # (keep, block_rows, block_values): every row stopped, no block-table row changed.
