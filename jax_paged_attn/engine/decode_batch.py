@@ -134,8 +134,8 @@ class DecodeBatch:
         """The batch rows that the requests whose prompt ends in ``out`` take in the mixed
         step (`ModelRunner.run_mixed`'s ``join_index`` and ``join_rows``, and the
         ``(row, request)`` pairs). When they do not all fit (rows, block-table width,
-        stop ids, the batch's static greedy / logprobs / penalties choice) none joins, and the batch
-        is rebuilt before the next step instead."""
+        stop ids, the batch's static greedy / logprobs / penalties choice) none joins,
+        and the batch is rebuilt before the next step instead."""
         join_index = np.full(num_seqs, self.num_rows, np.int32)  # padding entries are dropped
         join_rows = DecodeState.empty(num_seqs, self.width, self.num_stop_ids)
         items = [(item.request, seq) for item, seq in zip(out.scheduled, rows) if item.samples]
@@ -164,8 +164,9 @@ class DecodeBatch:
     def join(self, requests: list[Request]) -> int:
         """Puts requests that start decoding into free rows of the persistent batch, on the
         device after the windows in flight; when they do not all fit (rows, block-table
-        width, stop ids, the batch's static greedy / logprobs / penalties choice) the batch is rebuilt
-        before its next window instead. Returns how many rows were inserted."""
+        width, stop ids, the batch's static greedy / logprobs / penalties choice) the
+        batch is rebuilt before its next window instead. Returns how many rows were
+        inserted."""
         if not requests:
             return 0
         free = self.free_rows()

@@ -30,8 +30,9 @@ visits them:
 Beneath the rooms: ``block_allocator.py`` (the scheduler's block pools and prefix
 cache), ``model_runner.py`` (the device side), ``sampling.py`` (`SamplingParams`, the
 samplers), ``penalties.py`` (the penalties, ``logit_bias`` and ``min_tokens`` on the
-device, and the per-row token counts they read), ``shapes.py`` (the programs' static shapes) and ``program_store.py``
-(compiled programs kept on disk); above them, ``llm.py`` (`LLM`: text in, text out).
+device, and the per-row token counts they read), ``shapes.py`` (the programs' static
+shapes) and ``program_store.py`` (compiled programs kept on disk); above them,
+``llm.py`` (`LLM`: text in, text out).
 
 A walk through `LLMEngine.step`, top to bottom, one module each:
 
