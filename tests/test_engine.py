@@ -448,7 +448,7 @@ def test_aborted_row_is_reused_after_the_windows_in_flight(model):
 def test_decode_window_program_has_no_conditional():
     """No data-dependent branch in the decode window or the mixed step lowered for CUDA
     (XLA would copy its predicate to the host, and the call would wait for the whole
-    step), greedy or sampled."""
+    step), greedy, sampled, or sampled with penalties."""
     small = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(5))
     engine = LLMEngine(small, dataclasses.replace(BASE, num_scheduler_steps=2))
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=8))
@@ -458,25 +458,31 @@ def test_decode_window_program_has_no_conditional():
     state = runner._decode_state
     rows, width = state.block_tables.shape
     assert rows == 4 and state.active.tolist() == [True, False, False, False]  # BASE's batch bucket
-    for greedy_batch in (True, False):
+    num_stop_ids, vocab = state.stop_ids.shape[1], small.config.vocab_size
+    variants = [(True, None), (False, None), (False, vocab)]  # (greedy, vocabulary of the Penalties or none)
+    for greedy_batch, penalties_vocab in variants:
+        window_state = state if penalties_vocab is None else jax.device_put(
+            DecodeState.empty(rows, width, num_stop_ids, penalties_vocab))
         with cuda_lowering_target():
             text = runner.window_program.trace(
-                runner.params, runner.kv_caches, state, np.ones(rows, bool), np.full(rows, rows, np.int32),
+                runner.params, runner.kv_caches, window_state, np.ones(rows, bool), np.full(rows, rows, np.int32),
                 np.zeros((rows, width), np.int32), num_steps=2, greedy=greedy_batch, block_size=16,
                 max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text  # the kernels, as on a GPU
         assert_no_data_dependent_branch(text)
     # The mixed step too, with the prompts joining the batch inside it.
     num_tokens, num_seqs = engine.shapes.prompt_shapes[0]
-    width, num_stop_ids = engine.shapes.block_table_width, state.stop_ids.shape[1]
-    mixed_state = jax.device_put(DecodeState.empty(rows, width, num_stop_ids))
+    width = engine.shapes.block_table_width
     join = (np.arange(num_seqs, dtype=np.int32) % (rows + 1), DecodeState.empty(num_seqs, width, num_stop_ids))
-    for greedy_batch in (True, False):
+    for greedy_batch, penalties_vocab in variants:
+        mixed_state = jax.device_put(DecodeState.empty(rows, width, num_stop_ids, penalties_vocab))
+        prompt_penalties = None if penalties_vocab is None else engine._inputs.neutral_penalties(num_seqs)
         with cuda_lowering_target():
             text = runner.mixed_program.trace(
                 runner.params, runner.kv_caches, mixed_state, np.ones(rows, bool), np.full(rows, rows, np.int32),
                 np.zeros((rows, width), np.int32), *engine._inputs.padding_prompt_inputs(num_tokens, num_seqs), *join,
-                greedy=greedy_batch, block_size=16, max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
+                prompt_penalties, greedy=greedy_batch, block_size=16,
+                max_model_len=512).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
         assert_no_data_dependent_branch(text)
 
@@ -694,17 +700,23 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
     config = dataclasses.replace(BASE, max_model_len=64)
     prompts = random_prompts(11, (5, 20, 9))
 
+    # The middle request runs the programs with penalties (their Penalties trees stored
+    # too), biased away from the token greedy picks first.
+    dense = dense_greedy_generate(model, prompts, 6)
+    params = [greedy(6), dataclasses.replace(greedy(6), repetition_penalty=1.5, logit_bias={dense[1][0]: -5.0}),
+              greedy(6)]
+
     def start() -> tuple[LLMEngine, list[list[int]]]:
         engine = LLMEngine(model, config)
         assert str(tmp_path) in engine.start_report
         engine.warmup(use_tqdm=False)
-        return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(6), use_tqdm=False)]
+        return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
     first, tokens = start()
     stored = first.runner.program_store.num_stored
     assert stored > 0 and first.runner.program_store.num_loaded == 0
     assert first.runner.program_store.num_unserializable == 0
-    assert tokens == dense_greedy_generate(model, prompts, 6)
+    assert [tokens[0], tokens[2]] == [dense[0], dense[2]] and tokens[1] != dense[1]
     traces = first.runner.num_traces
     second, again = start()
     assert again == tokens

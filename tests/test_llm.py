@@ -282,6 +282,33 @@ def test_stop_strings_across_token_boundaries(vocab_llm):
     assert not llm.engine.scheduler.has_unfinished()  # (a window may still be in flight: never read)
 
 
+def test_min_tokens_defers_eos_and_stop_strings(vocab_llm):
+    """EOS cannot be sampled before ``min_tokens`` tokens (on the device), and a stop
+    string counts only where it ends after their text (vLLM's rule)."""
+    llm, ids = vocab_llm
+    eos = ids["</s>"]
+    unstopped = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = llm.generate([STOP_PROMPT], unstopped, use_tqdm=False)[0].outputs[0].token_ids
+    stop = llm.tokenizer.id_to_token(reference[0])  # what a plain stop string matches at once
+    min_tokens = 3
+    protected = len(llm.decode(reference[:min_tokens]))
+    expected = next((k for k in range(min_tokens + 1, 41)
+                     if llm.decode(reference[:k]).find(stop, protected - len(stop) + 1) >= 0), 40)
+    special, stopped = llm.generate(
+        [SPECIAL_PROMPT, STOP_PROMPT],
+        [SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6),
+         dataclasses.replace(unstopped, stop=[stop], min_tokens=min_tokens, include_stop_str_in_output=True)],
+        use_tqdm=False)
+    (seq,) = special.outputs  # greedy says EOS fourth (`vocab_llm`): held back until 6 tokens
+    assert len(seq.token_ids) >= 6 and eos not in seq.token_ids[:6]
+    (seq,) = stopped.outputs
+    assert expected < 40, "the reference repeats its first word after min_tokens (else pick another case)"
+    assert seq.token_ids == reference[:expected] and len(seq.token_ids) > min_tokens
+    text = llm.decode(reference[:expected])
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    assert seq.text == text[:text.find(stop, protected - len(stop) + 1) + len(stop)]
+
+
 def test_stop_ids_give_the_stop_reason_and_leave_text(vocab_llm):
     llm, _ = vocab_llm
     reference = dense_greedy_generate(llm.model, [STOP_PROMPT], 4)[0]

@@ -292,9 +292,14 @@ def test_logprobs_match_offline(server, offline, checkpoint):
     ({"prompt": "the cat", "max_tokens": 600}, 400, "max_tokens", "maximum context length is 512"),
     ({"prompt": [[1, 2, 9999]]}, 400, "prompt", "outside"),
     ({"prompt": "the cat", "model": "gpt-4"}, 404, "model", "does not exist"),
-    ({"prompt": "the cat", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported yet"),
-    ({"prompt": "the cat", "logit_bias": {"3": 5}}, 400, "logit_bias", "not supported yet"),
-    ({"prompt": "the cat", "min_tokens": 3}, 400, "min_tokens", "not supported yet"),
+    ({"prompt": "the cat", "presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
+    ({"prompt": "the cat", "repetition_penalty": "high"}, 400, "repetition_penalty", "must be a number"),
+    ({"prompt": "the cat", "min_p": -0.1}, 400, "min_p", "min_p must be in [0, 1]"),
+    ({"prompt": "the cat", "min_tokens": 20}, 400, "min_tokens", "max_tokens=16"),
+    ({"prompt": "the cat", "logit_bias": {"cat": 5}}, 400, "logit_bias", "integers as strings"),
+    ({"prompt": "the cat", "logit_bias": {"3": "up"}}, 400, "logit_bias", "must be a finite number"),
+    ({"prompt": "the cat", "logit_bias": {"99999": 5}}, 400, "logit_bias", "lie outside the vocabulary"),
+    ({"prompt": "the cat", "echo": True}, 400, "echo", "not supported yet"),
 ])
 def test_bad_completion_requests_get_openai_errors(server, payload, status, param, words):
     got_status, body, _ = post(server, "/v1/completions", payload)
@@ -313,6 +318,34 @@ def test_neutral_unsupported_values_and_nulls_are_accepted(server):
         "top_p": None, "seed": None, "stop": None, "n": None, "user": "ignored", "ignore_eos": True,
         "some_future_field": [1, 2]})
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
+def test_penalties_and_logit_bias_over_http_match_offline(server, offline, checkpoint):
+    """The penalties and ``logit_bias`` run as `LLM.generate` runs them (on the device,
+    in the programs the warm-up compiled) and change what greedy decoding picks."""
+    _, tokenizer = checkpoint
+    prompt = "the cat sat on"
+    penalties = dict(frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3, min_tokens=4)
+    plain = offline.generate([prompt], greedy(10), use_tqdm=False)[0].outputs[0]
+    expected = offline.generate([prompt], greedy(10, **penalties), use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids != plain.token_ids
+    reply = server.client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0,
+                                             frequency_penalty=1.2, presence_penalty=0.4,
+                                             extra_body={"repetition_penalty": 1.3, "min_tokens": 4})
+    assert reply.choices[0].text == expected.text
+    # logit_bias over chat: "dog" pushed up (clamped to 100 as vLLM clamps), the greedy pick pushed down.
+    messages = [{"role": "user", "content": "the cat sat"}]
+    dog = tokenizer.token_to_id("dog")
+    first = server.client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    bias = {str(dog): 150, str(tokenizer.token_to_id(first.choices[0].message.content.split()[0])): -100}
+    biased = server.client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4,
+                                                   temperature=0, logit_bias=bias)
+    rendered = load_chat_template(checkpoint[0]).render(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(rendered, add_special_tokens=False).ids
+    offline_bias = {int(t): min(100.0, b) for t, b in bias.items()}
+    want = offline.generate([ids], greedy(4, logit_bias=offline_bias), use_tqdm=False)[0].outputs[0]
+    assert biased.choices[0].message.content == offline.decode(want.token_ids)
+    assert biased.choices[0].message.content.split()[0] == "dog"
 
 
 def test_chat_errors_and_api_key(server):
@@ -494,6 +527,20 @@ def test_sequence_text_holds_back_split_characters_and_stop_prefixes():
     assert tail.update([3], None, None) == " " and tail.update([3, 6], None, None) == "Obs ok"
     eos = SequenceText(BytesTokenizer(), [], include_stop_str_in_output=True, skip_special_tokens=False)
     assert eos.update([6, 7], "stop", None) == " ok</s>"  # a stop token's text with include_stop_str_in_output
+
+
+def test_sequence_text_looks_for_stop_strings_after_min_tokens():
+    """vLLM looks for stop strings only in the text after the first ``min_tokens``
+    tokens: " ok" in the first two is passed over, its next occurrence stops."""
+    from jax_paged_attn.serve.detokenizer import SequenceText
+
+    ids = [6, 0, 6, 0]  # " ok" "caf" " ok" "caf"
+    plain = SequenceText(BytesTokenizer(), [" ok"], include_stop_str_in_output=True, skip_special_tokens=True)
+    assert plain.find_stop(ids) == (1, " ok")
+    held = SequenceText(BytesTokenizer(), [" ok"], include_stop_str_in_output=True, skip_special_tokens=True,
+                        min_tokens=2)
+    assert held.find_stop(ids[:2]) is None and held.find_stop(ids) == (3, " ok")
+    assert held.update(ids[:3], "stop", " ok") == " okcaf ok" and held.text == " okcaf ok"
 
 
 def test_chat_template_loading_and_rendering(tmp_path):

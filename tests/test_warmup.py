@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import CompileCounter, random_prompts
+from test_penalties import spy_penalties
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
@@ -30,8 +31,9 @@ def warm_engine(model):
     engine = LLMEngine(model, CONFIG)
     report = engine.warmup(use_tqdm=False)
     shapes = engine.shapes
-    # Windows and mixed steps of every row count, greedy and sampled, plus copy-on-write sizes.
-    expected = 2 * (len(shapes.decode_rows) * len(shapes.window_widths)
+    # Windows and mixed steps of every row count, greedy, sampled and sampled with
+    # penalties, plus copy-on-write sizes.
+    expected = 3 * (len(shapes.decode_rows) * len(shapes.window_widths)
                     + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
     assert expected <= report.num_programs <= expected + 4, (report, shapes)
     return engine
@@ -66,6 +68,26 @@ def test_no_compilation_after_warmup_across_batches_lengths_and_sampling(model, 
             assert out.outputs[0].token_ids == ref[:9 - (j % 3)], (i, j)
     assert outputs[4][0].num_cached_tokens > 0
     assert engine.stats.num_mixed_steps > 0
+
+
+def test_penalized_requests_compile_nothing_after_warmup_and_neutral_batches_skip_them(warm_engine, monkeypatch):
+    """The penalties' program variant is part of the warm-up (a server compiles nothing
+    for them after its port opens), whatever the values and the ``logit_bias`` size; a
+    batch of neutral requests runs only the programs without it."""
+    calls = spy_penalties(warm_engine, setattr=monkeypatch.setattr)
+    prompts = random_prompts(60, [5, 30, 12])
+    neutral = SamplingParams(temperature=0.0, max_tokens=9)
+    penalized = [SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.4, logit_bias={3: 2.0}),
+                 SamplingParams(temperature=0.7, seed=2, max_tokens=9, min_p=0.2, min_tokens=3,
+                                logit_bias=dict.fromkeys(range(40), -1.0)),
+                 neutral]
+    with CompileCounter() as compiles:
+        warm_engine.generate(prompts, neutral, use_tqdm=False)
+        num_neutral_calls = len(calls)
+        warm_engine.generate(prompts, penalized, use_tqdm=False)
+    assert compiles.count == 0
+    assert num_neutral_calls and not any(penalized for _, penalized in calls[:num_neutral_calls])
+    assert any(penalized for _, penalized in calls[num_neutral_calls:])
 
 
 def test_warmup_refuses_while_requests_run(model, warm_engine):

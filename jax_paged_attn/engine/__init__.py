@@ -2,8 +2,10 @@
 
 * `BlockAllocator`: host-side free list, reference counts, prefix cache, copy-on-write.
 * `Scheduler`: continuous batching, chunked prefill, swap / recompute preemption (FCFS).
-* `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, seeded per request;
-  per-token logprobs (`Logprob`) on request.
+* `SamplingParams` / `sample_tokens`: greedy, temperature, top-p, top-k, min-p, seeded per
+  request; vLLM's presence / frequency / repetition penalties, ``min_tokens`` and
+  ``logit_bias`` on the device (`jax_paged_attn.engine.penalties`); per-token logprobs
+  (`Logprob`) on request.
 * `ModelRunner`: the device side (parameters, caches, persistent decode batch, jitted programs).
 * `LLMEngine`: the host loop: scheduled steps and overlapped decode windows; outputs in
   vLLM's shape (`RequestOutput` holding one `CompletionOutput` per sampled sequence).

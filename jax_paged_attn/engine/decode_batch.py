@@ -23,10 +23,11 @@ import numpy as np
 from jax_paged_attn.engine.config import EngineConfig
 from jax_paged_attn.engine.model_runner import NO_TOKEN, DecodeState, ModelRunner
 from jax_paged_attn.engine.outputs import append_logprobs, to_host
+from jax_paged_attn.engine.penalties import fill_penalties
 from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
-from jax_paged_attn.engine.step_inputs import program_num_logprobs
+from jax_paged_attn.engine.step_inputs import program_num_logprobs, uses_penalties
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class DecodeBatch:
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
     greedy: bool
     num_logprobs: int | None = None  # the window programs' static num_logprobs
+    penalized: bool = False  # the rows carry `Penalties` (the programs that apply them)
     # `InFlight` windows and mixed steps, oldest first
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
@@ -71,8 +73,11 @@ class DecodeBatch:
 
     @classmethod
     def start(cls, requests: list[Request], *, mixing: bool, scheduler: Scheduler, runner: ModelRunner,
-              config: EngineConfig, shapes: ProgramShapes, vocab_size: int) -> "DecodeBatch":
-        """Uploads ``requests`` (decoding ones) as the rows of a new persistent batch.
+              config: EngineConfig, shapes: ProgramShapes, vocab_size: int, penalized: bool = False
+              ) -> "DecodeBatch":
+        """Uploads ``requests`` (decoding ones) as the rows of a new persistent batch;
+        ``penalized``: its rows carry `Penalties` (also when a request of ``requests``
+        needs them).
 
         A batch for mixed steps (``mixing``) has the prompt sections' block-table width
         and rows for every request that may run while prompts are admitted; a batch of
@@ -89,7 +94,8 @@ class DecodeBatch:
             width = shapes.window_width(
                 max([-(-longest // cfg.block_size)] + [len(r.block_table) for r in requests]))
         num_stop_ids = stop_id_columns(max((len(sched.stop_token_ids(r)) for r in requests), default=1))
-        rows = DecodeState.empty(num_rows, width, num_stop_ids)
+        penalized = penalized or uses_penalties(requests)
+        rows = DecodeState.empty(num_rows, width, num_stop_ids, vocab_size if penalized else None)
         for i, request in enumerate(requests):
             fill_row(sched, rows, i, request)
         runner.start_decode(rows)
@@ -98,8 +104,10 @@ class DecodeBatch:
             requests=list(requests), num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
             next_position=rows.positions.astype(np.int64), table_len=np.array(
                 [len(r.block_table) for r in requests] + [0] * (num_rows - len(requests)), np.int64),
-            greedy=all(r.sampling_params.greedy for r in requests),
-            num_logprobs=program_num_logprobs(requests, vocab_size))
+            # Penalized rows sample in the sampled program (its greedy rows take the
+            # argmax of their processed logits): one penalties variant per shape, not two.
+            greedy=not penalized and all(r.sampling_params.greedy for r in requests),
+            num_logprobs=program_num_logprobs(requests, vocab_size), penalized=penalized)
 
     def free_rows(self) -> list[int]:
         """Rows a new request may take: those whose request finished as far as the host
@@ -111,11 +119,14 @@ class DecodeBatch:
 
     def needs_rebuild(self, shapes: ProgramShapes) -> bool:
         """A request outgrew its block-table row, a decoding request is outside the batch,
-        or most rows stopped (a smaller batch bucket runs faster)."""
+        most rows stopped (a smaller batch bucket runs faster), or the batch applies
+        penalties that no live row uses any more (the program without them runs faster)."""
         if self.wants_wider_table or self.missing_rows:
             return True
-        live = sum(not r.is_finished for r in self.requests)
-        return live > 0 and shapes.rows_for(live, mixing=False) < self.num_rows
+        live = [r for r in self.requests if not r.is_finished]
+        if live and self.penalized and not uses_penalties(live):
+            return True
+        return bool(live) and shapes.rows_for(len(live), mixing=False) < self.num_rows
 
     # ------------------------------------------------------------- joining
     def joining_rows(self, out: SchedulerOutput, rows: np.ndarray, num_seqs: int
@@ -123,8 +134,8 @@ class DecodeBatch:
         """The batch rows that the requests whose prompt ends in ``out`` take in the mixed
         step (`ModelRunner.run_mixed`'s ``join_index`` and ``join_rows``, and the
         ``(row, request)`` pairs). When they do not all fit (rows, block-table width,
-        stop ids, the batch's static greedy / logprobs choice) none joins, and the batch
-        is rebuilt before the next step instead."""
+        stop ids, the batch's static greedy / logprobs / penalties choice) none joins,
+        and the batch is rebuilt before the next step instead."""
         join_index = np.full(num_seqs, self.num_rows, np.int32)  # padding entries are dropped
         join_rows = DecodeState.empty(num_seqs, self.width, self.num_stop_ids)
         items = [(item.request, seq) for item, seq in zip(out.scheduled, rows) if item.samples]
@@ -147,13 +158,15 @@ class DecodeBatch:
                 and self.scheduler.last_input_position(request) // self.config.block_size + 1 <= self.width
                 and len(self.scheduler.stop_token_ids(request)) <= self.num_stop_ids
                 and (request.sampling_params.greedy or not self.greedy)
-                and program_num_logprobs([request], self.vocab_size) == self.num_logprobs)
+                and program_num_logprobs([request], self.vocab_size) == self.num_logprobs
+                and (self.penalized or not request.sampling_params.processes_logits))
 
     def join(self, requests: list[Request]) -> int:
         """Puts requests that start decoding into free rows of the persistent batch, on the
         device after the windows in flight; when they do not all fit (rows, block-table
-        width, stop ids, the batch's static greedy / logprobs choice) the batch is rebuilt
-        before its next window instead. Returns how many rows were inserted."""
+        width, stop ids, the batch's static greedy / logprobs / penalties choice) the
+        batch is rebuilt before its next window instead. Returns how many rows were
+        inserted."""
         if not requests:
             return 0
         free = self.free_rows()
@@ -161,7 +174,8 @@ class DecodeBatch:
         if not fits:
             self.missing_rows = True
             return 0
-        values = DecodeState.empty(self.num_rows, self.width, self.num_stop_ids)
+        values = DecodeState.empty(self.num_rows, self.width, self.num_stop_ids,
+                                   self.vocab_size if self.penalized else None)
         row_index = np.full(self.num_rows, self.num_rows, np.int32)  # padding entries are dropped
         for j, (row, request) in enumerate(zip(free, requests)):
             fill_row(self.scheduler, values, j, request)
@@ -276,7 +290,7 @@ def fill_row(scheduler: Scheduler, rows: DecodeState, i: int, request: Request, 
              ) -> None:
     """Host row ``i`` of a `DecodeState` from a decoding request; ``sampled_later``:
     as the request will be after the token a dispatched step samples for it (whose
-    value the device fills in)."""
+    value the device fills in; the device also fills its `Penalties`, from the prompt's)."""
     params = request.sampling_params
     stops = scheduler.stop_token_ids(request)
     num_pending = 1 if sampled_later else 0
@@ -288,3 +302,5 @@ def fill_row(scheduler: Scheduler, rows: DecodeState, i: int, request: Request, 
     rows.seed[i], rows.num_generated[i] = request.seed, len(request.output_token_ids) + num_pending
     rows.max_tokens[i] = params.max_tokens
     rows.stop_ids[i, :len(stops)] = stops
+    if rows.penalties is not None:
+        fill_penalties(rows.penalties, i, request, stops)

@@ -29,8 +29,10 @@ visits them:
 
 Beneath the rooms: ``block_allocator.py`` (the scheduler's block pools and prefix
 cache), ``model_runner.py`` (the device side), ``sampling.py`` (`SamplingParams`, the
-samplers), ``shapes.py`` (the programs' static shapes) and ``program_store.py``
-(compiled programs kept on disk); above them, ``llm.py`` (`LLM`: text in, text out).
+samplers), ``penalties.py`` (the penalties, ``logit_bias`` and ``min_tokens`` on the
+device, and the per-row token counts they read), ``shapes.py`` (the programs' static
+shapes) and ``program_store.py`` (compiled programs kept on disk); above them,
+``llm.py`` (`LLM`: text in, text out).
 
 A walk through `LLMEngine.step`, top to bottom, one module each:
 
@@ -178,6 +180,9 @@ class LLMEngine:
         report.append(startup.kv_cache_report(num_blocks, config.block_size, bytes_per_block, num_host_blocks))
         report.append(f"attention: {startup.implementation_report(model)}")
         report.append(f"projections: {startup.matmul_report(model)}")
+        report.append("sampling: penalties, logit_bias, min_tokens and min_p run in a third variant of each "
+                      "program (beside greedy and sampled; warmup compiles it), which batches without them "
+                      "never run")
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
@@ -205,9 +210,9 @@ class LLMEngine:
           request_id: unique id; default: a counter.
 
         Raises ValueError / TypeError naming the problem (empty prompt, prompt too long
-        for the model's max context, token ids out of range, stop ids outside the
-        vocabulary, duplicate id, a request the cache could never hold, ``n`` > 1 or stop
-        strings: see below).
+        for the model's max context, token ids out of range, stop ids or ``logit_bias``
+        ids outside the vocabulary, duplicate id, a request the cache could never hold,
+        ``n`` > 1 or stop strings: see below).
 
         One request is one sequence: ``SamplingParams.n`` > 1 is taken by `generate`
         (which adds ``n`` requests). Stop strings need text, which the engine does not
@@ -226,6 +231,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"sampling_params.stop_token_ids {bad} lie outside the vocabulary [0, {self.vocab_size}).")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"sampling_params.logit_bias token ids {bad} lie outside the vocabulary "
+                             f"[0, {self.vocab_size}).")
         if request_id is None:
             while str(self._request_counter) in self.scheduler.requests:
                 self._request_counter += 1
@@ -358,10 +367,12 @@ class LLMEngine:
         `generate` compiles (a server must not stall a request for a compilation).
 
         The programs and their shapes are `ProgramShapes`': decode windows and row
-        inserts of every batch size, greedy and sampled, the mixed prompt + decode steps
-        of every prompt shape (the prompt-only steps with ``decode_during_prefill``
-        False) and, with prefix caching, the copy-on-write block copies. Each runs once
-        on padding (no cache slot is written). Not covered, and compiled on first use:
+        inserts of every batch size, the mixed prompt + decode steps of every prompt
+        shape (the prompt-only steps with ``decode_during_prefill`` False), each greedy,
+        sampled, and sampled with penalties (`jax_paged_attn.engine.penalties`: one
+        extra variant per shape, which a batch without penalties never runs), and, with
+        prefix caching, the copy-on-write block copies. Each runs once on padding (no
+        cache slot is written). Not covered, and compiled on first use:
         requests asking for ``logprobs`` (a program per logprobs width), more stop ids
         than `shapes.MIN_STOP_ID_COLUMNS`, preemption by swapping (the swap programs)
         and the scheduled steps that follow it. With ``EngineConfig.compilation_cache`` a
@@ -371,7 +382,7 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() runs before any request: this engine has unfinished requests.")
-        tasks = warmup_tasks(self.shapes, self.config, self.runner, self._inputs)
+        tasks = warmup_tasks(self.shapes, self.config, self.runner, self._inputs, self.vocab_size)
         start, compiles_before, hits_before = time.perf_counter(), stats_lib.backend_compiles(), stats_lib.cache_hits()
         bar = None
         if use_tqdm:

@@ -312,10 +312,15 @@ class LLM:
         text = self._text_of(completion, params)
         stop = completion.stop_reason
         if isinstance(stop, str):
-            cut = text.find(stop)
+            cut = text.find(stop, _search_start(stop, self._protected_length(completion, params)))
             assert cut >= 0, "a sequence stopped by a string keeps the tokens that hold it"
             text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
         return text
+
+    def _protected_length(self, completion: CompletionOutput, params: SamplingParams) -> int:
+        """Characters of the text of the first ``min_tokens`` tokens, where no stop string
+        may end (vLLM looks for stop strings only in the text of later tokens)."""
+        return len(self._text_of(completion, params, params.min_tokens)) if params.min_tokens else 0
 
     # ------------------------------------------------------------ generate
     def generate(
@@ -458,22 +463,30 @@ class _StopStrings:
 
     def __call__(self, prompt_index: int, sample_index: int, completion: CompletionOutput) -> tuple[int, str] | None:
         params = self.params[prompt_index]
-        if not params.stop:
+        if not params.stop or len(completion.token_ids) <= params.min_tokens:
             return None
         key = (prompt_index, sample_index)
-        if _first_stop(self.llm._text_of(completion, params), params.stop) is None:
+        protected = self.llm._protected_length(completion, params)
+        if _first_stop(self.llm._text_of(completion, params), params.stop, protected) is None:
             self.num_clean[key] = len(completion.token_ids)
             return None
-        for num_tokens in range(self.num_clean.get(key, 0) + 1, len(completion.token_ids) + 1):
-            stop = _first_stop(self.llm._text_of(completion, params, num_tokens), params.stop)
+        start = max(self.num_clean.get(key, 0), params.min_tokens)
+        for num_tokens in range(start + 1, len(completion.token_ids) + 1):
+            stop = _first_stop(self.llm._text_of(completion, params, num_tokens), params.stop, protected)
             if stop is not None:
                 return num_tokens, stop
         raise AssertionError("the whole text holds a stop string, so some prefix does")
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> str | None:
+def _search_start(stop: str, protected: int) -> int:
+    """Where to look for ``stop`` in a text whose first ``protected`` characters are the
+    first ``min_tokens`` tokens': a match must end after them."""
+    return max(0, protected - len(stop) + 1)
+
+
+def _first_stop(text: str, stops: Sequence[str], protected: int = 0) -> str | None:
     """The stop string that occurs first in ``text`` (at equal positions, the first
-    listed), or None."""
-    found = [(text.find(stop), i) for i, stop in enumerate(stops)]
+    listed) and ends after its first ``protected`` characters, or None."""
+    found = [(text.find(stop, _search_start(stop, protected)), i) for i, stop in enumerate(stops)]
     found = [f for f in found if f[0] >= 0]
     return stops[min(found)[1]] if found else None

@@ -26,9 +26,13 @@ No program holds a data-dependent branch (XLA would copy the predicate to the ho
 and make the call wait for the whole step): the sampler is chosen statically (greedy or
 not), and stopped rows are masked. Log probabilities likewise: a static ``num_logprobs``
 (None: none, the programs are unchanged) compiles a variant that also returns the
-sampled tokens' logprobs and the top ``num_logprobs`` of every row (`TokenLogprobs`). The parameters are passed as one flat tuple of arrays
-(flattening an NNX state costs far more host time per call), and the caches are donated,
-so every cache write is in place.
+sampled tokens' logprobs and the top ``num_logprobs`` of every row (`TokenLogprobs`). The
+penalties, ``logit_bias``, ``min_tokens`` and ``min_p`` too: a program given a
+`Penalties` tree (the decode state's, with its token counts; a step's prompts send
+their token ids, `StepPenalties`, which the program counts) applies them, one given
+None is the program without them (`jax_paged_attn.engine.penalties`). The parameters
+are passed as one flat tuple of arrays (flattening an NNX state costs far more host
+time per call), and the caches are donated, so every cache write is in place.
 
 The model contract is `CausalLM`.
 """
@@ -45,6 +49,14 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn.engine import program_store as store_lib
+from jax_paged_attn.engine.penalties import (
+    Penalties,
+    PenaltyTokens,
+    StepPenalties,
+    apply_penalties,
+    count_tokens,
+    with_token_counts,
+)
 from jax_paged_attn.engine.sampling import TokenLogprobs, greedy_tokens, sample_tokens, token_logprobs
 from jax_paged_attn.metadata import FlashAttentionMetadata, concatenate_sections
 from jax_paged_attn.builder import pad_to_bucket
@@ -137,6 +149,9 @@ class DecodeState:
       max_tokens: i32[R]: the request's ``max_tokens``.
       stop_ids: i32[R, S]: token ids that stop the row (EOS included unless ignored),
         padded with `NO_STOP_ID`.
+      penalties: the rows' `Penalties` (with their output-token counts, which the
+        programs keep up to date), or None: a batch in which no request uses penalties,
+        ``logit_bias``, ``min_tokens`` or ``min_p`` runs the programs without them.
     """
 
     tokens: Array
@@ -150,17 +165,20 @@ class DecodeState:
     num_generated: Array
     max_tokens: Array
     stop_ids: Array
+    penalties: Penalties | None = None
 
     @staticmethod
-    def empty(num_rows: int, width: int, num_stop_ids: int) -> "DecodeState":
-        """Inactive rows with NumPy leaves, for the host to fill and `ModelRunner.start_decode` to upload."""
+    def empty(num_rows: int, width: int, num_stop_ids: int, vocab_size: int | None = None) -> "DecodeState":
+        """Inactive rows with NumPy leaves, for the host to fill and `ModelRunner.start_decode`
+        to upload; with ``vocab_size``, rows of a batch that applies `Penalties` (neutral)."""
+        penalties = None if vocab_size is None else Penalties.neutral(num_rows, vocab_size, num_stop_ids)
         return DecodeState(
             tokens=np.zeros(num_rows, np.int32), positions=np.zeros(num_rows, np.int32),
             active=np.zeros(num_rows, bool), block_tables=np.zeros((num_rows, width), np.int32),
             temperature=np.zeros(num_rows, np.float32), top_p=np.ones(num_rows, np.float32),
             top_k=np.full(num_rows, -1, np.int32), seed=np.zeros(num_rows, np.uint32),
             num_generated=np.zeros(num_rows, np.int32), max_tokens=np.ones(num_rows, np.int32),
-            stop_ids=np.full((num_rows, num_stop_ids), NO_STOP_ID, np.int32))
+            stop_ids=np.full((num_rows, num_stop_ids), NO_STOP_ID, np.int32), penalties=penalties)
 
 
 def decode_metadata(positions: Array, active: Array, block_tables: Array, block_size: int) -> FlashAttentionMetadata:
@@ -215,6 +233,21 @@ def whole_vocabulary(model: Any, logits: Array) -> Array:
     return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
+def sample_batch(logits: Array, sampling: tuple[Array, ...], penalties: Penalties | None, *, greedy: bool) -> Array:
+    """Tokens i32[B] of a step's sequences from their ``logits`` [B, V] and sampling
+    arrays ``(temperature, top_p, top_k, seed, counter)``, after their ``penalties``
+    (None: none applied; ``counter`` counts the tokens each generated so far)."""
+    min_p = None
+    if penalties is not None:
+        logits, min_p = apply_penalties(logits, penalties, sampling[4]), penalties.min_p
+    return greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling, min_p=min_p)
+
+
+def counted_penalties(penalties: StepPenalties | None, vocab_size: int) -> Penalties | None:
+    """A step's `Penalties` with their counts, from the rows' token ids (traced)."""
+    return None if penalties is None else with_token_counts(*penalties, vocab_size)
+
+
 DONATE_ARGNUMS = dict(insert=(0,), step=(1,), window=(1, 2), mixed=(1, 2))
 """Each program's donated arguments (the decode state, the KV caches): the program
 store's loaded programs, which are never traced, take them from here."""
@@ -233,8 +266,8 @@ class _Programs:
             return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
 
         def step(params: tuple[Array, ...], kv_caches: list[Array], input_ids: Array, positions: Array,
-                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], *, greedy: bool,
-                 num_logprobs: int | None = None) -> tuple[Array, list[Array], TokenLogprobs | None]:
+                 metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], penalties: StepPenalties | None, *,
+                 greedy: bool, num_logprobs: int | None = None) -> tuple[Array, list[Array], TokenLogprobs | None]:
             self._count_trace()
             # Last token row of every sequence (padding sequences own >= 1 row or point
             # at a real row; their tokens are ignored).
@@ -242,7 +275,7 @@ class _Programs:
             model = model_of(params)
             logits, new_caches = model(input_ids, positions, kv_caches, metadata, logits_indices=last_rows)
             logits = logits if greedy else whole_vocabulary(model, logits)
-            tokens = greedy_tokens(logits) if greedy else sample_tokens(logits, *sampling)
+            tokens = sample_batch(logits, sampling, counted_penalties(penalties, logits.shape[-1]), greedy=greedy)
             logprobs = None if num_logprobs is None else token_logprobs(logits, tokens, num_logprobs)
             return tokens, list(new_caches), logprobs
 
@@ -251,10 +284,8 @@ class _Programs:
             """Samples each active row's next token from its ``logits`` and moves the row
             on (stop checks included); returns the new state, the tokens i32[R]
             (`NO_TOKEN` for inactive rows) and their logprobs (junk for inactive rows)."""
-            if greedy:
-                sampled = greedy_tokens(logits)
-            else:
-                sampled = sample_tokens(logits, s.temperature, s.top_p, s.top_k, s.seed, s.num_generated)
+            sampled = sample_batch(logits, (s.temperature, s.top_p, s.top_k, s.seed, s.num_generated), s.penalties,
+                                   greedy=greedy)
             num_generated = s.num_generated + s.active.astype(jnp.int32)
             done = stopped(sampled, num_generated, s.positions, s.stop_ids, s.max_tokens, max_model_len)
             logprobs = None if num_logprobs is None else token_logprobs(logits, sampled, num_logprobs)
@@ -262,7 +293,8 @@ class _Programs:
             s = dataclasses.replace(
                 s, tokens=jnp.where(s.active, sampled, s.tokens),
                 positions=jnp.where(s.active, s.positions + 1, s.positions),
-                num_generated=num_generated, active=s.active & ~done)
+                num_generated=num_generated, active=s.active & ~done,
+                penalties=None if s.penalties is None else count_tokens(s.penalties, sampled, s.active))
             return s, out, logprobs
 
         def insert(state: DecodeState, row_index: Array, rows: DecodeState) -> DecodeState:
@@ -310,8 +342,8 @@ class _Programs:
         def mixed(params: tuple[Array, ...], kv_caches: list[Array], state: DecodeState, keep: Array,
                   block_rows: Array, block_values: Array, input_ids: Array, positions: Array,
                   metadata: FlashAttentionMetadata, sampling: tuple[Array, ...], join_index: Array,
-                  join_rows: DecodeState, *, greedy: bool, block_size: int, max_model_len: int,
-                  num_logprobs: int | None = None):
+                  join_rows: DecodeState, prompt_penalties: StepPenalties | None, *, greedy: bool, block_size: int,
+                  max_model_len: int, num_logprobs: int | None = None):
             # Prompt chunks (``metadata``: prefills only, the batch's block-table width)
             # and one decode step of every batch row, in one forward: the weights are
             # read once for both. Then the prompts that ended take their rows, with the
@@ -331,7 +363,8 @@ class _Programs:
                 kv_caches, md, logits_indices=last_rows)
             logits = logits if greedy else whole_vocabulary(model, logits)
             prefill_logits = logits[:num_prefill_rows]
-            tokens = greedy_tokens(prefill_logits) if greedy else sample_tokens(prefill_logits, *sampling)
+            prompt_counted = counted_penalties(prompt_penalties, logits.shape[-1])
+            tokens = sample_batch(prefill_logits, sampling, prompt_counted, greedy=greedy)
             logprobs = None if num_logprobs is None else token_logprobs(prefill_logits, tokens, num_logprobs)
             state, out, rows_lp = advance_rows(state, logits[num_prefill_rows:], greedy=greedy,
                                                max_model_len=max_model_len, num_logprobs=num_logprobs)
@@ -339,6 +372,12 @@ class _Programs:
             first_done = stopped(tokens, join_rows.num_generated, join_rows.positions - 1, join_rows.stop_ids,
                                  join_rows.max_tokens, max_model_len)
             joined = dataclasses.replace(join_rows, tokens=tokens, active=join_rows.active & ~first_done)
+            if state.penalties is not None:
+                # A joining row's penalties are its prompt's, counting the token just sampled.
+                assert prompt_counted is not None, "a batch with penalties takes the prompts' penalties"
+                counted = count_tokens(prompt_counted, tokens, join_index < num_rows)
+                counted = dataclasses.replace(counted, stop_ids=join_rows.stop_ids)  # the batch's columns
+                joined = dataclasses.replace(joined, penalties=counted)
             state = insert(state, join_index, joined)
             return tokens, logprobs, out[None], rows_lp, state, list(new_caches)
 
@@ -357,7 +396,7 @@ class _Programs:
 
 
 # The programs' argument and result trees hold these: the store's files carry the trees.
-store_lib.register_pytree_serialization(DecodeState, FlashAttentionMetadata, TokenLogprobs)
+store_lib.register_pytree_serialization(DecodeState, FlashAttentionMetadata, TokenLogprobs, Penalties, PenaltyTokens)
 
 
 @functools.lru_cache(maxsize=16)
@@ -431,16 +470,17 @@ class ModelRunner:
         return self._programs.mixed
 
     def run_step(self, token_ids: np.ndarray, positions: np.ndarray, metadata: FlashAttentionMetadata,
-                 sampling: tuple[np.ndarray, ...], *, greedy: bool, num_logprobs: int | None = None
-                 ) -> Array | tuple[Array, TokenLogprobs]:
+                 sampling: tuple[np.ndarray, ...], penalties: StepPenalties | None = None, *, greedy: bool,
+                 num_logprobs: int | None = None) -> Array | tuple[Array, TokenLogprobs]:
         """One forward + sampling over a builder-made batch; returns the tokens i32[B]
         (one per metadata sequence, on the device). The caches are updated in place.
+        ``penalties``: host `StepPenalties` of the B sequences, or None (the program without them).
 
         With ``num_logprobs`` (static: each value is its own program) it returns
         ``(tokens, TokenLogprobs)``, leading dim ``[B]``.
         """
         tokens, self.kv_caches, logprobs = self._step(
-            self.params, self.kv_caches, token_ids, positions, metadata, sampling, greedy=greedy,
+            self.params, self.kv_caches, token_ids, positions, metadata, sampling, penalties, greedy=greedy,
             num_logprobs=num_logprobs)
         return tokens if logprobs is None else (tokens, logprobs)
 
@@ -501,7 +541,7 @@ class ModelRunner:
 
     def run_mixed(self, keep: np.ndarray, block_rows: np.ndarray, block_values: np.ndarray, token_ids: np.ndarray,
                   positions: np.ndarray, metadata: FlashAttentionMetadata, sampling: tuple[np.ndarray, ...],
-                  join_index: np.ndarray, join_rows: DecodeState, *,
+                  join_index: np.ndarray, join_rows: DecodeState, prompt_penalties: StepPenalties | None = None, *,
                   greedy: bool, max_model_len: int, num_logprobs: int | None = None) -> tuple[Any, Any]:
         """One forward over prompt chunks and one decode step of the persistent batch,
         then the prompts that ended join the batch.
@@ -516,7 +556,10 @@ class ModelRunner:
             columns) describing each joining sequence as it will be after its sampled
             token: ``positions`` that token's position, ``num_generated`` counting it;
             ``tokens`` is ignored (the step's sampled token is taken) and a row whose
-            token already ends it is inactive.
+            token already ends it is inactive. Its ``penalties`` are None: a batch with
+            penalties gives each joining row its prompt's ``prompt_penalties``.
+          prompt_penalties: host `StepPenalties` of the P prompt sequences; given exactly when
+            the batch has penalties (None: the prompts sample without them).
           greedy: every prompt and every batch row samples greedily (static).
           num_logprobs: static logprobs width of the prompts' and the rows' tokens, or None.
 
@@ -528,7 +571,8 @@ class ModelRunner:
         assert self._decode_state is not None, "start_decode first"
         tokens, logprobs, out, rows_lp, self._decode_state, self.kv_caches = self._mixed(
             self.params, self.kv_caches, self._decode_state, keep, block_rows, block_values, token_ids, positions,
-            metadata, sampling, join_index, join_rows, greedy=greedy, block_size=self.block_size, max_model_len=max_model_len,
+            metadata, sampling, join_index, join_rows, prompt_penalties, greedy=greedy, block_size=self.block_size,
+            max_model_len=max_model_len,
             num_logprobs=num_logprobs)
         for leaf in jax.tree_util.tree_leaves((tokens, logprobs, out, rows_lp)):
             leaf.copy_to_host_async()

@@ -3,7 +3,9 @@
 `SamplingParams` is what a user passes with each request (vLLM's names). It is
 validated on construction, so a bad request fails in ``add_request`` and never reaches
 a batch. `sample_tokens` runs inside the engine's jitted step: one row of logits per
-sequence, each row with its own temperature / top-p / top-k and its own PRNG stream.
+sequence, each row with its own temperature / top-p / top-k / min-p and its own PRNG
+stream. The penalties, ``logit_bias`` and ``min_tokens`` change the logits before it
+(`jax_paged_attn.engine.penalties`).
 
 Randomness: request r draws its t-th token with
 ``fold_in(PRNGKey(seed_r), t)``, so a seeded request produces the same tokens whatever
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,13 @@ TOP_K_DISABLED = -1
 
 MAX_LOGPROBS = 20
 """Largest ``SamplingParams.logprobs`` (vLLM's default ``max_logprobs``)."""
+
+MAX_LOGIT_BIAS = 300
+"""Most ``SamplingParams.logit_bias`` entries of a request (OpenAI's limit): the device
+holds every row's biases in this many padded columns, so no request compiles a program."""
+
+MAX_PENALTY = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in ``[-MAX_PENALTY, MAX_PENALTY]`` (vLLM's and OpenAI's range)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,26 @@ class SamplingParams:
         shared, unsalted cache). A server holding several tenants gives each its own
         salt, so that no tenant can tell from its requests' speed or
         ``num_cached_tokens`` which prompts another tenant sent.
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token the output
+        holds so far (vLLM's and OpenAI's definition; the prompt does not count). > 0
+        favours new tokens.
+      frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the
+        output holds it so far.
+      repetition_penalty: > 0; every token of the prompt or the output so far has its
+        logit divided by it when positive and multiplied by it otherwise (vLLM's, after
+        CTRL); > 1 discourages repetition, 1 is off.
+      min_p: in [0, 1]; keeps only the tokens whose probability (after temperature) is at
+        least ``min_p`` times the most likely token's. 0 is off; no effect on greedy rows.
+      min_tokens: the stop ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) cannot
+        be sampled before the output holds this many tokens; <= ``max_tokens``.
+      logit_bias: ``{token_id: bias}``, at most `MAX_LOGIT_BIAS` entries; each bias is
+        added to its token's logit (before the penalties, as vLLM does). The engine
+        checks the ids against its vocabulary (`LLMEngine.add_request`).
+
+    The logits pass, in vLLM V1's order: ``logit_bias``, ``min_tokens``, the repetition,
+    frequency and presence penalties; then greedy rows take the argmax, and other rows
+    divide by the temperature, apply ``min_p``, top-k and top-p, and sample. Log
+    probabilities stay those of the raw logits (see ``logprobs``).
     """
 
     temperature: float = 1.0
@@ -107,6 +136,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         temperature = _as_float(self.temperature, "temperature")
@@ -143,6 +178,7 @@ class SamplingParams:
             raise TypeError(f"cache_salt must be None or a str, got {type(self.cache_salt).__name__}.")
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty (None shares the unsalted prefix cache).")
+        self._check_logits_processing(max_tokens)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", TOP_K_DISABLED if top_k == 0 else top_k)
@@ -157,9 +193,40 @@ class SamplingParams:
                            as_bool(self.include_stop_str_in_output, "include_stop_str_in_output"))
         object.__setattr__(self, "skip_special_tokens", as_bool(self.skip_special_tokens, "skip_special_tokens"))
 
+    def _check_logits_processing(self, max_tokens: int) -> None:
+        """Validates and normalizes the penalties, ``min_p``, ``min_tokens`` and
+        ``logit_bias``; errors name the argument (the server's 400 names the field)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(getattr(self, name), name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}.")
+            object.__setattr__(self, name, value)
+        repetition = _as_float(self.repetition_penalty, "repetition_penalty")
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}.")
+        min_p = _as_float(self.min_p, "min_p")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        min_tokens = _as_int(self.min_tokens, "min_tokens")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {self.min_tokens!r}.")
+        object.__setattr__(self, "repetition_penalty", repetition)
+        object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "min_tokens", min_tokens)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a penalty, ``min_p``, ``min_tokens`` or ``logit_bias`` is on: such a
+        request samples in the programs that apply them (`jax_paged_attn.engine.penalties`);
+        a batch without one runs the programs that skip them."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_p != 0.0 or self.min_tokens != 0 or bool(self.logit_bias))
 
 
 def params_per_prompt(sampling_params: "SamplingParams | Sequence[SamplingParams] | None",
@@ -180,6 +247,27 @@ def params_per_prompt(sampling_params: "SamplingParams | Sequence[SamplingParams
         return params
     raise TypeError(f"sampling_params must be a SamplingParams, a sequence of them or None, got "
                     f"{type(sampling_params).__name__}.")
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``logit_bias`` as ``{int: float}`` (None or empty: None); TypeError / ValueError
+    naming ``logit_bias``. The ids are checked against the vocabulary by the engine."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"logit_bias must be a dict {{token_id: bias}} or None, got {type(value).__name__}.")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}.")
+    bias = {}
+    for token, amount in value.items():
+        token_id = _as_int(token, "logit_bias token id")
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token!r}.")
+        amount = _as_float(amount, f"logit_bias[{token_id}]")
+        if not math.isfinite(amount):
+            raise ValueError(f"logit_bias[{token_id}] must be finite, got {amount!r}.")
+        bias[token_id] = amount
+    return bias or None
 
 
 def _as_float(x: object, name: str) -> float:
@@ -214,12 +302,15 @@ def sample_tokens(
     top_k: Array,  # i32[B], <= 0 disables
     seed: Array,  # u32[B]
     counter: Array,  # i32[B]
+    min_p: Array | None = None,  # f32[B] in [0, 1]; None: no row uses it (a program without it)
 ) -> Array:
     """Draws one token per row; returns int32 ``[B]``. Jit-able; all arguments may be traced.
 
     Greedy rows take the argmax. Other rows divide the logits by their temperature,
-    keep the top-k and then the top-p nucleus (always at least the most likely
-    token) and sample with their own key ``fold_in(PRNGKey(seed), counter)``.
+    drop the tokens less likely than ``min_p`` times the most likely one (vLLM's
+    ``MinPLogitsProcessor``), keep the top-k and then the top-p nucleus of what is left
+    (always at least the most likely token) and sample with their own key
+    ``fold_in(PRNGKey(seed), counter)``.
 
     Branchless: a batch known on the host to be all greedy should call `greedy_tokens`
     instead (a data-dependent ``lax.cond`` would make the jitted step wait for its
@@ -229,6 +320,10 @@ def sample_tokens(
     is_greedy = temperature <= 0.0
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+    if min_p is not None:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        threshold = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(probs < threshold, -jnp.inf, scaled)
     order = jnp.argsort(-scaled, axis=-1)  # most likely first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)

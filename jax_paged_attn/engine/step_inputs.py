@@ -1,12 +1,13 @@
 """The host inputs of the engine's programs: a scheduled step's packed, bucketed batch
 (metadata, token ids, positions, sampling arrays) from a `SchedulerOutput`, the prompt
 sections in the engine's fixed prompt shapes, padding inputs of those shapes (warm-up),
-and the static ``num_logprobs`` of a program sampling for some requests.
+the `Penalties` rows of a step's sampling sequences, and the static ``num_logprobs`` of
+a program sampling for some requests.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -17,9 +18,10 @@ from jax_paged_attn.builder import (
     pack_per_token,
     sequence_rows,
 )
+from jax_paged_attn.engine.penalties import Penalties, PenaltyTokens, StepPenalties, fill_penalties, fill_tokens
 from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.sampling import logprobs_bucket
-from jax_paged_attn.engine.shapes import ProgramShapes
+from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
 from jax_paged_attn.metadata import FlashAttentionMetadata
 from jax_paged_attn.spec import PAD_SLOT_ID
 
@@ -84,6 +86,26 @@ class StepInputs:
             seed[row], counter[row] = request.seed, len(request.output_token_ids)
         return temperature, top_p, top_k, seed, counter
 
+    def penalties(self, out: SchedulerOutput, rows: np.ndarray, num_rows: int,
+                  stop_token_ids: Callable[[Request], Sequence[int]]) -> StepPenalties:
+        """Host penalties of a step's ``num_rows`` sequences (``rows``: each scheduled
+        item's, as `prepare` gives them): the sampling ones' from their requests, the
+        others neutral; their counts come as token ids (`PenaltyTokens`).
+        ``stop_token_ids``: a request's stop ids (the scheduler's)."""
+        items = [(item.request, row) for item, row in zip(out.scheduled, rows) if item.samples]
+        stops = [stop_token_ids(request) for request, _ in items]
+        penalties, tokens = self.neutral_penalties(num_rows, max([len(ids) for ids in stops] + [1]))
+        for (request, row), ids in zip(items, stops):
+            fill_penalties(penalties, row, request, ids)
+            fill_tokens(tokens, row, request)
+        return penalties, tokens
+
+    def neutral_penalties(self, num_rows: int, num_stop_ids: int = 1) -> StepPenalties:
+        """Host penalties of ``num_rows`` neutral step sequences (their stop-id columns
+        `stop_id_columns` of ``num_stop_ids``; the tokens as wide as the longest sequence)."""
+        return (Penalties.neutral(num_rows, None, stop_id_columns(num_stop_ids)),
+                PenaltyTokens.empty(num_rows, self.shapes.block_table_width * self.block_size))
+
     def padding_prompt_inputs(self, num_tokens: int, num_seqs: int) -> tuple[Any, ...]:
         """``(token_ids, positions, metadata, sampling)`` of a prompt section of that shape
         holding padding sequences only (they read no key and write no slot), with the
@@ -102,6 +124,12 @@ class StepInputs:
                     np.zeros(num_seqs, np.uint32), np.zeros(num_seqs, np.int32))
         tokens = np.zeros(num_tokens, np.int32)
         return tokens, tokens, metadata, sampling
+
+
+def uses_penalties(requests: Sequence[Request]) -> bool:
+    """Whether a program sampling for ``requests`` must apply `Penalties` (one of them
+    sets a penalty, ``logit_bias``, ``min_tokens`` or ``min_p``)."""
+    return any(r.sampling_params.processes_logits for r in requests)
 
 
 def program_num_logprobs(requests: Sequence[Request], vocab_size: int) -> int | None:

@@ -53,7 +53,7 @@ from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.engine.shapes import ProgramShapes
 from jax_paged_attn.engine.stats import StatsRecorder
-from jax_paged_attn.engine.step_inputs import StepInputs, program_num_logprobs
+from jax_paged_attn.engine.step_inputs import StepInputs, program_num_logprobs, uses_penalties
 
 
 class StepLoop:
@@ -115,10 +115,14 @@ class StepLoop:
         requests that finished their prompt join the persistent batch's free rows."""
         self.block_moves.run(out)
         metadata, token_ids, positions, rows, sampling = self.inputs.prepare(out)
-        greedy = all(item.request.sampling_params.greedy for item in out.scheduled)
-        num_logprobs = program_num_logprobs([item.request for item in out.scheduled if item.samples],
-                                            self.vocab_size)
-        result = self.runner.run_step(token_ids, positions, metadata, sampling, greedy=greedy,
+        sampling_requests = [item.request for item in out.scheduled if item.samples]
+        num_logprobs = program_num_logprobs(sampling_requests, self.vocab_size)
+        penalties = None
+        if uses_penalties(sampling_requests):
+            penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.scheduler.stop_token_ids)
+        # Penalties run in the sampled program only (greedy rows take its argmax): one variant.
+        greedy = penalties is None and all(item.request.sampling_params.greedy for item in out.scheduled)
+        result = self.runner.run_step(token_ids, positions, metadata, sampling, penalties, greedy=greedy,
                                       num_logprobs=num_logprobs)
         if beside_batch and self.batch is not None and len(self.batch.inflight) < 2:
             # The batch's rows decode one more window behind the prefill while the host
@@ -183,11 +187,14 @@ class StepLoop:
 
     def batch_takes_prompts(self) -> bool:
         """Whether the persistent batch can run beside prompt sections as it is: their
-        block-table width and a row count the mixed programs were built for, and every
-        decoding request among its rows."""
+        block-table width and a row count the mixed programs were built for, `Penalties`
+        if a prompt to come needs them, and every decoding request among its rows."""
         batch = self.batch
         if batch is None or batch.wants_wider_table or batch.missing_rows:
             return False
+        live = [r for r in batch.requests if not r.is_finished]
+        if batch.penalized != uses_penalties(live + self.pending_prompts()):
+            return False  # a prompt needs penalties, or nobody uses them any more (a faster program)
         if batch.width != self.shapes.block_table_width or batch.num_rows not in self.shapes.mixed_rows:
             return False
         members = {r.request_id for r in batch.requests}
@@ -209,7 +216,8 @@ class StepLoop:
         num_read = 0
         if not self.batch_takes_prompts():
             finished, num_read = self.drain()
-            self.start_batch([r for r in sched.running if not r.in_prefill], mixing=True)
+            self.start_batch([r for r in sched.running if not r.in_prefill], mixing=True,
+                             penalized=uses_penalties(self.pending_prompts()))
         batch = self.batch
         assert batch is not None
         update = batch.reserve_rows(1)
@@ -226,9 +234,12 @@ class StepLoop:
         asks = [k for k in (batch.num_logprobs, program_num_logprobs(prompts, self.vocab_size)) if k is not None]
         num_logprobs = max(asks) if asks else None
         join_index, join_rows, joining = batch.joining_rows(out, rows, metadata.num_seqs)
+        prompt_penalties = None
+        if batch.penalized:  # the prompts sample with the rows' program, which applies penalties
+            prompt_penalties = self.inputs.penalties(out, rows, metadata.num_seqs, sched.stop_token_ids)
         prompt_result, rows_result = self.runner.run_mixed(
             keep, block_rows, block_values, token_ids, positions, metadata, sampling, join_index, join_rows,
-            greedy=greedy, max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
+            prompt_penalties, greedy=greedy, max_model_len=self.config.max_model_len, num_logprobs=num_logprobs)
         sched.commit(out)  # the next schedule starts each prompt where this step leaves it
         batch.inflight.append(InFlight(rows_result, list(batch.requests), PromptTokens(out, prompt_result, rows)))
         batch.next_position[live] += 1
@@ -258,12 +269,18 @@ class StepLoop:
         return all(r.in_prefill or r.request_id in members for r in sched.running)
 
     # ------------------------------------------------------ batch lifetime
-    def start_batch(self, requests: list[Request], *, mixing: bool) -> None:
+    def start_batch(self, requests: list[Request], *, mixing: bool, penalized: bool = False) -> None:
         """Uploads ``requests`` (decoding ones) as the rows of a new persistent batch
-        (`DecodeBatch.start`)."""
+        (`DecodeBatch.start`); ``penalized``: with `Penalties` even if none of them needs any."""
         self.batch = DecodeBatch.start(requests, mixing=mixing, scheduler=self.scheduler, runner=self.runner,
-                                       config=self.config, shapes=self.shapes, vocab_size=self.vocab_size)
+                                       config=self.config, shapes=self.shapes, vocab_size=self.vocab_size,
+                                       penalized=penalized)
         self.recorder.stats.num_decode_batches += 1
+
+    def pending_prompts(self) -> list[Request]:
+        """The requests whose prompt runs (or waits to run): the next mixed steps' prompts."""
+        sched = self.scheduler
+        return [r for r in sched.running if r.in_prefill] + list(sched.waiting)
 
     def drain(self) -> tuple[list[Request], int]:
         """Reads every window in flight and retires the persistent batch (the host then

@@ -20,6 +20,7 @@ from jax_paged_attn import cache as cache_ops
 from jax_paged_attn.engine.block_moves import copy_blocks_donated
 from jax_paged_attn.engine.config import EngineConfig
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner
+from jax_paged_attn.engine.penalties import StepPenalties
 from jax_paged_attn.engine.shapes import ProgramShapes
 from jax_paged_attn.engine.step_inputs import StepInputs
 from jax_paged_attn.tuning import next_power_of_2
@@ -44,50 +45,61 @@ class WarmupReport:
                 f"loaded from the compilation cache)")
 
 
-def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, step_inputs: StepInputs) -> list[Any]:
+def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, step_inputs: StepInputs,
+                 vocab_size: int) -> list[Any]:
     """One callable per program (shape) that `LLMEngine.warmup` runs (``cfg``: the
-    engine's configuration, resolved at start)."""
+    engine's configuration, resolved at start).
+
+    Each shape has three variants: greedy, sampled, and sampled with `Penalties` (the
+    penalties, ``logit_bias``, ``min_tokens``, ``min_p``; a greedy request using them
+    runs in that variant, so there is no fourth)."""
     num_stop_ids = shapes.num_stop_id_columns
     tasks: list[Any] = []
+
+    def decode_state(num_rows: int, width: int, penalized: bool) -> DecodeState:
+        return DecodeState.empty(num_rows, width, num_stop_ids, vocab_size if penalized else None)
+
+    def prompt_penalties(num_seqs: int, penalized: bool) -> StepPenalties | None:
+        return step_inputs.neutral_penalties(num_seqs) if penalized else None
 
     def no_row_update(num_rows: int, width: int) -> tuple[np.ndarray, ...]:
         # (keep, block_rows, block_values): every row stopped, no block-table row changed.
         return (np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
                 np.zeros((num_rows, width), np.int32))
 
-    def window(num_rows: int, width: int, greedy: bool) -> None:
-        runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
-        runner.insert_decode_rows(np.full(num_rows, num_rows, np.int32),
-                                  DecodeState.empty(num_rows, width, num_stop_ids))
+    def window(num_rows: int, width: int, greedy: bool, penalized: bool) -> None:
+        runner.start_decode(decode_state(num_rows, width, penalized))
+        runner.insert_decode_rows(np.full(num_rows, num_rows, np.int32), decode_state(num_rows, width, penalized))
         runner.run_decode_window(*no_row_update(num_rows, width), num_steps=cfg.num_scheduler_steps,
                                  greedy=greedy, max_model_len=cfg.max_model_len)
 
-    def mixed(num_rows: int, prompt_shape: tuple[int, int], greedy: bool) -> None:
+    def mixed(num_rows: int, prompt_shape: tuple[int, int], greedy: bool, penalized: bool) -> None:
         width = shapes.block_table_width
-        runner.start_decode(DecodeState.empty(num_rows, width, num_stop_ids))
+        runner.start_decode(decode_state(num_rows, width, penalized))
         inputs = step_inputs.padding_prompt_inputs(*prompt_shape)
         num_seqs = prompt_shape[1]
         no_join = (np.full(num_seqs, num_rows, np.int32), DecodeState.empty(num_seqs, width, num_stop_ids))
-        runner.run_mixed(*no_row_update(num_rows, width), *inputs, *no_join, greedy=greedy,
-                         max_model_len=cfg.max_model_len)
+        runner.run_mixed(*no_row_update(num_rows, width), *inputs, *no_join, prompt_penalties(num_seqs, penalized),
+                         greedy=greedy, max_model_len=cfg.max_model_len)
 
-    def prompts(prompt_shape: tuple[int, int], greedy: bool) -> None:
-        runner.run_step(*step_inputs.padding_prompt_inputs(*prompt_shape), greedy=greedy)
+    def prompts(prompt_shape: tuple[int, int], greedy: bool, penalized: bool) -> None:
+        runner.run_step(*step_inputs.padding_prompt_inputs(*prompt_shape),
+                        prompt_penalties(prompt_shape[1], penalized), greedy=greedy)
 
     def copies(num_pairs: int) -> None:
         mapping = np.full((num_pairs, 2), cache_ops.PAD_BLOCK_ID, np.int32)
         runner.kv_caches = copy_blocks_donated(runner.kv_caches, mapping)
 
-    for greedy in (True, False):
+    for greedy, penalized in ((True, False), (False, False), (False, True)):
         for width in shapes.window_widths:
             for num_rows in shapes.decode_rows:
-                tasks.append(functools.partial(window, num_rows, width, greedy))
+                tasks.append(functools.partial(window, num_rows, width, greedy, penalized))
         for prompt_shape in shapes.prompt_shapes:
             if cfg.decode_during_prefill:
                 for num_rows in shapes.mixed_rows:
-                    tasks.append(functools.partial(mixed, num_rows, prompt_shape, greedy))
+                    tasks.append(functools.partial(mixed, num_rows, prompt_shape, greedy, penalized))
             else:
-                tasks.append(functools.partial(prompts, prompt_shape, greedy))
+                tasks.append(functools.partial(prompts, prompt_shape, greedy, penalized))
     if cfg.enable_prefix_caching:
         num_pairs = 1
         while num_pairs <= next_power_of_2(shapes.max_prompts_per_step):

@@ -282,7 +282,7 @@ class AsyncEngine:
                     self.engine.add_request(prompt, dataclasses.replace(one, seed=seed), request_id=rid)
                     stream.engine_request_ids.append(rid)
                     text = SequenceText(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                        params.skip_special_tokens)
+                                        params.skip_special_tokens, params.min_tokens)
                     self._sequences[rid] = _Sequence(stream, i * params.n + j, text)
         except Exception as e:
             self._drop_stream(stream)

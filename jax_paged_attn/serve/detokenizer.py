@@ -27,10 +27,12 @@ INCOMPLETE_CHARACTER = "\ufffd"
 """What ``tokenizers`` decodes an incomplete UTF-8 byte sequence to."""
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+def first_stop(text: str, stops: Sequence[str], protected: int = 0) -> tuple[int, str] | None:
     """``(position, stop string)`` of the stop string that occurs first in ``text`` (at
-    equal positions, the first listed), or None."""
-    found = [(text.find(stop), i) for i, stop in enumerate(stops)]
+    equal positions, the first listed) and ends after its first ``protected``
+    characters (the text of the first ``min_tokens`` tokens, where vLLM looks for none),
+    or None."""
+    found = [(text.find(stop, max(0, protected - len(stop) + 1)), i) for i, stop in enumerate(stops)]
     found = [f for f in found if f[0] >= 0]
     if not found:
         return None
@@ -58,13 +60,16 @@ class SequenceText:
       include_stop_str_in_output: keep a matched stop string, and the text of a stop
         token (EOS, ``stop_token_ids``) that ended the sequence (vLLM's rule).
       skip_special_tokens: leave special tokens out of the text.
+      min_tokens: no stop string may end in the text of the first ``min_tokens`` tokens.
 
     ``sent``: characters returned so far; ``text``: the full text once finished.
     """
 
     def __init__(self, tokenizer: "Tokenizer", stop: Sequence[str], include_stop_str_in_output: bool,
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._protected: int | None = None  # characters of the first min_tokens tokens' text, once known
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
@@ -80,14 +85,24 @@ class SequenceText:
         ids so far) holds a stop string: the fewest leading tokens whose text holds one
         (the token that completed it is kept, as the engine's `stop_request` expects);
         None otherwise."""
-        if not self.stop or first_stop(self.decode(token_ids), self.stop) is None:
+        if not self.stop or len(token_ids) <= self.min_tokens:
+            return None
+        protected = self.protected_length(token_ids)
+        if first_stop(self.decode(token_ids), self.stop, protected) is None:
             self._num_clean_tokens = len(token_ids)
             return None
-        for num_tokens in range(self._num_clean_tokens + 1, len(token_ids) + 1):
-            found = first_stop(self.decode(token_ids[:num_tokens]), self.stop)
+        for num_tokens in range(max(self._num_clean_tokens, self.min_tokens) + 1, len(token_ids) + 1):
+            found = first_stop(self.decode(token_ids[:num_tokens]), self.stop, protected)
             if found is not None:
                 return num_tokens, found[1]
         raise AssertionError("the whole text holds a stop string, so some prefix does")
+
+    def protected_length(self, token_ids: Sequence[int]) -> int:
+        """Characters of the text of the first ``min_tokens`` of ``token_ids`` (at least
+        that many), where no stop string may end."""
+        if self._protected is None:
+            self._protected = len(self.decode(token_ids[:self.min_tokens])) if self.min_tokens else 0
+        return self._protected
 
     def update(self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
         """The new text since the last call, given every output id so far and the
@@ -101,7 +116,7 @@ class SequenceText:
         text = self.decode(ids)
         if finish_reason is not None:
             if isinstance(stop_reason, str):
-                cut = text.find(stop_reason)
+                cut = text.find(stop_reason, max(0, self.protected_length(ids) - len(stop_reason) + 1))
                 assert cut >= 0, "a sequence stopped by a string keeps the tokens that hold it"
                 text = text[:cut + len(stop_reason)] if self.include_stop_str_in_output else text[:cut]
             self.text = text

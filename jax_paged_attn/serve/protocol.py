@@ -7,9 +7,11 @@ unknown fields are ignored (clients send more than the engine reads), ``null`` i
 default of every optional field, and a wrong type is a 400, never a coercion
 (``"temperature": "0.5"`` is refused as OpenAI refuses it).
 
-Parameters the engine cannot honour yet (`UNSUPPORTED_PARAMETERS`: penalties,
-``min_p``, ``min_tokens``, ``logit_bias``, ...) are accepted at their neutral value and
-refused otherwise with a 400 naming them, never ignored.
+Parameters the engine cannot honour yet (`UNSUPPORTED_PARAMETERS`: ``echo``,
+``suffix``, ``tools``, ``prompt_logprobs``, guided decoding) are accepted at their
+neutral value and refused otherwise with a 400 naming them, never ignored. The
+penalties, ``min_p``, ``min_tokens`` and ``logit_bias`` run on the device
+(`jax_paged_attn.engine.penalties`).
 """
 from __future__ import annotations
 
@@ -24,12 +26,6 @@ from typing import Any, Sequence
 from jax_paged_attn.engine import Logprob, SamplingParams
 
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
-    "logit_bias": ({},),
     "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
@@ -150,6 +146,31 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
     raise bad_request(f"stop must be a string or an array of strings, got {stop!r}.", param="stop")
 
 
+LOGIT_BIAS_LIMIT = 100.0
+"""A ``logit_bias`` value is clamped to ``[-100, 100]`` (OpenAI's range, clamped as vLLM does)."""
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token_id: bias}``: JSON keys are strings, so each must spell
+    an integer; values are numbers, clamped to ±`LOGIT_BIAS_LIMIT`. The ids are checked
+    against the vocabulary by the engine (a 400 naming ``logit_bias`` too)."""
+    value = optional(body, "logit_bias", dict)
+    if value is None:
+        return None
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}.",
+                              param="logit_bias") from None
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
+            raise bad_request(f"logit_bias[{key!r}] must be a finite number, got {_type_name(amount)}: {amount!r}.",
+                              param="logit_bias")
+        bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(amount)))
+    return bias
+
+
 def sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """`SamplingParams` from the fields OpenAI and vLLM share; ``max_tokens`` and
     ``logprobs`` come from the endpoint that reads them. The value checks of
@@ -166,6 +187,12 @@ def sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: i
         include_stop_str_in_output=optional(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=optional(body, "skip_special_tokens", bool, True),
         logprobs=logprobs,
+        presence_penalty=optional(body, "presence_penalty", (int, float), 0.0),
+        frequency_penalty=optional(body, "frequency_penalty", (int, float), 0.0),
+        repetition_penalty=optional(body, "repetition_penalty", (int, float), 1.0),
+        min_p=optional(body, "min_p", (int, float), 0.0),
+        min_tokens=optional(body, "min_tokens", int, 0),
+        logit_bias=_logit_bias(body),
     )
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
