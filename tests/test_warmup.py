@@ -133,3 +133,23 @@ def test_llm_warms_up_on_accelerators_or_when_asked(model, monkeypatch):
     assert calls == [llm.engine]
     with pytest.raises(TypeError, match="warmup must be a bool"):
         LLM.from_model(model, warmup="yes", **options)
+
+
+def test_warmup_can_leave_the_penalized_programs_to_first_use(model, warm_engine):
+    """``EngineConfig.warmup_penalties=False``: the warm-up plans the greedy and sampled
+    programs alone (a third fewer), and the start report says a penalized request
+    compiles its programs on first use."""
+    from jax_paged_attn.engine.warmup import warmup_tasks
+
+    lean = LLMEngine(model, dataclasses.replace(CONFIG, warmup_penalties=False))
+    shapes = lean.shapes
+    per_variant = (len(shapes.decode_rows) * len(shapes.window_widths)
+                   + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
+    full = warmup_tasks(warm_engine.shapes, warm_engine.config, warm_engine.runner, warm_engine._inputs,
+                        warm_engine.vocab_size)
+    planned = warmup_tasks(shapes, lean.config, lean.runner, lean._inputs, lean.vocab_size)
+    assert len(full) - len(planned) == per_variant
+    assert "warmup compiles it" in warm_engine.start_report
+    assert "EngineConfig.warmup_penalties=False" in lean.start_report and "first use" in lean.start_report
+    with pytest.raises(TypeError, match="warmup_penalties must be a bool"):
+        EngineConfig(warmup_penalties="no")

@@ -93,6 +93,13 @@ class EngineConfig:
         of the package at run time should turn this off: such a change is not in the key.
       compilation_cache_dir: its directory; None: ``$XDG_CACHE_HOME/jax_paged_attn/xla``
         (``~/.cache/jax_paged_attn/xla``).
+      warmup_penalties: `LLMEngine.warmup` also compiles the programs of penalized batches
+        (presence / frequency / repetition penalties, ``logit_bias``, ``min_tokens``,
+        ``min_p``: a third variant of each program, `jax_paged_attn.engine.penalties`),
+        so a server's first such request does not wait for compilations. False halves
+        the start's compile work beside the greedy and sampled variants for a workload
+        that never asks for them; a penalized request then compiles its programs on
+        first use (the start report says so).
       on_step_failure: what happens to the requests that hold KV blocks (running,
         swapped out) when a step fails (a program raising on the device, an interrupt):
         "abort" (default: they finish with ``finish_reason`` "abort", and a failure that
@@ -122,13 +129,14 @@ class EngineConfig:
     compiler_options: Mapping[str, Any] | None = None
     compilation_cache: bool = True
     compilation_cache_dir: str | None = None
+    warmup_penalties: bool = True
     on_step_failure: str = "abort"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             _check_int(getattr(self, name), name, 1)
         for name in ("enable_prefix_caching", "coarse_length_bounds", "decode_during_prefill", "async_scheduling",
-                     "compilation_cache"):
+                     "compilation_cache", "warmup_penalties"):
             as_bool(getattr(self, name), name)
         if self.num_blocks is not None:
             _check_int(self.num_blocks, "num_blocks", 1)

@@ -181,8 +181,10 @@ class LLMEngine:
         report.append(f"attention: {startup.implementation_report(model)}")
         report.append(f"projections: {startup.matmul_report(model)}")
         report.append("sampling: penalties, logit_bias, min_tokens and min_p run in a third variant of each "
-                      "program (beside greedy and sampled; warmup compiles it), which batches without them "
-                      "never run")
+                      "program (beside greedy and sampled), which batches without them never run; "
+                      + ("warmup compiles it" if config.warmup_penalties else
+                         "warmup leaves it out (EngineConfig.warmup_penalties=False): a penalized request "
+                         "compiles its programs on first use"))
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
@@ -370,7 +372,8 @@ class LLMEngine:
         inserts of every batch size, the mixed prompt + decode steps of every prompt
         shape (the prompt-only steps with ``decode_during_prefill`` False), each greedy,
         sampled, and sampled with penalties (`jax_paged_attn.engine.penalties`: one
-        extra variant per shape, which a batch without penalties never runs), and, with
+        extra variant per shape, which a batch without penalties never runs; left out
+        with ``EngineConfig.warmup_penalties`` False), and, with
         prefix caching, the copy-on-write block copies. Each runs once on padding (no
         cache slot is written). Not covered, and compiled on first use:
         requests asking for ``logprobs`` (a program per logprobs width), more stop ids

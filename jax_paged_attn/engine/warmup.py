@@ -90,7 +90,8 @@ def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, 
         mapping = np.full((num_pairs, 2), cache_ops.PAD_BLOCK_ID, np.int32)
         runner.kv_caches = copy_blocks_donated(runner.kv_caches, mapping)
 
-    for greedy, penalized in ((True, False), (False, False), (False, True)):
+    variants = ((True, False), (False, False)) + (((False, True),) if cfg.warmup_penalties else ())
+    for greedy, penalized in variants:
         for width in shapes.window_widths:
             for num_rows in shapes.decode_rows:
                 tasks.append(functools.partial(window, num_rows, width, greedy, penalized))
