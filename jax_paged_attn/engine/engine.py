@@ -128,7 +128,9 @@ class LLMEngine:
         for token in eos_ids:
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {self.vocab_size}).")
-        sliding_window = model_config.sliding_window
+        # Blocks wholly outside the window may be freed only when every layer has it
+        # (`LlamaConfig.kv_cache_window`); with a full-attention layer the cache keeps them all.
+        sliding_window = getattr(model_config, "kv_cache_window", model_config.sliding_window)
         prefix_caching = config.enable_prefix_caching and sliding_window is None
         report = [startup.use_compilation_cache(config)]
         num_blocks = config.num_blocks
@@ -178,6 +180,7 @@ class LLMEngine:
         report.append(startup.kv_cache_report(num_blocks, config.block_size, bytes_per_block, num_host_blocks))
         report.append(f"attention: {startup.implementation_report(model)}")
         report.append(f"projections: {startup.matmul_report(model)}")
+        report.append(f"model: {startup.model_report(model)}")
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))
