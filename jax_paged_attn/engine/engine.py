@@ -114,11 +114,12 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
         model_config = model.config
-        max_position = int(model_config.max_position_embeddings)
+        # Dynamic NTK rope serves past max_position_embeddings (`LlamaConfig.max_sequence_length`).
+        max_position = int(getattr(model_config, "max_sequence_length", model_config.max_position_embeddings))
         if config.max_model_len is not None and config.max_model_len > max_position:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{max_position}.")
+                f"max_model_len={config.max_model_len} exceeds the model's longest sequence "
+                f"(max_position_embeddings, scaled by dynamic rope) {max_position}.")
         max_model_len = config.max_model_len or max_position
         self.vocab_size = int(model_config.vocab_size)
         eos = config.eos_token_id
@@ -131,7 +132,9 @@ class LLMEngine:
         # Blocks wholly outside the window may be freed only when every layer has it
         # (`LlamaConfig.kv_cache_window`); with a full-attention layer the cache keeps them all.
         sliding_window = getattr(model_config, "kv_cache_window", model_config.sliding_window)
-        prefix_caching = config.enable_prefix_caching and sliding_window is None
+        # A cached block is reusable only when keys do not depend on the sequence's length.
+        prefix_caching = (config.enable_prefix_caching and sliding_window is None
+                          and not getattr(model_config, "rope_depends_on_length", False))
         report = [startup.use_compilation_cache(config)]
         num_blocks = config.num_blocks
         if num_blocks is None:

@@ -200,6 +200,22 @@ class LlamaConfig:
         return windows.pop() if len(windows) == 1 else None
 
     @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence the model serves: ``max_position_embeddings``, times
+        ``factor`` with dynamic NTK rope (which scales past the original context)."""
+        scaling = self.rope_scaling_dict()
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def rope_depends_on_length(self) -> bool:
+        """Whether a key's rotation depends on its sequence's length (dynamic NTK rope): a
+        cached block is then only right for the length that wrote it, so the engine turns
+        prefix caching off."""
+        return self.rope_scaling_dict().get("rope_type") == "dynamic"
+
+    @property
     def softmax_scale(self) -> float:
         """The attention's softmax scale: ``query_pre_attn_scalar ** -0.5`` or ``D ** -0.5``."""
         return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
@@ -313,7 +329,9 @@ class LlamaConfig:
             # transformers' Qwen configs drop sliding_window unless use_sliding_window.
             out["use_sliding_window"] = self.sliding_window is not None
         if self.model_type == "gemma2":
-            out.update(query_pre_attn_scalar=self.query_pre_attn_scalar,
+            scalar = self.query_pre_attn_scalar
+            # transformers' Gemma2Config takes an int here (its strict check refuses 24.0).
+            out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                        attn_logit_softcapping=self.attn_logit_softcapping,
                        final_logit_softcapping=self.final_logit_softcapping)
         if self.eos_token_id is not None:

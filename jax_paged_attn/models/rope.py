@@ -13,9 +13,11 @@ transformers computes them (`transformers.modeling_rope_utils`):
   sequence's length at the end of the forward (`dynamic_inverse_frequencies`): the same
   numbers for one sequence's prefill and each of its decode steps (what
   ``generate`` computes), while keys already in the cache keep the rotation they were
-  written with, as in transformers. A sequence recomputed after preemption or read
-  from the prefix cache is rotated at its length then (transformers' result for that
-  forward); the positions below ``max_position_embeddings`` are never scaled.
+  written with, as in transformers. A sequence recomputed after preemption is rotated
+  at its length then (transformers' result for that forward over the whole sequence,
+  not ``generate``'s cache: preempt by swapping to keep those numbers). The engine turns
+  prefix caching off for these models (`LlamaConfig.rope_depends_on_length`): a cached
+  block holds keys rotated at the length of the sequence that wrote it.
 """
 from __future__ import annotations
 
