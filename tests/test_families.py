@@ -142,9 +142,8 @@ class Case:
         return tokens[len(prompt):], np.asarray(logprobs)
 
 
-@pytest.fixture(scope="module", params=CASES)
-def case(request, tmp_path_factory) -> Case:
-    name = request.param
+def _write_case(name: str, directory: str) -> Case:
+    """Case ``name``'s random checkpoint, written by transformers into ``directory``."""
     torch.manual_seed(CASES.index(name))
     hf_model = transformers.AutoModelForCausalLM.from_config(_hf_configs()[name], attn_implementation="eager")
     hf_model = hf_model.float().eval()
@@ -152,9 +151,13 @@ def case(request, tmp_path_factory) -> Case:
         for param_name, param in hf_model.named_parameters():
             centre = 0.0 if "norm" not in param_name or name.startswith("gemma2") else 1.0  # Gemma scales by 1 + weight
             param.copy_(centre + (0.1 if "norm" in param_name else 0.15) * torch.randn_like(param))
-    directory = str(tmp_path_factory.mktemp(name))
     hf_model.save_pretrained(directory)
     return Case(name, directory, hf_model, load_llama(directory, dtype=jnp.float32))
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    return _write_case(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 def _ablated_logits(ours: LlamaForCausalLM, ids: np.ndarray, **changes) -> np.ndarray:
@@ -343,3 +346,44 @@ def test_windows_of_every_layer_free_blocks_and_mixed_windows_keep_them():
     assert [windowed.layer_window(i) for i in range(2)] == [None, 8]
     assert LlamaConfig.from_hf_config(windowed.to_hf_config()) == windowed
     assert LlamaConfig.from_hf_config(mixed.to_hf_config()) == mixed
+
+
+_TENSOR_PARALLEL_RUN = """
+import json, sys
+import jax
+jax.config.update("jax_enable_compilation_cache", False)
+from conftest import engine_base
+from jax_paged_attn.engine import LLM, SamplingParams
+tokens = {}
+for directory in sys.argv[1:]:
+    llm = LLM(directory, tokenizer=None, dtype="float32", tensor_parallel_size=2, num_blocks=24, num_host_blocks=0,
+              **{k: v for k, v in vars(engine_base()).items() if k not in ("num_blocks", "num_host_blocks")})
+    qkv = llm.model.model.layers[0].self_attn.qkv_proj.kernel[...]
+    assert len({s.device for s in qkv.addressable_shards}) == 2 and qkv.addressable_shards[0].data.shape[1] == 1
+    outs = llm.generate(json.loads(sys.stdin.read() or "null") or PROMPTS, SamplingParams(
+        temperature=0.0, max_tokens=%d, ignore_eos=True), use_tqdm=False)
+    tokens[directory] = [o.outputs[0].token_ids for o in outs]
+print(json.dumps(tokens))
+"""
+
+
+def test_tensor_parallel_engine_matches_transformers(tmp_path):
+    """`LLM(tensor_parallel_size=2)` (two forced CPU devices, in a subprocess: the flag is
+    read when JAX starts) with the families' head counts: Qwen2's one KV head stored
+    twice with its q / k / v biases, Gemma 2's two KV heads one a device."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = _prompts()[:2]
+    cases = [_write_case(name, str(tmp_path / name)) for name in ("qwen2-yarn", "gemma2-dynamic")]
+    expected = {case.directory: [case.hf_greedy(p)[0] for p in prompts] for case in cases}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip(),
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")]))
+    code = _TENSOR_PARALLEL_RUN.replace("%d", str(MAX_TOKENS)).replace("PROMPTS", repr(prompts))
+    result = subprocess.run([sys.executable, "-c", code, *expected], env=env, capture_output=True, text=True,
+                            timeout=600, input="")
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
