@@ -46,6 +46,10 @@ from jax_paged_attn.models import (
 )
 from conftest import count_in_calls, engine_base, lower_for_cuda
 
+# One intra-op thread: the references are tiny models, and torch's thread pool spinning
+# beside JAX's on two cores took 20x the CPU time of a single thread.
+torch.set_num_threads(1)
+
 VOCAB = 128
 WINDOW = 8
 MAX_TOKENS = 32
@@ -170,10 +174,18 @@ def _ablated_logits(ours: LlamaForCausalLM, ids: np.ndarray, **changes) -> np.nd
 def test_logits_match_transformers(case):
     rng = np.random.default_rng(1)
     dense = jit_forward_dense(case.ours)
-    for length in LENGTHS:
-        ids = rng.integers(0, VOCAB, (1, length))
-        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(ids))), case.hf_logits(ids),
-                                   rtol=0, atol=ATOL, err_msg=f"{case.name}, {length} tokens")
+    prompts = [rng.integers(0, VOCAB, (1, length)) for length in LENGTHS]
+    if case.ours.config.rope_depends_on_length:  # a row's rotation follows its length: one call each
+        ours = [np.asarray(dense(jnp.asarray(ids)))[0] for ids in prompts]
+    else:  # one right-padded batch (logits before a row's padding do not depend on it)
+        padded = np.zeros((len(prompts), max(LENGTHS)), np.int32)
+        for row, ids in enumerate(prompts):
+            padded[row, :ids.shape[1]] = ids[0]
+        ours = np.asarray(dense(jnp.asarray(padded)))
+    for row, ids in enumerate(prompts):
+        np.testing.assert_allclose(ours[row][:ids.shape[1]], case.hf_logits(ids)[0], rtol=0, atol=ATOL,
+                                   err_msg=f"{case.name}, {ids.shape[1]} tokens")
+    ids = prompts[-1]
     # The window and the rope scaling change these logits: the comparison does not pass without them.
     config = case.ours.config
     ablations = [dict(rope_scaling=None)]
@@ -291,7 +303,8 @@ def test_fused_decoder_layers_match_unfused(family):
     """The fused layers (split-K partials, bias on the first partial, q / k norms after the
     sum, sandwich norms in the norm kernel, GeGLU after the product) give the unfused
     logits for a decode step (kernels in interpret mode)."""
-    config = _family_config(family, head_dim=32)
+    config = _family_config(family, head_dim=32, num_hidden_layers=1,
+                            layer_types=("sliding_attention",) if family == "gemma2" else None)
     kwargs = dict(rngs=nnx.Rngs(3), implementation="xla", interpret=True)
     plain = LlamaForCausalLM(config, matmul_implementation="xla", **kwargs)
     fused = LlamaForCausalLM(config, matmul_implementation="weight_streaming", **kwargs)
@@ -303,7 +316,7 @@ def test_fused_decoder_layers_match_unfused(family):
     md = _decode_metadata()
     ids = jnp.asarray([5, 9] + [0] * (md.num_tokens - 2), jnp.int32)
     positions = jnp.asarray([8, 9] + [0] * (md.num_tokens - 2), jnp.int32)
-    caches = [jax.random.normal(jax.random.key(i), plain.kv_cache_shape(4, 16)) for i in range(2)]
+    caches = [jax.random.normal(jax.random.key(i), plain.kv_cache_shape(4, 16)) for i in range(config.num_hidden_layers)]
     assert fused.fuses_residual_norms(jnp.zeros((md.num_tokens, config.hidden_size)))
     want, _ = plain(ids, positions, caches, md, logits_indices=last_token_indices(md))
     got, _ = fused(ids, positions, caches, md, logits_indices=last_token_indices(md))
@@ -369,14 +382,15 @@ print(json.dumps(tokens))
 
 def test_tensor_parallel_engine_matches_transformers(tmp_path):
     """`LLM(tensor_parallel_size=2)` (two forced CPU devices, in a subprocess: the flag is
-    read when JAX starts) with the families' head counts: Qwen2's one KV head stored
-    twice with its q / k / v biases, Gemma 2's two KV heads one a device."""
+    read when JAX starts) with Qwen2's head counts: its one KV head stored twice, with its
+    q / k / v biases (the other families' sharded layouts are Llama's, which
+    tests/test_parallel.py checks)."""
     import json
     import subprocess
     import sys
 
     prompts = _prompts()[:2]
-    cases = [_write_case(name, str(tmp_path / name)) for name in ("qwen2-yarn", "gemma2-dynamic")]
+    cases = [_write_case(name, str(tmp_path / name)) for name in ("qwen2-yarn",)]
     expected = {case.directory: [case.hf_greedy(p)[0] for p in prompts] for case in cases}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
