@@ -123,21 +123,15 @@ class Case:
 
     def hf_greedy(self, prompt: list[int]) -> tuple[list[int], np.ndarray]:
         """32 greedy tokens of transformers' model (no end token: the engine runs with
-        ignore_eos) and their logprobs. Each step is the model's full forward over the
-        sequence so far, except with dynamic rope, whose rotation depends on the length:
-        there the keys come from transformers' cache, rotated when written (``generate``'s
-        numbers). transformers 5.23's cached decoding is not the reference elsewhere: with
-        windowed layers (Qwen2) its prefill logits can depart from its own forward's."""
+        ignore_eos) and their logprobs: the prompt's forward, then one token a forward over
+        transformers' cache (``generate``'s numbers; dynamic rope's keys rotated when
+        written). The loop is written out: ``generate`` would infer an attention mask from
+        a pad token id, and these prompts hold every token id."""
         _reset_dynamic_rope(self.hf_model)
-        cached = self.ours.config.rope_scaling_dict().get("rope_type") == "dynamic"
-        tokens, logprobs, cache, new = list(prompt), [], None, list(prompt)
+        tokens, logprobs, cache, new = list(prompt), [], transformers.DynamicCache(config=self.hf_model.config), prompt
         with torch.no_grad():
             for _ in range(MAX_TOKENS):
-                if cached:
-                    out = self.hf_model(torch.tensor([new]), past_key_values=cache, use_cache=True)
-                    cache = out.past_key_values
-                else:
-                    out = self.hf_model(torch.tensor([tokens]))
+                out = self.hf_model(torch.tensor([new]), past_key_values=cache, use_cache=True)
                 step = torch.log_softmax(out.logits[0, -1], -1)
                 token = int(step.argmax())
                 tokens.append(token)
