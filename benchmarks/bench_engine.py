@@ -141,8 +141,8 @@ def _dense_forward(model: LlamaForCausalLM, tokens: Array, positions: Array, k_c
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(x), positions)
         out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, attn)
-        x = x + layer._sublayer_outputs(attn_out=attn.o_proj(out.reshape(*x.shape[:2], -1)))
-        x = x + layer._sublayer_outputs(mlp_out=layer.mlp(layer.mlp_norm(x)))
+        x = x + layer.attention_update(attn.o_proj(out.reshape(*x.shape[:2], -1)))
+        x = x + layer.mlp_update(layer.mlp(layer.mlp_norm(x)))
         new_k.append(k_cache)
         new_v.append(v_cache)
     logits = model.compute_logits(model.model.norm(x[:, -1]))

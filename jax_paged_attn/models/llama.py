@@ -450,16 +450,18 @@ class LlamaDecoderLayer(nnx.Module):
         """The norm of the MLP's input."""
         return self.pre_feedforward_layernorm if self.sandwich_norms else self.post_attention_layernorm
 
-    def _sublayer_outputs(self, attn_out: Array | None = None, mlp_out: Array | None = None) -> Array:
-        """A sublayer's output as its residual add takes it: normed with sandwich norms."""
-        if attn_out is not None:
-            return self.post_attention_layernorm(attn_out) if self.sandwich_norms else attn_out
+    def attention_update(self, attn_out: Array) -> Array:
+        """Attention's output ``[..., hidden]`` as the residual add takes it (normed with sandwich norms)."""
+        return self.post_attention_layernorm(attn_out) if self.sandwich_norms else attn_out
+
+    def mlp_update(self, mlp_out: Array) -> Array:
+        """The MLP's output ``[..., hidden]`` as the residual add takes it (normed with sandwich norms)."""
         return self.post_feedforward_layernorm(mlp_out) if self.sandwich_norms else mlp_out
 
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
-        x = x + self._sublayer_outputs(attn_out=attn_out)
-        return x + self._sublayer_outputs(mlp_out=self.mlp(self.mlp_norm(x), serving=True)), kv_cache
+        x = x + self.attention_update(attn_out)
+        return x + self.mlp_update(self.mlp(self.mlp_norm(x), serving=True)), kv_cache
 
     def fused(self, x: Array, pending: Array | None, positions: Array, kv_cache: Array, metadata: Any, *,
               norm_implementation: str | None) -> tuple[Array, Array, Array]:
@@ -485,8 +487,8 @@ class LlamaDecoderLayer(nnx.Module):
         return x, mlp_partials, kv_cache
 
     def dense(self, x: Array) -> Array:
-        x = x + self._sublayer_outputs(attn_out=self.self_attn.dense(self.input_layernorm(x)))
-        return x + self._sublayer_outputs(mlp_out=self.mlp(self.mlp_norm(x)))
+        x = x + self.attention_update(self.self_attn.dense(self.input_layernorm(x)))
+        return x + self.mlp_update(self.mlp(self.mlp_norm(x)))
 
 
 class LlamaModel(nnx.Module):
@@ -518,7 +520,7 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama-family causal LM over a paged KV cache.
+    """The causal LM of every supported family (`LlamaConfig.model_type`) over a paged KV cache.
 
     Args:
       config: the `LlamaConfig`.
@@ -559,7 +561,12 @@ class LlamaForCausalLM(nnx.Module):
     ``model.layers[i].mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]`` (`LlamaMLP`),
     ``model.layers[i].mlp.down_proj.kernel`` ``[intermediate, hidden]``,
     ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
-    ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied).
+    ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied); by the
+    config's declarations also ``model.layers[i].self_attn.qkv_proj.bias`` ``[Hk', Hq //
+    Hk' + 2, D]`` (``attention_bias``), ``model.layers[i].self_attn.o_proj.bias``
+    ``[hidden]`` (``o_proj_bias``), ``model.layers[i].self_attn.{q,k}_norm.weight``
+    ``[D]`` (``qk_norm``), ``model.layers[i].{pre,post}_feedforward_layernorm.weight``
+    (``sandwich_norms``).
     """
 
     def __init__(
