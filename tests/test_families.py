@@ -70,10 +70,11 @@ def _hf_configs() -> dict[str, transformers.PretrainedConfig]:
             **_SMALL, use_sliding_window=True, sliding_window=WINDOW,
             max_window_layers=1, tie_word_embeddings=True,
             rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=100.0)),
-        # head_dim 32 apart from hidden / heads (16); per-head q / k norms; untied embeddings.
+        # head_dim 32 apart from hidden / heads (16); per-head q / k norms; untied embeddings;
+        # attention_bias: q / k / v and o biases (Qwen3's option; Llama's spelling too).
         "qwen3-linear": transformers.Qwen3Config(
-            **family, tie_word_embeddings=False, rope_parameters=dict(rope_type="linear", factor=4.0,
-                                                                      rope_theta=100.0)),
+            **family, tie_word_embeddings=False, attention_bias=True,
+            rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=100.0)),
         # A window on layer 0, soft-caps small enough to bind, a softmax scale not D's; the
         # dynamic rope scales past max_position_embeddings (16): the engine serves 4 x 16 tokens.
         "gemma2-dynamic": transformers.Gemma2Config(
@@ -194,7 +195,8 @@ def test_config_declares_the_family(case):
     expected = {
         "qwen2-yarn": dict(attention_bias=True, o_proj_bias=False, tie_word_embeddings=True, kv_cache_window=None,
                            layer_windows=(None, WINDOW)),
-        "qwen3-linear": dict(qk_norm=True, attention_bias=False, tie_word_embeddings=False, head_dim=32,
+        "qwen3-linear": dict(qk_norm=True, attention_bias=True, o_proj_bias=True, tie_word_embeddings=False,
+                             head_dim=32,
                              layer_windows=(None, None)),
         "gemma2-dynamic": dict(sandwich_norms=True, norm_unit_offset=True, scale_embeddings=True,
                                hidden_act="gelu_pytorch_tanh", attn_logit_softcapping=5.0,
@@ -271,8 +273,11 @@ def _family_config(family: str, **changes) -> LlamaConfig:
     """A tiny config of ``family`` with its windows (head size 64: the CUDA kernels' tile;
     hidden 128: the weight-streaming matmul's K tile)."""
     windows = {"qwen2": ("full_attention", "sliding_attention"), "gemma2": ("sliding_attention", "full_attention")}
-    fields = dict(head_dim=64, hidden_size=128, intermediate_size=256, sliding_window=WINDOW if family in windows else None,
+    fields = dict(head_dim=64, hidden_size=128, intermediate_size=256,
+                  sliding_window=WINDOW if family in windows else None,
                   layer_types=windows.get(family))
+    if family == "qwen3":
+        fields.update(attention_bias=True, o_proj_bias=True)
     if family == "gemma2":
         fields.update(query_pre_attn_scalar=24.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
     return LlamaConfig.tiny(model_type=family, **{**fields, **changes})
@@ -310,7 +315,7 @@ def test_decode_step_lowers_for_cuda(family, matmul_implementation):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_decoder_layers_match_unfused(family):
-    """The fused layers (split-K partials, bias on the first partial, q / k norms after the
+    """The fused layers (split-K partials, biases on the first partial, q / k norms after the
     sum, sandwich norms in the norm kernel, GeGLU after the product) give the unfused
     logits for a decode step (kernels in interpret mode)."""
     config = _family_config(family, head_dim=32, num_hidden_layers=1,
@@ -326,7 +331,8 @@ def test_fused_decoder_layers_match_unfused(family):
     md = _decode_metadata()
     ids = jnp.asarray([5, 9] + [0] * (md.num_tokens - 2), jnp.int32)
     positions = jnp.asarray([8, 9] + [0] * (md.num_tokens - 2), jnp.int32)
-    caches = [jax.random.normal(jax.random.key(i), plain.kv_cache_shape(4, 16)) for i in range(config.num_hidden_layers)]
+    caches = [jax.random.normal(jax.random.key(i), plain.kv_cache_shape(4, 16))
+              for i in range(config.num_hidden_layers)]
     assert fused.fuses_residual_norms(jnp.zeros((md.num_tokens, config.hidden_size)))
     want, _ = plain(ids, positions, caches, md, logits_indices=last_token_indices(md))
     got, _ = fused(ids, positions, caches, md, logits_indices=last_token_indices(md))

@@ -231,7 +231,8 @@ class LlamaConfig:
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "LlamaConfig":
         """Builds a config from the dict of a Hugging Face ``config.json``.
 
-        The family comes from ``model_type`` (else the first ``architectures`` entry). Reads the rope settings in both spellings (``rope_theta`` /
+        The family comes from ``model_type`` (else the first ``architectures`` entry).
+        Reads the rope settings in both spellings (``rope_theta`` /
         ``rope_scaling``, and transformers 5's ``rope_parameters``), ``layer_types`` (else
         the family's rule: Qwen's ``use_sliding_window`` / ``max_window_layers``, Gemma
         2's every other layer) and ``eos_token_id`` (an int or a list).
@@ -254,7 +255,8 @@ class LlamaConfig:
             raise ValueError("config.json sets mlp_bias=true; biases in the MLP are not supported.")
         if hf_config.get("use_bidirectional_attention", False):
             raise ValueError("config.json sets use_bidirectional_attention=true; this decoder is causal.")
-        act_key = "hidden_activation" if model_type == "gemma2" and "hidden_activation" in hf_config else "hidden_act"
+        # transformers' Gemma 2 reads hidden_activation alone (its hidden_act is informational).
+        act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
         want_act = FAMILY_TRAITS[model_type].get("hidden_act", "silu")
         act = hf_config.get(act_key, want_act)
         if act != want_act:
