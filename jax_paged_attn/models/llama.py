@@ -5,12 +5,12 @@ One decoder serves every family: the families differ in the places `LlamaConfig`
 declares (`jax_paged_attn.models.config`: q/k/v and o biases, Qwen3's per-head q / k
 norms, Gemma 2's four norms a layer with ``1 + weight`` scaling, GeGLU, soft-capped
 attention and logits, its softmax scale and embedding scale, each layer's window),
-and each module reads them. The rest follows Hugging Face's ``LlamaForCausalLM`` numerics: RMSNorm in float32
-then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout (cos / sin cast to
-the activations' dtype as Hugging Face does, the rotation then computed in float32 and
-rounded once, where Hugging Face rounds each product: the fused rotary + cache-write
-kernel's arithmetic, shared by every forward), grouped-query
-attention, a SwiGLU MLP, tied or separate input / output embeddings. Parameter
+and each module reads them. The rest follows Hugging Face's ``LlamaForCausalLM``
+numerics: RMSNorm in float32 then cast, rotary embeddings in the rotate-half (GPT-NeoX)
+layout (cos / sin cast to the activations' dtype as Hugging Face does, the rotation
+then computed in float32 and rounded once, where Hugging Face rounds each product: the
+fused rotary + cache-write kernel's arithmetic, shared by every forward), grouped-query
+attention, a gated MLP, tied or separate input / output embeddings. Parameter
 paths mirror the Hugging Face names (``model.layers[i].self_attn.o_proj.kernel`` is
 ``model.layers.{i}.self_attn.o_proj.weight`` transposed), except two fused projections
 (vLLM's QKVParallelLinear and MergedColumnParallelLinear), which turn seven skinny
@@ -37,10 +37,9 @@ Two forwards share the parameters:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
