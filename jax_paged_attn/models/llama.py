@@ -768,9 +768,11 @@ class LlamaForCausalLM(nnx.Module):
     def forward_dense(self, input_ids: Array) -> Array:
         """Reference forward without a cache: token ids int ``[B, S]`` -> float32 logits ``[B, S, vocab]``.
 
-        Every row is one sequence starting at position 0, attended causally (and with the
-        sliding window, if any). Rows may be right-padded: logits at positions before a
-        row's padding do not depend on it.
+        Every row is one sequence starting at position 0, attended causally (and with each
+        layer's sliding window, if any). Rows may be right-padded: logits at positions
+        before a row's padding do not depend on it, except with dynamic rope, which
+        rotates every row at the padded width ``S`` (transformers' rule for a batch: the
+        longest position + 1).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {input_ids.shape}.")
