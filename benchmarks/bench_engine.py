@@ -85,17 +85,39 @@ LLAMA_1B = LlamaConfig(
 )
 
 
-def build_model(quick: bool, implementation: str | None = None, matmul_implementation: str | None = None
-                ) -> tuple[LlamaForCausalLM, dict[str, Any] | None]:
-    """The benchmarks' model and the XLA compiler options of their programs: the 1.1B
-    Llama in bfloat16, or with ``quick`` the tiny float32 config (context 4,096, enough
-    for the serving workload's lengths) compiled at XLA's lowest optimization level on
-    a CPU (faster compiles for a smoke run)."""
+QWEN3_8B = LlamaConfig.for_family(
+    "qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+    max_position_embeddings=40960,
+)
+GEMMA2_9B = LlamaConfig.for_family(
+    "gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192,
+    tie_word_embeddings=True, sliding_window=4096,
+    layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(42)),
+    query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+)
+MODELS = {"llama-1b": LLAMA_1B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B}
+"""``--model`` choices: the shapes of Llama 1.1B, Qwen3-8B and Gemma-2-9B (random weights)."""
+
+
+def build_model(quick: bool, implementation: str | None = None, matmul_implementation: str | None = None,
+                model_name: str = "llama-1b") -> tuple[LlamaForCausalLM, dict[str, Any] | None]:
+    """The benchmarks' model and the XLA compiler options of their programs: ``model_name``'s
+    shapes (`MODELS`) in bfloat16, or with ``quick`` a tiny float32 config of its family
+    (context 4,096, enough for the serving workload's lengths) compiled at XLA's lowest
+    optimization level on a CPU (faster compiles for a smoke run)."""
+    family = MODELS[model_name]
     if quick:
-        config, dtype = LlamaConfig.tiny(max_position_embeddings=4096), jnp.float32
+        windows = None if family.layer_types is None else ("sliding_attention", "full_attention")
+        config, dtype = LlamaConfig.tiny(
+            max_position_embeddings=4096, model_type=family.model_type, layer_types=windows,
+            sliding_window=None if windows is None else 64, query_pre_attn_scalar=family.query_pre_attn_scalar,
+            attn_logit_softcapping=family.attn_logit_softcapping,
+            final_logit_softcapping=family.final_logit_softcapping), jnp.float32
         compiler_options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
     else:
-        config, dtype, compiler_options = LLAMA_1B, jnp.bfloat16, None
+        config, dtype, compiler_options = family, jnp.bfloat16, None
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
                              implementation=implementation, matmul_implementation=matmul_implementation)
     return model, compiler_options
@@ -103,39 +125,66 @@ def build_model(quick: bool, implementation: str | None = None, matmul_implement
 
 # --------------------------------------------------------------------------- dense loops
 
-Attend = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array, Array]]
+Attend = Callable[[Array, Array, Array, Array, Array, Any], tuple[Array, Array, Array]]
 
 
 def _dense_forward(model: LlamaForCausalLM, tokens: Array, positions: Array, k_caches: list[Array],
                    v_caches: list[Array], attend: Attend) -> tuple[Array, list[Array], list[Array]]:
     """The model's layers over dense caches: ``tokens`` / ``positions`` i32[B, S] ->
     (greedy next token i32[B] after each row's last token, updated caches).
-    ``attend(q [B, S, Hq, D], k, v [B, S, Hk, D], k_cache, v_cache)`` writes the new
-    keys / values and returns (attention output ``[B, S, Hq, D]``, the caches)."""
-    x = model.model.embed_tokens(tokens)  # [B, S, hidden]
+    ``attend(q [B, S, Hq, D], k, v [B, S, Hk, D], k_cache, v_cache, layer_attention)``
+    writes the new keys / values and returns (attention output ``[B, S, Hq, D]``, the
+    caches); the layer's attention gives its scale, window and soft-cap."""
+    x = model.model.embed(tokens)  # [B, S, hidden]
     new_k, new_v = [], []
     for layer, k_cache, v_cache in zip(model.model.layers, k_caches, v_caches):
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(x), positions)
-        out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache)
-        x = x + attn.o_proj(out.reshape(*x.shape[:2], -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, attn)
+        x = x + layer.attention_update(attn.o_proj(out.reshape(*x.shape[:2], -1)))
+        x = x + layer.mlp_update(layer.mlp(layer.mlp_norm(x)))
         new_k.append(k_cache)
         new_v.append(v_cache)
     logits = model.compute_logits(model.model.norm(x[:, -1]))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), new_k, new_v
 
 
+def _dot_product_attention(q: Array, k: Array, v: Array, attn: Any, implementation: str | None, *,
+                           is_causal: bool = False, key_value_seq_lengths: Array | None = None) -> Array:
+    """`jax.nn.dot_product_attention` with the layer's scale and window; a soft-capped layer
+    (Gemma 2), which that function cannot express, runs the same mask in plain einsums."""
+    config, window = attn.config, attn.sliding_window
+    if config.attn_logit_softcapping is None:
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=config.softmax_scale, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(t, group, axis=2) for t in (k, v))
+    cap = config.attn_logit_softcapping
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * config.softmax_scale
+    scores = cap * jnp.tanh(scores / cap)
+    rows = jnp.arange(q.shape[1])[:, None] if is_causal else (key_value_seq_lengths - 1)[:, None, None, None]
+    cols = jnp.arange(k.shape[1])
+    visible = cols <= rows
+    if window is not None:
+        visible &= cols > rows - window
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
 def _decode_attend(lengths: Array, implementation: str | None) -> Attend:
     """One token per row at position ``lengths`` i32[B]: written to cache row ``lengths``,
-    attending to the row's first ``lengths + 1`` keys."""
+    attending to the row's first ``lengths + 1`` keys (its window's, in a windowed layer)."""
 
-    def attend(q, k, v, k_cache, v_cache):
+    def attend(q, k, v, k_cache, v_cache, attn):
         rows = jnp.arange(q.shape[0])
         k_cache = k_cache.at[rows, lengths].set(k[:, 0])
         v_cache = v_cache.at[rows, lengths].set(v[:, 0])
-        out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths + 1,
-                                           implementation=implementation)
+        if attn.sliding_window is None and attn.config.attn_logit_softcapping is None:
+            out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths + 1,
+                                               scale=attn.config.softmax_scale, implementation=implementation)
+        else:  # the query sits at row `lengths`, not at the end of a causal square
+            out = _dot_product_attention(q, k_cache, v_cache, attn, "xla", key_value_seq_lengths=lengths + 1)
         return out, k_cache, v_cache
 
     return attend
@@ -145,8 +194,8 @@ def _prefill_attend(implementation: str | None) -> Attend:
     """Whole prompts from position 0: causal attention over their own keys, written to
     the caches' first rows."""
 
-    def attend(q, k, v, k_cache, v_cache):
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    def attend(q, k, v, k_cache, v_cache, attn):
+        out = _dot_product_attention(q, k, v, attn, implementation, is_causal=True)
         return out, jax.lax.dynamic_update_slice_in_dim(k_cache, k, 0, axis=1), \
             jax.lax.dynamic_update_slice_in_dim(v_cache, v, 0, axis=1)
 
@@ -400,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                              "programs they reach (minutes less on a GPU; the timed calls' compiles are "
                              "counted either way)")
     parser.add_argument("--quick", action="store_true", help="tiny float32 model: a CPU smoke run")
+    parser.add_argument("--model", default="llama-1b", choices=tuple(MODELS),
+                        help="the model's shapes, random bf16 weights (--quick: a tiny config of its family)")
     args = parser.parse_args(argv)
     engine_options = parse_engine_options(args.engine_option)
     use_decode_config(args.decode_config)
@@ -415,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     hf = _run_hf(batches, prompt_len, new_tokens) if args.hf else {}
 
     start = time.perf_counter()
-    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation)
+    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation, args.model)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     steps = args.num_scheduler_steps
     print(f"# LLMEngine generate and decode: {num_params / 1e6:,.1f} M params, {jnp.dtype(model.dtype).name}, "

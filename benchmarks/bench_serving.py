@@ -99,7 +99,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_engine import build_model, use_decode_config, wall_clock_decode  # noqa: E402
+from bench_engine import MODELS, build_model, use_decode_config, wall_clock_decode  # noqa: E402
 from engine_common import CompileCounter, engine_config, parse_engine_options, warm_up  # noqa: E402
 from jax_paged_attn import matmul  # noqa: E402
 from jax_paged_attn.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams  # noqa: E402
@@ -279,7 +279,7 @@ def _serving_cells(rate: str, row: dict[str, Any], parts_s: float | None) -> lis
 
 def run_serving(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
     """The rate sweep and the sum of parts; prints the table, returns the rows."""
-    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation)
+    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation, args.model)
     workload = make_workload(args.num_requests, model.config.vocab_size, args.prompt_lens, args.output_lens,
                              args.seed)
     rates = parse_rates(args.rates)
@@ -382,7 +382,7 @@ def startup_child(args: argparse.Namespace, engine_options: dict[str, Any], cach
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         how = ("jax_compilation_cache_dir set by this script, every program cached (this EngineConfig has no "
                "compilation_cache_dir)")
-    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation)
+    model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation, args.model)
     workload = make_workload(args.num_requests, model.config.vocab_size, args.prompt_lens, args.output_lens,
                              args.seed)
     config = engine_config(serving_engine_defaults(args, compiler_options), engine_options)
@@ -470,6 +470,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-lens", type=_length_range, default=None, metavar="LOW,HIGH",
                         help="output lengths drawn from LOW..HIGH (default 16,512; --quick: 4,30)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the arrivals' seed")
+    parser.add_argument("--model", default="llama-1b", choices=tuple(MODELS),
+                        help="the model's shapes, random bf16 weights (--quick: a tiny config of its family)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--quick: 8)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192 (--quick: 256; 2048 until 2026-12-04: 110k against 128k total tok/s on the H200)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None, help="default 16 (--quick: 4)")

@@ -9,7 +9,8 @@ Public API (vLLM names):
   metadata   FlashAttentionMetadata, prefill_metadata, decode_metadata, advance_step,
              validate_metadata, FlashAttentionMetadataBuilder, ScheduledSequence
   layer      paged_attention (vLLM's unified_flash_attention), PagedAttention (Flax NNX)
-  models     jax_paged_attn.models: LlamaForCausalLM, LlamaConfig, HF checkpoint I/O
+  models     jax_paged_attn.models: LlamaForCausalLM (Llama, Mistral, Qwen2, Qwen3, Gemma 2),
+             LlamaConfig, HF checkpoint I/O
   engine     jax_paged_attn.engine: the generation engine
 """
 from jax_paged_attn.api import (

@@ -229,10 +229,10 @@ def test_config_from_hf_config_round_trips():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "gpt2"}, "model_type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
     ({"num_key_value_heads": 5}, "multiple of num_key_value_heads"),
 ])
 def test_config_rejects_unsupported_features(change, message):
@@ -265,9 +265,9 @@ def test_config_reads_transformers_5_rope_parameters():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
-     r"rope_parameters\['rope_type'\] = 'yarn' is not supported"),
-    ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, r"rope_parameters\['rope_type'\] = 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}},
+     r"rope_parameters\['rope_type'\] = 'longrope' is not supported"),
+    ({"rope_parameters": {"type": "dynamic"}}, r"rope_parameters\['factor'\] must be a positive number"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, r"rope_scaling\['rope_type'\] = 'longrope'"),
     ({"rope_parameters": {**LLAMA3_ROPE_PARAMETERS, "low_freq_factor": None}},
      r"rope_parameters\['low_freq_factor'\] must be a positive number"),

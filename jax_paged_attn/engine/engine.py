@@ -116,11 +116,12 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
         model_config = model.config
-        max_position = int(model_config.max_position_embeddings)
+        # Dynamic NTK rope serves past max_position_embeddings (`LlamaConfig.max_sequence_length`).
+        max_position = int(getattr(model_config, "max_sequence_length", model_config.max_position_embeddings))
         if config.max_model_len is not None and config.max_model_len > max_position:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{max_position}.")
+                f"max_model_len={config.max_model_len} exceeds the model's longest sequence "
+                f"(max_position_embeddings, scaled by dynamic rope) {max_position}.")
         max_model_len = config.max_model_len or max_position
         self.vocab_size = int(model_config.vocab_size)
         eos = config.eos_token_id
@@ -130,8 +131,12 @@ class LLMEngine:
         for token in eos_ids:
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {self.vocab_size}).")
-        sliding_window = model_config.sliding_window
-        prefix_caching = config.enable_prefix_caching and sliding_window is None
+        # Blocks wholly outside the window may be freed only when every layer has it
+        # (`LlamaConfig.kv_cache_window`); with a full-attention layer the cache keeps them all.
+        sliding_window = getattr(model_config, "kv_cache_window", model_config.sliding_window)
+        # A cached block is reusable only when keys do not depend on the sequence's length.
+        prefix_caching = (config.enable_prefix_caching and sliding_window is None
+                          and not getattr(model_config, "rope_depends_on_length", False))
         report = [startup.use_compilation_cache(config)]
         num_blocks = config.num_blocks
         if num_blocks is None:
@@ -185,6 +190,7 @@ class LLMEngine:
                       + ("warmup compiles it" if config.warmup_penalties else
                          "warmup leaves it out (EngineConfig.warmup_penalties=False): a penalized request "
                          "compiles its programs on first use"))
+        report.append(f"model: {startup.model_report(model)}")
         self.start_report = "\n".join(report)
         """What the engine chose at start (cache size, implementations); also logged."""
         logger.info("LLMEngine: %s", self.start_report.replace("\n", "; "))

@@ -87,7 +87,13 @@ def decode_batch_rows(num_requests: int, buckets: Sequence[int] | None = None) -
 
 @runtime_checkable
 class ModelConfig(Protocol):
-    """What the engine reads of a model's configuration."""
+    """What the engine reads of a model's configuration.
+
+    Read when present (`jax_paged_attn.models.LlamaConfig` has them): ``kv_cache_window``
+    (the window outside which blocks may be freed: ``sliding_window`` when every layer
+    has it, else None; default ``sliding_window``), ``max_sequence_length`` (default
+    ``max_position_embeddings``) and ``rope_depends_on_length`` (True turns prefix
+    caching off; default False)."""
 
     vocab_size: int
     num_hidden_layers: int

@@ -136,6 +136,14 @@ def matmul_report(model: Any) -> str:
     return f"{impl} (chosen by the model's matmul_implementation argument)"
 
 
+def model_report(model: Any) -> str:
+    """The model's family and the path its decode step takes, in words (the model's
+    ``family_report()``, `jax_paged_attn.models.LlamaForCausalLM.family_report`), or its
+    class name for a model without one."""
+    describe = getattr(model, "family_report", None)
+    return describe() if callable(describe) else type(model).__name__
+
+
 KV_CACHE_BLOCK_QUANTUM = 256
 """A KV cache sized from memory holds a multiple of this many blocks (when that many fit):
 the count is in the shape of every program that takes the cache, so it must not move

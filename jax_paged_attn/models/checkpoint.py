@@ -1,4 +1,6 @@
-"""Hugging Face Llama checkpoints (config.json + safetensors) <-> `LlamaForCausalLM`.
+"""Hugging Face checkpoints (config.json + safetensors) <-> `LlamaForCausalLM`, of every
+family the decoder runs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2: config.json's
+``model_type`` / ``architectures``, `jax_paged_attn.models.config`).
 
 A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or
 shards listed by ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``).
@@ -18,6 +20,11 @@ Hugging Face tensor                              NNX parameter                  
 ``L.mlp.down_proj.weight``                       ``l.mlp.down_proj.kernel``          all
 ``L.{input,post_attention}_layernorm.weight``    ``l.{input,post_attention}_``       all
                                                  ``layernorm.weight``
+``L.self_attn.{q,k,v}_proj.bias`` (Qwen2)        ``l.self_attn.qkv_proj.bias``       ``[:, :group]``, ...
+``L.self_attn.o_proj.bias`` (attention_bias)     ``l.self_attn.o_proj.bias``         all
+``L.self_attn.{q,k}_norm.weight`` (Qwen3)        ``l.self_attn.{q,k}_norm.weight``   all
+``L.{pre,post}_feedforward_layernorm.weight``    ``l.{pre,post}_feedforward_``       all
+(Gemma 2)                                        ``layernorm.weight``
 ``model.norm.weight``                            ``model.norm.weight``               all
 ``lm_head.weight`` (absent when tied)            ``lm_head.kernel``                  all
 ===============================================  ==================================  ======================
@@ -108,12 +115,21 @@ class HFTensorPlacement:
       kv_head_replicas: the part's first ``out`` axis (the KV heads of k_proj / v_proj in
         ``qkv_proj.kernel``) holds each of the tensor's heads this many times in a row
         (`jax_paged_attn.parallel.kv_head_replicas`); the tensor holds each once.
+      vector: the tensor is a projection's bias ``[out]`` and its part is ``[*out_axes]``
+        (``out`` reshaped; with ``transpose`` False). Its first axis is the heads axis
+        that ``kv_head_replicas`` repeats.
     """
 
     param_path: tuple[Any, ...]
     index: tuple[Any, ...] = ()
     transpose: bool = False
     kv_head_replicas: int = 1
+    vector: bool = False
+
+    @property
+    def _heads_axis(self) -> int:
+        """The part's axis of KV heads (the first ``out`` axis)."""
+        return 0 if self.vector else 1
 
     def part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of ``param[index]`` for a parameter of ``param_shape``."""
@@ -122,27 +138,31 @@ class HFTensorPlacement:
 
     def _unreplicated_part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """`part_shape` with one copy of each KV head: the tensor's data in the part's layout."""
-        part = self.part_shape(param_shape)
-        if self.kv_head_replicas == 1:
-            return part
-        return (part[0], part[1] // self.kv_head_replicas) + part[2:]
+        part = list(self.part_shape(param_shape))
+        if self.kv_head_replicas > 1:
+            part[self._heads_axis] //= self.kv_head_replicas
+        return tuple(part)
 
     def hf_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape, for a parameter of ``param_shape``."""
         part = self._unreplicated_part_shape(param_shape)
+        if self.vector:
+            return (math.prod(part),)
         return (math.prod(part[1:]), part[0]) if self.transpose else part
 
     def to_part(self, tensor: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
         """The Hugging Face ``tensor`` in the layout of ``param[index]`` (a view when possible)."""
         part = (tensor.T if self.transpose else tensor).reshape(self._unreplicated_part_shape(param_shape))
-        return np.repeat(part, self.kv_head_replicas, axis=1) if self.kv_head_replicas > 1 else part
+        return np.repeat(part, self.kv_head_replicas, axis=self._heads_axis) if self.kv_head_replicas > 1 else part
 
     def from_param(self, param: np.ndarray) -> np.ndarray:
         """The Hugging Face tensor held by ``param`` (the parameter's whole value); of
         replicated KV heads, the first copy."""
         part = param[self.index]
         if self.kv_head_replicas > 1:
-            part = part[:, ::self.kv_head_replicas]
+            part = part[::self.kv_head_replicas] if self.vector else part[:, ::self.kv_head_replicas]
+        if self.vector:
+            return part.reshape(-1)
         return part.reshape(part.shape[0], -1).T if self.transpose else part
 
     def read_shard(self, tensor: Any, param_shape: tuple[int, ...],
@@ -180,6 +200,12 @@ class HFTensorPlacement:
                 if not shard_lo <= part < shard_hi:
                     return None
                 where.append(part - shard_lo)
+        if self.vector:
+            # The part is [lead, *trailing]: the tensor's entries (lead, *trailing) flattened.
+            # Biases are replicated (`jax_paged_attn.parallel.param_partition_spec`), so the
+            # box is the whole part; read it whole.
+            part = self.to_part(np.asarray(tensor[:]), param_shape)
+            return tuple(where), part[tuple(slice(lo, hi) for lo, hi in box)]
         if not self.transpose:
             return tuple(where), np.asarray(tensor[tuple(slice(lo, hi) for lo, hi in box)])
         # The part is [in, lead, *trailing] with the tensor's rows = (lead, *trailing) flattened.
@@ -232,12 +258,29 @@ def hf_parameter_map(config: LlamaConfig, *, kv_head_replicas: int = 1) -> dict[
             qkv, (every, every, group + 1), True, kv_head_replicas)
         mapping[f"{prefix}.self_attn.o_proj.weight"] = HFTensorPlacement(
             layer + ("self_attn", "o_proj", "kernel"), transpose=True)
+        if config.attention_bias:
+            qkv_bias = layer + ("self_attn", "qkv_proj", "bias")
+            mapping[f"{prefix}.self_attn.q_proj.bias"] = HFTensorPlacement(
+                qkv_bias, (every, slice(0, group)), vector=True)
+            mapping[f"{prefix}.self_attn.k_proj.bias"] = HFTensorPlacement(
+                qkv_bias, (every, group), kv_head_replicas=kv_head_replicas, vector=True)
+            mapping[f"{prefix}.self_attn.v_proj.bias"] = HFTensorPlacement(
+                qkv_bias, (every, group + 1), kv_head_replicas=kv_head_replicas, vector=True)
+        if config.o_proj_bias:
+            mapping[f"{prefix}.self_attn.o_proj.bias"] = HFTensorPlacement(layer + ("self_attn", "o_proj", "bias"))
+        if config.qk_norm:
+            for head_norm in ("q_norm", "k_norm"):
+                mapping[f"{prefix}.self_attn.{head_norm}.weight"] = HFTensorPlacement(
+                    layer + ("self_attn", head_norm, "weight"))
         gate_up = layer + ("mlp", "gate_up_proj", "kernel")
         mapping[f"{prefix}.mlp.gate_proj.weight"] = HFTensorPlacement(gate_up, (every, 0), True)
         mapping[f"{prefix}.mlp.up_proj.weight"] = HFTensorPlacement(gate_up, (every, 1), True)
         mapping[f"{prefix}.mlp.down_proj.weight"] = HFTensorPlacement(
             layer + ("mlp", "down_proj", "kernel"), transpose=True)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if config.sandwich_norms:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for norm in norms:
             mapping[f"{prefix}.{norm}.weight"] = HFTensorPlacement(layer + (norm, "weight"))
     if not config.tie_word_embeddings:
         mapping["lm_head.weight"] = HFTensorPlacement(("lm_head", "kernel"), transpose=True)

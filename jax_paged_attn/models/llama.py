@@ -1,11 +1,16 @@
-"""Llama-family decoder (Llama 2/3, Mistral) in Flax NNX on the paged attention layer.
+"""The decoder of every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2)
+in Flax NNX on the paged attention layer.
 
-The model follows Hugging Face's ``LlamaForCausalLM`` numerics: RMSNorm in float32
-then cast, rotary embeddings in the rotate-half (GPT-NeoX) layout (cos / sin cast to
-the activations' dtype as Hugging Face does, the rotation then computed in float32 and
-rounded once, where Hugging Face rounds each product: the fused rotary + cache-write
-kernel's arithmetic, shared by every forward), grouped-query
-attention, a SwiGLU MLP, tied or separate input / output embeddings. Parameter
+One decoder serves every family: the families differ in the places `LlamaConfig`
+declares (`jax_paged_attn.models.config`: q/k/v and o biases, Qwen3's per-head q / k
+norms, Gemma 2's four norms a layer with ``1 + weight`` scaling, GeGLU, soft-capped
+attention and logits, its softmax scale and embedding scale, each layer's window),
+and each module reads them. The rest follows Hugging Face's ``LlamaForCausalLM``
+numerics: RMSNorm in float32 then cast, rotary embeddings in the rotate-half (GPT-NeoX)
+layout (cos / sin cast to the activations' dtype as Hugging Face does, the rotation
+then computed in float32 and rounded once, where Hugging Face rounds each product: the
+fused rotary + cache-write kernel's arithmetic, shared by every forward), grouped-query
+attention, a gated MLP, tied or separate input / output embeddings. Parameter
 paths mirror the Hugging Face names (``model.layers[i].self_attn.o_proj.kernel`` is
 ``model.layers.{i}.self_attn.o_proj.weight`` transposed), except two fused projections
 (vLLM's QKVParallelLinear and MergedColumnParallelLinear), which turn seven skinny
@@ -32,10 +37,9 @@ Two forwards share the parameters:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,354 +49,47 @@ from flax import nnx
 from jax_paged_attn import cache as cache_ops
 from jax_paged_attn import matmul, norm, reference
 from jax_paged_attn.layer import PagedAttention
+from jax_paged_attn.models.config import (  # noqa: F401 (re-exported: the config's historical home)
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    LlamaConfig,
+)
+from jax_paged_attn.models.rope import (  # noqa: F401 (re-exported)
+    apply_rope,
+    config_cos_sin,
+    is_dynamic,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+)
 
 Array = jax.Array
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama-family model (the fields of a Hugging Face config.json).
-
-    Frozen and hashable: the config is a static attribute of the NNX modules, so it is
-    part of the graph definition that `jax.jit` caches on.
-
-    Attributes:
-      vocab_size, hidden_size, intermediate_size, num_hidden_layers: as in Hugging Face.
-      num_attention_heads: query heads ``Hq``.
-      num_key_value_heads: KV heads ``Hk`` (``Hq`` must be a multiple: GQA / MQA).
-      head_dim: ``D``; a supported head size (multiples of 16 from 32 to 256).
-      rms_norm_eps: epsilon of every RMSNorm.
-      rope_theta: rotary base.
-      rope_scaling: None (plain rotary embeddings, Hugging Face's rope type "default"),
-        or the scaling entries of Hugging Face's ``rope_scaling`` / ``rope_parameters``
-        dict frozen as sorted ``(key, value)`` pairs, with ``rope_type`` "linear"
-        (needs ``factor``) or "llama3" (needs ``factor``, ``low_freq_factor``,
-        ``high_freq_factor``, ``original_max_position_embeddings``). Use
-        `rope_scaling_dict` to read it.
-      max_position_embeddings: informational (positions are not bounded by the model).
-      tie_word_embeddings: the output projection is the transposed input embedding.
-      sliding_window: None, or the number of most recent tokens (the current one
-        included) a token attends to (Mistral's convention).
-      model_type: "llama" or "mistral" (only written back to config.json).
-      eos_token_id: the token id(s) that end a generation: None, an int, or a tuple of
-        ints (Llama 3 instruct models have several). Not part of the architecture:
-        `jax_paged_attn.models.load_checkpoint` ignores it when it compares configs.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    sliding_window: int | None = None
-    model_type: str = "llama"
-    eos_token_id: int | tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}.")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"LlamaConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})."
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.head_dim must be even (rotary pairs), got {self.head_dim}.")
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1, got {self.sliding_window!r}.")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"LlamaConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}.")
-        _check_rope_scaling(self.rope_scaling_dict(), "LlamaConfig.rope_scaling")
-        object.__setattr__(self, "eos_token_id",
-                           _normalize_eos_token_id(self.eos_token_id, "LlamaConfig.eos_token_id"))
-
-    def rope_scaling_dict(self) -> dict[str, Any]:
-        """The ``rope_scaling`` entries as a dict (empty when there is none)."""
-        return dict(self.rope_scaling or ())
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "LlamaConfig":
-        """Builds a config from the dict of a Hugging Face ``config.json``.
-
-        Reads the rope settings in both spellings (``rope_theta`` / ``rope_scaling``, and
-        transformers 5's ``rope_parameters``) and ``eos_token_id`` (an int or a list).
-
-        Raises ValueError naming the field for features this model does not implement
-        (biases in the projections, an activation other than SiLU, a rope type other
-        than "default", "linear" and "llama3", per-layer-type rope parameters) and for
-        rope spellings that disagree.
-        """
-        if not isinstance(hf_config, Mapping):
-            raise TypeError(f"hf_config must be a dict (a parsed config.json), got {type(hf_config).__name__}.")
-        model_type = hf_config.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}.")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in hf_config]
-        if missing:
-            raise ValueError(f"config.json lacks required field(s) {missing}.")
-        for flag in ("attention_bias", "mlp_bias"):
-            if hf_config.get(flag, False):
-                raise ValueError(f"config.json sets {flag}=true; biases in the projections are not supported.")
-        act = hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config.json hidden_act={act!r}; only 'silu' (SwiGLU) is supported.")
-        num_heads = int(hf_config["num_attention_heads"])
-        head_dim = hf_config.get("head_dim") or int(hf_config["hidden_size"]) // num_heads
-        rope_theta, rope_scaling = _rope_from_hf_config(hf_config)
-        sliding_window = hf_config.get("sliding_window")
-        if hf_config.get("use_sliding_window") is False:
-            sliding_window = None
-        return cls(
-            vocab_size=int(hf_config["vocab_size"]),
-            hidden_size=int(hf_config["hidden_size"]),
-            intermediate_size=int(hf_config["intermediate_size"]),
-            num_hidden_layers=int(hf_config["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(hf_config.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            sliding_window=None if sliding_window is None else int(sliding_window),
-            model_type=model_type,
-            eos_token_id=_normalize_eos_token_id(hf_config.get("eos_token_id"), "config.json eos_token_id"),
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` dict that `from_hf_config` reads back to this config."""
-        out: dict[str, Any] = {
-            "architectures": ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling_dict(),
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
-        if self.sliding_window is not None:
-            out["sliding_window"] = self.sliding_window
-        if self.eos_token_id is not None:
-            out["eos_token_id"] = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        return out
-
-    @classmethod
-    def tiny(cls, **overrides: Any) -> "LlamaConfig":
-        """A 2-layer model for tests: hidden 64, 4 query heads, 2 KV heads of size 32, vocab 128."""
-        fields = dict(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
-            rope_theta=10000.0, max_position_embeddings=512,
-        )
-        fields.update(overrides)
-        return cls(**fields)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    return value
-
-
-DEFAULT_ROPE_THETA = 10000.0
-"""Hugging Face's rotary base when a config names none."""
-
-ROPE_REQUIRED_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-"""The entries each supported rope type reads (besides ``rope_type`` and ``rope_theta``)."""
-
-
-def _check_rope_scaling(scaling: Mapping[str, Any], field: str) -> None:
-    """Raises ValueError naming ``field`` for an unsupported rope type or a missing / bad entry."""
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"{field}['rope_type'] = {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES} "
-            f"(other rope types would silently give wrong positions)."
-        )
-    for key in ROPE_REQUIRED_KEYS[rope_type]:
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{field}[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}.")
-
-
-def _rope_entries(value: Any, field: str) -> dict[str, Any] | None:
-    """A config.json rope dict as a plain dict with ``rope_type`` (older files spell it ``type``)."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"config.json {field} must be a dict or null, got {value!r}.")
-    entries = {str(k): v for k, v in value.items()}
-    if "type" in entries and "rope_type" not in entries:
-        entries["rope_type"] = entries.pop("type")
-    return entries
-
-
-def _frozen_scaling(entries: dict[str, Any], field: str) -> tuple[tuple[str, Any], ...] | None:
-    """`LlamaConfig.rope_scaling` of a rope dict: None for plain rotary embeddings."""
-    scaling = {k: v for k, v in entries.items() if k != "rope_theta"}
-    _check_rope_scaling(scaling, f"config.json {field}")
-    if scaling.get("rope_type", "default") == "default":
-        return None
-    return tuple(sorted((k, _freeze(v)) for k, v in scaling.items()))
-
-
-def _rope_from_hf_config(hf_config: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """``(rope_theta, rope_scaling)`` of a config.json in either spelling.
-
-    transformers < 5 writes ``rope_theta`` and ``rope_scaling`` (null, or a dict with
-    ``rope_type``); transformers 5 writes one ``rope_parameters`` dict holding
-    ``rope_type``, ``rope_theta`` and the scaling entries. Both are read. When a file
-    has both spellings they must agree: whichever one we picked, the other could be the
-    one the checkpoint was trained with.
-    """
-    legacy_theta = hf_config.get("rope_theta")
-    legacy = _rope_entries(hf_config.get("rope_scaling"), "rope_scaling")
-    legacy_scaling = None if legacy is None else _frozen_scaling(legacy, "rope_scaling")
-    params = _rope_entries(hf_config.get("rope_parameters"), "rope_parameters")
-    if params is None:
-        theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
-        return _rope_theta(theta, "rope_theta"), legacy_scaling
-    nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
-    if nested:
-        raise ValueError(
-            f"config.json rope_parameters holds one dict per layer type ({nested}); this model uses one "
-            f"rotary embedding in every layer."
-        )
-    partial = params.pop("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ValueError(
-            f"config.json rope_parameters['partial_rotary_factor'] = {partial!r} is not supported (only 1.0: "
-            f"every channel rotates).")
-    theta = params.get("rope_theta")
-    if theta is None:
-        theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
-    elif legacy_theta is not None and _rope_theta(legacy_theta, "rope_theta") != _rope_theta(
-            theta, "rope_parameters['rope_theta']"):
-        raise ValueError(
-            f"config.json sets rope_theta = {legacy_theta!r} and rope_parameters['rope_theta'] = {theta!r}; "
-            f"they must agree.")
-    scaling = _frozen_scaling(params, "rope_parameters")
-    if legacy is not None and legacy_scaling != scaling:
-        raise ValueError(
-            f"config.json sets rope_scaling = {hf_config.get('rope_scaling')!r} and rope_parameters = "
-            f"{hf_config.get('rope_parameters')!r}; they must describe the same rope.")
-    return _rope_theta(theta, "rope_parameters['rope_theta']"), scaling
-
-
-def _rope_theta(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"config.json {field} must be a positive number, got {value!r}.")
-    return float(value)
-
-
-def _normalize_eos_token_id(value: Any, field: str) -> int | tuple[int, ...] | None:
-    """None, an int id, or a tuple of ids (a list becomes a tuple: the config is hashable)."""
-
-    def token_id(x: Any) -> int:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
-            raise ValueError(f"{field} must be None, a token id (int >= 0) or a list of them, got {value!r}.")
-        return int(x)
-
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        ids = tuple(token_id(x) for x in value)
-        return ids or None  # an empty list names no end token, like null
-    return token_id(value)
-
-
-def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-    """float32 ``[head_dim // 2]``: the rotary angle per position of each pair of channels.
-
-    Implements Hugging Face's "default", "linear" and "llama3" rope types.
-    """
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = config.rope_scaling_dict()
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context / low_freq_factor
-        high_freq_wavelen = old_context / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
-
-
-def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: Any) -> tuple[Array, Array]:
-    """``(cos, sin)`` ``[..., D]`` in ``dtype`` of each token's rotary angles
-    (``positions`` ``[...]`` int), both halves equal; angles computed in float32 and, like
-    Hugging Face, cast to the activations' dtype."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., D]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
-    """Rotates ``x`` ``[..., H, D]`` by its token's position ``positions`` ``[...]`` (int).
-
-    Rotate-half layout: channel ``c < D/2`` pairs with ``c + D/2``
-    (`jax_paged_attn.reference.rotary_embedding`: float32 math over x and the cos / sin
-    of `rope_cos_sin`, rounded once to x's dtype, as the fused rotary + cache-write
-    kernel computes it).
-    """
-    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
-    return reference.rotary_embedding(x, cos, sin)
-
 
 class RMSNorm(nnx.Module):
-    """``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32 then cast back to x's dtype."""
+    """``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32 then cast back to x's dtype.
 
-    def __init__(self, features: int, *, eps: float, param_dtype: Any = jnp.float32):
+    ``unit_offset`` (Gemma's): the scale is ``1 + weight`` (weight initialized to 0),
+    multiplied in float32 before the one rounding, as Hugging Face's ``Gemma2RMSNorm``;
+    else Llama's: the normalized rows rounded to x's dtype, then times ``weight``.
+    """
+
+    def __init__(self, features: int, *, eps: float, param_dtype: Any = jnp.float32, unit_offset: bool = False):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+        self.unit_offset = unit_offset
+        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((features,), param_dtype))
+
+    @property
+    def scale(self) -> Array:
+        """The ``[features]`` vector the normalized rows are multiplied by (float32 with ``unit_offset``)."""
+        if self.unit_offset:
+            return 1.0 + self.weight[...].astype(jnp.float32)
+        return self.weight[...]
 
     def __call__(self, x: Array) -> Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * self.scale).astype(x.dtype)
         out = self.weight[...] * normed.astype(x.dtype)
         return out.astype(x.dtype)
 
@@ -400,12 +97,22 @@ class RMSNorm(nnx.Module):
                      interpret: bool) -> tuple[Array, Array]:
         """``(hidden, self(hidden))`` for ``hidden = residual + partials.sum(0)`` (the sum
         rounded once to the residual's dtype), in one kernel (`jax_paged_attn.norm.add_rms_norm`)."""
-        return norm.add_rms_norm(partials, residual, self.weight[...], eps=self.eps, partials=True,
+        # With unit_offset the kernel rounds the normalized rows before the scale (Llama's
+        # order): the same in float32, one rounding apart from Gemma's in 16-bit dtypes.
+        return norm.add_rms_norm(partials, residual, self.scale, eps=self.eps, partials=True,
                                  implementation=implementation, interpret=interpret)
 
+    def norm_partials(self, partials: Array, *, dtype: Any, implementation: str | None,
+                      interpret: bool) -> Array:
+        """``self(partials.sum(0))`` (the sum rounded once to ``dtype``) in one kernel: a
+        sublayer's output normed before its residual add (Gemma 2's sandwich norms)."""
+        return norm.add_rms_norm(partials, None, self.scale, eps=self.eps, partials=True, dtype=dtype,
+                                 implementation=implementation, interpret=interpret)[1]
 
-def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+            use_bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 def _project(module: nnx.Linear | nnx.LinearGeneral, x: Array, *, serving: bool, implementation: str | None,
@@ -413,12 +120,27 @@ def _project(module: nnx.Linear | nnx.LinearGeneral, x: Array, *, serving: bool,
     """``module(x)``; in the serving forward through `jax_paged_attn.matmul.linear` over the
     module's kernel (``implementation`` picks XLA's dot or the weight-streaming matmul), in
     the module's compute dtype as the module would; ``partials``: as
-    `jax_paged_attn.matmul.linear_partials`' ``[S, ..., *out]``."""
+    `jax_paged_attn.matmul.linear_partials`' ``[S, ..., *out]``, a bias added to the
+    first partial (the sum is the biased product)."""
     if not serving:
         return module(x)
     product = matmul.linear_partials if partials else matmul.linear
-    return product(x.astype(module.dtype or x.dtype), module.kernel[...], implementation=implementation,
-                   interpret=interpret)
+    out = product(x.astype(module.dtype or x.dtype), module.kernel[...], implementation=implementation,
+                  interpret=interpret)
+    if module.bias is None:
+        return out
+    bias = module.bias[...].astype(out.dtype)
+    return out.at[0].add(bias) if partials else out + bias
+
+
+def token_seq_lens(metadata: Any, num_tokens: int) -> Array:
+    """int32 ``[num_tokens]``: the length of each packed token's sequence after this step
+    (``metadata.seq_lens`` of the sequence whose ``query_start_loc`` range holds it;
+    padding rows get a real sequence's or 0: their outputs are discarded)."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    sequence = jnp.searchsorted(metadata.query_start_loc[1:], rows, side="right")
+    sequence = jnp.minimum(sequence, metadata.seq_lens.shape[0] - 1)
+    return metadata.seq_lens[sequence].astype(jnp.int32)
 
 
 def kv_head_replicas_on(config: LlamaConfig, mesh: jax.sharding.Mesh | None, tensor_parallel_axis: str) -> int:
@@ -454,7 +176,8 @@ class LlamaAttention(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
-                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None):
+                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None,
+                 layer_index: int = 0):
         self.config = config
         self.matmul_implementation = matmul_implementation
         self.interpret = interpret
@@ -463,13 +186,21 @@ class LlamaAttention(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # LinearGeneral contracts x's last axis with the 4-D kernel in one dot_general (no
         # reshape of the kernel) and initializes it like a [hidden, (group + 2) * Hk * D] Linear.
+        # A bias (Qwen2) is [Hk, group + 2, D], zero-initialized: every KV head copy equal.
         self.qkv_proj = nnx.LinearGeneral(config.hidden_size, (hk, self.queries_per_kv_head + 2, d),
-                                          use_bias=False, kernel_init=self._replicated_kernel_init(), **kw)
-        self.o_proj = _linear(hq * d, config.hidden_size, **kw)
+                                          use_bias=config.attention_bias,
+                                          kernel_init=self._replicated_kernel_init(), **kw)
+        self.o_proj = _linear(hq * d, config.hidden_size, use_bias=config.o_proj_bias, **kw)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's channels, shared by the heads
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sliding_window = config.layer_window(layer_index)
         self.attn = PagedAttention(
-            num_heads=hq, head_size=d, num_kv_heads=hk, scale=d ** -0.5,
-            sliding_window=config.sliding_window, kv_cache_dtype=kv_cache_dtype,
-            implementation=implementation, interpret=interpret, mesh=mesh,
+            num_heads=hq, head_size=d, num_kv_heads=hk, scale=config.softmax_scale,
+            sliding_window=self.sliding_window, logits_soft_cap=config.attn_logit_softcapping,
+            kv_cache_dtype=kv_cache_dtype, implementation=implementation, interpret=interpret, mesh=mesh,
             tensor_parallel_axis=tensor_parallel_axis,
         )
 
@@ -500,24 +231,32 @@ class LlamaAttention(nnx.Module):
 
         return init
 
-    def _qkv(self, x: Array, positions: Array, *, serving: bool, partials: bool = False
-             ) -> tuple[Array, Array, Array]:
-        """``x`` ``[..., hidden]`` -> (the fused projection ``[..., Hk, group + 2, D]``, and
-        cos / sin ``[..., D]`` of the tokens' rotary angles in its dtype) (``serving``: the
-        product through `jax_paged_attn.matmul.linear`; ``partials``: as its split-K
-        partials ``[S, ..., Hk, group + 2, D]``)."""
+    def _qkv(self, x: Array, positions: Array, *, serving: bool, partials: bool = False,
+             seq_lens: Array | None = None) -> tuple[Array, Array, Array]:
+        """``x`` ``[..., hidden]`` -> (the fused projection ``[..., Hk, group + 2, D]``
+        with its bias and q / k norms, and cos / sin ``[..., D]`` of the tokens' rotary
+        angles in its dtype) (``serving``: the product through
+        `jax_paged_attn.matmul.linear`; ``partials``: as its split-K partials ``[S, ...,
+        Hk, group + 2, D]``, only without q / k norms, which need the summed rows;
+        ``seq_lens``: each token's sequence length, for dynamic rope scaling)."""
+        assert not (partials and self.q_norm is not None), "q / k norms read the summed projection"
         qkv = _project(self.qkv_proj, x, serving=serving, implementation=self.matmul_implementation,
                        interpret=self.interpret, partials=partials)
+        if self.q_norm is not None:
+            group = self.queries_per_kv_head
+            qkv = jnp.concatenate([self.q_norm(qkv[..., :group, :]), self.k_norm(qkv[..., group:group + 1, :]),
+                                   qkv[..., group + 1:, :]], axis=-2)
         dtype = self.qkv_proj.dtype or x.dtype
-        cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(self.config), dtype)
+        cos, sin = config_cos_sin(self.config, positions, dtype, seq_lens)
         return qkv, cos, sin
 
-    def project_qkv(self, x: Array, positions: Array, *, serving: bool = False) -> tuple[Array, Array, Array]:
+    def project_qkv(self, x: Array, positions: Array, *, serving: bool = False,
+                    seq_lens: Array | None = None) -> tuple[Array, Array, Array]:
         """``x`` ``[..., hidden]`` -> rotated q ``[..., Hq, D]``, rotated k and v ``[..., Hk, D]``
         (``serving``: the product through `jax_paged_attn.matmul.linear`)."""
         cfg = self.config
         group = self.queries_per_kv_head
-        qkv, cos, sin = self._qkv(x, positions, serving=serving)
+        qkv, cos, sin = self._qkv(x, positions, serving=serving, seq_lens=seq_lens)
         # Merging (Hk, group) gives query head j * group + i; the merged axis keeps the Hk
         # axis's sharding (it is the major one), so this reshape moves no data across devices.
         q = qkv[..., :group, :].reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
@@ -560,13 +299,17 @@ class LlamaAttention(nnx.Module):
         `jax_paged_attn.matmul.linear_partials`' ``[S, T, hidden]``, and the q/k/v
         projection's partials summed by the fused rotary + cache write."""
         num_tokens = x.shape[0]
+        seq_lens = token_seq_lens(metadata, num_tokens) if is_dynamic(self.config) else None
         if self.fuses_rotary_and_cache(kv_cache, metadata):
+            # q / k norms read whole rows: their layer's partials are summed by XLA first.
+            qkv_partials = partials and self.q_norm is None
             # [T, Hk, group + 2, D] (partials: [S, T, ...], summed by the fused op), [T, D] x 2
-            qkv, cos, sin = self._qkv(x, positions, serving=True, partials=partials)
-            q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping, partials=partials)
+            qkv, cos, sin = self._qkv(x, positions, serving=True, partials=qkv_partials, seq_lens=seq_lens)
+            q, kv_cache = self._rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping,
+                                                 partials=qkv_partials)
             out, kv_cache = self.attn(q.reshape(num_tokens, -1), None, None, kv_cache, metadata)
         else:
-            q, k, v = self.project_qkv(x, positions, serving=True)
+            q, k, v = self.project_qkv(x, positions, serving=True, seq_lens=seq_lens)
             out, kv_cache = self.attn(
                 q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), kv_cache, metadata
             )
@@ -586,12 +329,15 @@ class LlamaAttention(nnx.Module):
         qg = q.astype(jnp.float32).reshape(batch, seq, hk, group, d).transpose(0, 2, 3, 1, 4)
         kt, vt = (t.astype(jnp.float32).transpose(0, 2, 1, 3) for t in (k, v))  # [B, Hk, S, D]
         scores = jnp.einsum("bhmd,bhkd->bhmk", qg.reshape(batch, hk, group * seq, d), kt,
-                            precision=jax.lax.Precision.HIGHEST) * (d ** -0.5)
+                            precision=jax.lax.Precision.HIGHEST) * cfg.softmax_scale
+        if cfg.attn_logit_softcapping is not None:
+            cap = cfg.attn_logit_softcapping
+            scores = cap * jnp.tanh(scores / cap)
         i = jnp.arange(seq)[:, None]
         j = jnp.arange(seq)[None, :]
         visible = j <= i
-        if cfg.sliding_window is not None:
-            visible &= j > i - cfg.sliding_window
+        if self.sliding_window is not None:
+            visible &= j > i - self.sliding_window
         scores = jnp.where(visible, scores.reshape(batch, hk, group, seq, seq), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).reshape(batch, hk, group * seq, seq)
         out = jnp.einsum("bhmk,bhkd->bhmd", probs, vt, precision=jax.lax.Precision.HIGHEST)
@@ -616,8 +362,16 @@ def _gate_up_kernel_init(intermediate_size: int) -> Callable[..., Array]:
     return init
 
 
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+"""`LlamaConfig.hidden_act` -> the gate's activation."""
+
+
 class LlamaMLP(nnx.Module):
-    """SwiGLU: ``down_proj(silu(gate) * up)`` with gate and up from one fused projection.
+    """A gated MLP: ``down_proj(act(gate) * up)`` with gate and up from one fused projection
+    (SwiGLU with SiLU, Gemma's GeGLU with tanh-approximated GELU).
 
     ``gate_up_proj.kernel`` is ``[hidden, 2, intermediate]`` (index 0 gate, 1 up): one
     matmul instead of two. Tensor parallelism shards the intermediate (last) axis, so each
@@ -629,6 +383,7 @@ class LlamaMLP(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.matmul_implementation = matmul_implementation
         self.interpret = interpret
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = nnx.LinearGeneral(config.hidden_size, (2, config.intermediate_size), use_bias=False,
                                               kernel_init=_gate_up_kernel_init(config.intermediate_size), **kw)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, **kw)
@@ -638,36 +393,74 @@ class LlamaMLP(nnx.Module):
         `jax_paged_attn.matmul.linear`)."""
         how = dict(serving=serving, implementation=self.matmul_implementation, interpret=self.interpret)
         gate_up = _project(self.gate_up_proj, x, **how)  # [..., 2, intermediate]
-        return _project(self.down_proj, jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], **how)
+        activation = ACTIVATIONS[self.hidden_act]
+        return _project(self.down_proj, activation(gate_up[..., 0, :]) * gate_up[..., 1, :], **how)
 
     def partials(self, x: Array) -> Array:
         """The serving forward as `jax_paged_attn.matmul.linear_partials`' ``[S, ..., hidden]``,
-        the activation inside the gate/up product (`jax_paged_attn.matmul.gated_linear`)."""
+        SiLU inside the gate/up product (`jax_paged_attn.matmul.gated_linear`); GeGLU's
+        GELU after it (the gated kernel computes SiLU only)."""
         how = dict(implementation=self.matmul_implementation, interpret=self.interpret)
         x = x.astype(self.gate_up_proj.dtype or x.dtype)
-        hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], **how)
+        if self.hidden_act == "silu":
+            hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], **how)
+        else:
+            gate_up = matmul.linear(x, self.gate_up_proj.kernel[...], **how)
+            hidden = ACTIVATIONS[self.hidden_act](gate_up[..., 0, :]) * gate_up[..., 1, :]
         return _project(self.down_proj, hidden, serving=True, partials=True, **how)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP. Arguments as `LlamaForCausalLM`'s."""
+    """Pre-norm residual block: attention then MLP. Arguments as `LlamaForCausalLM`'s.
+
+    Norms by Hugging Face's names: ``input_layernorm`` before attention; without
+    ``sandwich_norms``, ``post_attention_layernorm`` before the MLP (Llama's name);
+    with them (Gemma 2), ``post_attention_layernorm`` on attention's output,
+    ``pre_feedforward_layernorm`` before the MLP and ``post_feedforward_layernorm`` on
+    its output, each before the residual add.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, kv_cache_dtype: str,
                  implementation: str | None, interpret: bool, mesh: jax.sharding.Mesh | None,
-                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None):
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+                 tensor_parallel_axis: str, rngs: nnx.Rngs, matmul_implementation: str | None = None,
+                 layer_index: int = 0):
+        def rms_norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype,
+                           unit_offset=config.norm_unit_offset)
+
+        self.sandwich_norms = config.sandwich_norms
+        self.input_layernorm = rms_norm()
         self.self_attn = LlamaAttention(
             config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
             implementation=implementation, interpret=interpret, mesh=mesh,
-            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=matmul_implementation)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+            tensor_parallel_axis=tensor_parallel_axis, rngs=rngs, matmul_implementation=matmul_implementation,
+            layer_index=layer_index)
+        self.post_attention_layernorm = rms_norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = rms_norm()
+            self.post_feedforward_layernorm = rms_norm()
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                             matmul_implementation=matmul_implementation, interpret=interpret)
 
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm of the MLP's input."""
+        return self.pre_feedforward_layernorm if self.sandwich_norms else self.post_attention_layernorm
+
+    def attention_update(self, attn_out: Array) -> Array:
+        """Attention's output ``[..., hidden]`` as the residual add takes it (normed with sandwich norms)."""
+        return self.post_attention_layernorm(attn_out) if self.sandwich_norms else attn_out
+
+    def mlp_update(self, mlp_out: Array) -> Array:
+        """The MLP's output ``[..., hidden]`` as the residual add takes it (normed with sandwich norms)."""
+        return self.post_feedforward_layernorm(mlp_out) if self.sandwich_norms else mlp_out
+
     def __call__(self, x: Array, positions: Array, kv_cache: Array, metadata: Any) -> tuple[Array, Array]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), serving=True), kv_cache
+        x = x + self.attention_update(attn_out)
+        return x + self.mlp_update(self.mlp(self.mlp_norm(x), serving=True)), kv_cache
 
     def fused(self, x: Array, pending: Array | None, positions: Array, kv_cache: Array, metadata: Any, *,
               norm_implementation: str | None) -> tuple[Array, Array, Array]:
@@ -675,19 +468,26 @@ class LlamaDecoderLayer(nnx.Module):
         (`RMSNorm.add_and_norm`): ``x`` ``[T, hidden]`` is the residual stream before
         ``pending``, the previous layer's MLP output as partial products ``[S, T, hidden]``
         (None for the first layer). Returns (the residual stream after attention, this
-        layer's MLP output as partials, the updated kv_cache)."""
+        layer's MLP output as partials, the updated kv_cache). With sandwich norms each
+        sublayer's partials are first summed and normed in one kernel
+        (`RMSNorm.norm_partials`), which then go on as one partial."""
         how = dict(implementation=norm_implementation, interpret=self.self_attn.interpret)
         if pending is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(pending, x, **how)
         attn_partials, kv_cache = self.self_attn(h, positions, kv_cache, metadata, partials=True)
-        x, h = self.post_attention_layernorm.add_and_norm(attn_partials, x, **how)
-        return x, self.mlp.partials(h), kv_cache
+        if self.sandwich_norms:
+            attn_partials = self.post_attention_layernorm.norm_partials(attn_partials, dtype=x.dtype, **how)[None]
+        x, h = self.mlp_norm.add_and_norm(attn_partials, x, **how)
+        mlp_partials = self.mlp.partials(h)
+        if self.sandwich_norms:
+            mlp_partials = self.post_feedforward_layernorm.norm_partials(mlp_partials, dtype=x.dtype, **how)[None]
+        return x, mlp_partials, kv_cache
 
     def dense(self, x: Array) -> Array:
-        x = x + self.self_attn.dense(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_update(self.self_attn.dense(self.input_layernorm(x)))
+        return x + self.mlp_update(self.mlp(self.mlp_norm(x)))
 
 
 class LlamaModel(nnx.Module):
@@ -703,13 +503,23 @@ class LlamaModel(nnx.Module):
             LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, kv_cache_dtype=kv_cache_dtype,
                               implementation=implementation, interpret=interpret, mesh=mesh,
                               tensor_parallel_axis=tensor_parallel_axis, rngs=rngs,
-                              matmul_implementation=matmul_implementation)
-            for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+                              matmul_implementation=matmul_implementation, layer_index=i)
+            for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype,
+                            unit_offset=config.norm_unit_offset)
+        self.scale_embeddings = config.scale_embeddings
+
+    def embed(self, input_ids: Array) -> Array:
+        """Token ids ``[...]`` -> embeddings ``[..., hidden]`` in the compute dtype; times
+        ``sqrt(hidden)`` rounded to that dtype with ``scale_embeddings`` (Gemma's)."""
+        x = self.embed_tokens(input_ids)
+        if self.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(x.shape[-1]), x.dtype)
+        return x
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama-family causal LM over a paged KV cache.
+    """The causal LM of every supported family (`LlamaConfig.model_type`) over a paged KV cache.
 
     Args:
       config: the `LlamaConfig`.
@@ -750,7 +560,12 @@ class LlamaForCausalLM(nnx.Module):
     ``model.layers[i].mlp.gate_up_proj.kernel`` ``[hidden, 2, intermediate]`` (`LlamaMLP`),
     ``model.layers[i].mlp.down_proj.kernel`` ``[intermediate, hidden]``,
     ``model.layers[i].{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
-    ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied).
+    ``lm_head.kernel`` ``[hidden, vocab]`` (absent when embeddings are tied); by the
+    config's declarations also ``model.layers[i].self_attn.qkv_proj.bias`` ``[Hk', Hq //
+    Hk' + 2, D]`` (``attention_bias``), ``model.layers[i].self_attn.o_proj.bias``
+    ``[hidden]`` (``o_proj_bias``), ``model.layers[i].self_attn.{q,k}_norm.weight``
+    ``[D]`` (``qk_norm``), ``model.layers[i].{pre,post}_feedforward_layernorm.weight``
+    (``sandwich_norms``).
     """
 
     def __init__(
@@ -869,7 +684,7 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(
                 f"kv_caches must hold one cache per layer ({self.config.num_hidden_layers}), got {len(kv_caches)}."
             )
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed(input_ids)
         new_caches = []
         if self.fuses_residual_norms(x):
             pending = None
@@ -889,6 +704,40 @@ class LlamaForCausalLM(nnx.Module):
             x = x[logits_indices]
         return self.compute_logits(self.model.norm(x)), new_caches
 
+    def family_report(self) -> str:
+        """The family, its layers' windows and the path its decode step takes, in words
+        (the engine's start report says it: a family never leaves the fused path silently)."""
+        cfg = self.config
+        windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+        windowed = [i for i, w in enumerate(windows) if w is not None]
+        if not windowed:
+            window = "full attention in every layer"
+        elif len(windowed) == len(windows):
+            window = f"a {cfg.sliding_window}-token window in every layer (blocks outside it are freed)"
+        else:
+            window = (f"a {cfg.sliding_window}-token window in layers {windowed}, full attention in the others "
+                      f"(the cache keeps every block: the full layers read them; the windowed layers mask)")
+        path = ["decode steps rotate q / k and write the cache in one op (rotary + cache write)",
+                "with the weight-streaming matmul each residual add is fused into the next norm"]
+        if cfg.attention_bias or cfg.o_proj_bias:
+            path.append("the projections' biases are added to their products (to the first split-K partial "
+                        "in the fused layers)")
+        if cfg.qk_norm:
+            path.append("the per-head q / k RMSNorms run in XLA between the q/k/v product and the rotary + cache "
+                        "write (a norm reads whole rows, so that product's split-K partials are summed first)")
+        if cfg.sandwich_norms:
+            path.append("the sandwich norms sum and norm each sublayer's split-K partials in one norm kernel before "
+                        "the fused residual add")
+        if cfg.hidden_act != "silu":
+            path.append(f"the MLP's {cfg.hidden_act} runs after the gate/up product (the gated kernel computes "
+                        f"SiLU only)")
+        if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
+            path.append(f"attention scores soft-capped at {cfg.attn_logit_softcapping} in the attention kernels, "
+                        f"logits at {cfg.final_logit_softcapping} in float32")
+        if is_dynamic(cfg):
+            path.append("dynamic NTK rope: each token's frequencies from its sequence's length")
+        return f"{cfg.model_type}: {window}; " + "; ".join(path)
+
     def fuses_residual_norms(self, x: Array) -> bool:
         """Whether the serving forward of these ``[T, hidden]`` tokens runs the fused
         decoder layers (`LlamaDecoderLayer.fused`): when the weight-streaming kernel takes
@@ -906,23 +755,28 @@ class LlamaForCausalLM(nnx.Module):
         return attention if attention in ("xla", "triton") else None
 
     def compute_logits(self, hidden: Array) -> Array:
-        """Final hidden states ``[..., hidden]`` (already normed) -> float32 logits ``[..., vocab]``."""
+        """Final hidden states ``[..., hidden]`` (already normed) -> float32 logits ``[..., vocab]``
+        (soft-capped in float32 with ``final_logit_softcapping``)."""
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def forward_dense(self, input_ids: Array) -> Array:
         """Reference forward without a cache: token ids int ``[B, S]`` -> float32 logits ``[B, S, vocab]``.
 
-        Every row is one sequence starting at position 0, attended causally (and with the
-        sliding window, if any). Rows may be right-padded: logits at positions before a
-        row's padding do not depend on it.
+        Every row is one sequence starting at position 0, attended causally (and with each
+        layer's sliding window, if any). Rows may be right-padded: logits at positions
+        before a row's padding do not depend on it, except with dynamic rope, which
+        rotates every row at the padded width ``S`` (transformers' rule for a batch: the
+        longest position + 1).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {input_ids.shape}.")
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed(input_ids)
         for layer in self.model.layers:
             x = layer.dense(x)
         return self.compute_logits(self.model.norm(x))
