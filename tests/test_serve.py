@@ -45,8 +45,10 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['co
                  "{% if add_generation_prompt %}my{% endif %}")
 # tests/test_llm.py's small shapes (few programs to compile on a CPU), with the default
 # block-table width so a sequence may reach max_model_len (the disconnect test's long one).
+# The penalties' programs compile on first use (tests/test_warmup.py covers their warm-up):
+# the one test that asks for penalties compiles a few programs, not every shape's.
 ENGINE = dict(num_blocks=40, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=8,
-              batch_buckets=(4,), token_buckets=(32,), coarse_length_bounds=True,
+              batch_buckets=(4,), token_buckets=(32,), coarse_length_bounds=True, warmup_penalties=False,
               compiler_options={"xla_backend_optimization_level": 0})
 MAX_MODEL_LEN = 512  # LlamaConfig.tiny's max_position_embeddings
 READY_TIMEOUT_S = 300
@@ -321,8 +323,8 @@ def test_neutral_unsupported_values_and_nulls_are_accepted(server):
 
 
 def test_penalties_and_logit_bias_over_http_match_offline(server, offline, checkpoint):
-    """The penalties and ``logit_bias`` run as `LLM.generate` runs them (on the device,
-    in the programs the warm-up compiled) and change what greedy decoding picks."""
+    """The penalties and ``logit_bias`` run as `LLM.generate` runs them (on the device)
+    and change what greedy decoding picks."""
     _, tokenizer = checkpoint
     prompt = "the cat sat on"
     penalties = dict(frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3, min_tokens=4)
