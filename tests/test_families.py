@@ -239,6 +239,16 @@ def test_engine_greedy_tokens_and_logprobs_match_transformers_through_preemption
         _check_fp8_cache(case, prompts, expected)
 
 
+@pytest.mark.gpu
+def test_engine_on_the_gpu_matches_transformers(case):
+    """The engine check above on a GPU, through the kernels auto picks there (float32
+    queries: the Triton tier), at full float32 matmul precision (JAX's default on a GPU
+    multiplies float32 in reduced precision). Not yet run on a GPU (2026-12-06)."""
+    with jax.default_matmul_precision("highest"):
+        test_engine_greedy_tokens_and_logprobs_match_transformers_through_preemption(case)
+    assert jax.default_backend() == "gpu"
+
+
 def _check_fp8_cache(case: Case, prompts: list[list[int]], expected: list[tuple[list[int], np.ndarray]]) -> None:
     """An fp8 (e4m3) KV cache keeps transformers' first 8 greedy tokens, logprobs within
     fp8's error (measured up to 0.01 for this model), and is really fp8 (not exact)."""
