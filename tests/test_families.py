@@ -243,7 +243,7 @@ def test_engine_greedy_tokens_and_logprobs_match_transformers_through_preemption
 def test_engine_on_the_gpu_matches_transformers(case):
     """The engine check above on a GPU, through the kernels auto picks there (float32
     queries: the Triton tier), at full float32 matmul precision (JAX's default on a GPU
-    multiplies float32 in reduced precision). Not yet run on a GPU (2026-12-06)."""
+    multiplies float32 in reduced precision)."""
     with jax.default_matmul_precision("highest"):
         test_engine_greedy_tokens_and_logprobs_match_transformers_through_preemption(case)
     assert jax.default_backend() == "gpu"
