@@ -25,21 +25,25 @@ NORM_IMPLEMENTATIONS = (None, dispatch.AUTO, dispatch.XLA, dispatch.TRITON)
 
 
 def add_rms_norm_reference(update: Array, residual: Array | None, weight: Array, *, eps: float,
-                           dtype: Any) -> tuple[Array, Array]:
+                           dtype: Any, round_before_scale: bool = True) -> tuple[Array, Array]:
     """`add_rms_norm`'s arithmetic in XLA: ``update`` ``[S, M, N]`` summed over ``S`` in
     float32 with the residual, rounded once to ``dtype`` (the new residual stream); the
-    norm as `jax_paged_attn.models.llama.RMSNorm` computes it from those rounded rows."""
+    norm as `jax_paged_attn.models.llama.RMSNorm` computes it from those rounded rows
+    (normalized rows rounded to ``dtype`` before the scale, or with ``round_before_scale``
+    False scaled in float32 and rounded once, Gemma's order)."""
     total = jnp.sum(update.astype(jnp.float32), axis=0)
     if residual is not None:
         total = total + residual.astype(jnp.float32)
     hidden = total.astype(dtype)
     h32 = hidden.astype(jnp.float32)
-    normed = (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)).astype(dtype)
-    return hidden, (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+    normed = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
+    if round_before_scale:
+        normed = normed.astype(dtype).astype(jnp.float32)
+    return hidden, (weight.astype(jnp.float32) * normed).astype(dtype)
 
 
 def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: float, partials: bool = False,
-                 dtype: Any = None, implementation: str | None = None,
+                 dtype: Any = None, round_before_scale: bool = True, implementation: str | None = None,
                  interpret: bool = False) -> tuple[Array, Array]:
     """``hidden = residual + update`` and ``RMSNorm(hidden) * weight``, in one kernel.
 
@@ -53,6 +57,9 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
       partials: whether ``update`` has the leading partials axis.
       dtype: of both outputs; default the residual's dtype, else update's (float32
         partials without a residual need it).
+      round_before_scale: True (Llama's RMSNorm): the normalized rows are rounded to
+        ``dtype`` before the multiply by ``weight``; False (Gemma's, scale ``1 + w``):
+        multiplied in float32 and rounded once. The same in float32.
       implementation: None / "auto": the Triton kernel on CUDA, XLA elsewhere; "xla";
         "triton" (NotImplementedError where the lowering is missing).
       interpret: run the kernel in Pallas interpret mode (CPU).
@@ -90,8 +97,10 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
     # Partials of module-level functions with hashable arguments: `dispatch` shares one
     # jitted callee between equal calls (every layer's norm), where a closure would be
     # a new callee per call.
-    reference = functools.partial(_reference_call, eps=float(eps), dtype=dtype)
+    round_before_scale = bool(round_before_scale)
+    reference = functools.partial(_reference_call, eps=float(eps), dtype=dtype, round_before_scale=round_before_scale)
     kernel = functools.partial(_kernel_call, eps=float(eps), dtype=dtype, interpret=bool(interpret),
+                               round_before_scale=round_before_scale,
                                tiling=plans.plan_add_rms_norm(num_rows, num_cols, flat.shape[0]))
     if num_rows == 0:
         hidden, normed = reference(*args)
@@ -102,15 +111,16 @@ def add_rms_norm(update: Array, residual: Array | None, weight: Array, *, eps: f
 
 
 def _reference_call(flat: Array, weight: Array, flat_residual: Array | None = None, *, eps: float,
-                    dtype: Any) -> tuple[Array, Array]:
+                    dtype: Any, round_before_scale: bool) -> tuple[Array, Array]:
     """`add_rms_norm_reference` in `dispatch.run_implementation`'s argument order."""
-    return add_rms_norm_reference(flat, flat_residual, weight, eps=eps, dtype=dtype)
+    return add_rms_norm_reference(flat, flat_residual, weight, eps=eps, dtype=dtype,
+                                  round_before_scale=round_before_scale)
 
 
 def _kernel_call(flat: Array, weight: Array, flat_residual: Array | None = None, *, eps: float, dtype: Any,
-                 tiling: Any, interpret: bool) -> tuple[Array, Array]:
+                 tiling: Any, round_before_scale: bool, interpret: bool) -> tuple[Array, Array]:
     """The Triton kernel in `dispatch.run_implementation`'s argument order."""
     from jax_paged_attn.kernels import triton_norm
 
     return triton_norm.add_rms_norm_call(flat, flat_residual, weight, eps=eps, dtype=dtype, tiling=tiling,
-                                         interpret=interpret)
+                                         round_before_scale=round_before_scale, interpret=interpret)

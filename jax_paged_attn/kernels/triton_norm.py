@@ -30,7 +30,7 @@ Array = jax.Array
 
 
 def _add_rms_norm_kernel(*refs, tiling: AddRmsNormTiling, num_rows: int, num_cols: int, has_residual: bool,
-                         eps: float):
+                         eps: float, round_before_scale: bool):
     update_ref, *rest = refs  # [S, M, N]: partial products (float32) or one product (S = 1)
     residual_ref = common.pop_optional(rest, has_residual)  # [M, N] in the output dtype
     weight_ref, hidden_ref, normed_ref = rest  # [N] any float; outputs [M, N]
@@ -54,7 +54,9 @@ def _add_rms_norm_kernel(*refs, tiling: AddRmsNormTiling, num_rows: int, num_col
 
     h32 = hidden.astype(jnp.float32)  # padded columns are 0: they add nothing to the sum
     inverse_rms = lax.rsqrt(jnp.sum(h32 * h32, axis=1) / num_cols + eps)
-    normed = (h32 * inverse_rms[:, None]).astype(normed_ref.dtype).astype(jnp.float32)
+    normed = h32 * inverse_rms[:, None]
+    if round_before_scale:  # Llama's order; Gemma's scales in float32 and rounds once
+        normed = normed.astype(normed_ref.dtype).astype(jnp.float32)
     weight = (plgpu.load(weight_ref.at[col]) if col_ok is None
               else plgpu.load(weight_ref.at[col], mask=col_ok, other=0)).astype(jnp.float32)
     plgpu.store(normed_ref.at[row[:, None], col[None, :]], (normed * weight[None, :]).astype(normed_ref.dtype),
@@ -62,7 +64,8 @@ def _add_rms_norm_kernel(*refs, tiling: AddRmsNormTiling, num_rows: int, num_col
 
 
 def add_rms_norm_call(update: Array, residual: Array | None, weight: Array, *, eps: float, dtype,
-                      tiling: AddRmsNormTiling, interpret: bool = False) -> tuple[Array, Array]:
+                      tiling: AddRmsNormTiling, round_before_scale: bool = True,
+                      interpret: bool = False) -> tuple[Array, Array]:
     """``update`` ``[S, M, N]`` (partials summed over ``S``), ``residual`` ``[M, N]`` of
     ``dtype`` or None, ``weight`` ``[N]`` -> (``hidden`` ``[M, N]``, ``normed`` ``[M, N]``),
     both ``dtype``. No argument checks here (see `jax_paged_attn.norm.add_rms_norm`);
@@ -72,7 +75,8 @@ def add_rms_norm_call(update: Array, residual: Array | None, weight: Array, *, e
     common.append_optional(inputs, residual)
     inputs.append(weight)
     kernel = functools.partial(_add_rms_norm_kernel, tiling=tiling, num_rows=num_rows, num_cols=num_cols,
-                               has_residual=residual is not None, eps=float(eps))
+                               has_residual=residual is not None, eps=float(eps),
+                               round_before_scale=bool(round_before_scale))
     out = jax.ShapeDtypeStruct((num_rows, num_cols), dtype)
     hidden, normed = pl.pallas_call(
         kernel,

@@ -97,17 +97,17 @@ class RMSNorm(nnx.Module):
                      interpret: bool) -> tuple[Array, Array]:
         """``(hidden, self(hidden))`` for ``hidden = residual + partials.sum(0)`` (the sum
         rounded once to the residual's dtype), in one kernel (`jax_paged_attn.norm.add_rms_norm`)."""
-        # With unit_offset the kernel rounds the normalized rows before the scale (Llama's
-        # order): the same in float32, one rounding apart from Gemma's in 16-bit dtypes.
         return norm.add_rms_norm(partials, residual, self.scale, eps=self.eps, partials=True,
-                                 implementation=implementation, interpret=interpret)
+                                 round_before_scale=not self.unit_offset, implementation=implementation,
+                                 interpret=interpret)
 
     def norm_partials(self, partials: Array, *, dtype: Any, implementation: str | None,
                       interpret: bool) -> Array:
         """``self(partials.sum(0))`` (the sum rounded once to ``dtype``) in one kernel: a
         sublayer's output normed before its residual add (Gemma 2's sandwich norms)."""
         return norm.add_rms_norm(partials, None, self.scale, eps=self.eps, partials=True, dtype=dtype,
-                                 implementation=implementation, interpret=interpret)[1]
+                                 round_before_scale=not self.unit_offset, implementation=implementation,
+                                 interpret=interpret)[1]
 
 
 def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
