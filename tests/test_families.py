@@ -36,6 +36,7 @@ from flax import nnx
 
 from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
 from jax_paged_attn.engine import LLM, SamplingParams
+from jax_paged_attn.models.rope import config_cos_sin
 from jax_paged_attn.models import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -247,6 +248,55 @@ def test_engine_on_the_gpu_matches_transformers(case):
     with jax.default_matmul_precision("highest"):
         test_engine_greedy_tokens_and_logprobs_match_transformers_through_preemption(case)
     assert jax.default_backend() == "gpu"
+
+
+# The real long-context ropes (head size 128): Qwen2.5's yarn over 32,768 positions to
+# 131,072, Llama 3.1's llama3 over 8,192 to 131,072, linear and dynamic NTK at 4x.
+LONG_ROPES = {
+    "qwen2.5-yarn": (transformers.Qwen2Config, dict(
+        max_position_embeddings=131072, rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e6,
+                                                             original_max_position_embeddings=32768))),
+    "llama3.1-llama3": (transformers.LlamaConfig, dict(
+        max_position_embeddings=131072, rope_parameters=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=5e5,
+            original_max_position_embeddings=8192))),
+    "qwen3-linear": (transformers.Qwen3Config, dict(
+        max_position_embeddings=32768, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e6))),
+    "gemma2-dynamic": (transformers.Gemma2Config, dict(
+        max_position_embeddings=8192, rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4))),
+}
+# Around the original context's end and the scaled one's, where the scalings part ways.
+LONG_POSITIONS = (0, 1, 4095, 8191, 8192, 16383, 32767, 32768, 65535, 131071)
+
+
+@pytest.mark.parametrize("name", LONG_ROPES)
+def test_long_context_rope_angles_match_transformers(name):
+    """Each family's rotary cos / sin at the long positions of the real configs, against
+    transformers' rotary embedding, to the float32 rounding of each angle (both compute
+    position x frequency in float32; the frequencies may differ in their last bit)."""
+    config_class, fields = LONG_ROPES[name]
+    hf_config = config_class(vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=128, **fields)
+    config = LlamaConfig.from_hf_config(hf_config.to_dict())
+    positions = np.asarray(LONG_POSITIONS)
+    if config.rope_scaling_dict()["rope_type"] != "dynamic":
+        positions = positions[positions < hf_config.max_position_embeddings]
+    rotary = transformers.AutoModelForCausalLM.from_config(hf_config).model.rotary_emb
+    with torch.no_grad():
+        hf_cos, hf_sin = (t[0].numpy() for t in rotary(torch.zeros(1, dtype=torch.float32),
+                                                        torch.as_tensor(positions)[None]))
+    # A dense forward's sequence length: the last position + 1 (dynamic rope reads it).
+    cos, sin = config_cos_sin(config, jnp.asarray(positions)[None], jnp.float32,
+                              seq_lens=jnp.full((1, positions.size), positions[-1] + 1, jnp.int32))
+    # An angle of p radians or less is float32 to spacing(p): two such roundings apart at most.
+    allowed = 2 * np.spacing(np.maximum(positions, 1).astype(np.float32))[:, None]
+    for ours, theirs in ((cos, hf_cos), (sin, hf_sin)):
+        excess = np.abs(np.asarray(ours[0]) - theirs) - allowed
+        assert excess.max() <= 0, (name, positions[np.unravel_index(excess.argmax(), excess.shape)[0]])
+    plain = LlamaConfig.from_hf_config({**hf_config.to_dict(), "rope_parameters": dict(
+        rope_type="default", rope_theta=fields["rope_parameters"]["rope_theta"])})
+    plain_cos, _ = config_cos_sin(plain, jnp.asarray(positions)[None], jnp.float32)
+    assert np.abs(np.asarray(plain_cos[0]) - hf_cos).max() > 0.1, "the scaling changes nothing here"
 
 
 def _check_fp8_cache(case: Case, prompts: list[list[int]], expected: list[tuple[list[int], np.ndarray]]) -> None:
