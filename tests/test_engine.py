@@ -659,7 +659,9 @@ def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(mo
     config = dataclasses.replace(BASE, num_blocks=None, gpu_memory_utilization=0.5)
     bytes_per_block = sum(int(c.nbytes) for c in model.allocate_kv_caches(1, config.block_size))
     activations = startup.largest_step_activation_bytes(model, config, model.config.max_position_embeddings)
-    assert activations > 0
+    penalties = startup.penalty_state_bytes(model, config)  # the penalized batch's token counts
+    assert activations > 0 and penalties == config.max_num_seqs * model.config.vocab_size * 5
+    activations += penalties
     limit, in_use = 128 << 20, 16 << 20  # a few thousand blocks of the tiny model
 
     def blocks(peak: int, alive: int = in_use) -> tuple[int, str]:

@@ -174,7 +174,7 @@ def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: 
         return n, (f"KV cache sized to {n} blocks: the {device.platform} device reports no memory statistics "
                    f"(pass EngineConfig.num_blocks to choose)")
     in_use = int(stats.get("bytes_in_use", 0))
-    activations = largest_step_activation_bytes(model, config, max_model_len)
+    activations = largest_step_activation_bytes(model, config, max_model_len) + penalty_state_bytes(model, config)
     one = model.allocate_kv_caches(1, config.block_size)
     bytes_per_block = sum(int(c.nbytes) for c in one)
     del one
@@ -189,9 +189,19 @@ def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: 
     if n >= KV_CACHE_BLOCK_QUANTUM:
         n -= n % KV_CACHE_BLOCK_QUANTUM
     return n, (f"KV cache sized by gpu_memory_utilization={config.gpu_memory_utilization}: arrays alive "
-               f"(weights) {in_use / (1 << 30):.2f} GiB + the largest step's activations "
-               f"{activations / (1 << 30):.2f} GiB (XLA's buffer assignment), {n} blocks fit (a multiple of "
+               f"(weights) {in_use / (1 << 30):.2f} GiB + the largest step's activations and the "
+               f"penalties' token counts {activations / (1 << 30):.2f} GiB (XLA's buffer assignment; "
+               f"max_num_seqs x vocabulary), {n} blocks fit (a multiple of "
                f"{KV_CACHE_BLOCK_QUANTUM}: the same count, and the same programs, at every start)")
+
+
+def penalty_state_bytes(model: Any, config: EngineConfig) -> int:
+    """Device bytes the persistent batch's token counts take while a request uses penalties
+    (`jax_paged_attn.engine.penalties`: ``output_counts`` i32 and ``prompt_mask`` bool of
+    ``[max_num_seqs, vocab]``), reserved at start so that a penalized batch cannot run the
+    device out of the memory the KV cache was sized in (164 MB at 256 rows of a
+    128,256-token vocabulary)."""
+    return config.max_num_seqs * int(model.config.vocab_size) * (4 + 1)
 
 
 def largest_step_activation_bytes(model: Any, config: EngineConfig, max_model_len: int) -> int:
