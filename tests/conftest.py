@@ -160,6 +160,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     whole products are cheap)."""
     mark_outside_covering_subsets(items)
     mark_covered_by_kernel_grids(items)
+    # The modules whose tests share a costly module fixture, each run by one worker
+    # (xdist_group), start first: a whole group handed out late would be the run's tail.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     if config.getoption("--full"):
         return
     dropped = [item for item in items if item.get_closest_marker("full") and not item.get_closest_marker("gpu")]

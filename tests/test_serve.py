@@ -39,6 +39,9 @@ from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
 from jax_paged_attn.serve.chat_template import load_chat_template  # noqa: E402
 from test_llm import CORPUS, word_tokenizer  # noqa: E402
 
+# One pytest-xdist worker runs the module (README's `--dist loadgroup`): one server start.
+pytestmark = pytest.mark.xdist_group("server")
+
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

@@ -14,6 +14,9 @@ from test_penalties import spy_penalties
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
+# One pytest-xdist worker runs the module (README's `--dist loadgroup`): one warm-up.
+pytestmark = pytest.mark.xdist_group("warmup")
+
 # One token bucket (the prompt chunk's 32): the warm-up still spans two decode-row buckets,
 # greedy and sampled, with a third of the programs of the default token buckets gone.
 CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
