@@ -174,7 +174,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
 def sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """`SamplingParams` from the fields OpenAI and vLLM share; ``max_tokens`` and
     ``logprobs`` come from the endpoint that reads them. The value checks of
-    `SamplingParams` (ranges, the seed's) become 400s naming the field."""
+    `SamplingParams` (every field's range, the random seed's included) become 400s
+    naming the field."""
     fields: dict[str, Any] = dict(
         temperature=optional(body, "temperature", (int, float), 1.0),
         top_p=optional(body, "top_p", (int, float), 1.0),
