@@ -203,9 +203,8 @@ class LlamaConfig:
     def max_sequence_length(self) -> int:
         """The longest sequence the model serves: ``max_position_embeddings``, times
         ``factor`` with dynamic NTK rope (which scales past the original context)."""
-        scaling = self.rope_scaling_dict()
-        if scaling.get("rope_type") == "dynamic":
-            return int(self.max_position_embeddings * float(scaling["factor"]))
+        if self.rope_depends_on_length:
+            return int(self.max_position_embeddings * float(self.rope_scaling_dict()["factor"]))
         return self.max_position_embeddings
 
     @property
@@ -276,11 +275,11 @@ class LlamaConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=int(hf_config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(hf_config["rms_norm_eps"]),  # _HF_DEFAULTS holds the default
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf_config["tie_word_embeddings"]),
             sliding_window=sliding_window,
             layer_types=layer_types,
             model_type=model_type,
@@ -398,7 +397,7 @@ def _windows_from_hf_config(hf_config: Mapping[str, Any], model_type: str,
     elif window is None:
         return None, None
     elif model_type in ("qwen2", "qwen3"):
-        first = int(hf_config.get("max_window_layers", num_layers))
+        first = int(hf_config["max_window_layers"])
         layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
     elif model_type == "gemma2":
         layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
@@ -499,7 +498,7 @@ def _rope_from_hf_config(hf_config: Mapping[str, Any]) -> tuple[float, tuple[tup
     params = _rope_entries(hf_config.get("rope_parameters"), "rope_parameters")
     if params is None:
         theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
-        return _rope_theta(theta, "rope_theta"), legacy_scaling
+        return _positive_number(theta, "config.json rope_theta"), legacy_scaling
     nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
     if nested:
         raise ValueError(
@@ -514,8 +513,8 @@ def _rope_from_hf_config(hf_config: Mapping[str, Any]) -> tuple[float, tuple[tup
     theta = params.get("rope_theta")
     if theta is None:
         theta = DEFAULT_ROPE_THETA if legacy_theta is None else legacy_theta
-    elif legacy_theta is not None and _rope_theta(legacy_theta, "rope_theta") != _rope_theta(
-            theta, "rope_parameters['rope_theta']"):
+    elif legacy_theta is not None and _positive_number(legacy_theta, "config.json rope_theta") != _positive_number(
+            theta, "config.json rope_parameters['rope_theta']"):
         raise ValueError(
             f"config.json sets rope_theta = {legacy_theta!r} and rope_parameters['rope_theta'] = {theta!r}; "
             f"they must agree.")
@@ -524,13 +523,7 @@ def _rope_from_hf_config(hf_config: Mapping[str, Any]) -> tuple[float, tuple[tup
         raise ValueError(
             f"config.json sets rope_scaling = {hf_config.get('rope_scaling')!r} and rope_parameters = "
             f"{hf_config.get('rope_parameters')!r}; they must describe the same rope.")
-    return _rope_theta(theta, "rope_parameters['rope_theta']"), scaling
-
-
-def _rope_theta(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"config.json {field} must be a positive number, got {value!r}.")
-    return float(value)
+    return _positive_number(theta, "config.json rope_parameters['rope_theta']"), scaling
 
 
 def _normalize_eos_token_id(value: Any, field: str) -> int | tuple[int, ...] | None:

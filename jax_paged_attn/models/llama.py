@@ -57,7 +57,6 @@ from jax_paged_attn.models.config import (  # noqa: F401 (re-exported: the confi
 from jax_paged_attn.models.rope import (  # noqa: F401 (re-exported)
     apply_rope,
     config_cos_sin,
-    is_dynamic,
     rope_cos_sin,
     rope_inverse_frequencies,
 )
@@ -196,10 +195,9 @@ class LlamaAttention(nnx.Module):
             self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.sliding_window = config.layer_window(layer_index)
         self.attn = PagedAttention(
             num_heads=hq, head_size=d, num_kv_heads=hk, scale=config.softmax_scale,
-            sliding_window=self.sliding_window, logits_soft_cap=config.attn_logit_softcapping,
+            sliding_window=config.layer_window(layer_index), logits_soft_cap=config.attn_logit_softcapping,
             kv_cache_dtype=kv_cache_dtype, implementation=implementation, interpret=interpret, mesh=mesh,
             tensor_parallel_axis=tensor_parallel_axis,
         )
@@ -299,7 +297,7 @@ class LlamaAttention(nnx.Module):
         `jax_paged_attn.matmul.linear_partials`' ``[S, T, hidden]``, and the q/k/v
         projection's partials summed by the fused rotary + cache write."""
         num_tokens = x.shape[0]
-        seq_lens = token_seq_lens(metadata, num_tokens) if is_dynamic(self.config) else None
+        seq_lens = token_seq_lens(metadata, num_tokens) if self.config.rope_depends_on_length else None
         if self.fuses_rotary_and_cache(kv_cache, metadata):
             # q / k norms read whole rows: their layer's partials are summed by XLA first.
             qkv_partials = partials and self.q_norm is None
@@ -336,8 +334,8 @@ class LlamaAttention(nnx.Module):
         i = jnp.arange(seq)[:, None]
         j = jnp.arange(seq)[None, :]
         visible = j <= i
-        if self.sliding_window is not None:
-            visible &= j > i - self.sliding_window
+        if self.attn.sliding_window is not None:
+            visible &= j > i - self.attn.sliding_window
         scores = jnp.where(visible, scores.reshape(batch, hk, group, seq, seq), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).reshape(batch, hk, group * seq, seq)
         out = jnp.einsum("bhmk,bhkd->bhmd", probs, vt, precision=jax.lax.Precision.HIGHEST)
@@ -734,7 +732,7 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
             path.append(f"attention scores soft-capped at {cfg.attn_logit_softcapping} in the attention kernels, "
                         f"logits at {cfg.final_logit_softcapping} in float32")
-        if is_dynamic(cfg):
+        if cfg.rope_depends_on_length:
             path.append("dynamic NTK rope: each token's frequencies from its sequence's length")
         return f"{cfg.model_type}: {window}; " + "; ".join(path)
 

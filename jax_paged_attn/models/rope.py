@@ -113,11 +113,6 @@ def rope_attention_factor(config: LlamaConfig) -> float:
     return float(mscale(factor))
 
 
-def is_dynamic(config: LlamaConfig) -> bool:
-    """Whether the frequencies depend on the sequence's length (rope type "dynamic")."""
-    return config.rope_scaling_dict().get("rope_type") == "dynamic"
-
-
 def dynamic_inverse_frequencies(config: LlamaConfig, seq_lens: Array) -> Array:
     """float32 ``[..., D // 2]``: dynamic NTK's frequencies for sequences of ``seq_lens``
     ``[...]`` tokens (int), in float32 as transformers computes them."""
@@ -148,7 +143,7 @@ def config_cos_sin(config: LlamaConfig, positions: Array, dtype: Any,
     """`rope_cos_sin` of ``config``'s rope type: ``positions`` ``[...]`` int; ``seq_lens``
     ``[...]`` int, each token's sequence length (read by "dynamic" only; None: the
     positions' count along the last axis, a dense forward's)."""
-    if is_dynamic(config):
+    if config.rope_depends_on_length:
         if seq_lens is None:
             seq_lens = jnp.full(positions.shape, positions.shape[-1], jnp.int32)
         inv_freq = dynamic_inverse_frequencies(config, seq_lens)
