@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from suites import DecodeCase, DecodeInputs
+from suites import DecodeCase, DecodeInputs, cumulative
 from sweeps import mosaic_decode_grid, stock_paged_grid
 from timing import Context, Measurement, Unavailable, short_error, to_numpy, torch_to_numpy
 
@@ -212,7 +212,7 @@ def decode_torch_varlen_paged(ctx: Context, case: DecodeCase, x: DecodeInputs) -
     q = ctx.to_torch(x.q[:, 0])  # [B, Hq, D]: one query per sequence
     kc, vc = ctx.to_torch(x.k_cache), ctx.to_torch(x.v_cache)
     cu_q = torch.arange(case.batch + 1, dtype=torch.int32, device="cuda")
-    cu_k = ctx.to_torch(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x.seqlens, dtype=jnp.int32)]))
+    cu_k = ctx.to_torch(cumulative(case.seqlens))
     table, used = ctx.to_torch(x.block_table), ctx.to_torch(x.seqlens)
     extra = {"enable_gqa": True} if "enable_gqa" in params else {}
     return ctx.time_torch(

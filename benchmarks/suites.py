@@ -374,7 +374,8 @@ class AttentionInputs:
         return np.concatenate([out[b, :n] for b, n in enumerate(self.q_lens)])
 
 
-def _cumulative(lengths: Sequence[int]) -> Array:
+def cumulative(lengths: Sequence[int]) -> Array:
+    """i32[B + 1]: 0 then the running sums of ``lengths`` (cu_seqlens)."""
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
 
 
@@ -411,7 +412,7 @@ def build_attention_inputs(case: AttentionCase, seed: int = 0) -> AttentionInput
             table[b, :n] = perm[start:start + n]
         block_table = jnp.asarray(table)
     q, k, v = random_normals(seed, (q_shape, kv_shape, kv_shape), case.dtype)
-    return AttentionInputs(q, k, v, _cumulative(q_lens), _cumulative(k_lens), block_table, q_lens, k_lens)
+    return AttentionInputs(q, k, v, cumulative(q_lens), cumulative(k_lens), block_table, q_lens, k_lens)
 
 
 @dataclasses.dataclass

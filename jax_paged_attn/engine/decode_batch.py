@@ -27,7 +27,7 @@ from jax_paged_attn.engine.penalties import fill_penalties
 from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.engine.shapes import ProgramShapes, stop_id_columns
-from jax_paged_attn.engine.step_inputs import program_num_logprobs, uses_penalties
+from jax_paged_attn.engine.step_inputs import program_greedy, program_num_logprobs, uses_penalties
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +104,7 @@ class DecodeBatch:
             requests=list(requests), num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
             next_position=rows.positions.astype(np.int64), table_len=np.array(
                 [len(r.block_table) for r in requests] + [0] * (num_rows - len(requests)), np.int64),
-            # Penalized rows sample in the sampled program (its greedy rows take the
-            # argmax of their processed logits): one penalties variant per shape, not two.
-            greedy=not penalized and all(r.sampling_params.greedy for r in requests),
+            greedy=program_greedy(requests, penalized),
             num_logprobs=program_num_logprobs(requests, vocab_size), penalized=penalized)
 
     def free_rows(self) -> list[int]:

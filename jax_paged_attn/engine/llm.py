@@ -312,7 +312,7 @@ class LLM:
         text = self._text_of(completion, params)
         stop = completion.stop_reason
         if isinstance(stop, str):
-            cut = text.find(stop, _search_start(stop, self._protected_length(completion, params)))
+            cut = text.find(stop, stop_search_start(stop, self._protected_length(completion, params)))
             assert cut >= 0, "a sequence stopped by a string keeps the tokens that hold it"
             text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
         return text
@@ -460,33 +460,41 @@ class _StopStrings:
         self.llm = llm
         self.params = params
         self.num_clean: dict[tuple[int, int], int] = {}  # tokens whose text holds no stop string
+        self.protected: dict[tuple[int, int], int] = {}  # text length of a sequence's first min_tokens tokens
 
     def __call__(self, prompt_index: int, sample_index: int, completion: CompletionOutput) -> tuple[int, str] | None:
         params = self.params[prompt_index]
         if not params.stop or len(completion.token_ids) <= params.min_tokens:
             return None
         key = (prompt_index, sample_index)
-        protected = self.llm._protected_length(completion, params)
-        if _first_stop(self.llm._text_of(completion, params), params.stop, protected) is None:
+        protected = self.protected.get(key)
+        if protected is None:  # fixed once the sequence is past min_tokens: decoded once
+            protected = self.protected[key] = self.llm._protected_length(completion, params)
+        if first_stop(self.llm._text_of(completion, params), params.stop, protected) is None:
             self.num_clean[key] = len(completion.token_ids)
             return None
         start = max(self.num_clean.get(key, 0), params.min_tokens)
         for num_tokens in range(start + 1, len(completion.token_ids) + 1):
-            stop = _first_stop(self.llm._text_of(completion, params, num_tokens), params.stop, protected)
-            if stop is not None:
-                return num_tokens, stop
+            found = first_stop(self.llm._text_of(completion, params, num_tokens), params.stop, protected)
+            if found is not None:
+                return num_tokens, found[1]
         raise AssertionError("the whole text holds a stop string, so some prefix does")
 
 
-def _search_start(stop: str, protected: int) -> int:
+def stop_search_start(stop: str, protected: int) -> int:
     """Where to look for ``stop`` in a text whose first ``protected`` characters are the
     first ``min_tokens`` tokens': a match must end after them."""
     return max(0, protected - len(stop) + 1)
 
 
-def _first_stop(text: str, stops: Sequence[str], protected: int = 0) -> str | None:
-    """The stop string that occurs first in ``text`` (at equal positions, the first
-    listed) and ends after its first ``protected`` characters, or None."""
-    found = [(text.find(stop, _search_start(stop, protected)), i) for i, stop in enumerate(stops)]
+def first_stop(text: str, stops: Sequence[str], protected: int = 0) -> tuple[int, str] | None:
+    """``(position, stop string)`` of the stop string that occurs first in ``text`` (at
+    equal positions, the first listed) and ends after its first ``protected``
+    characters (the text of the first ``min_tokens`` tokens, where vLLM looks for none),
+    or None."""
+    found = [(text.find(stop, stop_search_start(stop, protected)), i) for i, stop in enumerate(stops)]
     found = [f for f in found if f[0] >= 0]
-    return stops[min(found)[1]] if found else None
+    if not found:
+        return None
+    position, i = min(found)
+    return position, stops[i]

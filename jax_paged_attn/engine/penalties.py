@@ -15,8 +15,9 @@ filled on the host once when the row is filled and then updated by the decode wi
 itself, one scatter of the sampled tokens per step. Applying the penalties is then a
 few elementwise passes over the logits, which sampling reads anyway, and nothing is
 recomputed from the token history per step (that would read ``[R, max_model_len]``
-token ids and scatter them every step). The price is ``5 * V`` bytes per row uploaded
-when a batch starts or a row is inserted, paid only by batches that use these
+token ids and scatter them every step). The price is ``5 * V`` bytes for every row of the
+batch uploaded when a batch starts or rows are inserted (the insert program takes the
+batch's whole row count, padded, however few join), paid only by batches that use these
 parameters. Scheduled and mixed steps, which run every step while prompts are admitted,
 send their sampling rows' token ids instead (`PenaltyTokens`, ``4 * max_model_len``
 bytes a row rather than ``5 * V``: 16 KiB against 640 KiB for a 128k vocabulary at a

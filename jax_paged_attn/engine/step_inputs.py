@@ -132,6 +132,13 @@ def uses_penalties(requests: Sequence[Request]) -> bool:
     return any(r.sampling_params.processes_logits for r in requests)
 
 
+def program_greedy(requests: Sequence[Request], penalized: bool) -> bool:
+    """Whether a program sampling for ``requests`` is the greedy variant: every request
+    greedy and no `Penalties` (penalized rows run in the sampled program, whose greedy
+    rows take the argmax of their processed logits: one penalties variant a shape)."""
+    return not penalized and all(r.sampling_params.greedy for r in requests)
+
+
 def program_num_logprobs(requests: Sequence[Request], vocab_size: int) -> int | None:
     """Static ``num_logprobs`` of a program sampling for ``requests``: None when none
     asks for logprobs (the programs without them), else a bucket of the largest ask."""

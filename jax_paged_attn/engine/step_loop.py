@@ -53,7 +53,7 @@ from jax_paged_attn.engine.request import Request, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.engine.shapes import ProgramShapes
 from jax_paged_attn.engine.stats import StatsRecorder
-from jax_paged_attn.engine.step_inputs import StepInputs, program_num_logprobs, uses_penalties
+from jax_paged_attn.engine.step_inputs import StepInputs, program_greedy, program_num_logprobs, uses_penalties
 
 
 class StepLoop:
@@ -120,8 +120,7 @@ class StepLoop:
         penalties = None
         if uses_penalties(sampling_requests):
             penalties = self.inputs.penalties(out, rows, metadata.num_seqs, self.scheduler.stop_token_ids)
-        # Penalties run in the sampled program only (greedy rows take its argmax): one variant.
-        greedy = penalties is None and all(item.request.sampling_params.greedy for item in out.scheduled)
+        greedy = program_greedy([item.request for item in out.scheduled], penalties is not None)
         result = self.runner.run_step(token_ids, positions, metadata, sampling, penalties, greedy=greedy,
                                       num_logprobs=num_logprobs)
         if beside_batch and self.batch is not None and len(self.batch.inflight) < 2:

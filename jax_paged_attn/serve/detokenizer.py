@@ -20,24 +20,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from jax_paged_attn.engine.llm import first_stop, stop_search_start
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 INCOMPLETE_CHARACTER = "\ufffd"
 """What ``tokenizers`` decodes an incomplete UTF-8 byte sequence to."""
-
-
-def first_stop(text: str, stops: Sequence[str], protected: int = 0) -> tuple[int, str] | None:
-    """``(position, stop string)`` of the stop string that occurs first in ``text`` (at
-    equal positions, the first listed) and ends after its first ``protected``
-    characters (the text of the first ``min_tokens`` tokens, where vLLM looks for none),
-    or None."""
-    found = [(text.find(stop, max(0, protected - len(stop) + 1)), i) for i, stop in enumerate(stops)]
-    found = [f for f in found if f[0] >= 0]
-    if not found:
-        return None
-    position, i = min(found)
-    return position, stops[i]
 
 
 def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
@@ -116,7 +105,7 @@ class SequenceText:
         text = self.decode(ids)
         if finish_reason is not None:
             if isinstance(stop_reason, str):
-                cut = text.find(stop_reason, max(0, self.protected_length(ids) - len(stop_reason) + 1))
+                cut = text.find(stop_reason, stop_search_start(stop_reason, self.protected_length(ids)))
                 assert cut >= 0, "a sequence stopped by a string keeps the tokens that hold it"
                 text = text[:cut + len(stop_reason)] if self.include_stop_str_in_output else text[:cut]
             self.text = text
