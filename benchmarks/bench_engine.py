@@ -151,10 +151,12 @@ def _dense_forward(model: LlamaForCausalLM, tokens: Array, positions: Array, k_c
 
 def _dot_product_attention(q: Array, k: Array, v: Array, attn: Any, implementation: str | None, *,
                            is_causal: bool = False, key_value_seq_lengths: Array | None = None) -> Array:
-    """`jax.nn.dot_product_attention` with the layer's scale and window; a soft-capped layer
-    (Gemma 2), which that function cannot express, runs the same mask in plain einsums."""
-    config, window = attn.config, attn.sliding_window
-    if config.attn_logit_softcapping is None:
+    """`jax.nn.dot_product_attention` with the layer's scale and window; what that function
+    cannot express runs the same mask in plain einsums: a soft-capped layer (Gemma 2), and a
+    window over queries that do not start at key 0 (a decode row: its window counts back
+    from the row's own position, which `local_window_size` without `is_causal` does not)."""
+    config, window = attn.config, attn.attn.sliding_window  # the layer's PagedAttention keeps its window
+    if config.attn_logit_softcapping is None and (window is None or is_causal):
         return jax.nn.dot_product_attention(
             q, k, v, scale=config.softmax_scale, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
@@ -162,7 +164,8 @@ def _dot_product_attention(q: Array, k: Array, v: Array, attn: Any, implementati
     k, v = (jnp.repeat(t, group, axis=2) for t in (k, v))
     cap = config.attn_logit_softcapping
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * config.softmax_scale
-    scores = cap * jnp.tanh(scores / cap)
+    if cap is not None:
+        scores = cap * jnp.tanh(scores / cap)
     rows = jnp.arange(q.shape[1])[:, None] if is_causal else (key_value_seq_lengths - 1)[:, None, None, None]
     cols = jnp.arange(k.shape[1])
     visible = cols <= rows
@@ -180,11 +183,7 @@ def _decode_attend(lengths: Array, implementation: str | None) -> Attend:
         rows = jnp.arange(q.shape[0])
         k_cache = k_cache.at[rows, lengths].set(k[:, 0])
         v_cache = v_cache.at[rows, lengths].set(v[:, 0])
-        if attn.sliding_window is None and attn.config.attn_logit_softcapping is None:
-            out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths + 1,
-                                               scale=attn.config.softmax_scale, implementation=implementation)
-        else:  # the query sits at row `lengths`, not at the end of a causal square
-            out = _dot_product_attention(q, k_cache, v_cache, attn, "xla", key_value_seq_lengths=lengths + 1)
+        out = _dot_product_attention(q, k_cache, v_cache, attn, implementation, key_value_seq_lengths=lengths + 1)
         return out, k_cache, v_cache
 
     return attend
