@@ -53,9 +53,11 @@ for _path in (_REPO, _REPO / "benchmarks"):
 
 import numpy as np  # noqa: E402
 
-from bench_serving import Workload, make_workload, parse_rates, percentiles, poisson_arrivals  # noqa: E402
+from bench_engine import LLAMA_1B, build_model  # noqa: E402
+from bench_serving import (Workload, length_range, make_workload, parse_rates, percentiles,  # noqa: E402
+                           poisson_arrivals, rate_value)
 
-DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_VOCAB_SIZE = LLAMA_1B.vocab_size  # the benchmark model's (bench_engine.py)
 """The vocabulary of `bench_engine.py`'s 1.1B Llama, whose ids the workload draws."""
 
 
@@ -170,16 +172,6 @@ def markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def _pair(text: str, name: str) -> tuple[int, int]:
-    try:
-        low, high = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} takes LOW,HIGH (two ints), got {text!r}") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"{name} needs 1 <= LOW <= HIGH, got {text!r}")
-    return low, high
-
-
 def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
@@ -190,8 +182,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--rates", default="inf", help="inf, requests/s, or Fx (F times the inf run's rate)")
-    parser.add_argument("--prompt-lens", type=lambda t: _pair(t, "--prompt-lens"), default=(32, 2048))
-    parser.add_argument("--output-lens", type=lambda t: _pair(t, "--output-lens"), default=(16, 512))
+    parser.add_argument("--prompt-lens", type=length_range, default=(32, 2048))
+    parser.add_argument("--output-lens", type=length_range, default=(16, 512))
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
@@ -213,8 +205,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     rows: list[tuple[str, dict[str, Any]]] = []
     saturation = None
     for rate in rates:
-        value = float("inf") if rate == "inf" else (
-            float(rate[:-1]) * saturation if rate.endswith("x") else float(rate))
+        value = rate_value(rate, saturation)
         result = run_rate(args.url, model, args.api_key, workload, poisson_arrivals(args.num_requests, value, args.seed))
         if rate == "inf":
             saturation = result["request_rate"]
@@ -232,7 +223,6 @@ def write_checkpoint(directory: pathlib.Path, quick: bool) -> None:
     docstring)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from bench_engine import build_model
     from jax_paged_attn.models import save_checkpoint
 
     model, _ = build_model(quick)

@@ -165,6 +165,12 @@ def parse_rates(text: str) -> list[str]:
     return (["inf"] if needs_inf else []) + list(dict.fromkeys(finite))
 
 
+def rate_value(entry: str, saturation: float | None) -> float:
+    """Requests/s of a `parse_rates` entry: ``inf``, the number, or F times ``saturation``
+    (the ``inf`` run's request throughput, measured before any ``Fx`` entry runs)."""
+    return float(entry[:-1]) * saturation if entry.endswith("x") else float(entry)
+
+
 def percentiles(values: Sequence[float]) -> list[float]:
     """p50, p90, p99 (NaN for no values)."""
     return np.percentile(values, [50, 90, 99]).tolist() if len(values) else [float("nan")] * 3
@@ -311,11 +317,8 @@ def run_serving(args: argparse.Namespace, engine_options: dict[str, Any]) -> dic
     rows: list[dict[str, Any]] = []
     saturation = None
     for entry in rates:
-        if entry.endswith("x"):
-            rate = float(entry[:-1]) * saturation
-            shown = f"{rate:.2f} ({entry})"
-        else:
-            rate, shown = float(entry), entry
+        rate = rate_value(entry, saturation)
+        shown = f"{rate:.2f} ({entry})" if entry.endswith("x") else entry
         row = run_arrivals(engine, workload, poisson_arrivals(len(workload.prompts), rate, args.seed), entry)
         if entry == "inf":
             saturation = row["request_rate"]
@@ -450,7 +453,8 @@ def measure_startup(forwarded: list[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
-def _length_range(text: str) -> tuple[int, int]:
+def length_range(text: str) -> tuple[int, int]:
+    """``LOW,HIGH`` (or ``N``) of a ``--prompt-lens`` / ``--output-lens`` option."""
     low, _, high = text.partition(",")
     bounds = (int(low), int(high or low))
     if not 1 <= bounds[0] <= bounds[1]:
@@ -465,9 +469,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", default=None,
                         help="requests/s per run: inf, numbers, Fx = F times the inf run's request throughput "
                              "(default 8,16,32,64,inf; --quick: inf,50)")
-    parser.add_argument("--prompt-lens", type=_length_range, default=None, metavar="LOW,HIGH",
+    parser.add_argument("--prompt-lens", type=length_range, default=None, metavar="LOW,HIGH",
                         help="prompt lengths drawn from LOW..HIGH (default 32,2048; --quick: 4,40)")
-    parser.add_argument("--output-lens", type=_length_range, default=None, metavar="LOW,HIGH",
+    parser.add_argument("--output-lens", type=length_range, default=None, metavar="LOW,HIGH",
                         help="output lengths drawn from LOW..HIGH (default 16,512; --quick: 4,30)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the arrivals' seed")
     parser.add_argument("--model", default="llama-1b", choices=tuple(MODELS),
