@@ -29,7 +29,7 @@ call's fixed costs cancel.
   they reach: minutes less per batch on a GPU). Beside its wall-clock figures: decode
   tok/s by the engine's own counters (`EngineStats.decode_tokens_per_s` over the timed calls: decode steps only,
   host work included), the ms per step that makes, the floor (every weight and the
-  batch's K/V read once per step at 4.2 TB/s), and `compiles after start`: XLA
+  batch's K/V read once per step at the GPU's measured copy rate, `timing.device_copy_rate`), and `compiles after start`: XLA
   compilations during the timed calls (JAX's monitoring events, `engine_common.py`),
   which should be 0.
 * **one-jit dense**: what a JAX user writes without paging: the model's own layers over
@@ -76,6 +76,7 @@ from engine_common import (  # noqa: E402,F401  (parse_options: profile_engine i
 from jax_paged_attn import matmul, tuning  # noqa: E402
 from jax_paged_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from timing import device_copy_rate  # noqa: E402
 
 Array = jax.Array
 
@@ -384,9 +385,9 @@ def use_decode_config(text: str | None) -> None:
     print(f"decode kernel config for this run: {decode_config} (compilation cache and program store off)")
 
 
-def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float = 4.2e12) -> float:
+def weight_read_floor_ms(model: LlamaForCausalLM, batch: int, context: int, copy_rate: float) -> float:
     """ms per decode step to read every weight once plus the batch's K/V, at ``copy_rate``
-    bytes/s (the H200's measured device-copy rate)."""
+    bytes/s (`timing.device_copy_rate`: the GPU's own measured copy rate)."""
     cfg = model.config
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     kv = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
@@ -467,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     model, compiler_options = build_model(args.quick, args.implementation, args.matmul_implementation, args.model)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    copy_rate = device_copy_rate()
     steps = args.num_scheduler_steps
     print(f"# LLMEngine generate and decode: {num_params / 1e6:,.1f} M params, {jnp.dtype(model.dtype).name}, "
           f"prompt {prompt_len}, {new_tokens} new tokens, block size {args.block_size}, {steps}-step decode "
@@ -489,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                               whole_engine_warm_up=args.warm_up == "engine")
         one_jit = bench_dense_one_jit(model, prompts, new_tokens, dense_impl, compiler_options)
         per_step = bench_dense_per_step(model, batch, prompt_len, new_tokens, dense_impl, compiler_options)
-        floor = weight_read_floor_ms(model, batch, prompt_len + new_tokens // 2)
+        floor = weight_read_floor_ms(model, batch, prompt_len + new_tokens // 2, copy_rate)
         same_rows = int(np.sum(np.all(engine["outputs"] == one_jit["outputs"], axis=1)))
         hf_rate = hf.get(batch)
         row = dict(batch=batch, engine_generate_first_ms=engine["first_ms"], engine_generate_ms=engine["best_ms"],

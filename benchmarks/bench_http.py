@@ -5,6 +5,7 @@ serve``, or any other) as streamed ``/v1/completions`` requests.
 
     python benchmarks/bench_http.py --write-checkpoint DIR [--quick]
     jax-paged-attn serve DIR --max-num-seqs 256 --max-num-batched-tokens 8192 ... &
+    python benchmarks/bench_http.py --url URL --wait-ready 400 [--started-at EPOCH_S]
     python benchmarks/bench_http.py --url http://127.0.0.1:8000 [--model NAME] [--api-key KEY]
                                     [--num-requests 1000] [--rates inf,0.5x] [--prompt-lens 32,2048]
                                     [--output-lens 16,512] [--seed 0] [--json OUT.json]
@@ -31,7 +32,15 @@ an error event, a broken stream, or fewer tokens than asked), and at p50 / p90 /
 TTFT (sent to the first chunk with text), TPOT ((latency - TTFT) / (output tokens - 1) per
 request), ITL (the gap between consecutive chunks with text, each chunk counting once
 however many tokens it carries) and end-to-end latency. Output tokens are the usage
-chunk's ``completion_tokens`` (``stream_options.include_usage``).
+chunk's ``completion_tokens`` (``stream_options.include_usage``). Where the server reports
+``jax_paged_attn:xla_compilations_total`` on ``/metrics`` (``jax-paged-attn serve`` does),
+the compilations during each rate's run, which should be 0.
+
+**Start-up** (``--wait-ready S``): polls ``/health`` until it answers 200 (at most S
+seconds), then sends one completion of one token, and prints the seconds from
+``--started-at`` (the server process's start, seconds since the epoch: ``date
++%s.%N`` before launching it; default this script's start) to the port's first 200 and
+to that first served request.
 """
 from __future__ import annotations
 
@@ -139,6 +148,59 @@ def run_rate(url: str, model: str, api_key: str | None, workload: Workload, arri
     return summarize(workload, results)
 
 
+def server_compilations(url: str, api_key: str | None) -> int | None:
+    """The server's ``jax_paged_attn:xla_compilations_total`` (None where it has none)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
+    try:
+        connection.request("GET", "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        response = connection.getresponse()
+        text = response.read().decode(errors="replace") if response.status == 200 else ""
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+    for line in text.splitlines():
+        if line.startswith("jax_paged_attn:xla_compilations_total"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
+def wait_ready(url: str, api_key: str | None, limit_s: float, started_at: float) -> dict[str, float]:
+    """Seconds from ``started_at`` (epoch s) to ``/health``'s first 200 and to one served
+    one-token completion (module docstring); SystemExit after ``limit_s`` without a 200."""
+    parts = urllib.parse.urlsplit(url)
+    deadline = time.time() + limit_s
+    while True:
+        try:
+            connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=10)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                break
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            connection.close()
+        if time.time() > deadline:
+            raise SystemExit(f"{url}/health did not answer 200 within {limit_s:.0f} s")
+        time.sleep(0.1)
+    ready_s = time.time() - started_at
+    model = _first_model(url, api_key)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=300)
+    connection.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1,
+                                                              "temperature": 0.0}), headers)
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    if response.status != 200:
+        raise SystemExit(f"the first completion answered {response.status}: {body[:300]!r}")
+    served_s = time.time() - started_at
+    print(f"server start: /health 200 after {ready_s:.2f} s, first request served after {served_s:.2f} s "
+          f"(from the process's start), model {model}")
+    return dict(ready_s=ready_s, first_served_s=served_s)
+
+
 def summarize(workload: Workload, results: list[RequestResult]) -> dict[str, Any]:
     """vLLM's serving metrics of one run's ``results`` (module docstring)."""
     good = [(r, p) for r, p in zip(results, workload.prompts) if r.error is None]
@@ -164,11 +226,11 @@ def markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:
         return " / ".join(f"{v:.1f}" for v in values)
 
     lines = ["| rate | requests | failed | duration s | req/s | output tok/s | total tok/s | TTFT ms p50 / p90 / p99 "
-             "| TPOT ms | ITL ms | latency ms |", "| --- " * 11 + "|"]
+             "| TPOT ms | ITL ms | latency ms | compiles while serving |", "| --- " * 12 + "|"]
     for rate, r in rows:
         lines.append(f"| {rate} | {r['requests']} | {r['failed']} | {r['duration_s']:.2f} | {r['request_rate']:.2f} "
                      f"| {r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | {p(r['ttft_ms'])} | {p(r['tpot_ms'])} "
-                     f"| {p(r['itl_ms'])} | {p(r['latency_ms'])} |")
+                     f"| {p(r['itl_ms'])} | {p(r['latency_ms'])} | {'n/a' if r.get('compiles') is None else r['compiles']} |")
     return "\n".join(lines)
 
 
@@ -187,13 +249,21 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
+    parser.add_argument("--wait-ready", type=float, default=None, metavar="S",
+                        help="only wait (at most S s) for the server and time its start-up (module docstring)")
+    parser.add_argument("--started-at", type=float, default=None, metavar="EPOCH_S",
+                        help="with --wait-ready: when the server process started (default: now)")
     args = parser.parse_args(argv)
+    started_at = time.time() if args.started_at is None else args.started_at
     if args.write_checkpoint is not None:
         args.write_checkpoint.mkdir(parents=True, exist_ok=True)
         write_checkpoint(args.write_checkpoint, args.quick)
         return []
     if args.url is None:
         parser.error("--url is required (or --write-checkpoint DIR)")
+    if args.wait_ready is not None:
+        timings = wait_ready(args.url, args.api_key, args.wait_ready, started_at)
+        return [("start-up", timings)]
     if args.num_requests < 1:
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     try:
@@ -206,7 +276,10 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     saturation = None
     for rate in rates:
         value = rate_value(rate, saturation)
+        compiles_before = server_compilations(args.url, args.api_key)
         result = run_rate(args.url, model, args.api_key, workload, poisson_arrivals(args.num_requests, value, args.seed))
+        compiles_after = server_compilations(args.url, args.api_key)
+        result["compiles"] = None if compiles_before is None or compiles_after is None else compiles_after - compiles_before
         if rate == "inf":
             saturation = result["request_rate"]
         rows.append((rate if value == float("inf") else f"{rate} ({value:.2f} req/s)", result))

@@ -13,7 +13,8 @@ together several times the 50 MB L2), so every call reads its weights from HBM a
 decode step; the time per call is the chain's device time divided by its length
 (`timing.Timer`). Per rows: GB/s of weights read for XLA and for the kernel's
 best config of a sweep (`--quick`: the default config only), the ratio, and the sum
-over one step (16 layers + head) against the weight-read floor at 4.2 TB/s. Outputs are
+over one step (16 layers + head) against the weight-read floor at the GPU's measured copy
+rate (`timing.device_copy_rate`). Outputs are
 compared with XLA's (max |diff| / max |ref|).
 
 These chains measure each product alone; on an H200 they put XLA's small GEMMs at
@@ -42,10 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_paged_attn import matmul  # noqa: E402
 from jax_paged_attn.tuning import MatmulConfig  # noqa: E402
-from timing import Timer, short_error  # noqa: E402
-
-COPY_RATE_GBPS = 4200.0
-"""The H200's measured device-to-device copy rate (GB/s), the floor's bandwidth."""
+from timing import Timer, device_copy_rate, short_error  # noqa: E402
 
 CHAIN_BYTES = 400e6
 """Weight bytes per timed chain: several times the L2, so no call reads its weights from it."""
@@ -171,7 +169,7 @@ def main() -> None:
             print(line, flush=True)
     print("\n| rows | XLA ms/step | ours ms/step (best per product) | ours default ms/step | floor ms/step | ours / XLA |")
     print("| --- | --- | --- | --- | --- | --- |")
-    floor_ms = sum(d * n * 2 * s for _, d, n, s in PRODUCTS) / (COPY_RATE_GBPS * 1e9) * 1e3
+    floor_ms = sum(d * n * 2 * s for _, d, n, s in PRODUCTS) / device_copy_rate() * 1e3
     for rows in rows_list:
         recs = [r for r in records if r["rows"] == rows]
         xla = sum(r.get("xla_ms", float("nan")) * r["per_step"] for r in recs)

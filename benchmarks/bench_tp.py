@@ -32,8 +32,8 @@ tokens (EOS ignored), calls of N and of 1 new tokens alternating twice after a w
 **ms/step** the wall time of one decode step that makes. **tp=T / tp=1** is a row's
 decode tok/s over the same model and batch's at tp = 1. The **weight-read floor** of a
 step is the bytes of the weights a decode step reads (all parameters but the input
-embedding table, of which a step gathers B rows) over ``tp x`` 4.2 TB/s (an H200's
-measured device-copy rate, each device reading its own shards); **of floor** is our
+embedding table, of which a step gathers B rows) over ``tp x`` the GPU's copy rate
+(`timing.device_copy_rate`, measured at the start; each device reads its own shards); **of floor** is our
 decode tok/s over the floor's. The warm-up defaults to untimed runs of the timed
 requests (``--warm-up requests``): `LLMEngine.warmup()` would compile every program of
 the configuration, many more than the timed requests reach, each over 32 or 80 layers.
@@ -71,9 +71,7 @@ from bench_engine import bench_engine  # noqa: E402
 from engine_common import add_decode_run_arguments, parse_engine_options  # noqa: E402
 from jax_paged_attn import matmul, parallel  # noqa: E402
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-COPY_RATE = 4.2e12
-"""Bytes/s one H200 copies device memory to device memory (measured; the floor's rate)."""
+from timing import device_copy_rate  # noqa: E402
 
 LLAMA_8B = LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -203,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
     start = time.perf_counter()
     memory = device_memory_bytes()
+    copy_rate = device_copy_rate()
     columns = table_columns(all_tps)
     print(f"# LLMEngine decode with tensor parallelism: {jnp.dtype(dtype).name} random weights, prompt "
           f"{prompt_len}, {new_tokens} new tokens, block size {args.block_size}, {args.num_scheduler_steps}-step "
@@ -211,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
           f"{args.matmul_implementation or 'auto'}, with a mesh: xla; warm-up: {args.warm_up}"
           + (f"; engine options {engine_options}" if engine_options else ""))
     print(f"# decode tok/s = B * (N - 1) / (best t(N) - best t(1)) by wall clock; floor = bytes a step reads "
-          f"(weights but the input embedding) / (tp x {COPY_RATE / 1e12:.1f} TB/s)")
+          f"(weights but the input embedding) / (tp x {copy_rate / 1e12:.2f} TB/s, the measured copy rate)")
     skipped: list[str] = []
     warm_ups: list[str] = []
     rows: list[dict[str, Any]] = []
@@ -229,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 continue
             model = build_model(config, dtype, tp, implementation=args.implementation,
                                 matmul_implementation=args.matmul_implementation)
-            floor_s = read_bytes / (tp * COPY_RATE)
+            floor_s = read_bytes / (tp * copy_rate)
             for batch in batches:
                 prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_len))
                 result = bench_engine(model, prompts, new_tokens, block_size=args.block_size,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]] [ncu_pipes[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [http] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]] [ncu_pipes[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,6 +60,28 @@ for step in "${steps[@]}"; do
       # script's): total tok/s, TTFT / TPOT percentiles, sum of parts, compiles after start
       timeout 570 python3 benchmarks/bench_serving.py ${SERVING_RATES:+--rates "$SERVING_RATES"} 2>&1 \
         | tee "$out/serving.log" ;;
+    http)  # the serving workload offline, then over HTTP (bench_http.py) against `jax-paged-attn
+      # serve` with the same engine options: rates inf and half the saturating one; the server's
+      # start, cold then warm (a second process, the program store filled by the first), to the
+      # first served request; its compilations after the port opened (/metrics)
+      ckpt=/tmp/bench_http_checkpoint port=8123 rates="${HTTP_RATES:-inf,0.5x}"
+      python3 benchmarks/bench_http.py --write-checkpoint "$ckpt" 2>&1 | tail -1 | tee "$out/http.log"
+      timeout 240 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
+      for start in cold warm; do
+        t0=$(date +%s.%N)
+        python3 -m jax_paged_attn.serve "$ckpt" --port "$port" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+          --num-scheduler-steps 16 --max-model-len 4096 --block-size 16 --seed 0 --no-enable-prefix-caching \
+          --log-level warning > "$out/server_$start.log" 2>&1 &
+        pid=$!
+        python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --wait-ready 400 --started-at "$t0" \
+          2>&1 | tee -a "$out/http.log"
+        if [ "$start" = cold ]; then
+          timeout 300 python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --rates "$rates" \
+            --json "$out/http.json" 2>&1 | tee -a "$out/http.log"
+        fi
+        kill -TERM "$pid"; wait "$pid"; echo "server ($start) exited with $?" | tee -a "$out/http.log"
+        tail -5 "$out/server_$start.log"
+      done ;;
     startup)  # engine start, cold and warm persistent compilation cache (two processes)
       timeout 420 python3 benchmarks/bench_serving.py --startup 2>&1 | tee "$out/startup.log" ;;
     resources)  # registers / spills of the kernels as XLA compiles them (ptxas -v), and of the Mosaic

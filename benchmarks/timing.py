@@ -251,3 +251,38 @@ def one_call_ms(call, reps: int) -> float:
         jax.block_until_ready(call())
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+# =========================================================================== device copy rate
+
+H200_COPY_RATE = 4.2e12
+"""bytes/s: an H200's measured device-to-device copy rate (read + write), the floor's rate
+where no GPU is present to measure one."""
+
+_copy_rates: dict[str, float] = {}
+
+
+def device_copy_rate(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """The device's copy rate in bytes/s (bytes read + written per second by one elementwise
+    pass over ``nbytes``), measured once per process: the bandwidth the weight-read floors
+    divide by, so each GPU's floor is its own (an H100's is ~30 % below an H200's). Without
+    a GPU, `H200_COPY_RATE`, said once."""
+    device = jax.devices()[0]
+    key = device.device_kind
+    if key not in _copy_rates:
+        if device.platform != "gpu":
+            print(f"no GPU to measure the copy rate on ({key}): floors use an H200's "
+                  f"{H200_COPY_RATE / 1e12:.1f} TB/s")
+            _copy_rates[key] = H200_COPY_RATE
+        else:
+            # Negation, not a copy: XLA may alias an identity copy away.
+            step = jax.jit(jnp.negative)
+            x = jnp.zeros(nbytes // 2, jnp.bfloat16)
+            jax.block_until_ready(step(x))
+            start = time.perf_counter()
+            for _ in range(reps):
+                x = step(x)
+            jax.block_until_ready(x)
+            _copy_rates[key] = 2 * nbytes * reps / (time.perf_counter() - start)
+            print(f"device copy rate ({key}): {_copy_rates[key] / 1e12:.2f} TB/s (read + write), the floors' rate")
+    return _copy_rates[key]

@@ -375,6 +375,7 @@ def test_concurrent_greedy_requests_match_offline(server, offline):
     prompts = [" ".join(CORPUS[i % 3].split()[i % 4:]) for i in range(num_requests)]
     lengths = [2 + i % 7 for i in range(num_requests)]
     expected = offline.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    compiles_before = metrics(server)["jax_paged_attn:xla_compilations_total"]
 
     def one(i: int) -> tuple[str, int]:
         status, body, _ = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompts[i],
@@ -386,6 +387,9 @@ def test_concurrent_greedy_requests_match_offline(server, offline):
         got = list(pool.map(one, range(num_requests)))
     assert got == [(e.outputs[0].text, len(e.outputs[0].token_ids)) for e in expected]
     assert wait_until(lambda: metrics(server)["vllm:num_requests_running"] == 0)
+    # The warm-up compiled every program the batches' shapes reach (the penalties' aside, which
+    # the penalties test compiled on first use): none compiles while these are served.
+    assert metrics(server)["jax_paged_attn:xla_compilations_total"] == compiles_before
 
 
 def test_the_http_benchmark_drives_the_server_with_the_offline_workload(server, checkpoint, capsys):
@@ -400,10 +404,15 @@ def test_the_http_benchmark_drives_the_server_with_the_offline_workload(server, 
     workload = bench_http.make_workload(6, vocab_size, (4, 12), (2, 6))
     assert [rate for rate, _ in rows][0] == "inf" and rows[1][0].startswith("0.5x (")
     for _, result in rows:
-        assert result["failed"] == 0 and result["requests"] == 6, result["errors"]
+        assert result["failed"] == 0 and result["requests"] == 6 and result["compiles"] == 0, result["errors"]
         assert result["output_tok_s"] * result["duration_s"] == pytest.approx(workload.output_tokens)
         assert all(v > 0 for v in result["ttft_ms"] + result["latency_ms"])
     assert "| 0.5x (" in capsys.readouterr().out
+    started_at = time.time() - 1.0
+    (_, start_up), = bench_http.main(["--url", server.url, "--api-key", API_KEY, "--wait-ready", "30",
+                                      "--started-at", str(started_at)])
+    assert 1.0 <= start_up["ready_s"] <= start_up["first_served_s"] <= time.time() - started_at
+    assert "first request served after" in capsys.readouterr().out
     assert wait_until(lambda: metrics(server)["vllm:num_requests_running"] == 0)
 
 

@@ -10,7 +10,12 @@ dependency), with vLLM's metric names so its dashboards read them:
 * counters ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
   ``vllm:request_success_total{finished_reason}``;
 * histograms ``vllm:time_to_first_token_seconds``,
-  ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``.
+  ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``;
+* ours: the counter ``jax_paged_attn:xla_compilations_total``, programs handed to XLA
+  since the metrics were made (after the warm-up), from JAX's own monitoring event
+  ``/jax/core/compile/backend_compile_duration``: 0 while every request runs on the
+  programs the warm-up compiled or loaded; anything else is a request that waited for a
+  compiler.
 
 Every metric carries the label ``model_name``. Updated from the engine thread, read
 from the server's: one lock.
@@ -25,6 +30,31 @@ if TYPE_CHECKING:
 import bisect
 import collections
 import threading
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_lock = threading.Lock()
+_compiles_in_process = 0
+_listening = False
+
+
+def _on_compile(event: str, duration_s: float, **kwargs: object) -> None:
+    global _compiles_in_process
+    if event == BACKEND_COMPILE_EVENT:
+        with _compile_lock:
+            _compiles_in_process += 1
+
+
+def compiles_in_process() -> int:
+    """XLA compilations in this process since the first `ServerMetrics` was made (JAX's
+    listeners cannot be removed, so one is registered once, then)."""
+    global _listening
+    with _compile_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_compile)
+            _listening = True
+        return _compiles_in_process
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -60,6 +90,7 @@ class ServerMetrics:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
+        self._compiles_at_start = compiles_in_process()
 
     def set_load(self, load: "EngineLoad", queued: int = 0) -> None:
         """The engine's queues and KV-cache use (`LLMEngine.load`); ``queued``: sequences
@@ -122,6 +153,9 @@ class ServerMetrics:
             histogram("vllm:time_to_first_token_seconds", "Time to first token (from admission).", self.ttft)
             histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.", self.tpot)
             histogram("vllm:e2e_request_latency_seconds", "Latency from admission to the last token.", self.latency)
+        metric("jax_paged_attn:xla_compilations_total", "counter", "XLA compilations since the server started "
+               "serving (0: every request ran on the warm-up's programs).",
+               [("", "", compiles_in_process() - self._compiles_at_start)])
         return "\n".join(lines) + "\n"
 
 
