@@ -62,12 +62,12 @@ for step in "${steps[@]}"; do
         | tee "$out/serving.log" ;;
     http)  # the serving workload offline, then over HTTP (bench_http.py) against `jax-paged-attn
       # serve` with the same engine options: rates inf and half the saturating one; the server's
-      # start, cold then warm (a second process, the program store filled by the first), to the
+      # start (the first after the offline run; the second with the program store the first filled) to the
       # first served request; its compilations after the port opened (/metrics)
       ckpt=/tmp/bench_http_checkpoint port=8123 rates="${HTTP_RATES:-inf,0.5x}"
       python3 benchmarks/bench_http.py --write-checkpoint "$ckpt" 2>&1 | tail -1 | tee "$out/http.log"
       timeout 240 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
-      for start in cold warm; do
+      for start in first second; do
         t0=$(date +%s.%N)
         python3 -m jax_paged_attn.serve "$ckpt" --port "$port" --max-num-seqs 256 --max-num-batched-tokens 8192 \
           --num-scheduler-steps 16 --max-model-len 4096 --block-size 16 --seed 0 --no-enable-prefix-caching \
@@ -75,7 +75,7 @@ for step in "${steps[@]}"; do
         pid=$!
         python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --wait-ready 400 --started-at "$t0" \
           2>&1 | tee -a "$out/http.log"
-        if [ "$start" = cold ]; then
+        if [ "$start" = first ]; then
           timeout 300 python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --rates "$rates" \
             --json "$out/http.json" 2>&1 | tee -a "$out/http.log"
         fi
