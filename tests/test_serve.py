@@ -543,6 +543,54 @@ def test_sequence_text_holds_back_split_characters_and_stop_prefixes():
     assert eos.update([6, 7], "stop", None) == " ok</s>"  # a stop token's text with include_stop_str_in_output
 
 
+def _byte_level_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["café naïve über 日本語の文章 — ok", *CORPUS],
+                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tokenizer
+
+
+def _metaspace_unigram():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(["café naïve über — ok", *CORPUS],
+                                  trainers.UnigramTrainer(vocab_size=120, special_tokens=["<s>", "</s>"]))
+    return tokenizer
+
+
+@pytest.mark.parametrize("make", [word_tokenizer, _byte_level_bpe, _metaspace_unigram],
+                         ids=["word-level", "byte-level-bpe", "metaspace-unigram"])
+def test_incremental_text_is_the_whole_decode(make):
+    """Streamed pieces (each step decoding only its tokens and their context) concatenate
+    to the decode of the whole sequence, also over special tokens the text skips and the
+    bytes of characters split over tokens, whatever the steps' sizes."""
+    import numpy as np
+
+    from jax_paged_attn.serve.detokenizer import INCOMPLETE_CHARACTER, SequenceText
+
+    tokenizer = make()
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        ids = rng.integers(0, tokenizer.get_vocab_size(), size=int(rng.integers(1, 60))).tolist()
+        text = SequenceText(tokenizer, [], include_stop_str_in_output=False, skip_special_tokens=True)
+        pieces, seen = [], 0
+        while seen < len(ids) - 1:
+            seen = min(len(ids) - 1, seen + int(rng.integers(1, 8)))
+            pieces.append(text.update(ids[:seen], None, None))
+            assert INCOMPLETE_CHARACTER not in pieces[-1][-1:], (trial, pieces)
+        pieces.append(text.update(ids, "length", None))
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(pieces) == text.text == whole, (trial, ids)
+
+
 def test_sequence_text_looks_for_stop_strings_after_min_tokens():
     """vLLM looks for stop strings only in the text after the first ``min_tokens``
     tokens: " ok" in the first two is passed over, its next occurrence stops."""

@@ -307,6 +307,25 @@ class LLMEngine:
             raise KeyError(f"unknown request_id {request_id!r}.")
         return RequestOutput.of(request)
 
+    def peek_new_output(self, request_id: str, num_seen: int) -> CompletionOutput | None:
+        """What a request's sequence generated after its first ``num_seen`` tokens, with its
+        finish state: a `CompletionOutput` whose ``token_ids`` (and ``logprobs``) hold the
+        new tokens only; None while the request runs (or waits) with nothing new.
+
+        For a server streaming many requests: read after every step, it copies only what
+        is new (`peek_output` copies the prompt and every token each time). KeyError for
+        an unknown id; ValueError for ``num_seen`` outside ``[0, tokens generated]``."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request_id {request_id!r}.")
+        generated = len(request.output_token_ids)
+        if not 0 <= num_seen <= generated:
+            raise ValueError(f"num_seen must be in [0, {generated}] (the tokens request {request_id!r} has "
+                             f"generated), got {num_seen!r}.")
+        if num_seen == generated and not request.is_finished:
+            return None
+        return CompletionOutput.of(request, start=num_seen)
+
     def load(self) -> EngineLoad:
         """The engine's queues and the share of its device KV blocks held now."""
         scheduler = self.scheduler

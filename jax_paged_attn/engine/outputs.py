@@ -57,17 +57,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     @staticmethod
-    def of(request: Request, index: int = 0) -> "CompletionOutput":
-        """The sequence an engine request has generated so far, numbered ``index``."""
+    def of(request: Request, index: int = 0, start: int = 0) -> "CompletionOutput":
+        """The sequence an engine request has generated so far, numbered ``index``; with
+        ``start``, its tokens (and logprobs) from that index on only."""
         reason = request.finish_reason
         stop_reason = request.stop_reason
         if (stop_reason is None and reason == FinishReason.STOP and request.output_token_ids
                 and request.output_token_ids[-1] in request.sampling_params.stop_token_ids):
             stop_reason = request.output_token_ids[-1]
         return CompletionOutput(
-            index=index, text=None, token_ids=list(request.output_token_ids),
+            index=index, text=None, token_ids=request.output_token_ids[start:],
             cumulative_logprob=request.cumulative_logprob,
-            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
+            logprobs=None if request.output_logprobs is None else request.output_logprobs[start:],
             finish_reason=reason.value if reason else None, stop_reason=stop_reason)
 
 

@@ -20,9 +20,12 @@ Engine failure: when a step raises, the engine aborts the requests it had runnin
 generic message, the cause stays in the log) and their sequences are removed. Requests
 that only waited go on.
 
-Running requests' tokens so far come from `LLMEngine.peek_output` (`step` returns
-finished requests only), the queue lengths and block use of the metrics from
-`LLMEngine.load`: the front end uses the engine's public API alone.
+Running requests' new tokens come from `LLMEngine.peek_new_output` (`step` returns
+finished requests only): after each step the thread copies only what each sequence
+produced since the last, and skips the waiting ones at the cost of a lookup, so its work
+a step grows with the tokens produced, not with the tokens held. The queue lengths and
+block use of the metrics come from `LLMEngine.load`: the front end uses the engine's
+public API alone.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class _Sequence:
     stream: "RequestStream"
     index: int
     text: SequenceText
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # output ids read so far
     num_tokens_sent: int = 0
 
 
@@ -260,7 +264,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("serve: LLMEngine.step failed; its requests are aborted")
             failed = {seq.stream for rid, seq in self._sequences.items()
-                      if _progress(self.engine, rid).finish_reason == "abort"}
+                      if self.engine.peek_output(rid).outputs[0].finish_reason == "abort"}
             for stream in failed:
                 self._drop_stream(stream)
                 self._post(stream, EngineError("the engine failed while running this request"))
@@ -316,30 +320,31 @@ class AsyncEngine:
         deltas: dict[RequestStream, list[SequenceDelta]] = {}
         num_generated = 0
         for rid, seq in list(self._sequences.items()):
-            out = _progress(self.engine, rid)
-            if len(out.token_ids) == seq.num_tokens_sent and not out.finished:
+            start = seq.num_tokens_sent
+            out = self.engine.peek_new_output(rid, start)
+            if out is None:
                 continue
+            seq.token_ids += out.token_ids
             if seq.text.stop and out.finish_reason != "abort":
-                stop = seq.text.find_stop(out.token_ids)
+                stop = seq.text.find_stop(seq.token_ids)
                 if stop is not None:
                     self.engine.stop_request(rid, *stop)
-                    out = _progress(self.engine, rid)
-            text = seq.text.update(out.token_ids, out.finish_reason, out.stop_reason)
-            start = seq.num_tokens_sent
-            new_ids = out.token_ids[start:]
-            seq.num_tokens_sent = len(out.token_ids)
+                    del seq.token_ids[stop[0]:]
+                    out = self.engine.peek_new_output(rid, start)
+            text = seq.text.update(seq.token_ids, out.finish_reason, out.stop_reason)
+            new_ids = out.token_ids
+            seq.num_tokens_sent = len(seq.token_ids)
             num_generated += len(new_ids)
             if out.finished:
                 del self._sequences[rid]
                 final = self.engine.pop_output(rid)
                 self.metrics.finish(out.finish_reason, final.time_to_first_token_s, final.latency_s,
-                                    len(out.token_ids))
+                                    len(seq.token_ids))
             elif not text and not new_ids:
                 continue
             deltas.setdefault(seq.stream, []).append(SequenceDelta(
-                index=seq.index, text=text, token_ids=new_ids,
-                logprobs=None if out.logprobs is None else out.logprobs[start:],
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_tokens=len(out.token_ids)))
+                index=seq.index, text=text, token_ids=new_ids, logprobs=out.logprobs,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_tokens=len(seq.token_ids)))
         self.metrics.add_tokens(generation=num_generated)
         self._update_load()  # before the clients hear of these tokens, so /metrics never lags them
         for stream, items in deltas.items():
@@ -350,7 +355,3 @@ class AsyncEngine:
             queued = self._num_queued_sequences
         self.metrics.set_load(self.engine.load(), queued=queued)
 
-
-def _progress(engine: "LLMEngine", request_id: str) -> CompletionOutput:
-    """The sequence an engine request has generated so far (finished or not)."""
-    return engine.peek_output(request_id).outputs[0]

@@ -2,19 +2,23 @@
 may show so far and where a stop string ends it.
 
 `SequenceText.update` takes the sequence's whole output ids after every engine step and
-returns the text to send since the last call. It decodes the full id sequence and emits
-the new suffix (a window of the last tokens would decode differently where a tokenizer's
-decoder joins tokens, e.g. word-level spacing or byte-fallback pieces), so the streamed
-pieces concatenate to exactly the text `LLM.generate` returns for the same tokens. It
-holds back:
+returns the text to send since the last call. While the sequence runs it decodes only the
+new tokens with the `CONTEXT_TOKENS` before them (vLLM's incremental detokenization: the
+context decodes the join of the pieces, a word-level space or a SentencePiece word start,
+as the whole sequence would) and appends what follows the context's own text; a context
+that decodes to nothing (skipped special tokens) decodes the sequence whole that step, and
+a decoder whose pieces do not extend their context's text is decoded whole from then on. The finished sequence is
+decoded whole, once, so the streamed pieces concatenate to exactly the text
+`LLM.generate` returns for the same tokens. It holds back:
 
 * a trailing U+FFFD: the bytes of a multi-byte character split over tokens, not yet
   complete (the next token completes it);
 * a tail that could be the start of a stop string (``"Obs"`` of stop ``"Observation"``),
   so a stop string split over tokens never reaches the client.
 
-Cost: one decode of the whole sequence per step and sequence (microseconds per hundred
-tokens with Hugging Face ``tokenizers``).
+Cost: two decodes of a step's tokens and their context per step and sequence, and one
+of the whole sequence at its end (with stop strings, `find_stop` decodes the
+whole sequence each step).
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ if TYPE_CHECKING:
 
 INCOMPLETE_CHARACTER = "\ufffd"
 """What ``tokenizers`` decodes an incomplete UTF-8 byte sequence to."""
+
+CONTEXT_TOKENS = 6
+"""Tokens decoded before a step's new ones, as their context (vLLM's initial offset is 5)."""
 
 
 def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
@@ -65,6 +72,9 @@ class SequenceText:
         self.sent = 0
         self.text = ""
         self._num_clean_tokens = 0  # leading tokens whose text holds no stop string
+        self._settled = ""  # the text of the tokens before _read_offset
+        self._read_offset = 0
+        self._decode_whole = False
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special_tokens)
@@ -98,11 +108,14 @@ class SequenceText:
         sequence's finish and stop reasons (None while it runs). Once finished, ``text``
         is the whole text: cut before a stop string (after it with
         ``include_stop_str_in_output``), without a stop token's text unless that flag."""
-        ids = list(token_ids)
-        stopped_by_token = finish_reason == "stop" and not isinstance(stop_reason, str)
-        if stopped_by_token and ids and not self.include_stop_str_in_output:
-            ids = ids[:-1]
-        text = self.decode(ids)
+        if finish_reason is None:
+            text = self._running_text(token_ids)
+        else:
+            ids = list(token_ids)
+            stopped_by_token = finish_reason == "stop" and not isinstance(stop_reason, str)
+            if stopped_by_token and ids and not self.include_stop_str_in_output:
+                ids = ids[:-1]
+            text = self.decode(ids)
         if finish_reason is not None:
             if isinstance(stop_reason, str):
                 cut = text.find(stop_reason, stop_search_start(stop_reason, self.protected_length(ids)))
@@ -116,3 +129,25 @@ class SequenceText:
             return ""
         new, self.sent = text[self.sent:], len(text)
         return new
+
+    def _running_text(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (every output id so far) by incremental decoding
+        (module docstring)."""
+        if self._decode_whole:
+            return self.decode(token_ids)
+        read = self._read_offset
+        start = max(0, read - CONTEXT_TOKENS)
+        context = self.decode(token_ids[start:read])
+        tail = self.decode(token_ids[start:])
+        if read and not context:
+            # Context tokens that decode to nothing (special tokens skipped) join nothing:
+            # the new tokens would decode as a sequence's first ones.
+            text = self.decode(token_ids)
+        elif not tail.startswith(context):  # pieces that do not extend their context
+            self._decode_whole = True
+            return self.decode(token_ids)
+        else:
+            text = self._settled + tail[len(context):]
+        if not text.endswith(INCOMPLETE_CHARACTER):  # the next context starts on a whole character
+            self._settled, self._read_offset = text, len(token_ids)
+        return text
