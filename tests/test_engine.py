@@ -689,6 +689,34 @@ def test_kv_cache_sized_from_memory_does_not_depend_on_the_allocators_history(mo
     assert engine.config.num_blocks == cold
 
 
+def test_the_sizing_figure_is_measured_once_per_key(model, monkeypatch, tmp_path, caplog):
+    """The largest step's activation bytes (the KV-cache sizing's one traced and compiled
+    program) are kept in the program store under the programs' key and the sizes: a
+    second start reads the figure and traces nothing; other sizes, or a file that is not
+    the figure, are measured again (the latter said in the log)."""
+    from jax_paged_attn.engine import startup
+    from jax_paged_attn.engine.program_store import FIGURE_SUFFIX
+
+    measured = []
+    measure = startup.largest_step_activation_bytes
+    monkeypatch.setattr(startup, "largest_step_activation_bytes",
+                        lambda *args: measured.append(args[1].max_num_batched_tokens) or measure(*args))
+    config, length, store = dataclasses.replace(BASE, num_blocks=None), model.config.max_position_embeddings, str(tmp_path)
+    first = startup.stored_activation_bytes(model, config, length, store)
+    assert first == measure(model, config, length) > 0 and measured == [config.max_num_batched_tokens]
+    files = list(tmp_path.glob(f"*{FIGURE_SUFFIX}"))
+    assert len(files) == 1 and files[0].name.startswith("activation_bytes-")
+    assert startup.stored_activation_bytes(model, config, length, store) == first and len(measured) == 1
+    larger = dataclasses.replace(config, max_num_batched_tokens=2 * config.max_num_batched_tokens)
+    assert startup.stored_activation_bytes(model, larger, length, store) > first and len(measured) == 2
+    files[0].write_bytes(files[0].read_bytes()[:-3])  # torn
+    with caplog.at_level("WARNING"):
+        assert startup.stored_activation_bytes(model, config, length, store) == first and len(measured) == 3
+    assert "not used" in caplog.text and "torn file" in caplog.text
+    assert startup.stored_activation_bytes(model, config, length, store) == first and len(measured) == 3
+    assert startup.stored_activation_bytes(model, config, length, None) == first and len(measured) == 4
+
+
 def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkeypatch, tmp_path, caplog):
     """Compiled programs kept by source, model, JAX and device: a second start loads them
     (no tracing of the model; their compilation is JAX's persistent cache's, off in this

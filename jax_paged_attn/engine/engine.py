@@ -140,7 +140,8 @@ class LLMEngine:
         report = [startup.use_compilation_cache(config)]
         num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks, line = startup.kv_cache_blocks_for_memory(model, config, max_model_len)
+            num_blocks, line = startup.kv_cache_blocks_for_memory(model, config, max_model_len,
+                                                                  startup.program_store_dir(config))
             report.append(line)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   compiler_options=config.compiler_options,

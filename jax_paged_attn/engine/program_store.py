@@ -9,7 +9,10 @@ never code or a pickle) and, at the next start, reads it back, wraps it in a ``j
 with the program's donations and compiles that wrapper, whose executable comes from
 JAX's persistent cache: a start with both traces no model and compiles nothing. The cold
 path compiles the same wrapper (export, read back, wrap, compile), so that the cache
-holds exactly what the warm path asks for.
+holds exactly what the warm path asks for. Beside the programs it keeps figures measured
+once per key (`read_figure` / `write_figure`: the KV-cache sizing's activation bytes, whose
+measurement traces and compiles the model's largest step), so that the warm start's claim
+holds on a GPU too.
 
 Where: a directory beside JAX's persistent cache (the engine's ``compilation_cache_dir``),
 used only when it is trusted (`untrusted_directory_reason`: owned by this user, not
@@ -61,6 +64,9 @@ FILE_MAGIC = b"jax_paged_attn program store\n"
 """First bytes of every file the store writes; anything else is not read further."""
 
 FILE_SUFFIX = ".jaxprog"
+FIGURE_SUFFIX = ".figure"
+"""Files of figures measured once per key (the KV-cache sizing's activation bytes), so a
+warm start neither traces nor compiles to measure them again."""
 
 # The engine's programs may hold Pallas Triton kernels: XLA does not promise to read a
 # Triton custom call of another version, and the key pins JAX, jaxlib and the devices,
@@ -347,6 +353,32 @@ class ProgramStore:
         self.num_loaded = 0  # programs read from the directory
         self.num_stored = 0  # programs compiled and written to it
         self.num_unserializable = 0  # programs export refused: compiled by their plain jit, not stored
+
+    def read_figure(self, name: str, key_lines: Sequence[str]) -> int | None:
+        """A figure measured at an earlier start under the same key (the store's key and
+        ``key_lines``), or None when none is stored; a file that is not this figure is
+        said once in the log and left for `write_figure` to replace."""
+        path, key = self._figure_path(name, key_lines)
+        if not path.exists():
+            return None
+        try:
+            value = json.loads(self._read(path, key))["value"]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise StoredFileError(f"its value {value!r} is not an integer")
+            return value
+        except (StoredFileError, ValueError, TypeError, KeyError) as error:
+            logger.warning("program store: %s not used (%s); measuring again", path, error)
+            return None
+
+    def write_figure(self, name: str, key_lines: Sequence[str], value: int) -> None:
+        """Keeps ``value`` for `read_figure` at later starts (same file format as the programs)."""
+        path, key = self._figure_path(name, key_lines)
+        self._write(path, key, json.dumps({"value": int(value)}).encode())
+
+    def _figure_path(self, name: str, key_lines: Sequence[str]) -> tuple[pathlib.Path, list[str]]:
+        key = [*self.program_key, f"figure {name}", *key_lines]
+        digest = hashlib.sha256("\n".join(key).encode()).hexdigest()
+        return self.directory / f"{name}-{digest[:40]}{FIGURE_SUFFIX}", key
 
     def _path(self, name: str, signature: tuple) -> pathlib.Path:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature_text(signature)}".encode()).hexdigest()

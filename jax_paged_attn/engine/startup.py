@@ -157,7 +157,8 @@ def device_memory_stats(device: Any) -> dict[str, int] | None:
     return device.memory_stats() if hasattr(device, "memory_stats") else None
 
 
-def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: int) -> tuple[int, str]:
+def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: int,
+                               store_dir: str | None = None) -> tuple[int, str]:
     """KV cache blocks that fit beside what the device holds now (the weights) and the
     largest step's activations in ``gpu_memory_utilization`` of the device's memory,
     rounded down to a multiple of `KV_CACHE_BLOCK_QUANTUM`; and the line saying so.
@@ -166,7 +167,9 @@ def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: 
     the activations are XLA's buffer assignment for the largest step's program, not the
     allocator's peak, which also counts whatever the process compiled or freed before
     (XLA's autotuner allocates while it compiles, so a cold start's peak is higher than
-    a warm start's)."""
+    a warm start's). With ``store_dir`` (the program store's directory) the activations'
+    figure is kept there and read back at later starts: a warm start then traces no model
+    to size its cache (`largest_step_activation_bytes`)."""
     device = jax.devices()[0]
     stats = device_memory_stats(device)
     if not stats or "bytes_limit" not in stats:
@@ -174,7 +177,8 @@ def kv_cache_blocks_for_memory(model: Any, config: EngineConfig, max_model_len: 
         return n, (f"KV cache sized to {n} blocks: the {device.platform} device reports no memory statistics "
                    f"(pass EngineConfig.num_blocks to choose)")
     in_use = int(stats.get("bytes_in_use", 0))
-    activations = largest_step_activation_bytes(model, config, max_model_len) + penalty_state_bytes(model, config)
+    activations = (stored_activation_bytes(model, config, max_model_len, store_dir)
+                   + penalty_state_bytes(model, config))
     one = model.allocate_kv_caches(1, config.block_size)
     bytes_per_block = sum(int(c.nbytes) for c in one)
     del one
@@ -202,6 +206,32 @@ def penalty_state_bytes(model: Any, config: EngineConfig) -> int:
     device out of the memory the KV cache was sized in (164 MB at 256 rows of a
     128,256-token vocabulary)."""
     return config.max_num_seqs * int(model.config.vocab_size) * (4 + 1)
+
+
+def stored_activation_bytes(model: Any, config: EngineConfig, max_model_len: int, store_dir: str | None) -> int:
+    """`largest_step_activation_bytes`, kept in the program store at ``store_dir`` under the
+    programs' key (the environment, the package and model sources, the parameters' shapes,
+    the XLA options) and the sizes it depends on, and read from there when a start has
+    measured it before; measured each time without a store (or a model it cannot key)."""
+    from flax import nnx
+
+    from jax_paged_attn.engine import program_store
+
+    store = None
+    if store_dir is not None:
+        graphdef, state = nnx.split(model)
+        options = tuple(sorted((config.compiler_options or {}).items()))
+        key, reason = program_store.model_key(graphdef, model, tuple(jax.tree_util.tree_leaves(state)), options)
+        if not reason and not program_store.make_private_directory(store_dir):
+            store = program_store.ProgramStore(store_dir, key)
+    sizes = [f"max_num_batched_tokens {config.max_num_batched_tokens}", f"max_num_seqs {config.max_num_seqs}",
+             f"max_model_len {max_model_len}", f"block_size {config.block_size}"]
+    value = None if store is None else store.read_figure("activation_bytes", sizes)
+    if value is None:
+        value = largest_step_activation_bytes(model, config, max_model_len)
+        if store is not None:
+            store.write_figure("activation_bytes", sizes, value)
+    return value
 
 
 def largest_step_activation_bytes(model: Any, config: EngineConfig, max_model_len: int) -> int:
