@@ -316,7 +316,7 @@ class _Server:
         body = await _json_body(request)
         self.check_model(protocol.optional(body, "model", str))
         tokens = protocol.required(body, "tokens", list)
-        vocab = self.front.engine.vocab_size
+        vocab = self.front.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
             raise bad_request(f"tokens must be an array of token ids in [0, {vocab}).", param="tokens")
         return {"prompt": self.front.tokenizer.decode(tokens, skip_special_tokens=False)}

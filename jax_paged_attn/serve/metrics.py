@@ -17,15 +17,10 @@ dependency), with vLLM's metric names so its dashboards read them:
   programs the warm-up compiled or loaded; anything else is a request that waited for a
   compiler.
 
-Every metric carries the label ``model_name``. Updated from the engine thread, read
-from the server's: one lock.
+Every metric carries the label ``model_name``. Updated from the engine core's thread,
+read from the server's: one lock.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jax_paged_attn.engine import EngineLoad
 
 import bisect
 import collections
@@ -80,7 +75,7 @@ def _number(value: float) -> str:
 class ServerMetrics:
     """The metrics of one served model (see the module docstring)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, count_compiles: bool = True) -> None:
         self.labels = f'model_name="{_escape(model_name)}"'
         self._lock = threading.Lock()
         self.gauges = {"running": 0, "waiting": 0, "swapped": 0, "kv_cache_usage": 0.0}
@@ -90,14 +85,21 @@ class ServerMetrics:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
-        self._compiles_at_start = compiles_in_process()
+        # The engine compiles in this process (count here) or in an engine process of its own
+        # (which reports its count: `set_compiles`).
+        self._compiles_at_start = compiles_in_process() if count_compiles else None
+        self._reported_compiles = 0
 
-    def set_load(self, load: "EngineLoad", queued: int = 0) -> None:
-        """The engine's queues and KV-cache use (`LLMEngine.load`); ``queued``: sequences
-        not yet handed to it, counted as waiting."""
+    def set_load(self, running: int, waiting: int, swapped: int, kv_cache_usage: float) -> None:
+        """The engine's queues (sequences on their way to it counted as waiting) and the
+        share of its KV-cache blocks held (`LLMEngine.load`)."""
         with self._lock:
-            self.gauges.update(running=load.num_running, waiting=load.num_waiting + queued, swapped=load.num_swapped,
-                               kv_cache_usage=load.kv_cache_usage)
+            self.gauges.update(running=running, waiting=waiting, swapped=swapped, kv_cache_usage=kv_cache_usage)
+
+    def set_compiles(self, count: int) -> None:
+        """The engine process's XLA compilations since it was ready."""
+        with self._lock:
+            self._reported_compiles = count
 
     def add_tokens(self, *, prompt: int = 0, generation: int = 0) -> None:
         with self._lock:
@@ -155,7 +157,8 @@ class ServerMetrics:
             histogram("vllm:e2e_request_latency_seconds", "Latency from admission to the last token.", self.latency)
         metric("jax_paged_attn:xla_compilations_total", "counter", "XLA compilations since the server started "
                "serving (0: every request ran on the warm-up's programs).",
-               [("", "", compiles_in_process() - self._compiles_at_start)])
+               [("", "", self._reported_compiles if self._compiles_at_start is None
+                         else compiles_in_process() - self._compiles_at_start)])
         return "\n".join(lines) + "\n"
 
 
