@@ -92,11 +92,10 @@ class Server:
             return f.read()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    directory, _ = checkpoint
+def start_server(directory, log_path: str, *flags: str) -> Server:
+    """``python -m jax_paged_attn.serve`` on the test checkpoint with the tests' engine
+    options and ``flags``, once ``/health`` answers 200."""
     port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     extra = {k: v for k, v in ENGINE.items() if k not in ("num_blocks", "block_size", "max_num_seqs",
                                                             "max_num_batched_tokens")}
     command = [sys.executable, "-m", "jax_paged_attn.serve", str(directory), "--port", str(port),
@@ -105,7 +104,7 @@ def server(checkpoint, tmp_path_factory):
                "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
                "--max-waiting-requests", "256", "--shutdown-timeout", "60", "--log-level", "warning",
-               "--engine-options", json.dumps(extra)]
+               "--engine-options", json.dumps(extra), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,17 +115,25 @@ def server(checkpoint, tmp_path_factory):
             pytest.fail(f"the server exited with {process.returncode} before it was ready:\n{served.log()}")
         try:
             if get(served, "/health")[0] == 200:
-                break
+                return served
         except OSError:
             pass
         if time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"the server was not ready within {READY_TIMEOUT_S} s:\n{served.log()}")
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, checkpoint, tmp_path_factory):
+    """The server, started for real, with its engine loop in a thread (``--engine-core
+    thread``) or in an engine process of its own (``process``): every test of it runs on both."""
+    served = start_server(checkpoint[0], str(tmp_path_factory.mktemp("server") / "server.log"),
+                          "--engine-core", request.param)
     yield served
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=30)
+    if served.process.poll() is None:
+        served.process.kill()
+        served.process.wait(timeout=30)
 
 
 # ---------------------------------------------------------------- raw HTTP
@@ -504,6 +511,71 @@ def test_sigterm_finishes_running_requests_then_exits(server):
     server.process.wait(timeout=60)
     finish = [c["finish_reason"] for e in results["events"] for c in e["choices"] if c["finish_reason"]]
     assert finish == ["length"] and results["done"], server.log()
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_the_server_stops_accepting(checkpoint, tmp_path):
+    """The engine process killed mid-stream: the stream ends with an error event and
+    [DONE] (never a hang), new requests and /health get 503, and the server still
+    answers and exits on SIGTERM."""
+    served = start_server(checkpoint[0], str(tmp_path / "server.log"), "--engine-core", "process", "--no-warmup")
+    try:
+        children = subprocess.run(["pgrep", "-P", str(served.process.pid), "-f", "spawn_main"],  # not the
+                                  capture_output=True, text=True)  # resource tracker
+        (engine_pid,) = [int(pid) for pid in children.stdout.split()]
+        connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=120)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL_NAME, "prompt": "the cat", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": True}), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: {")  # generating
+        os.kill(engine_pid, signal.SIGKILL)
+        lines = response.read().splitlines()
+        errors = [json.loads(line[6:]) for line in lines if line.startswith(b'data: {"error"')]
+        assert errors and errors[-1]["error"]["type"] == "internal_server_error", lines[-3:]
+        assert [line for line in lines if line][-1] == b"data: [DONE]"
+        assert get(served, "/health")[0] == 503 and _refused(served)
+        assert "the engine process exited" in served.log()
+    finally:
+        served.process.send_signal(signal.SIGTERM)
+        # uvicorn raises the signal again once it has shut down: the exit of a SIGTERM.
+        assert served.process.wait(timeout=60) in (0, -signal.SIGTERM), served.log()
+
+
+def test_an_engine_process_that_cannot_start_ends_the_server_with_its_reason(checkpoint, tmp_path):
+    """A checkpoint the engine process cannot load: the server exits with the engine
+    process's error in its message, before any port opens."""
+    directory = tmp_path / "broken"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((checkpoint[0] / name).read_bytes())
+    (directory / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    done = subprocess.run([sys.executable, "-m", "jax_paged_attn.serve", str(directory), "--engine-core", "process",
+                           "--port", str(free_port()), "--log-level", "warning"],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode != 0
+    assert "the engine process failed to start" in done.stderr and "NoSuchForCausalLM" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_engine_process_pipe_carries_params_and_deltas_as_json():
+    """What crosses the pipe to an engine process is JSON, read back to equal objects:
+    sampling parameters (stop strings, stop ids, logit_bias keys) and deltas (logprobs
+    with -inf, their ranks and texts)."""
+    from jax_paged_attn.engine import Logprob
+    from jax_paged_attn.serve import engine_core
+    from jax_paged_attn.serve.engine_loop import SequenceDelta
+
+    params = SamplingParams(temperature=0.5, max_tokens=9, seed=3, stop=("a b", "c"), stop_token_ids=(4, 5),
+                            logit_bias={7: -100.0, 2: 1.5}, logprobs=2, min_tokens=1, presence_penalty=0.5)
+    wire = engine_core.decode(engine_core.encode(engine_core.params_to_json(params)))
+    assert engine_core.params_from_json(wire) == params
+    delta = SequenceDelta(index=1, text="é x", token_ids=[3, 9], stop_reason="x", finish_reason="stop", num_tokens=4,
+                          logprobs=[{3: Logprob(-0.25, 1, "é"), 8: Logprob(float("-inf"), 900, None)},
+                                    {9: Logprob(-1.0, 2, " x")}])
+    events = [("deltas", {"req-1": [delta]}), ("added", "req-2", ("ValueError", "max_tokens must be >= 1")),
+              ("finished", "stop", 0.5, 1.25, 4), ("load", 1, 2, 0, 0.25)]
+    wire = engine_core.decode(engine_core.encode([engine_core._event_to_json(e) for e in events]))
+    assert [engine_core._event_from_json(e) for e in wire] == events
 
 
 def _refused(server: Server) -> bool:

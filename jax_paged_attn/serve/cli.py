@@ -8,6 +8,12 @@ tokenizer load through `LLM`, every program is compiled or loaded from the progr
 store (`LLMEngine.warmup`; ``--no-warmup`` skips it, for CPU tests), and only then does
 the port open. One log line says what the server chose where the user did not.
 
+``--engine-core``: ``thread`` (the default) runs the engine loop in a thread of the
+server's process; ``process`` runs it in an engine process of its own, which loads the
+model and warms up while the server's process holds only the tokenizer, so the engine's
+host work and the HTTP server's no longer share one GIL
+(`jax_paged_attn.serve.engine_core`).
+
 SIGTERM / Ctrl-C: new requests get 503 (``/health`` too), the running ones finish for
 up to ``--shutdown-timeout`` seconds, then the rest are aborted and the process exits.
 """
@@ -64,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds running requests may take to finish after SIGTERM before they are aborted")
     server.add_argument("--no-warmup", action="store_true",
                         help="skip compiling every program before the port opens (tests on a CPU)")
+    server.add_argument("--engine-core", default=None, choices=["thread", "process"],
+                        help="where the engine loop runs: a thread of this process, or an engine process of its own")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     model = parser.add_argument_group("model")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -158,19 +166,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         chose.append(f"--max-waiting-requests {max_waiting} ({DEFAULT_WAITING_PER_SEQ} x --max-num-seqs)")
     if not args.api_key:
         chose.append("no API key (anyone who reaches the port may generate)")
+    if args.engine_core is None:
+        args.engine_core = "thread"
+        chose.append("--engine-core thread (the engine loop shares this process's GIL with the HTTP server; "
+                     "--engine-core process gives it a process of its own)")
     chat_template = load_chat_template(args.model)
     if chat_template is None:
         chose.append("no chat template in the checkpoint: /v1/chat/completions answers 400")
     logger.info("serve: chose %s.", "; ".join(chose))
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              implementation=None if args.implementation == "auto" else args.implementation,
-              tensor_parallel_size=args.tensor_parallel_size, warmup=False, **options)
+    llm_options = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                       implementation=None if args.implementation == "auto" else args.implementation,
+                       tensor_parallel_size=args.tensor_parallel_size, **options)
     if args.no_warmup:
         logger.info("serve: --no-warmup: programs compile on first use (the first requests wait for them).")
+    if args.engine_core == "process":
+        from jax_paged_attn.serve.engine_core import ProcessCore
+
+        try:
+            core = ProcessCore(args.model, llm_options, warmup=not args.no_warmup, log_level=args.log_level.upper())
+        except RuntimeError as e:
+            sys.exit(f"jax-paged-attn serve: {e}")
+        if core.warmup_report is not None:
+            logger.info("serve: warmup (engine process): %s", core.warmup_report)
+        front = AsyncEngine(core=core, model_name=model_name, max_waiting_requests=max_waiting)
     else:
-        logger.info("serve: warmup: %s", llm.engine.warmup(use_tqdm=False))
-    front = AsyncEngine(llm, model_name=model_name, max_waiting_requests=max_waiting)
+        llm = LLM(model=args.model, warmup=False, **llm_options)
+        if not args.no_warmup:
+            logger.info("serve: warmup: %s", llm.engine.warmup(use_tqdm=False))
+        front = AsyncEngine(llm, model_name=model_name, max_waiting_requests=max_waiting)
     app = build_app(front, model_name=model_name, model_root=os.path.abspath(args.model),
                     chat_template=chat_template, api_key=args.api_key)
 

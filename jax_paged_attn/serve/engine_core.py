@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import signal
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -178,6 +179,11 @@ def engine_process_main(conn: Any, model_dir: str, llm_options: dict[str, Any], 
                         log_level: str) -> None:
     """The engine process: loads the model, warms it up, says "ready", then applies the
     server's messages between steps and sends each step's events."""
+    # The server's process decides when this one stops ("stop", or the pipe's end): a
+    # Ctrl-C or a SIGTERM sent to the process group must not end it before the server's
+    # graceful shutdown has finished the running requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     from jax_paged_attn.engine import LLM
     from jax_paged_attn.serve.metrics import compiles_in_process
