@@ -61,26 +61,29 @@ for step in "${steps[@]}"; do
       timeout 570 python3 benchmarks/bench_serving.py ${SERVING_RATES:+--rates "$SERVING_RATES"} 2>&1 \
         | tee "$out/serving.log" ;;
     http)  # the serving workload offline, then over HTTP (bench_http.py) against `jax-paged-attn
-      # serve` with the same engine options: rates inf and half the saturating one; the server's
-      # start (the first after the offline run; the second with the program store the first filled) to the
-      # first served request; its compilations after the port opened (/metrics)
+      # serve` with the same engine options, once per engine core (HTTP_ENGINE_CORES, default
+      # "thread process"): rates inf and half the saturating one (HTTP_RATES); each server's
+      # start (the offline run fills the caches first) to its first served request, and a last
+      # start with the program store filled; compilations after the port opened (/metrics)
       ckpt=/tmp/bench_http_checkpoint port=8123 rates="${HTTP_RATES:-inf,0.5x}"
       python3 benchmarks/bench_http.py --write-checkpoint "$ckpt" 2>&1 | tail -1 | tee "$out/http.log"
       timeout 240 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
-      for start in first second; do
+      cores=(${HTTP_ENGINE_CORES:-thread process})
+      for core in "${cores[@]}" "${cores[-1]}-restart"; do
         t0=$(date +%s.%N)
         python3 -m jax_paged_attn.serve "$ckpt" --port "$port" --max-num-seqs 256 --max-num-batched-tokens 8192 \
           --num-scheduler-steps 16 --max-model-len 4096 --block-size 16 --seed 0 --no-enable-prefix-caching \
-          --log-level warning > "$out/server_$start.log" 2>&1 &
+          --engine-core "${core%-restart}" --log-level warning > "$out/server_$core.log" 2>&1 &
         pid=$!
+        echo "engine core ${core}:" | tee -a "$out/http.log"
         python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --wait-ready 400 --started-at "$t0" \
           2>&1 | tee -a "$out/http.log"
-        if [ "$start" = first ]; then
+        if [ "$core" = "${core%-restart}" ]; then
           timeout 300 python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --rates "$rates" \
-            --json "$out/http.json" 2>&1 | tee -a "$out/http.log"
+            --json "$out/http_$core.json" 2>&1 | tee -a "$out/http.log"
         fi
-        kill -TERM "$pid"; wait "$pid"; echo "server ($start) exited with $?" | tee -a "$out/http.log"
-        tail -5 "$out/server_$start.log"
+        kill -TERM "$pid"; wait "$pid"; echo "server ($core) exited with $?" | tee -a "$out/http.log"
+        tail -5 "$out/server_$core.log"
       done ;;
     startup)  # engine start, cold and warm persistent compilation cache (two processes)
       timeout 420 python3 benchmarks/bench_serving.py --startup 2>&1 | tee "$out/startup.log" ;;
