@@ -348,7 +348,7 @@ def _with_stream_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
 def build_app(front: AsyncEngine, *, model_name: str, model_root: str, chat_template: ChatTemplate | None,
               api_key: str | None = None) -> Any:
     """The FastAPI application serving ``front`` (see the module docstring). Its
-    lifespan starts the engine thread and, at shutdown, aborts what still runs."""
+    lifespan starts the engine core and, at shutdown, aborts what still runs."""
     server = _Server(front, model_name, model_root, chat_template)
 
     @contextlib.asynccontextmanager
