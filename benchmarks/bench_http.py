@@ -21,9 +21,11 @@ each) and the arrival pattern are the offline run's; ``--rates`` as there (``inf
 once; a number: Poisson requests/s; ``Fx``: F times the ``inf`` run's request throughput).
 The server must hold prompts of the workload's longest length plus its output.
 
-**Client**: one thread per request in flight (the standard library's ``http.client``), each
-sending its request when its arrival time comes and reading the Server-Sent Events as they
-arrive; the server's vocabulary must hold the workload's ids (``--vocab-size``, default
+**Client**: one asyncio task per request in flight (as ``vllm bench serve``; the standard
+library's streams, HTTP/1.1 with the chunked body read as it arrives), each sending its
+request when its arrival time comes and reading the Server-Sent Events as they arrive, so
+no thread waits for a GIL between a chunk's arrival and its time stamp; the server's
+vocabulary must hold the workload's ids (``--vocab-size``, default
 the benchmark model's 32,000).
 
 **Per rate**, vLLM's metrics: duration (first request sent to last response read), request
@@ -45,12 +47,12 @@ to that first served request.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import http.client
 import json
 import pathlib
 import sys
-import threading
 import time
 import urllib.parse
 from typing import Any
@@ -82,46 +84,73 @@ class RequestResult:
     error: str | None = None
 
 
-def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str], start: float,
-                      result: RequestResult) -> None:
-    """Sends one streamed completion and records its chunks' arrival (``result``)."""
+async def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str], start: float,
+                            result: RequestResult) -> None:
+    """Sends one streamed completion and records its chunks' arrival (``result``):
+    HTTP/1.1 over an asyncio connection, the chunked body read as it arrives."""
     parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
+    writer = None
     try:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80, limit=1 << 22)
+        payload = json.dumps(body).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": parts.netloc,
+                                                   "Content-Length": str(len(payload)),
+                                                   "Connection": "close"}.items())
         result.sent_s = time.perf_counter() - start
-        connection.request("POST", "/v1/completions", json.dumps(body), headers)
-        response = connection.getresponse()
-        if response.status != 200:
-            result.error = f"HTTP {response.status}: {response.read()[:300]!r}"
+        writer.write(f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + payload)
+        await writer.drain()
+        status_line = await reader.readline()
+        status = int(status_line.split()[1])
+        response_headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            response_headers[name.strip().lower()] = value.strip()
+        if status != 200:
+            result.error = f"HTTP {status}: {(await reader.read(300))!r}"
             return
-        finished = False
-        for raw in response:  # one line at a time, as the server flushes them
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                finished = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                result.error = str(event["error"])[:300]
-                return
+        chunked = response_headers.get("transfer-encoding", "").lower() == "chunked"
+        finished, pending = False, b""
+        while not finished:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    break
+                data = await reader.readexactly(size + 2)
+                data = data[:-2]
+            else:
+                data = await reader.read(1 << 16)
+                if not data:
+                    break
             now = time.perf_counter() - start
-            if event.get("usage"):
-                result.output_tokens = int(event["usage"]["completion_tokens"])
-            if any(choice.get("text") for choice in event.get("choices", [])):
-                result.first_text_s = now if result.first_text_s is None else result.first_text_s
-                result.chunk_times_s.append(now)
+            pending += data
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                line = event.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                text = line[len("data: "):]
+                if text == "[DONE]":
+                    finished = True
+                    break
+                message = json.loads(text)
+                if "error" in message:
+                    result.error = str(message["error"])[:300]
+                    return
+                if message.get("usage"):
+                    result.output_tokens = int(message["usage"]["completion_tokens"])
+                if any(choice.get("text") for choice in message.get("choices", [])):
+                    result.first_text_s = now if result.first_text_s is None else result.first_text_s
+                    result.chunk_times_s.append(now)
         result.done_s = time.perf_counter() - start
         if not finished:
             result.error = "the stream ended without data: [DONE]"
         elif result.output_tokens != body["max_tokens"]:
             result.error = f"{result.output_tokens} tokens of the {body['max_tokens']} asked"
-    except (OSError, http.client.HTTPException, ValueError) as error:
+    except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
-        connection.close()
+        if writer is not None:
+            writer.close()
 
 
 def run_rate(url: str, model: str, api_key: str | None, workload: Workload, arrivals_s: np.ndarray
@@ -131,20 +160,20 @@ def run_rate(url: str, model: str, api_key: str | None, workload: Workload, arri
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     results = [RequestResult() for _ in workload.prompts]
-    threads = []
-    start = time.perf_counter()
-    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
-        body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        delay = arrivals_s[i] - (time.perf_counter() - start)
-        if delay > 0:
-            time.sleep(delay)
-        thread = threading.Thread(target=stream_completion, args=(url, body, headers, start, results[i]),
-                                  daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
+
+    async def run() -> None:
+        start = time.perf_counter()
+        tasks = []
+        for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
+            body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            delay = arrivals_s[i] - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(stream_completion(url, body, headers, start, results[i])))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
     return summarize(workload, results)
 
 
