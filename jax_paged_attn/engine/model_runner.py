@@ -448,7 +448,11 @@ class ModelRunner:
                 self.program_store_line = (f"program store: off ({untrusted}: whoever can write there would choose "
                                            f"the programs this process runs)")
             else:
-                store = self.program_store = store_lib.ProgramStore(program_store_dir, key)
+                device = jax.devices()[0]
+                single = all(getattr(x, "sharding", None) is not None and x.sharding.device_set == {device}
+                             for x in self.params)
+                store = self.program_store = store_lib.ProgramStore(program_store_dir, key,
+                                                                    device=device if single else None)
                 self._step, self._window, self._mixed = (
                     store_lib.StoredProgram(getattr(programs, name), name, store, params_first=True,
                                             donate_argnums=DONATE_ARGNUMS[name], compiler_options=dict(options))
@@ -457,6 +461,10 @@ class ModelRunner:
                                                        donate_argnums=DONATE_ARGNUMS["insert"])
                 self.program_store_line = (f"program store: {program_store_dir} (compiled programs by source, "
                                            f"model, JAX and device; a second start loads them without tracing)")
+                started = store.prefetch({**{name: dict(options) for name in ("step", "window", "mixed")},
+                                          "insert": None})
+                if started:
+                    self.program_store_line += f"; its {started} stored programs read and compiled side by side"
 
     @property
     def num_traces(self) -> int:

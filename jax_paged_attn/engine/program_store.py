@@ -12,7 +12,10 @@ path compiles the same wrapper (export, read back, wrap, compile), so that the c
 holds exactly what the warm path asks for. Beside the programs it keeps figures measured
 once per key (`read_figure` / `write_figure`: the KV-cache sizing's activation bytes, whose
 measurement traces and compiles the model's largest step), so that the warm start's claim
-holds on a GPU too.
+holds on a GPU too. A single-device model's programs place every argument on its device,
+so they can be compiled from their shapes alone: at the runner's start the store reads and
+compiles every program it holds under the model's key in a pool of threads (`prefetch`),
+and the warm-up's calls take them from there.
 
 Where: a directory beside JAX's persistent cache (the engine's ``compilation_cache_dir``),
 used only when it is trusted (`untrusted_directory_reason`: owned by this user, not
@@ -39,6 +42,8 @@ package replaced at run time, for example). Turn the store off
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 import json
@@ -284,18 +289,23 @@ def register_pytree_serialization(*node_types: type) -> None:
 
 
 def _compile_exported(exported: jax.export.Exported, donated: Sequence[int], leaves: Sequence[Any],
-                      compiler_options: Mapping[str, Any] | None) -> Any:
+                      compiler_options: Mapping[str, Any] | None, device: Any = None) -> Any:
     """The `jax.stages.Compiled` of ``exported`` called on the flat argument ``leaves``,
     donating the leaves at ``donated``, compiled with ``compiler_options`` (export keeps
     the program, not its jit's XLA options). The wrapper is the same function in every process
-    and on both paths, so its lowered module (and JAX's persistent cache key) is too."""
+    and on both paths, so its lowered module (and JAX's persistent cache key) is too. With
+    ``device`` every argument is placed on it (``in_shardings``), so the module does not
+    depend on which arguments came committed to a device: arguments given as shapes
+    (`ProgramStore.prefetch`) lower to the module a call's arrays do."""
     in_tree = exported.in_tree
 
     def stored_program(*flat: Any) -> Any:
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
         return exported.call(*args, **kwargs)
 
-    wrapper = jax.jit(stored_program, donate_argnums=tuple(donated))
+    placed = {} if device is None else dict(
+        in_shardings=tuple(jax.sharding.SingleDeviceSharding(device) for _ in exported.in_avals))
+    wrapper = jax.jit(stored_program, donate_argnums=tuple(donated), **placed)
     return wrapper.trace(*leaves).lower().compile(compiler_options=dict(compiler_options or {}) or None)
 
 
@@ -344,15 +354,60 @@ class ProgramStore:
       program_key: what decides the programs besides each call (`model_key`: the
         environment, the package and model source digests, the parameters' shapes, the
         XLA options).
+      device: where every argument of a single-device model's programs is placed (its
+        programs can then be compiled ahead from shapes alone: `prefetch`); None for a
+        model over several devices.
     """
 
-    def __init__(self, directory: str | os.PathLike, program_key: list[str]) -> None:
+    def __init__(self, directory: str | os.PathLike, program_key: list[str], device: Any = None) -> None:
         self.directory = pathlib.Path(directory)
         self.program_key = list(program_key)
+        self.device = device  # the one device of a single-device model (`_compile_exported`), else None
         self._base = hashlib.sha256("\n".join(self.program_key).encode()).hexdigest()
         self.num_loaded = 0  # programs read from the directory
+        self.num_prefetched = 0  # of those, compiled ahead by `prefetch`
+        self._prefetched: dict[pathlib.Path, concurrent.futures.Future[_Prefetched | None]] = {}
         self.num_stored = 0  # programs compiled and written to it
         self.num_unserializable = 0  # programs export refused: compiled by their plain jit, not stored
+
+    def prefetch(self, compiler_options: Mapping[str, Mapping[str, Any] | None], max_workers: int = 8) -> int:
+        """Starts reading and compiling, in a pool of threads, every program the directory
+        holds under this store's key (``compiler_options``: each program name's XLA
+        options); returns how many files it started on (0 without a ``device``: programs
+        over several devices are compiled when first called). `load_or_compile` then
+        takes a program from there once its file's whole key and the call's arguments
+        match (another call's, or one that failed, is loaded or compiled as without this).
+        A warm start so loads its programs side by side, each compilation (mostly the
+        persistent cache's executable read and load) releasing the GIL, rather than one at
+        a time as the warm-up first calls them."""
+        paths = sorted(self.directory.glob(f"*{FILE_SUFFIX}")) if self.device is not None else []
+        if not paths:
+            return 0
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="program-prefetch")
+        for path in paths:
+            self._prefetched[path] = pool.submit(self._prefetch_one, path, compiler_options)
+        pool.shutdown(wait=False)
+        return len(paths)
+
+    def _prefetch_one(self, path: pathlib.Path, compiler_options: Mapping[str, Mapping[str, Any] | None]
+                      ) -> "_Prefetched | None":
+        try:
+            header, payload = self._split(path.read_bytes())
+            key = header.get("key")
+            if not isinstance(key, list) or key[:len(self.program_key)] != self.program_key:
+                return None  # another model's or another environment's
+            lines = dict(line.split(" ", 1) for line in key[len(self.program_key):])
+            name, donated = lines["program"], json.loads(lines["donated"])
+            if len(payload) != header["payload_bytes"] or hashlib.sha256(payload).hexdigest() != header[
+                    "payload_sha256"]:
+                return None  # torn: compiled anew when called
+            exported = jax.export.deserialize(bytearray(payload))
+            shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in exported.in_avals]
+            compiled = _compile_exported(exported, donated, shapes, compiler_options.get(name), self.device)
+            return _Prefetched(key, exported, compiled)
+        except Exception as error:  # noqa: BLE001 - the program is loaded, or compiled, when first called
+            logger.info("program store: %s not prefetched (%s: %s)", path.name, type(error).__name__, error)
+            return None
 
     def read_figure(self, name: str, key_lines: Sequence[str]) -> int | None:
         """A figure measured at an earlier start under the same key (the store's key and
@@ -401,13 +456,19 @@ class ProgramStore:
         donated = _donated_leaves(args, donate_argnums)
         path = self._path(name, signature)
         key = self.file_key(name, signature, donated)
+        future = self._prefetched.pop(path, None)
+        ahead = None if future is None else future.result()
+        if ahead is not None and ahead.key == key and _mismatch(ahead.exported, in_tree, leaves) is None:
+            self.num_loaded += 1
+            self.num_prefetched += 1
+            return _FlatCall(ahead.compiled)
         if path.exists():
             try:
                 exported = jax.export.deserialize(bytearray(self._read(path, key)))
                 reason = _mismatch(exported, in_tree, leaves)
                 if reason:
                     raise StoredFileError(f"it does not fit the call: {reason}")
-                compiled = _compile_exported(exported, donated, leaves, compiler_options)
+                compiled = _compile_exported(exported, donated, leaves, compiler_options, self.device)
                 self.num_loaded += 1
                 return _FlatCall(compiled)
             except Exception as error:  # noqa: BLE001 - any file that is not this program is recompiled
@@ -421,7 +482,7 @@ class ProgramStore:
         try:
             data = jax.export.export(jitted, disabled_checks=_DISABLED_EXPORT_CHECKS)(*args, **static).serialize()
             # What the warm path compiles, so that JAX's persistent cache holds it.
-            compiled = _compile_exported(jax.export.deserialize(data), donated, leaves, compiler_options)
+            compiled = _compile_exported(jax.export.deserialize(data), donated, leaves, compiler_options, self.device)
         except Exception as error:  # noqa: BLE001 - the program still runs; only the next start pays
             self.num_unserializable += 1
             logger.warning("program store: %s cannot be exported (%s: %s); it is compiled without the store, "
@@ -431,11 +492,10 @@ class ProgramStore:
         return _FlatCall(compiled)
 
     @staticmethod
-    def _read(path: pathlib.Path, key: list[str]) -> bytes:
-        """The payload of ``path`` once its header matches ``key`` and its length and
-        SHA-256 match the header; raises `StoredFileError` saying why not. Nothing of the
-        file is interpreted before the magic bytes and the JSON header check out."""
-        data = path.read_bytes()
+    def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+        """A file's JSON header and payload; raises `StoredFileError` saying why not.
+        Nothing of the file is interpreted before the magic bytes and the JSON header
+        check out."""
         if not data.startswith(FILE_MAGIC):
             raise StoredFileError("not a program store file (no magic bytes)")
         end = data.find(b"\n", len(FILE_MAGIC))
@@ -443,9 +503,21 @@ class ProgramStore:
             raise StoredFileError("torn file: the header is incomplete")
         try:
             header = json.loads(data[len(FILE_MAGIC):end])
+            if not isinstance(header, dict):
+                raise TypeError("not an object")
+        except (ValueError, TypeError) as error:
+            raise StoredFileError(f"unreadable header ({error})") from None
+        return header, data[end + 1:]
+
+    @classmethod
+    def _read(cls, path: pathlib.Path, key: list[str]) -> bytes:
+        """The payload of ``path`` once its header matches ``key`` and its length and
+        SHA-256 match the header; raises `StoredFileError` saying why not."""
+        header, payload = cls._split(path.read_bytes())
+        try:
             file_format, file_key = header["format"], header["key"]
             length, digest = header["payload_bytes"], header["payload_sha256"]
-        except (ValueError, TypeError, KeyError) as error:
+        except KeyError as error:
             raise StoredFileError(f"unreadable header ({error})") from None
         if file_format != STORE_FORMAT:
             raise StoredFileError(f"store format {file_format!r}, this package reads {STORE_FORMAT}")
@@ -453,7 +525,6 @@ class ProgramStore:
             differing = next((theirs, ours) for theirs, ours in zip([*file_key, ""], [*key, ""]) if theirs != ours)
             label = (differing[1] or differing[0]).split(" ", 1)[0]
             raise StoredFileError(f"it holds another program: its key differs at {label!r}")
-        payload = data[end + 1:]
         if len(payload) != length or hashlib.sha256(payload).hexdigest() != digest:
             raise StoredFileError(f"torn file: {len(payload)} payload bytes of {length}, or their SHA-256 differs")
         return payload
@@ -469,6 +540,16 @@ class ProgramStore:
             self.num_stored += 1
         except OSError as error:  # the program runs; only the next start pays
             logger.warning("program store: %s not written (%s)", path, error)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefetched:
+    """A program `ProgramStore.prefetch` read and compiled: its file's key, the export and
+    the compiled wrapper."""
+
+    key: list[str]
+    exported: jax.export.Exported
+    compiled: Any
 
 
 class _FlatCall:
