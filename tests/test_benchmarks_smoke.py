@@ -1006,7 +1006,8 @@ def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys
 
 
 # A --full case: the program store's round trip runs by default in test_engine.py
-# (a second engine loads its programs untraced); this script's two-process start runs on
+# (a second engine loads its programs) and test_program_store.py (a start in a fresh
+# process loads every program untraced); this script's two-process start runs on
 # a GPU in `benchmarks/gpu_session.sh startup` (the README's start-up figures).
 @pytest.mark.full
 def test_bench_serving_startup_serves_the_second_start_from_the_persistent_cache(capsys):

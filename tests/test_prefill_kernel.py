@@ -521,7 +521,7 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
                                 precheck_values=True, heads_per_program=4, prefetch_queries=True,
                                 pingpong_across_items=True),
-     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=8, num_kv_heads=2,
+     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=1,
           head_size=128),
      dict(causal=True)),
     ("specialized-2wg-pingpong-across-items-persistent-5-programs-window",
@@ -531,7 +531,7 @@ MOSAIC_TILINGS = [
      dict(causal=True, window_size=(100, 0))),
     ("specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
      tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
-     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=4, num_kv_heads=4, head_size=256),
+     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=2, num_kv_heads=2, head_size=256),
      dict(causal=True, window_size=(120, 0))),
     # Three compute warpgroups (D 64: 192-row tiles, no ping-pong): the third sees the
     # first two's diagonal blocks whole; sequences shorter than a tile leave warpgroups
@@ -539,8 +539,7 @@ MOSAIC_TILINGS = [
     ("specialized-3wg-causal-whole-blocks-probe-precheck",
      tuning.MosaicPrefillConfig(compute_warpgroups=3, nonfinite_check="probe", precheck_values=True,
                                 heads_per_program=2),
-     dict(q_lens=[400, 100, 31, 1, 200], k_lens=[400, 164, 31, 9, 200], num_q_heads=4, num_kv_heads=2,
-          head_size=64),
+     dict(q_lens=[200, 100, 31, 1], k_lens=[200, 164, 31, 9], num_q_heads=2, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     ("specialized-3wg-bk128-masked-parts-paged-window-alibi",
      tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe"),
@@ -579,7 +578,9 @@ MOSAIC_TILINGS = [
     ("specialized-3wg-overlap-softmax-d64-bk128",
      tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe",
                                 overlap_softmax=True),
-     dict(q_lens=[800, 100, 31, 1], k_lens=[800, 164, 31, 9], num_q_heads=4, num_kv_heads=2, head_size=64),
+     # 400 rows: 192-row tiles whose warpgroups' unmasked runs of 128-key blocks are 0
+     # (rows 0-127), 1 (rows 128-255) and 2 or 3 (rows 256-399) long.
+     dict(q_lens=[400, 100, 31, 1], k_lens=[400, 164, 31, 9], num_q_heads=2, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     ("specialized-2wg-overlap-softmax-key-flags-d256",
      tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
@@ -587,7 +588,7 @@ MOSAIC_TILINGS = [
      dict(causal=True)),
     ("specialized-2wg-overlap-softmax-paged-fp8-runs-blocks-one-by-one",
      tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, nonfinite_check="probe", overlap_softmax=True),
-     dict(q_lens=[400, 3], k_lens=[700, 50], num_q_heads=4, num_kv_heads=2, head_size=128, paged=True,
+     dict(q_lens=[200, 3], k_lens=[400, 50], num_q_heads=2, num_kv_heads=1, head_size=128, paged=True,
           block_size=16, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
      dict(causal=True)),
     ("specialized-1wg-paged-bs48-ring3-fp8",
