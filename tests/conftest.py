@@ -162,10 +162,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mark_covered_by_kernel_grids(items)
     # The modules whose tests share a costly module fixture, each run by one worker
     # (xdist_group), start first: a whole group handed out late would be the run's tail.
-    # Group "engine" holds the modules whose engines run the tiny model's programs
-    # (`engine_base`): compiled once per process (`model_runner._programs`), they were
-    # compiled again in each worker that ran one of those tests (2026-12: the six engine
-    # modules took 313 worker-seconds spread over 3 workers, 114 in one).
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     if config.getoption("--full"):
         return

@@ -29,8 +29,6 @@ from jax_paged_attn.engine.model_runner import DecodeState, decode_batch_rows
 from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = engine_base()
 
 

@@ -28,8 +28,6 @@ from jax_paged_attn.engine import EngineConfig, EngineLoad, LLMEngine, SamplingP
 from jax_paged_attn.engine.block_allocator import BlockAllocator
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = engine_base()
 PROMPTS = random_prompts(11, [40, 23, 33])
 MAX_TOKENS = 12

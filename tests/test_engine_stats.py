@@ -26,8 +26,6 @@ from jax_paged_attn.engine import decode_batch, outputs, step_loop
 from jax_paged_attn.engine import engine as engine_module
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
                     num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),
                     block_table_width_buckets=(16,), coarse_length_bounds=True, num_scheduler_steps=4,

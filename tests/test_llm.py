@@ -26,8 +26,6 @@ from jax_paged_attn.engine import LLM, CompletionOutput, RequestOutput, Sampling
 from jax_paged_attn.models import dense_greedy_generate
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 CORPUS = ["the cat sat on the mat", "a dog ran to the red house", "my name is jax and i like paged caches"]
 # Small shared shapes (see tests/test_engine.py): few programs to compile on a CPU.
 ENGINE = dict(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=8,

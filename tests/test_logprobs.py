@@ -22,8 +22,6 @@ from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_den
 
 from test_llm import ENGINE, checkpoint  # noqa: F401  (fixture: tiny checkpoint + tokenizer.json)
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = engine_base()
 ATOL = 2e-4
 

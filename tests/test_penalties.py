@@ -25,8 +25,6 @@ from jax_paged_attn.engine.penalties import Penalties, PenaltyTokens, apply_pena
 from jax_paged_attn.engine.sampling import MAX_LOGIT_BIAS
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_dense
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = dataclasses.replace(engine_base(), num_scheduler_steps=4)
 VOCAB = LlamaConfig.tiny().vocab_size
 ATOL = 2e-4  # paged vs dense logits; a token within this of the best is a tie

@@ -27,8 +27,6 @@ from jax_paged_attn.engine.request import RequestStatus, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: the engine modules share compiled programs (conftest.py)
-
 BASE = engine_base()
 BLOCK_SIZE = BASE.block_size
 (SHARED_PREFIX,) = random_prompts(11, [2 * BLOCK_SIZE])
