@@ -371,15 +371,12 @@ class ProgramStore:
         self.num_unserializable = 0  # programs export refused: compiled by their plain jit, not stored
 
     def prefetch(self, compiler_options: Mapping[str, Mapping[str, Any] | None], max_workers: int = 8) -> int:
-        """Starts reading and compiling, in a pool of threads, every program the directory
-        holds under this store's key (``compiler_options``: each program name's XLA
-        options); returns how many files it started on (0 without a ``device``: programs
-        over several devices are compiled when first called). `load_or_compile` then
-        takes a program from there once its file's whole key and the call's arguments
-        match (another call's, or one that failed, is loaded or compiled as without this).
-        A warm start so loads its programs side by side, each compilation (mostly the
-        persistent cache's executable read and load) releasing the GIL, rather than one at
-        a time as the warm-up first calls them."""
+        """Starts reading and compiling, in a pool of threads, every program stored under
+        this store's key (``compiler_options``: each program name's XLA options), so a warm
+        start loads them side by side (each compilation, mostly a cache read and a load,
+        releases the GIL); returns how many files it started on (0 without a ``device``).
+        `load_or_compile` takes a program from there once its file's key and the call's
+        arguments match; any other is loaded or compiled as without this."""
         paths = sorted(self.directory.glob(f"*{FILE_SUFFIX}")) if self.device is not None else []
         if not paths:
             return 0
