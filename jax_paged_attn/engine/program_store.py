@@ -70,8 +70,7 @@ FILE_MAGIC = b"jax_paged_attn program store\n"
 
 FILE_SUFFIX = ".jaxprog"
 FIGURE_SUFFIX = ".figure"
-"""Files of figures measured once per key (the KV-cache sizing's activation bytes), so a
-warm start neither traces nor compiles to measure them again."""
+"""Files of figures measured once per key (`read_figure`)."""
 
 # The engine's programs may hold Pallas Triton kernels: XLA does not promise to read a
 # Triton custom call of another version, and the key pins JAX, jaxlib and the devices,
@@ -422,8 +421,7 @@ class ProgramStore:
             logger.warning("program store: %s not used (%s); measuring again", path, error)
             return None
 
-    def write_figure(self, name: str, key_lines: Sequence[str], value: int) -> None:
-        """Keeps ``value`` for `read_figure` at later starts (same file format as the programs)."""
+    def write_figure(self, name: str, key_lines: Sequence[str], value: int) -> None:  # for `read_figure`
         path, key = self._figure_path(name, key_lines)
         self._write(path, key, json.dumps({"value": int(value)}).encode())
 
