@@ -539,8 +539,7 @@ class ProgramStore:
 
 @dataclasses.dataclass(frozen=True)
 class _Prefetched:
-    """A program `ProgramStore.prefetch` read and compiled: its file's key, the export and
-    the compiled wrapper."""
+    """A program `ProgramStore.prefetch` read and compiled: its file's key, export, wrapper."""
 
     key: list[str]
     exported: jax.export.Exported
