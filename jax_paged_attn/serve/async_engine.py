@@ -132,14 +132,14 @@ class AsyncEngine:
         self.max_model_len: int = core.max_model_len
         self.vocab_size: int = core.vocab_size
         self.capacity = core.max_num_seqs + max_waiting_requests
-        self.metrics = ServerMetrics(model_name, count_compiles=core.compiles_counted_here)
+        self.metrics = ServerMetrics(model_name)
         self.accepting = True
         self._num_sequences = 0  # admitted and not finished (event-loop side)
         self._streams: dict[str, RequestStream] = {}  # event-loop side
         self._added: dict[str, tuple[RequestStream, concurrent.futures.Future[None]]] = {}
         self._lock = threading.Lock()
         self._num_on_the_way = 0  # sequences submitted, not yet added by the core (under _lock)
-        self._load = (0, 0, 0, 0.0)
+        self._load = (0, 0, 0, 0.0, 0)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ event-loop side
@@ -210,8 +210,6 @@ class AsyncEngine:
                 error = EngineError("the engine failed while running this request") if event[2] == "engine" \
                     else RequestAborted("the server shut down")
                 self._post(event[1], error)
-            elif kind == "compiles":
-                self.metrics.set_compiles(event[1])
             elif kind == "exited":
                 self._on_core_exit(event[1])
 
@@ -254,5 +252,5 @@ class AsyncEngine:
     def _update_load(self) -> None:
         with self._lock:
             on_the_way = self._num_on_the_way
-        running, waiting, swapped, usage = self._load
-        self.metrics.set_load(running, waiting + on_the_way, swapped, usage)
+        running, waiting, swapped, usage, compiles = self._load
+        self.metrics.set_load(running, waiting + on_the_way, swapped, usage, compiles)

@@ -13,8 +13,7 @@ beside the server on another core. The price: the model loads in the engine proc
 The pipe carries JSON (`encode` / `decode`), never pickles: the server's process sends
 ``["add", stream_id, prompts, sampling params]``, ``["abort", stream_id]`` and
 ``["stop"]``; the engine process sends ``["ready", {...}]`` (or ``["error", text]``)
-once, then one list of `EngineLoop` events per step, each event with the engine
-process's XLA compilation count appended as ``["compiles", n]``.
+once, then one list of `EngineLoop` events per step.
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ class ThreadCore:
         self.max_model_len: int = self.engine.config.max_model_len
         self.max_num_seqs: int = self.engine.config.max_num_seqs
         self.vocab_size: int = self.engine.vocab_size
-        self.compiles_counted_here = True  # the engine compiles in this process
         self._cond = threading.Condition()
         self._ops: list[Callable[[EngineLoop], None]] = []
         self._stopping = False
@@ -131,7 +129,6 @@ class ProcessCore:
         self.max_num_seqs: int = info["max_num_seqs"]
         self.vocab_size: int = info["vocab_size"]
         self.warmup_report: str | None = info["warmup"]
-        self.compiles_counted_here = False
         self._send_lock = threading.Lock()
         self._receiver: threading.Thread | None = None
 
@@ -186,7 +183,6 @@ def engine_process_main(conn: Any, model_dir: str, llm_options: dict[str, Any], 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     from jax_paged_attn.engine import LLM
-    from jax_paged_attn.serve.metrics import compiles_in_process
 
     try:
         llm = LLM(model=model_dir, warmup=False, **llm_options)
@@ -195,15 +191,13 @@ def engine_process_main(conn: Any, model_dir: str, llm_options: dict[str, Any], 
         logger.exception("serve: the engine process failed to start")
         conn.send_bytes(encode(["error", f"{type(e).__name__}: {e}"]))
         return
-    compiles_at_ready = compiles_in_process()
     engine = llm.engine
     conn.send_bytes(encode(["ready", dict(max_model_len=engine.config.max_model_len,
                                           max_num_seqs=engine.config.max_num_seqs, vocab_size=engine.vocab_size,
                                           warmup=None if report is None else str(report))]))
 
     def emit(events: list[Event]) -> None:
-        conn.send_bytes(encode([*(_event_to_json(e) for e in events),
-                                ["compiles", compiles_in_process() - compiles_at_ready]]))
+        conn.send_bytes(encode([_event_to_json(e) for e in events]))
 
     loop = EngineLoop(engine, llm.tokenizer, emit)
     emit([loop.load_event()])

@@ -25,7 +25,8 @@ Events (tuples, the first item their kind):
 * ``("failed", stream_id, reason)``: the stream's sequences are gone: "engine" (a step
   raised; its requests were aborted) or "shutdown";
 * ``("tokens", prompt, generated)``, ``("finished", reason, ttft_s, latency_s,
-  num_tokens)`` and ``("load", running, waiting, swapped, kv_cache_usage)``: the metrics.
+  num_tokens)`` and ``("load", running, waiting, swapped, kv_cache_usage, compiles)``
+  (XLA compilations in the engine's process since this loop was made): the metrics.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from jax_paged_attn.engine import Logprob, SamplingParams
+from jax_paged_attn.engine.stats import backend_compiles
 from jax_paged_attn.serve.detokenizer import SequenceText
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ class EngineLoop:
         self.emit = emit
         self._sequences: dict[str, _Sequence] = {}  # engine request id -> its state
         self._streams: dict[str, list[str]] = {}  # stream id -> its engine request ids
+        self._compiles_at_start = backend_compiles()  # made after the warm-up
 
     @property
     def has_sequences(self) -> bool:
@@ -103,7 +106,8 @@ class EngineLoop:
 
     def load_event(self) -> Event:
         load = self.engine.load()
-        return ("load", load.num_running, load.num_waiting, load.num_swapped, load.kv_cache_usage)
+        return ("load", load.num_running, load.num_waiting, load.num_swapped, load.kv_cache_usage,
+                backend_compiles() - self._compiles_at_start)
 
     def add(self, stream_id: str, prompt_token_ids: list[list[int]], params: SamplingParams) -> None:
         """Adds a stream's sequences (each prompt sampled ``params.n`` times); emits

@@ -11,11 +11,11 @@ dependency), with vLLM's metric names so its dashboards read them:
   ``vllm:request_success_total{finished_reason}``;
 * histograms ``vllm:time_to_first_token_seconds``,
   ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``;
-* ours: the counter ``jax_paged_attn:xla_compilations_total``, programs handed to XLA
-  since the metrics were made (after the warm-up), from JAX's own monitoring event
-  ``/jax/core/compile/backend_compile_duration``: 0 while every request runs on the
-  programs the warm-up compiled or loaded; anything else is a request that waited for a
-  compiler.
+* ours: the counter ``jax_paged_attn:xla_compilations_total``, programs the engine's
+  process handed to XLA since the engine loop started (after the warm-up;
+  `jax_paged_attn.engine.stats.backend_compiles`, JAX's own events, as the engine loop
+  reports them): 0 while every request runs on the programs the warm-up compiled or
+  loaded; anything else is a request that waited for a compiler.
 
 Every metric carries the label ``model_name``. Updated from the engine core's thread,
 read from the server's: one lock.
@@ -25,31 +25,6 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
-
-import jax
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compile_lock = threading.Lock()
-_compiles_in_process = 0
-_listening = False
-
-
-def _on_compile(event: str, duration_s: float, **kwargs: object) -> None:
-    global _compiles_in_process
-    if event == BACKEND_COMPILE_EVENT:
-        with _compile_lock:
-            _compiles_in_process += 1
-
-
-def compiles_in_process() -> int:
-    """XLA compilations in this process since the first `ServerMetrics` was made (JAX's
-    listeners cannot be removed, so one is registered once, then)."""
-    global _listening
-    with _compile_lock:
-        if not _listening:
-            jax.monitoring.register_event_duration_secs_listener(_on_compile)
-            _listening = True
-        return _compiles_in_process
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -75,7 +50,7 @@ def _number(value: float) -> str:
 class ServerMetrics:
     """The metrics of one served model (see the module docstring)."""
 
-    def __init__(self, model_name: str, count_compiles: bool = True) -> None:
+    def __init__(self, model_name: str) -> None:
         self.labels = f'model_name="{_escape(model_name)}"'
         self._lock = threading.Lock()
         self.gauges = {"running": 0, "waiting": 0, "swapped": 0, "kv_cache_usage": 0.0}
@@ -85,21 +60,15 @@ class ServerMetrics:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
-        # The engine compiles in this process (count here) or in an engine process of its own
-        # (which reports its count: `set_compiles`).
-        self._compiles_at_start = compiles_in_process() if count_compiles else None
-        self._reported_compiles = 0
+        self.compiles = 0
 
-    def set_load(self, running: int, waiting: int, swapped: int, kv_cache_usage: float) -> None:
-        """The engine's queues (sequences on their way to it counted as waiting) and the
-        share of its KV-cache blocks held (`LLMEngine.load`)."""
+    def set_load(self, running: int, waiting: int, swapped: int, kv_cache_usage: float, compiles: int) -> None:
+        """The engine's queues (sequences on their way to it counted as waiting), the
+        share of its KV-cache blocks held (`LLMEngine.load`) and its compilations since
+        the engine loop started."""
         with self._lock:
             self.gauges.update(running=running, waiting=waiting, swapped=swapped, kv_cache_usage=kv_cache_usage)
-
-    def set_compiles(self, count: int) -> None:
-        """The engine process's XLA compilations since it was ready."""
-        with self._lock:
-            self._reported_compiles = count
+            self.compiles = compiles
 
     def add_tokens(self, *, prompt: int = 0, generation: int = 0) -> None:
         with self._lock:
@@ -157,8 +126,7 @@ class ServerMetrics:
             histogram("vllm:e2e_request_latency_seconds", "Latency from admission to the last token.", self.latency)
         metric("jax_paged_attn:xla_compilations_total", "counter", "XLA compilations since the server started "
                "serving (0: every request ran on the warm-up's programs).",
-               [("", "", self._reported_compiles if self._compiles_at_start is None
-                         else compiles_in_process() - self._compiles_at_start)])
+               [("", "", self.compiles)])
         return "\n".join(lines) + "\n"
 
 
