@@ -98,8 +98,18 @@ GEMMA2_9B = LlamaConfig.for_family(
     layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(42)),
     query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
 )
-MODELS = {"llama-1b": LLAMA_1B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B}
-"""``--model`` choices: the shapes of Llama 1.1B, Qwen3-8B and Gemma-2-9B (random weights)."""
+# Gemma 2's cost beside a plain decoder's: Gemma-2-9B's shapes (vocabulary, widths, layers, heads,
+# head size 256, tied embeddings) with Llama's traits (no soft-caps, no windows, SwiGLU, two norms
+# a layer), the same weight bytes.
+LLAMA_GEMMA2_9B_SHAPES = LlamaConfig.for_family(
+    "llama", **{field: getattr(GEMMA2_9B, field) for field in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")},
+)
+MODELS = {"llama-1b": LLAMA_1B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B,
+          "llama-gemma2-9b-shapes": LLAMA_GEMMA2_9B_SHAPES}
+"""``--model`` choices: the shapes of Llama 1.1B, Qwen3-8B and Gemma-2-9B, and a Llama of
+Gemma-2-9B's shapes (random weights)."""
 
 
 def build_model(quick: bool, implementation: str | None = None, matmul_implementation: str | None = None,
