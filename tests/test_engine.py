@@ -368,6 +368,28 @@ def test_decode_windows_run_while_requests_wait_for_blocks(model):
     assert_all_blocks_free(engine)
 
 
+def test_windows_shorten_while_no_request_waits(model):
+    """With ``latency_scheduler_steps``, windows dispatched while requests wait (for
+    blocks here) run ``num_scheduler_steps`` steps, and those dispatched while none waits
+    run the short length; the tokens stay the dense ones."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, latency_scheduler_steps=1,
+                                                  num_host_blocks=0))
+    windows = []
+    dispatch = engine.runner.run_decode_window
+
+    def counting_dispatch(*args, **kwargs):
+        windows.append((kwargs["num_steps"], bool(engine.scheduler.waiting)))
+        return dispatch(*args, **kwargs)
+
+    engine.runner.run_decode_window = counting_dispatch
+    prompts = random_prompts(12, [100, 97, 104, 99, 101])  # three run, two wait for blocks (as above)
+    outs = engine.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy_generate(model, prompts, 20)
+    assert {steps for steps, waiting in windows if waiting} == {4}, windows
+    assert {steps for steps, waiting in windows if not waiting} == {1}, windows
+    assert_all_blocks_free(engine)
+
+
 def test_admissions_join_the_running_batch_without_draining_it(model):
     """Without mixed steps (``decode_during_prefill=False``), a prompt admitted while the
     persistent batch decodes is prefilled beside it, with the batch's windows still in
@@ -534,6 +556,10 @@ def test_engine_config_errors():
         EngineConfig(block_size=8)
     with pytest.raises(ValueError, match="num_blocks"):
         EngineConfig(num_blocks=0)
+    with pytest.raises(ValueError, match=r"latency_scheduler_steps must be at most num_scheduler_steps \(4\), got 8"):
+        EngineConfig(num_scheduler_steps=4, latency_scheduler_steps=8)
+    with pytest.raises(ValueError, match="latency_scheduler_steps must be an int >= 1, got 0"):
+        EngineConfig(latency_scheduler_steps=0)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -17,10 +17,10 @@ from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_ge
 # One pytest-xdist worker runs the module (README's `--dist loadgroup`): one warm-up.
 pytestmark = pytest.mark.xdist_group("warmup")
 
-# One token bucket (the prompt chunk's 32): the warm-up still spans two decode-row buckets,
+# One token bucket (the prompt chunk's 32): the warm-up still spans two decode-row buckets, both window lengths,
 # greedy and sampled, with a third of the programs of the default token buckets gone.
 CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                      num_scheduler_steps=4, token_buckets=(32,), compilation_cache=False,
+                      num_scheduler_steps=4, latency_scheduler_steps=2, token_buckets=(32,), compilation_cache=False,
                       compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -34,9 +34,9 @@ def warm_engine(model):
     engine = LLMEngine(model, CONFIG)
     report = engine.warmup(use_tqdm=False)
     shapes = engine.shapes
-    # Windows and mixed steps of every row count, greedy, sampled and sampled with
-    # penalties, plus copy-on-write sizes.
-    expected = 3 * (len(shapes.decode_rows) * len(shapes.window_widths)
+    # Windows of both lengths and mixed steps of every row count, greedy, sampled and
+    # sampled with penalties, plus copy-on-write sizes.
+    expected = 3 * (2 * len(shapes.decode_rows) * len(shapes.window_widths)
                     + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
     assert expected <= report.num_programs <= expected + 4, (report, shapes)
     return engine
@@ -146,7 +146,7 @@ def test_warmup_can_leave_the_penalized_programs_to_first_use(model, warm_engine
 
     lean = LLMEngine(model, dataclasses.replace(CONFIG, warmup_penalties=False))
     shapes = lean.shapes
-    per_variant = (len(shapes.decode_rows) * len(shapes.window_widths)
+    per_variant = (2 * len(shapes.decode_rows) * len(shapes.window_widths)  # windows of 4 and 2 steps
                    + len(shapes.mixed_rows) * len(shapes.prompt_shapes))
     full = warmup_tasks(warm_engine.shapes, warm_engine.config, warm_engine.runner, warm_engine._inputs,
                         warm_engine.vocab_size)

@@ -62,6 +62,13 @@ class EngineConfig:
         window's tokens while the next window runs. Outputs do not depend on it; a
         request that finishes mid-window frees its blocks when the host reads the
         window, and new requests wait up to a window for admission.
+      latency_scheduler_steps: decode steps per window while no request waits for a row
+        or blocks (the engine is not saturated): a window's tokens reach the host, and a
+        server's streams, together, so shorter windows while there is room give each
+        token as it is sampled (and admit a new request sooner), and
+        ``num_scheduler_steps`` windows while requests queue keep the host's work per
+        token low when throughput is what counts. None: ``num_scheduler_steps`` always.
+        Each length is its own set of window programs (`LLMEngine.warmup` compiles both).
       decode_during_prefill: True (default): a step that prefills prompt chunks also
         runs one decode step of every request in the persistent batch, in one program
         (vLLM's chunked-prefill scheduling, Sarathi's mixed batches): the weights are
@@ -124,6 +131,7 @@ class EngineConfig:
     block_table_width_buckets: tuple[int, ...] | None = None
     coarse_length_bounds: bool = False
     num_scheduler_steps: int = 8
+    latency_scheduler_steps: int | None = None
     decode_during_prefill: bool = True
     async_scheduling: bool = True
     compiler_options: Mapping[str, Any] | None = None
@@ -140,6 +148,11 @@ class EngineConfig:
             as_bool(getattr(self, name), name)
         if self.num_blocks is not None:
             _check_int(self.num_blocks, "num_blocks", 1)
+        if self.latency_scheduler_steps is not None:
+            _check_int(self.latency_scheduler_steps, "latency_scheduler_steps", 1)
+            if self.latency_scheduler_steps > self.num_scheduler_steps:
+                raise ValueError(f"latency_scheduler_steps must be at most num_scheduler_steps "
+                                 f"({self.num_scheduler_steps}), got {self.latency_scheduler_steps}.")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}.")
         if self.num_host_blocks is not None:
@@ -159,6 +172,11 @@ class EngineConfig:
             raise ValueError(f"on_step_failure must be 'abort' or 'recompute', got {self.on_step_failure!r}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+
+
+def window_step_counts(config: EngineConfig) -> tuple[int, ...]:
+    """The decode-window lengths ``config`` runs (each its own programs), ascending."""
+    return tuple(sorted({config.num_scheduler_steps, config.latency_scheduler_steps or config.num_scheduler_steps}))
 
 
 def _check_int(value: Any, name: str, minimum: int) -> None:

@@ -227,9 +227,17 @@ class DecodeBatch:
         keep[live] = True
         return keep, update_rows, update_values, live
 
+    def window_steps(self) -> int:
+        """The next window's length: ``latency_scheduler_steps`` while no request waits
+        (tokens stream as they are sampled), ``num_scheduler_steps`` while some do."""
+        cfg, sched = self.config, self.scheduler
+        if cfg.latency_scheduler_steps is None or sched.waiting or sched.swapped:
+            return cfg.num_scheduler_steps
+        return cfg.latency_scheduler_steps
+
     def dispatch_window(self) -> bool:
         """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
-        k = self.config.num_scheduler_steps
+        k = self.window_steps()
         update = self.reserve_rows(k)
         if update is None or not update[3]:
             return False

@@ -13,7 +13,8 @@
 * **decode window** (every running request is decoding and nothing can be admitted):
   the running requests become the rows of a persistent batch that stays on the device
   (`jax_paged_attn.engine.decode_batch`), and ``num_scheduler_steps`` decode steps run
-  in one program (sampling, stop checks and the next step's metadata on the device).
+  in one program (sampling, stop checks and the next step's metadata on the device;
+  ``latency_scheduler_steps`` steps while no request waits, so tokens stream sooner).
   The host reserves each window's blocks ahead (lookahead slots, capped at each
   request's last position) and dispatches window ``n + 1`` *before* it reads window
   ``n``'s tokens (copied to the host asynchronously), so the host's bookkeeping

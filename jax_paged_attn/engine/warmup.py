@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_paged_attn import cache as cache_ops
 from jax_paged_attn.engine.block_moves import copy_blocks_donated
-from jax_paged_attn.engine.config import EngineConfig
+from jax_paged_attn.engine.config import EngineConfig, window_step_counts
 from jax_paged_attn.engine.model_runner import DecodeState, ModelRunner
 from jax_paged_attn.engine.penalties import StepPenalties
 from jax_paged_attn.engine.shapes import ProgramShapes
@@ -67,10 +67,10 @@ def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, 
         return (np.zeros(num_rows, bool), np.full(num_rows, num_rows, np.int32),
                 np.zeros((num_rows, width), np.int32))
 
-    def window(num_rows: int, width: int, greedy: bool, penalized: bool) -> None:
+    def window(num_rows: int, width: int, num_steps: int, greedy: bool, penalized: bool) -> None:
         runner.start_decode(decode_state(num_rows, width, penalized))
         runner.insert_decode_rows(np.full(num_rows, num_rows, np.int32), decode_state(num_rows, width, penalized))
-        runner.run_decode_window(*no_row_update(num_rows, width), num_steps=cfg.num_scheduler_steps,
+        runner.run_decode_window(*no_row_update(num_rows, width), num_steps=num_steps,
                                  greedy=greedy, max_model_len=cfg.max_model_len)
 
     def mixed(num_rows: int, prompt_shape: tuple[int, int], greedy: bool, penalized: bool) -> None:
@@ -94,7 +94,8 @@ def warmup_tasks(shapes: ProgramShapes, cfg: EngineConfig, runner: ModelRunner, 
     for greedy, penalized in variants:
         for width in shapes.window_widths:
             for num_rows in shapes.decode_rows:
-                tasks.append(functools.partial(window, num_rows, width, greedy, penalized))
+                for num_steps in window_step_counts(cfg):
+                    tasks.append(functools.partial(window, num_rows, width, num_steps, greedy, penalized))
         for prompt_shape in shapes.prompt_shapes:
             if cfg.decode_during_prefill:
                 for num_rows in shapes.mixed_rows:

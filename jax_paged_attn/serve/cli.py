@@ -45,6 +45,7 @@ ENGINE_FLAGS = {  # EngineConfig field -> its flag
     "block_size": "--block-size",
     "swap_space_gib": "--swap-space",
     "num_scheduler_steps": "--num-scheduler-steps",
+    "latency_scheduler_steps": "--latency-scheduler-steps",
     "seed": "--seed",
     "enable_prefix_caching": "--no-enable-prefix-caching",
     "compilation_cache": "--no-compilation-cache",
@@ -87,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: what fits in memory)")
     engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     engine.add_argument("--swap-space", type=float, default=EngineConfig.swap_space_gib, help="host swap GiB")
-    engine.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps)
+    engine.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps,
+                        help="decode steps per window while requests queue")
+    engine.add_argument("--latency-scheduler-steps", type=int, default=EngineConfig.latency_scheduler_steps,
+                        help="decode steps per window while no request waits (default: --num-scheduler-steps)")
     engine.add_argument("--seed", type=int, default=EngineConfig.seed)
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--no-compilation-cache", action="store_true")
@@ -104,7 +108,8 @@ def engine_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_blocks=args.num_blocks, block_size=args.block_size, swap_space_gib=args.swap_space,
-        num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
+        num_scheduler_steps=args.num_scheduler_steps, latency_scheduler_steps=args.latency_scheduler_steps,
+        seed=args.seed,
         enable_prefix_caching=not args.no_enable_prefix_caching, compilation_cache=not args.no_compilation_cache,
         compilation_cache_dir=args.compilation_cache_dir)
     extra = args.engine_options
