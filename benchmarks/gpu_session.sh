@@ -61,19 +61,22 @@ for step in "${steps[@]}"; do
       timeout 570 python3 benchmarks/bench_serving.py ${SERVING_RATES:+--rates "$SERVING_RATES"} 2>&1 \
         | tee "$out/serving.log" ;;
     http)  # the serving workload offline, then over HTTP (bench_http.py) against `jax-paged-attn
-      # serve` with the same engine options, once per engine core (HTTP_ENGINE_CORES, default
-      # "thread process"): rates inf and half the saturating one (HTTP_RATES); each server's
-      # start (the offline run fills the caches first) to its first served request, and a last
-      # start with the program store filled; compilations after the port opened (/metrics)
+      # serve` with the same engine options, once per server in HTTP_ENGINE_CORES (default
+      # "process thread"; "core:N" adds --latency-scheduler-steps N): rates inf and half the
+      # saturating one (HTTP_RATES); each server's start (the offline run fills the caches
+      # first) to its first served request, and a last start of the last server with the
+      # program store filled; compilations after the port opened (/metrics)
       ckpt=/tmp/bench_http_checkpoint port=8123 rates="${HTTP_RATES:-inf,0.5x}"
       python3 benchmarks/bench_http.py --write-checkpoint "$ckpt" 2>&1 | tail -1 | tee "$out/http.log"
       timeout 240 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
-      cores=(${HTTP_ENGINE_CORES:-thread process})
+      cores=(${HTTP_ENGINE_CORES:-process thread})
       for core in "${cores[@]}" "${cores[-1]}-restart"; do
+        server="${core%-restart}" latency=()
+        [ "${server#*:}" != "$server" ] && latency=(--latency-scheduler-steps "${server#*:}")
         t0=$(date +%s.%N)
         python3 -m jax_paged_attn.serve "$ckpt" --port "$port" --max-num-seqs 256 --max-num-batched-tokens 8192 \
-          --num-scheduler-steps 16 --max-model-len 4096 --block-size 16 --seed 0 --no-enable-prefix-caching \
-          --engine-core "${core%-restart}" --log-level warning > "$out/server_$core.log" 2>&1 &
+          --num-scheduler-steps 16 "${latency[@]}" --max-model-len 4096 --block-size 16 --seed 0 \
+          --no-enable-prefix-caching --engine-core "${server%%:*}" --log-level warning > "$out/server_$core.log" 2>&1 &
         pid=$!
         echo "engine core ${core}:" | tee -a "$out/http.log"
         python3 benchmarks/bench_http.py --url "http://127.0.0.1:$port" --wait-ready 400 --started-at "$t0" \

@@ -8,11 +8,12 @@ tokenizer load through `LLM`, every program is compiled or loaded from the progr
 store (`LLMEngine.warmup`; ``--no-warmup`` skips it, for CPU tests), and only then does
 the port open. One log line says what the server chose where the user did not.
 
-``--engine-core``: ``thread`` (the default) runs the engine loop in a thread of the
-server's process; ``process`` runs it in an engine process of its own, which loads the
-model and warms up while the server's process holds only the tokenizer, so the engine's
-host work and the HTTP server's no longer share one GIL
-(`jax_paged_attn.serve.engine_core`).
+``--engine-core``: ``process`` (the default) runs the engine loop in an engine process of
+its own, which loads the model and warms up while the server's process holds only the
+tokenizer, so the engine's host work and the HTTP server's do not share one GIL
+(`jax_paged_attn.serve.engine_core`); ``thread`` runs it in a thread of the server's
+process (one process; measured on an H200 at 0.79x the process core's total tok/s on the
+serving benchmark, 2026-12-06).
 
 SIGTERM / Ctrl-C: new requests get 503 (``/health`` too), the running ones finish for
 up to ``--shutdown-timeout`` seconds, then the rest are aborted and the process exits.
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--no-warmup", action="store_true",
                         help="skip compiling every program before the port opens (tests on a CPU)")
     server.add_argument("--engine-core", default=None, choices=["thread", "process"],
-                        help="where the engine loop runs: a thread of this process, or an engine process of its own")
+                        help="where the engine loop runs: an engine process of its own (default), or a thread "
+                             "of this process")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     model = parser.add_argument_group("model")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -172,9 +174,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.api_key:
         chose.append("no API key (anyone who reaches the port may generate)")
     if args.engine_core is None:
-        args.engine_core = "thread"
-        chose.append("--engine-core thread (the engine loop shares this process's GIL with the HTTP server; "
-                     "--engine-core process gives it a process of its own)")
+        args.engine_core = "process"
+        chose.append("--engine-core process (the engine loop in a process of its own, so its host work and the "
+                     "HTTP server's do not share a GIL; --engine-core thread keeps one process)")
     chat_template = load_chat_template(args.model)
     if chat_template is None:
         chose.append("no chat template in the checkpoint: /v1/chat/completions answers 400")
