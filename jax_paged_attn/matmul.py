@@ -6,7 +6,7 @@ product through `jax_paged_attn.kernels.triton_matmul` (tiles planned by
 `plans.plan_matmul`, configs from `tuning.matmul_config`); `linear` is what a model's
 layer calls. `linear_partials` keeps a split-K product's partials for a consumer that
 sums them with its own work (`jax_paged_attn.norm.add_rms_norm`), and `gated_linear`
-computes a SwiGLU inside the gate/up product.
+computes a gated MLP's activation (SwiGLU, GeGLU) inside the gate/up product.
 
 Measured on an H200 (benchmarks/NOTES.md, "Weight-streaming matmul" and "Fused
 decoder layers"): inside the engine's compiled decode step the kernel ran each product
@@ -92,7 +92,7 @@ def weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig |
 
 
 def _run_kernel(name: str, x: Array, w: Array, width: int, config: tuning.MatmulConfig | None, interpret: bool,
-                *, gated: bool) -> tuple[Array, plans.MatmulTiling]:
+                *, gated: bool, activation: str = "silu") -> tuple[Array, plans.MatmulTiling]:
     """The kernel's output for ``x`` ``[..., K]`` and ``w`` ``[K, ...]`` (already checked),
     ``width`` output columns (gated: ``w`` holds twice as many), and its plan."""
     missing = dispatch.lowering_unavailable_reason(dispatch.TRITON)
@@ -104,21 +104,24 @@ def _run_kernel(name: str, x: Array, w: Array, width: int, config: tuning.Matmul
 
     rows, depth = math.prod(x.shape[:-1]), x.shape[-1]
     tiling = plans.plan_matmul(rows, depth, width, config, itemsize=jnp.dtype(x.dtype).itemsize,
-                               budget=tuning.target_device().shared_memory_budget, gated=gated)
+                               budget=tuning.target_device().shared_memory_budget, gated=gated,
+                               activation=activation)
     y = triton_matmul.matmul_call(x.reshape(rows, depth), w.reshape(depth, -1), tiling, out_dtype=x.dtype,
                                   interpret=interpret)
     return y, tiling
 
 
-def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulConfig | None = None,
-                                  interpret: bool = False) -> Array:
-    """A SwiGLU's ``silu(x @ w[:, 0]) * (x @ w[:, 1])`` through the kernel's gated form:
+def gated_weight_streaming_matmul(x: Array, w: Array, *, activation: str = "silu",
+                                  config: tuning.MatmulConfig | None = None, interpret: bool = False) -> Array:
+    """A gated MLP's ``act(x @ w[:, 0]) * (x @ w[:, 1])`` through the kernel's gated form:
     the gate and up products stay in registers.
 
     Args:
       x: ``[..., K]`` activations, as `weight_streaming_matmul`'s.
       w: ``[K, 2, I]`` gate (index 0) and up (1) weights of x's dtype (a fused
         gate/up `flax.nnx.LinearGeneral` kernel), ``I`` a multiple of ``config.block_n``.
+      activation: the gate's, by Hugging Face's ``hidden_act`` name (`plans.GATED_ACTIVATIONS`:
+        "silu" for SwiGLU, "gelu_pytorch_tanh" for GeGLU).
       config: tiling (`tuning.MatmulConfig`; its ``split_k`` is ignored: never split).
       interpret: run the kernel in Pallas interpret mode (CPU).
 
@@ -127,11 +130,13 @@ def gated_weight_streaming_matmul(x: Array, w: Array, *, config: tuning.MatmulCo
     """
     if w.ndim != 3 or w.shape[1] != 2:
         raise ValueError(f"w must be [K, 2, I] (gate, up), got shape {w.shape}")
+    _check_activation(activation)
     reason = streaming_unsupported_reason(x, w[:, 0], config)
     if reason is not None:
         raise ValueError(f"gated_weight_streaming_matmul: {reason}")
     width = w.shape[2]
-    y, _ = _run_kernel("gated_weight_streaming_matmul", x, w, width, config, interpret, gated=True)
+    y, _ = _run_kernel("gated_weight_streaming_matmul", x, w, width, config, interpret, gated=True,
+                       activation=activation)
     return y.reshape(*x.shape[:-1], width)
 
 
@@ -208,21 +213,35 @@ def linear_partials(x: Array, w: Array, *, implementation: str | None = None, in
     return weight_streaming_matmul(x, w, config=_table_config(x, w), interpret=interpret, keep_partials=True)
 
 
-def gated_linear(x: Array, w: Array, *, implementation: str | None = None, interpret: bool = False) -> Array:
-    """A SwiGLU's ``silu(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``: the
-    gated kernel where `streams` says so, else XLA's dot then the activation (both
-    products rounded to x's dtype first, as the unfused model computes them)."""
+def _check_activation(activation: str) -> None:
+    if activation not in plans.GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {plans.GATED_ACTIVATIONS}, got {activation!r}.")
+
+
+def _activate(activation: str, gate: Array) -> Array:
+    if activation == "gelu_pytorch_tanh":
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
+
+
+def gated_linear(x: Array, w: Array, *, activation: str = "silu", implementation: str | None = None,
+                 interpret: bool = False) -> Array:
+    """A gated MLP's ``act(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``
+    (``activation``: "silu", SwiGLU, or "gelu_pytorch_tanh", GeGLU): the gated kernel
+    where `streams` says so, else XLA's dot then the activation (both products rounded
+    to x's dtype first, as the unfused model computes them)."""
     _flatten(x, w, "x", "w")
+    _check_activation(activation)
     w = w.astype(x.dtype)
     if w.ndim != 3 or not streams(x, implementation, w[:, 0]):
         gate_up = xla_matmul(x, w)
-        return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    return gated_weight_streaming_matmul(x, w, config=_table_config(x, w), interpret=interpret)
+        return _activate(activation, gate_up[..., 0, :]) * gate_up[..., 1, :]
+    return gated_weight_streaming_matmul(x, w, activation=activation, config=_table_config(x, w), interpret=interpret)
 
 
 AUTO_CHOICE = ("on the H200 through CUDA, products of at most 128 rows of 16-bit activations through the "
                "weight-streaming kernel, with the fused decoder layers (residual add + RMSNorm in one kernel, "
-               "SwiGLU inside the gate/up product): 0.88 / 1.01 ms per decode step at batch 1 / 32 against "
-               "0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products, "
+               "the gate's activation inside the gate/up product): 0.88 / 1.01 ms per decode step at batch "
+               "1 / 32 against 0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products, "
                "float32, with a mesh and on other GPUs (not measured there)")
 """What auto runs for linear layers, and why, in words (the engine's start report)."""

@@ -1139,8 +1139,9 @@ class MatmulTiling:
       block_n, block_k: output columns per program, weight rows per loop step.
       split_k: programs along ``K`` (1: the kernel writes the output dtype).
       num_warps, num_stages, eviction_policy: Triton launch parameters and load hint.
-      gated: the SwiGLU form: ``w`` holds gate then up columns, the output is
-        ``silu(gate) * up`` (one split; ``block_n`` columns of each half per program).
+      gated: the gated-MLP form: ``w`` holds gate then up columns, the output is
+        ``activation(gate) * up`` (one split; ``block_n`` columns of each half per program).
+      activation: the gate's activation in the gated form, one of `GATED_ACTIVATIONS`.
     """
 
     rows: int
@@ -1151,6 +1152,7 @@ class MatmulTiling:
     num_stages: int
     eviction_policy: str | None
     gated: bool = False
+    activation: str = "silu"
 
 
 def matmul_unsupported_reason(num_rows: int, depth: int, num_cols: int,
@@ -1180,14 +1182,22 @@ def check_matmul_config(config: tuning.MatmulConfig) -> None:
                          f"got {config.eviction_policy!r}")
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""The gate activations of the matmul's gated form, by Hugging Face's ``hidden_act`` names:
+SwiGLU's SiLU, and Gemma's GeGLU with the tanh-approximated GELU."""
+
+
 def plan_matmul(num_rows: int, depth: int, num_cols: int, config: tuning.MatmulConfig | None = None, *,
                 itemsize: int = 2, budget: int = tuning.DECODE_SHARED_MEMORY_BUDGET,
-                gated: bool = False) -> MatmulTiling:
+                gated: bool = False, activation: str = "silu") -> MatmulTiling:
     """The weight-streaming matmul's tiling for ``[num_rows, depth] @ [depth, num_cols]``
     (`matmul_unsupported_reason` must be None); ``num_stages`` drops (to 2 at least)
-    until `matmul_shared_memory` fits ``budget``. ``gated``: the SwiGLU form, ``num_cols``
-    output columns from ``2 * num_cols`` weight columns, never split along ``K`` (the
-    activation needs whole sums)."""
+    until `matmul_shared_memory` fits ``budget``. ``gated``: the gated-MLP form with the
+    gate's ``activation`` (`GATED_ACTIVATIONS`), ``num_cols`` output columns from
+    ``2 * num_cols`` weight columns, never split along ``K`` (the activation needs whole
+    sums)."""
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}.")
     config = config or tuning.MatmulConfig()
     check_matmul_config(config)
     reason = matmul_unsupported_reason(num_rows, depth, num_cols, config)
@@ -1210,7 +1220,7 @@ def plan_matmul(num_rows: int, depth: int, num_cols: int, config: tuning.MatmulC
     return MatmulTiling(
         rows=rows, block_n=config.block_n, block_k=config.block_k, split_k=split,
         num_warps=config.num_warps, num_stages=stages,
-        eviction_policy=config.eviction_policy or None, gated=gated,
+        eviction_policy=config.eviction_policy or None, gated=gated, activation=activation,
     )
 
 

@@ -1,6 +1,8 @@
 """The weight-streaming matmul (`jax_paged_attn.matmul`): the kernel in interpret mode
 against a float32 product, its plan, auto's choice, errors, the CUDA lowering, and the
 Llama model's serving forward through it."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,34 +64,55 @@ def test_split_k_partials_sum_to_the_unsplit_product():
     np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(eight, np.float32), rtol=1e-2, atol=1e-2)
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+GATE_ACTIVATIONS = {"silu": lambda g: g / (1 + np.exp(-g)), "gelu_pytorch_tanh": _gelu_tanh}
+
+
+@pytest.mark.covering
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("rows, config", [((1,), MatmulConfig(block_n=32, block_k=64, split_k=4)),
                                           ((3, 7), MatmulConfig(block_n=64, block_k=128))])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gated_product_matches_silu_gate_times_up(implementation, rows, config, dtype):
-    """``silu(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``: the kernel's gated
-    form (one split whatever the config asks: the activation needs whole sums) against
-    float32 math rounded once; XLA's path rounds both products first, as the unfused
-    model does."""
+@pytest.mark.parametrize("activation", list(GATE_ACTIVATIONS))
+def test_gated_product_matches_activated_gate_times_up(implementation, rows, config, dtype, activation):
+    """``act(x @ w[:, 0]) * (x @ w[:, 1])`` for ``w`` ``[K, 2, I]``, SwiGLU's SiLU and
+    GeGLU's tanh GELU: the kernel's gated form (one split whatever the config asks: the
+    activation needs whole sums) against float32 math rounded once; XLA's path rounds
+    both products first, as the unfused model does."""
     x, w = _operands(rows, 256, (2, 128), dtype, seed=5)
     if implementation == "weight_streaming":
-        y = matmul.gated_weight_streaming_matmul(x, w, config=config, interpret=True)
+        y = matmul.gated_weight_streaming_matmul(x, w, activation=activation, config=config, interpret=True)
     else:
-        y = matmul.gated_linear(x, w, implementation="xla")
+        y = matmul.gated_linear(x, w, activation=activation, implementation="xla")
     assert y.shape == (*rows, 128) and y.dtype == dtype
     products = _exact(x, w).reshape(-1, 2, 128)
     gate, up = products[:, 0], products[:, 1]
-    expected = gate / (1 + np.exp(-gate)) * up
+    expected = GATE_ACTIVATIONS[activation](gate) * up
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(y, np.float32).reshape(expected.shape), expected, rtol=tol,
                                atol=tol * np.abs(expected).max())
     assert plans.plan_matmul(16, 256, 128, config, gated=True).split_k == 1
 
 
-def test_gated_product_refuses_a_weight_without_gate_and_up():
+def test_gated_product_refuses_a_weight_without_gate_and_up_and_an_unknown_activation():
     x, w = _operands((2,), 256, (128,))
     with pytest.raises(ValueError, match=r"w must be \[K, 2, I\]"):
         matmul.gated_weight_streaming_matmul(x, w, interpret=True)
+    x, w = _operands((2,), 256, (2, 128))
+    for fn in (matmul.gated_weight_streaming_matmul, matmul.gated_linear):
+        with pytest.raises(ValueError, match=r"activation must be one of \('silu', 'gelu_pytorch_tanh'\), got 'relu'"):
+            fn(x, w, activation="relu")
+
+
+def test_gated_geglu_lowers_to_the_kernel_for_cuda():
+    """GeGLU's tanh GELU inside the gated kernel lowers through Triton for CUDA."""
+    x, w = _operands((4,), 256, (2, 128))
+    text = lower_for_cuda(lambda a, b: matmul.gated_linear(a, b, activation="gelu_pytorch_tanh",
+                                                           implementation="weight_streaming"), x, w)
+    assert TRITON_CALL in text and "stablehlo.dot_general" not in text
 
 
 @pytest.mark.parametrize("split_k", [1, 4])
@@ -338,14 +361,16 @@ def test_compiled_kernel_matches_xla_on_the_gpu(rows, depth, cols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 32, 128])
-def test_compiled_gated_kernel_matches_float32_on_the_gpu(rows):
+@pytest.mark.parametrize("activation", list(GATE_ACTIVATIONS))
+def test_compiled_gated_kernel_matches_float32_on_the_gpu(rows, activation):
     """The gated gate/up product of the benchmark model's MLP (2048 x 2 x 8192), compiled."""
     assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
     x, w = _operands((rows,), 2048, (2, 8192), seed=rows)
-    got = jax.jit(lambda a, b: matmul.gated_linear(a, b, implementation="weight_streaming"))(x, w)
+    gated = functools.partial(matmul.gated_linear, activation=activation, implementation="weight_streaming")
+    got = jax.jit(gated)(x, w)
     products = jax.jit(lambda a, b: jnp.einsum("mk,kgn->mgn", a, b, precision=jax.lax.Precision.HIGHEST,
                                                preferred_element_type=jnp.float32))(x, w)
-    want = np.asarray(jax.nn.silu(products[:, 0]) * products[:, 1])
+    want = GATE_ACTIVATIONS[activation](np.asarray(products[:, 0])) * np.asarray(products[:, 1])
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=1e-2 * np.abs(want).max())
 
 

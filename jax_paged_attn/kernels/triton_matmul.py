@@ -19,10 +19,11 @@ byte, so it runs at the pace of its weight reads; the kernel is laid out for tha
 With one split the program writes ``y`` in the output dtype; with several it writes
 its float32 partial product, summed by the caller.
 
-The gated form (``tiling.gated``, a SwiGLU's gate/up projection) multiplies by
+The gated form (``tiling.gated``, a gated MLP's gate/up projection) multiplies by
 ``w[K, 2, I]``: a program reads the same ``block_n`` columns of the gate half and of
-the up half and writes ``silu(x @ w_gate) * (x @ w_up)`` (one split: the activation
-needs the whole sum), so the product's ``[M, 2, I]`` output never goes to memory.
+the up half and writes ``act(x @ w_gate) * (x @ w_up)`` (``tiling.activation``: SwiGLU's
+SiLU or GeGLU's tanh GELU; one split: the activation needs the whole sum), so the
+product's ``[M, 2, I]`` output never goes to memory.
 """
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, k_per_split: in
     accs = lax.fori_loop(0, k_per_split // block_k, step, zeros)
     if tiling.gated:
         gate, up = accs
-        out = gate * jax.nn.sigmoid(gate) * up
+        if tiling.activation == "gelu_pytorch_tanh":
+            out = jax.nn.gelu(gate, approximate=True) * up
+        else:
+            out = gate * jax.nn.sigmoid(gate) * up
     else:
         out = accs[0]
     col = col0 + lax.iota(jnp.int32, block_n)
@@ -85,8 +89,8 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, k_per_split: in
 def matmul_call(x: Array, w: Array, tiling: MatmulTiling, *, out_dtype, interpret: bool = False) -> Array:
     """``x`` ``[M, K]`` (``M`` at most ``tiling.rows``), ``w`` ``[K, N]`` -> ``[M, N]`` in
     ``out_dtype`` (one split) or the float32 partials ``[split_k, M, N]``; gated
-    (``tiling.gated``, one split): ``w`` ``[K, 2 * I]`` -> ``silu(x @ w[:, :I]) * (x @
-    w[:, I:])`` ``[M, I]``.
+    (``tiling.gated``, one split): ``w`` ``[K, 2 * I]`` -> ``act(x @ w[:, :I]) * (x @
+    w[:, I:])`` ``[M, I]``, ``act`` the tiling's activation.
 
     The wrapper (`jax_paged_attn.matmul`) has checked that ``block_n`` divides ``N``
     (gated: ``I``) and ``split_k * block_k`` divides ``K``."""

@@ -396,15 +396,11 @@ class LlamaMLP(nnx.Module):
 
     def partials(self, x: Array) -> Array:
         """The serving forward as `jax_paged_attn.matmul.linear_partials`' ``[S, ..., hidden]``,
-        SiLU inside the gate/up product (`jax_paged_attn.matmul.gated_linear`); GeGLU's
-        GELU after it (the gated kernel computes SiLU only)."""
+        the gate's activation (SwiGLU's SiLU, GeGLU's GELU) inside the gate/up product
+        (`jax_paged_attn.matmul.gated_linear`)."""
         how = dict(implementation=self.matmul_implementation, interpret=self.interpret)
         x = x.astype(self.gate_up_proj.dtype or x.dtype)
-        if self.hidden_act == "silu":
-            hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], **how)
-        else:
-            gate_up = matmul.linear(x, self.gate_up_proj.kernel[...], **how)
-            hidden = ACTIVATIONS[self.hidden_act](gate_up[..., 0, :]) * gate_up[..., 1, :]
+        hidden = matmul.gated_linear(x, self.gate_up_proj.kernel[...], activation=self.hidden_act, **how)
         return _project(self.down_proj, hidden, serving=True, partials=True, **how)
 
 
@@ -726,9 +722,6 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.sandwich_norms:
             path.append("the sandwich norms sum and norm each sublayer's split-K partials in one norm kernel before "
                         "the fused residual add")
-        if cfg.hidden_act != "silu":
-            path.append(f"the MLP's {cfg.hidden_act} runs after the gate/up product (the gated kernel computes "
-                        f"SiLU only)")
         if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
             path.append(f"attention scores soft-capped at {cfg.attn_logit_softcapping} in the attention kernels, "
                         f"logits at {cfg.final_logit_softcapping} in float32")
