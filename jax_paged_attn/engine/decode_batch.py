@@ -63,6 +63,7 @@ class DecodeBatch:
     num_stop_ids: int  # stop-id columns of a row
     next_position: np.ndarray  # i64[R]: each row's input position at the next window's start
     table_len: np.ndarray  # i64[R]: block ids the device holds for each row
+    last_input: np.ndarray  # i64[R]: each row's last input position (`Scheduler.last_input_position`; -1: none)
     greedy: bool
     num_logprobs: int | None = None  # the window programs' static num_logprobs
     penalized: bool = False  # the rows carry `Penalties` (the programs that apply them)
@@ -104,6 +105,8 @@ class DecodeBatch:
             requests=list(requests), num_rows=num_rows, width=width, num_stop_ids=num_stop_ids,
             next_position=rows.positions.astype(np.int64), table_len=np.array(
                 [len(r.block_table) for r in requests] + [0] * (num_rows - len(requests)), np.int64),
+            last_input=np.array([sched.last_input_position(r) for r in requests] + [-1] * (num_rows - len(requests)),
+                                np.int64),
             greedy=program_greedy(requests, penalized),
             num_logprobs=program_num_logprobs(requests, vocab_size), penalized=penalized)
 
@@ -191,25 +194,33 @@ class DecodeBatch:
             self.requests[row] = request
         self.next_position[row] = next_position
         self.table_len[row] = len(request.block_table)
+        self.last_input[row] = self.scheduler.last_input_position(request)
 
     # ------------------------------------------------------------- windows
-    def reserve_rows(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+    def reserve_rows(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Reserves the blocks the batch's live rows write in the next ``num_steps`` steps;
         returns the batch update ``(keep, block_rows, block_values)`` and the live rows, or
-        None (nothing reserved) when a row outgrew the table or the blocks do not suffice."""
+        None (nothing reserved) when a row outgrew the table or the blocks do not suffice.
+
+        Array arithmetic over the rows: only the rows that cross into a block they do not
+        hold (one in ``block_size / num_steps`` a window) cost the host a request's work."""
         bs = self.config.block_size
-        live = [i for i, r in enumerate(self.requests) if not r.is_finished
-                and self.next_position[i] + 2 <= self.scheduler.final_length(r)]
-        need = [min(int(self.next_position[i]) + num_steps - 1,
-                    self.scheduler.last_input_position(self.requests[i])) // bs + 1 for i in live]
-        if need and max(need) > self.width:
+        n = len(self.requests)
+        finished = np.fromiter((r.is_finished for r in self.requests), bool, n)
+        positions, last_input = self.next_position[:n], self.last_input[:n]
+        # a row feeds a token while its next position is at most its last input position
+        live = np.flatnonzero(~finished & (positions <= last_input))
+        need = np.minimum(positions[live] + num_steps - 1, last_input[live]) // bs + 1
+        if len(live) and int(need.max()) > self.width:
             self.wants_wider_table = True
             return None
-        missing = sum(max(0, n - len(self.requests[i].block_table)) for i, n in zip(live, need))
+        short = need > self.table_len[live]  # rows whose device table lacks a block they write
+        growing, growing_need = live[short], need[short]
+        missing = sum(max(0, int(k) - len(self.requests[i].block_table)) for i, k in zip(growing, growing_need))
         if not self.scheduler.device_blocks.can_allocate(missing):
             return None
         changed = []
-        for i in live:
+        for i in growing:
             request = self.requests[i]
             reserved = self.scheduler.reserve_decode_blocks(request, int(self.next_position[i]) + num_steps - 1)
             assert reserved is not None, "blocks were counted before reserving"
@@ -239,7 +250,7 @@ class DecodeBatch:
         """Reserves the next window's blocks and dispatches it; False if it cannot run now."""
         k = self.window_steps()
         update = self.reserve_rows(k)
-        if update is None or not update[3]:
+        if update is None or not len(update[3]):
             return False
         keep, update_rows, update_values, live = update
         out = self.runner.run_decode_window(keep, update_rows, update_values, num_steps=k, greedy=self.greedy,
