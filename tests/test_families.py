@@ -353,7 +353,10 @@ def _decode_metadata():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_step_lowers_for_cuda(family, matmul_implementation):
     """Each family's bf16 decode step lowers for CUDA with one fused rotary + cache write a
-    layer; with the weight-streaming matmul, through the fused decoder layers."""
+    layer; with the weight-streaming matmul, through the fused decoder layers: per layer
+    four kernel products (the gate's activation, SiLU or GeGLU, inside the gate/up one) and
+    two residual add + norm kernels (Gemma 2's sandwich norms inside them), whatever the
+    family."""
     config = _family_config(family)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                     param_dtype=jnp.bfloat16,
@@ -371,12 +374,15 @@ def test_decode_step_lowers_for_cuda(family, matmul_implementation):
     assert '"reshape_and_cache_flash"' not in text
     if matmul_implementation == "weight_streaming":
         assert model.fuses_residual_norms(jax.ShapeDtypeStruct((md.num_tokens, config.hidden_size), jnp.bfloat16))
+        layers = config.num_hidden_layers  # the first layer's input norm adds nothing (XLA's); the final one adds
+        assert count_in_calls(text, '"add_rms_norm"') == 2 * layers
+        assert count_in_calls(text, '"weight_streaming_matmul"') == 4 * layers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_decoder_layers_match_unfused(family):
     """The fused layers (split-K partials, biases on the first partial, q / k norms after the
-    sum, sandwich norms in the norm kernel, GeGLU after the product) give the unfused
+    sum, sandwich norms in the add + norm kernels, GeGLU inside the gated product) give the unfused
     logits for a decode step (kernels in interpret mode)."""
     config = _family_config(family, head_dim=32, num_hidden_layers=1,
                             layer_types=("sliding_attention",) if family == "gemma2" else None)

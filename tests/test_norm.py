@@ -114,9 +114,30 @@ def test_gemma_norm_scales_in_float32_before_its_one_rounding(implementation):
     assert ulp_diff(normed, want, jnp.bfloat16) <= 1.0
     differing = [int(np.count_nonzero(np.asarray(out, np.float32) != want)) for out in (normed, llama_order)]
     assert differing[0] <= want.size // 100 < differing[1], differing  # the double rounding: many a unit
-    alone = gemma_norm.norm_partials(partials, dtype=jnp.bfloat16, implementation=implementation,
-                                     interpret=implementation == "triton")
-    assert ulp_diff(alone, gemma_norm(update), jnp.bfloat16) <= 1.0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sandwich_norm_of_the_update_runs_in_the_add_kernel(implementation):
+    """Gemma 2's sandwich norm through the fused kernel: ``residual + post_norm(update)``
+    (the update's split-K partials summed, rounded, normed, rounded), then the next norm:
+    as the unfused norms compute it, in one kernel; a norm of other eps or scaling is
+    refused."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
+    partials = jnp.asarray(rng.standard_normal((2, 12, 256)), jnp.float32)
+    post_norm, next_norm = (RMSNorm(256, eps=EPS, param_dtype=jnp.bfloat16, unit_offset=True) for _ in range(2))
+    for n in (post_norm, next_norm):
+        n.weight[...] = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.bfloat16)
+    hidden, normed = next_norm.add_and_norm(partials, x, update_norm=post_norm, implementation=implementation,
+                                            interpret=implementation == "triton")
+    want_hidden = x + post_norm(partials.sum(0).astype(jnp.bfloat16))
+    assert ulp_diff(hidden, want_hidden, jnp.bfloat16) <= 1.0
+    assert ulp_diff(normed, next_norm(want_hidden), jnp.bfloat16) <= 2.0
+    other = RMSNorm(256, eps=EPS * 10, param_dtype=jnp.bfloat16, unit_offset=True)
+    with pytest.raises(ValueError, match="update_norm must have this norm's unit_offset and eps"):
+        next_norm.add_and_norm(partials, x, update_norm=other, implementation=implementation, interpret=False)
+    with pytest.raises(ValueError, match=r"update_norm_weight must have shape \[N\] = \[256\], got \(128,\)"):
+        norm.add_rms_norm(partials, x, next_norm.scale, eps=EPS, partials=True, update_norm_weight=jnp.ones(128))
 
 
 def test_plan_takes_whole_rows_and_a_warp_per_1024_loads():

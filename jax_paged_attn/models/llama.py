@@ -92,21 +92,18 @@ class RMSNorm(nnx.Module):
         out = self.weight[...] * normed.astype(x.dtype)
         return out.astype(x.dtype)
 
-    def add_and_norm(self, partials: Array, residual: Array, *, implementation: str | None,
-                     interpret: bool) -> tuple[Array, Array]:
+    def add_and_norm(self, partials: Array, residual: Array, *, implementation: str | None, interpret: bool,
+                     update_norm: "RMSNorm | None" = None) -> tuple[Array, Array]:
         """``(hidden, self(hidden))`` for ``hidden = residual + partials.sum(0)`` (the sum
-        rounded once to the residual's dtype), in one kernel (`jax_paged_attn.norm.add_rms_norm`)."""
+        rounded once to the residual's dtype), in one kernel (`jax_paged_attn.norm.add_rms_norm`);
+        with ``update_norm``, ``hidden = residual + update_norm(partials.sum(0))`` (a
+        sublayer's output normed before its residual add: Gemma 2's sandwich norms)."""
+        if update_norm is not None and (update_norm.unit_offset, update_norm.eps) != (self.unit_offset, self.eps):
+            raise ValueError("update_norm must have this norm's unit_offset and eps (one kernel runs both).")
         return norm.add_rms_norm(partials, residual, self.scale, eps=self.eps, partials=True,
-                                 round_before_scale=not self.unit_offset, implementation=implementation,
-                                 interpret=interpret)
-
-    def norm_partials(self, partials: Array, *, dtype: Any, implementation: str | None,
-                      interpret: bool) -> Array:
-        """``self(partials.sum(0))`` (the sum rounded once to ``dtype``) in one kernel: a
-        sublayer's output normed before its residual add (Gemma 2's sandwich norms)."""
-        return norm.add_rms_norm(partials, None, self.scale, eps=self.eps, partials=True, dtype=dtype,
-                                 round_before_scale=not self.unit_offset, implementation=implementation,
-                                 interpret=interpret)[1]
+                                 round_before_scale=not self.unit_offset,
+                                 update_norm_weight=None if update_norm is None else update_norm.scale,
+                                 implementation=implementation, interpret=interpret)
 
 
 def _linear(in_features: int, out_features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
@@ -456,28 +453,29 @@ class LlamaDecoderLayer(nnx.Module):
         x = x + self.attention_update(attn_out)
         return x + self.mlp_update(self.mlp(self.mlp_norm(x), serving=True)), kv_cache
 
+    @property
+    def mlp_output_norm(self) -> RMSNorm | None:
+        """The norm of the MLP's output before its residual add (sandwich norms), or None."""
+        return self.post_feedforward_layernorm if self.sandwich_norms else None
+
     def fused(self, x: Array, pending: Array | None, positions: Array, kv_cache: Array, metadata: Any, *,
-              norm_implementation: str | None) -> tuple[Array, Array, Array]:
+              norm_implementation: str | None, pending_norm: RMSNorm | None = None) -> tuple[Array, Array, Array]:
         """The serving forward with each residual add fused into the next norm
         (`RMSNorm.add_and_norm`): ``x`` ``[T, hidden]`` is the residual stream before
         ``pending``, the previous layer's MLP output as partial products ``[S, T, hidden]``
-        (None for the first layer). Returns (the residual stream after attention, this
-        layer's MLP output as partials, the updated kv_cache). With sandwich norms each
-        sublayer's partials are first summed and normed in one kernel
-        (`RMSNorm.norm_partials`), which then go on as one partial."""
+        (None for the first layer), to be normed by ``pending_norm`` (the previous layer's
+        `mlp_output_norm`) before its add. Returns (the residual stream after attention,
+        this layer's MLP output as partials, the updated kv_cache). With sandwich norms
+        each sublayer's output norm runs in the kernel of the add that takes it."""
         how = dict(implementation=norm_implementation, interpret=self.self_attn.interpret)
         if pending is None:
             h = self.input_layernorm(x)
         else:
-            x, h = self.input_layernorm.add_and_norm(pending, x, **how)
+            x, h = self.input_layernorm.add_and_norm(pending, x, update_norm=pending_norm, **how)
         attn_partials, kv_cache = self.self_attn(h, positions, kv_cache, metadata, partials=True)
-        if self.sandwich_norms:
-            attn_partials = self.post_attention_layernorm.norm_partials(attn_partials, dtype=x.dtype, **how)[None]
-        x, h = self.mlp_norm.add_and_norm(attn_partials, x, **how)
-        mlp_partials = self.mlp.partials(h)
-        if self.sandwich_norms:
-            mlp_partials = self.post_feedforward_layernorm.norm_partials(mlp_partials, dtype=x.dtype, **how)[None]
-        return x, mlp_partials, kv_cache
+        attn_norm = self.post_attention_layernorm if self.sandwich_norms else None
+        x, h = self.mlp_norm.add_and_norm(attn_partials, x, update_norm=attn_norm, **how)
+        return x, self.mlp.partials(h), kv_cache
 
     def dense(self, x: Array) -> Array:
         x = x + self.attention_update(self.self_attn.dense(self.input_layernorm(x)))
@@ -681,14 +679,17 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed(input_ids)
         new_caches = []
         if self.fuses_residual_norms(x):
-            pending = None
+            pending, pending_norm = None, None
             how = dict(norm_implementation=self._norm_implementation())
             for layer, kv_cache in zip(self.model.layers, kv_caches):
-                x, pending, kv_cache = layer.fused(x, pending, positions, kv_cache, metadata, **how)
+                x, pending, kv_cache = layer.fused(x, pending, positions, kv_cache, metadata, pending_norm=pending_norm,
+                                                   **how)
+                pending_norm = layer.mlp_output_norm
                 new_caches.append(kv_cache)
             if logits_indices is not None:
                 x, pending = x[logits_indices], pending[:, logits_indices]
-            _, h = self.model.norm.add_and_norm(pending, x, implementation=how["norm_implementation"],
+            _, h = self.model.norm.add_and_norm(pending, x, update_norm=pending_norm,
+                                                implementation=how["norm_implementation"],
                                                 interpret=self.model.layers[0].self_attn.interpret)
             return self.compute_logits(h), new_caches
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -720,8 +721,7 @@ class LlamaForCausalLM(nnx.Module):
             path.append("the per-head q / k RMSNorms run in XLA between the q/k/v product and the rotary + cache "
                         "write (a norm reads whole rows, so that product's split-K partials are summed first)")
         if cfg.sandwich_norms:
-            path.append("the sandwich norms sum and norm each sublayer's split-K partials in one norm kernel before "
-                        "the fused residual add")
+            path.append("each sandwich norm runs in the kernel of the residual add that takes its sublayer's output")
         if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
             path.append(f"attention scores soft-capped at {cfg.attn_logit_softcapping} in the attention kernels, "
                         f"logits at {cfg.final_logit_softcapping} in float32")
