@@ -657,6 +657,14 @@ def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]
 
 # --------------------------------------------------------------------------- engine tests
 
+ENGINE_GROUP = pytest.mark.xdist_group("engine")
+"""The modules whose engines run the tiny Llama (`engine_base`'s configs): one
+pytest-xdist worker runs them all, so each compiled program of a model structure
+(`LLMEngine` keeps one jitted set per structure, shared by every engine in the process)
+is compiled once, not once in each worker a test of it lands on (about half their
+time in the CPU suite)."""
+
+
 def engine_base():
     """The `EngineConfig` the engine tests start from: tiny caches, fast CPU compiles, one
     bucket per count and static bounds at bucket capacity, so every engine built from it
