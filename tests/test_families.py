@@ -51,6 +51,10 @@ from conftest import count_in_calls, engine_base, lower_for_cuda
 # beside JAX's on two cores took 20x the CPU time of a single thread.
 torch.set_num_threads(1)
 
+# One pytest-xdist worker runs the module: each case's checkpoint (`case`, a module
+# fixture) is written and loaded once, and the tests of a family share its compiled programs.
+pytestmark = pytest.mark.xdist_group("families")
+
 VOCAB = 128
 WINDOW = 8
 MAX_TOKENS = 32
