@@ -58,6 +58,39 @@ import os
 _CPU_HOST = not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
 if _CPU_HOST and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+def _xla_knows_flag(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes ``flag`` in XLA_FLAGS (an unknown flag aborts the
+    process that parses them): asked of a child process, which parses them at once."""
+    import subprocess
+    import sys
+
+    name = flag.lstrip("-").split("=")[0]
+    probe = ("import jaxlib._jax as xla\n"
+             "options = xla.CompileOptions(); build = options.executable_build_options\n"
+             "print(build.debug_options)\n")
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and f"{name}: " in done.stdout
+
+
+# XLA:CPU's fusion emitters (its MLIR ones, the default) compile the suite's many one-off
+# programs (interpret-mode kernels, engine programs, references) 3-4x slower than its
+# classic ones: off on a CPU host, the suite's CPU time drops by about a third (2026-12,
+# jax 0.10.2), with the same IEEE operations. Set where this jaxlib knows the flag (asked
+# once: pytest-xdist workers and the tests' subprocesses inherit XLA_FLAGS); a setting
+# the user made is kept.
+_CLASSIC_CPU_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if (_CPU_HOST and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
+        and os.environ.get("JPA_TEST_CLASSIC_CPU_EMITTERS") != "unknown"):
+    if _xla_knows_flag(_CLASSIC_CPU_EMITTERS):
+        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_CLASSIC_CPU_EMITTERS}"
+    else:
+        os.environ["JPA_TEST_CLASSIC_CPU_EMITTERS"] = "unknown"  # the workers need not ask again
 # The Mosaic GPU interpreter runs each warpgroup of a warp-specialized kernel as a thread
 # whose barrier waits block inside callbacks that XLA's CPU client runs on its worker
 # pool, one thread a core by default: on a 2-core host two blocked warpgroups left the
@@ -656,6 +689,14 @@ def poison_keys(problem: VarlenProblem | KVCacheProblem, poison: dict[int, list]
 
 
 # --------------------------------------------------------------------------- engine tests
+
+ENGINE_GROUP = pytest.mark.xdist_group("engine")
+"""The modules whose engines run the tiny Llama (`engine_base`'s configs): one
+pytest-xdist worker runs them all, so each compiled program of a model structure
+(`LLMEngine` keeps one jitted set per structure, shared by every engine in the process)
+is compiled once, not once in each worker a test of it lands on (about half their
+time in the CPU suite)."""
+
 
 def engine_base():
     """The `EngineConfig` the engine tests start from: tiny caches, fast CPU compiles, one

@@ -59,6 +59,25 @@ MOSAIC_OTHER_CHECKS = "tests/test_prefill_kernel.py::test_mosaic_other_nonfinite
 MOSAIC_NONFINITE = [f"tests/test_prefill_kernel.py::test_mosaic_nonfinite_values_reach_only_the_rows_that_see_them[{i}]"
                     for i in ("bk64-False-product-interpret", "bk128-parts-True-key_flags-interpret-default-form")]
 
+# Likewise the Triton kernels' cases (interpret mode) here that the kernel grids of
+# test_prefill_kernel.py and test_decode_kernel.py check by default on the same feature
+# (the same kernel against the reference, checked here against the oracle by the ``xla``
+# cases): each test's or parameter's ``covered_by("triton", ...)`` names them. The cases
+# left run an API rule the grids do not (mask pictures, zero sizes, eager and traced calls,
+# one-channel NaNs, empty windows, the random problems).
+TRITON_PREFILL = "tests/test_prefill_kernel.py::test_kernel_matches_reference[{}]"
+TRITON_TILING = "tests/test_prefill_kernel.py::test_tilings_match_reference[{}]"
+TRITON_PREFILL_NONFINITE = [f"tests/test_prefill_kernel.py::test_nonfinite_values_reach_only_the_rows_that_see_them[{i}]"
+                            for i in ("three-loops-bq16-bk16-False-True", "gqa-packed-bq32-bk16-prefetched-ids-True-True")]
+TRITON_DECODE = "tests/test_decode_kernel.py::test_public_api_matches_reference[{}]"
+TRITON_DECODE_NONFINITE = [f"tests/test_decode_kernel.py::test_nonfinite_values_reach_only_the_rows_that_see_them[{i}]"
+                           for i in ("3-splits-True", "2-splits-prefetched-ids-True")]
+
+
+def triton_covered_by(*cases: str) -> pytest.MarkDecorator:
+    return pytest.mark.covered_by("triton", *cases)
+
+
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 
@@ -209,6 +228,9 @@ def test_reference_decode_matches_oracle(rng, case, cache_dtype):
 VARLEN_LENS = [5, 17, 1, 30]
 
 
+@triton_covered_by(TRITON_PREFILL.format("packed-mha-d128-f32-noncausal"),
+                   TRITON_PREFILL.format("packed-prefix-cached-mqa-d80-f16"),
+                   TRITON_PREFILL.format("packed-gqa4-d64-bf16-causal-ragged"))
 @parametrize_impl
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -218,6 +240,7 @@ def test_packed_dtypes(rng, impl, dtype, causal):
 
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-prefix-cached-mqa-d80-f16"))
+@triton_covered_by(TRITON_PREFILL.format("packed-prefix-cached-mqa-d80-f16"))
 @parametrize_varlen_impl
 def test_packed_fewer_queries_than_keys(rng, impl):
     # Bottom-right alignment with Sq < Sk in the packed layout (chunked prefill).
@@ -225,6 +248,7 @@ def test_packed_fewer_queries_than_keys(rng, impl):
     check_against_oracle(problem, impl, causal=True)
 
 
+@triton_covered_by(TRITON_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"))  # softmax_scale 0.3
 @parametrize_impl
 @pytest.mark.parametrize("softmax_scale", [0.05, 1.0])
 def test_custom_softmax_scale(rng, impl, softmax_scale):
@@ -234,6 +258,7 @@ def test_custom_softmax_scale(rng, impl, softmax_scale):
     assert np.abs(out - np.asarray(default, np.float64)).max() > 1e-3, "softmax_scale was ignored"
 
 
+@triton_covered_by(TRITON_PREFILL.format("packed-gqa4-d64-bf16-causal-ragged"))  # the default at D 64
 @parametrize_impl
 def test_default_softmax_scale_is_inverse_sqrt_head_size(rng, impl):
     problem = make_varlen_problem(rng, [7, 20], head_size=64, dtype=jnp.float32)
@@ -242,6 +267,7 @@ def test_default_softmax_scale_is_inverse_sqrt_head_size(rng, impl):
     np.testing.assert_array_equal(np.asarray(default), np.asarray(explicit))
 
 
+@triton_covered_by(TRITON_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"))
 @parametrize_impl
 @pytest.mark.parametrize("softcap", [1.0, 20.0])
 def test_softcap(rng, impl, softcap):
@@ -254,6 +280,9 @@ def test_softcap(rng, impl, softcap):
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-gqa2-d80-window-left-only"),
                         MOSAIC_PREFILL.format("paged-bs16-mha-d64-window-both-sides"))
+@triton_covered_by(TRITON_PREFILL.format("packed-gqa2-d80-window-left-only"),
+                   TRITON_PREFILL.format("packed-gqa2-d64-window-right-only"),
+                   TRITON_PREFILL.format("paged-bs16-mha-d64-window-both-sides"))
 @parametrize_varlen_impl
 def test_packed_window(rng, impl):
     problem = make_varlen_problem(rng, [9, 30], [14, 30], dtype=jnp.bfloat16)
@@ -271,8 +300,19 @@ MOSAIC_PREFILL_AT_HEAD_SIZE = {
 }
 
 
+# The Triton kernel grids' cases at each head size.
+TRITON_PREFILL_AT_HEAD_SIZE = {
+    32: TRITON_TILING.format("unpacked-bq16-bk16-boundaries"),
+    64: TRITON_PREFILL.format("packed-gqa4-d64-bf16-causal-ragged"),
+    80: TRITON_PREFILL.format("packed-prefix-cached-mqa-d80-f16"),
+    128: TRITON_PREFILL.format("packed-mha-d128-f32-noncausal"),
+    256: TRITON_PREFILL.format("paged-bs16-gqa2-d256-bf16-causal"),
+}
+
+
 @parametrize_varlen_impl
-@pytest.mark.parametrize("head_size", [pytest.param(d, marks=pytest.mark.covered_by("mosaic_gpu", case))
+@pytest.mark.parametrize("head_size", [pytest.param(d, marks=[pytest.mark.covered_by("mosaic_gpu", case),
+                                                              triton_covered_by(TRITON_PREFILL_AT_HEAD_SIZE[d])])
                                        for d, case in MOSAIC_PREFILL_AT_HEAD_SIZE.items()])
 def test_packed_head_sizes(rng, impl, head_size):
     problem = make_varlen_problem(rng, [6, 19], num_q_heads=2, num_kv_heads=1, head_size=head_size,
@@ -281,6 +321,7 @@ def test_packed_head_sizes(rng, impl, head_size):
 
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-empty-sequences"))
+@triton_covered_by(TRITON_PREFILL.format("packed-empty-sequences"))
 @parametrize_varlen_impl
 def test_packed_padded_batch(rng, impl):
     # Empty sequences in the middle and at the end, NaN rows past cu_seqlens_q[-1] and
@@ -327,6 +368,7 @@ def test_length_one_sequences(rng, impl, paged):
 
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("packed-more-queries-than-keys-causal"))
+@triton_covered_by(TRITON_PREFILL.format("packed-more-queries-than-keys-causal"))
 @parametrize_varlen_impl
 def test_packed_more_queries_than_keys_causal(rng, impl):
     # Sq=6 > Sk=2: query i aligns with key i - 4, so queries 0..3 see nothing; a
@@ -353,6 +395,8 @@ def test_seqused_k_zero(rng, impl):
     assert not out[:3].any()
 
 
+# Lengths 0 (output 0) and 1 under 3 causal queries (2 rows without keys).
+@triton_covered_by(TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits"))
 @parametrize_impl
 def test_kvcache_empty_rows(rng, impl):
     # cache_seqlens 0 (batch padding) outputs 0; cache_seqlens 2 < Sq=4 under causal
@@ -400,8 +444,23 @@ NONFINITE_CASES = {
 }
 
 
+# The kernel grids' poisoned-key cases: the Triton prefill kernel's (causal window, NaN /
+# inf on the diagonal and the window's edge, packed and paged, every loop form) and the
+# decode kernel's (3 causal query tokens, a window, a stale page left of it); the
+# non-causal window, the long causal run and the stale page under a prefill window run here.
+NONFINITE_TRITON_COVERED_BY = {
+    "packed-causal": TRITON_PREFILL_NONFINITE,
+    "paged-prefix-causal": TRITON_PREFILL_NONFINITE,
+    "kvcache-causal": TRITON_DECODE_NONFINITE,
+    "kvcache-window": TRITON_DECODE_NONFINITE,
+    "kvcache-one-token-window": TRITON_DECODE_NONFINITE,
+}
+
+
 @parametrize_impl
-@pytest.mark.parametrize("name", list(NONFINITE_CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=triton_covered_by(*NONFINITE_TRITON_COVERED_BY[name])
+                                               if name in NONFINITE_TRITON_COVERED_BY else ())
+                                  for name in NONFINITE_CASES])
 def test_nonfinite_keys_reach_only_the_rows_that_see_them(rng, impl, name):
     _assert_poisoned_problem_matches_oracle(rng, impl, *NONFINITE_CASES[name])
 
@@ -517,8 +576,16 @@ PREFIX_Q_LENS = [7, 1, 20, 4]
 PREFIX_K_LENS = [7, 33, 45, 16]  # cached prefix + the new tokens; some pages half full
 
 
+PAGED_DTYPE_TRITON_COVERED_BY = {  # float32: no paged case in the Triton kernel grid
+    jnp.float16: TRITON_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"),
+    jnp.bfloat16: TRITON_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
+}
+
+
 @parametrize_impl
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=triton_covered_by(PAGED_DTYPE_TRITON_COVERED_BY[d])
+                                                if d in PAGED_DTYPE_TRITON_COVERED_BY else ())
+                                   for d in DTYPES])
 def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=dtype, paged=True,
                                   extra_blocks=4, max_blocks_per_seq=5)
@@ -527,6 +594,8 @@ def test_paged_dtypes_output_dtype_and_no_nan_leak(rng, impl, dtype):
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
                         MOSAIC_PREFILL.format("paged-bs32-mqa-d128-f16-causal-window"))
+@triton_covered_by(TRITON_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
+                   TRITON_PREFILL.format("paged-bs32-gqa2-d64-f16-softcap-causal"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_block_sizes(rng, impl, block_size):
@@ -535,6 +604,7 @@ def test_paged_block_sizes(rng, impl, block_size):
     check_against_oracle(problem, impl, causal=True)
 
 
+@triton_covered_by(TRITON_PREFILL.format("paged-seqused-k-gqa4-d64"))
 @parametrize_impl
 def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, dtype=jnp.float32, paged=True,
@@ -543,6 +613,7 @@ def test_paged_seqused_k_overrides_cu_seqlens_k(rng, impl):
 
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"))
+@triton_covered_by(TRITON_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("decode_len", [1, 4])
 def test_paged_varlen_decode_batch(rng, impl, decode_len):
@@ -553,10 +624,20 @@ def test_paged_varlen_decode_batch(rng, impl, decode_len):
 
 
 WINDOWS = [(3, 0), (0, 0), (4, -1), (-1, 2), (2, 5)]
+# The Triton kernel grids' cases with each window's sides (a window of (0, 0) runs here).
+WINDOW_TRITON_COVERED_BY = {
+    (3, 0): [TRITON_TILING.format("paged-page-ids-in-step-window"), TRITON_TILING.format("packed-bq32-bk16-boundaries-window")],
+    (4, -1): [TRITON_PREFILL.format("packed-gqa2-d80-window-left-only")],
+    (-1, 2): [TRITON_PREFILL.format("packed-gqa2-d64-window-right-only")],
+    (2, 5): [TRITON_PREFILL.format("paged-bs16-mha-d64-window-both-sides"),
+             TRITON_TILING.format("paged-bk16-over-bs32-in-order")],
+}
 
 
 @parametrize_impl
-@pytest.mark.parametrize("window_size", WINDOWS, ids=str)
+@pytest.mark.parametrize("window_size", [pytest.param(w, id=str(w), marks=triton_covered_by(*WINDOW_TRITON_COVERED_BY[w])
+                                                      if w in WINDOW_TRITON_COVERED_BY else ())
+                                         for w in WINDOWS])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_window(rng, impl, window_size, causal):
     problem = make_varlen_problem(rng, [5, 1, 12], [5, 30, 27], dtype=jnp.float32, paged=True)
@@ -564,7 +645,8 @@ def test_paged_window(rng, impl, window_size, causal):
 
 
 @parametrize_impl
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=triton_covered_by(
+    TRITON_PREFILL.format("paged-fp8e5m2-bs32-mqa-d80-f16-alibi")))])  # non-causal ALiBi runs here
 def test_paged_alibi(rng, impl, causal):
     problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
                                   dtype=jnp.float32, paged=True)
@@ -576,6 +658,9 @@ def test_paged_alibi(rng, impl, causal):
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
                         MOSAIC_PREFILL.format("paged-bs32-mqa-d128-f16-causal-window"),
                         MOSAIC_PREFILL.format("paged-bs16-mha-d64-window-both-sides"))
+@triton_covered_by(TRITON_PREFILL.format("paged-bs16-mha-d64-window-both-sides"),
+                   TRITON_PREFILL.format("paged-bs16-gqa4-d64-bf16-causal-prefix"),
+                   TRITON_PREFILL.format("paged-fp8e5m2-bs32-mqa-d80-f16-alibi"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 8), (8, 2), (8, 1)])
 def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
@@ -586,6 +671,8 @@ def test_paged_gqa(rng, impl, num_q_heads, num_kv_heads):
 
 @pytest.mark.covered_by("mosaic_gpu", MOSAIC_PREFILL.format("paged-fp8e4m3-bs16-gqa4-d64-bf16-causal"),
                         MOSAIC_OTHER_CHECKS.format("paged-fp8e5m2-bs32-mqa-d80-f16-alibi-key_flags"))
+@triton_covered_by(TRITON_PREFILL.format("paged-fp8e4m3-bs16-gqa4-d64-bf16-causal"),
+                   TRITON_PREFILL.format("paged-fp8e5m2-bs32-mqa-d80-f16-alibi"))
 @parametrize_varlen_impl
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_paged_fp8_cache(rng, impl, cache_dtype):
@@ -596,11 +683,11 @@ def test_paged_fp8_cache(rng, impl, cache_dtype):
 
 @parametrize_varlen_impl
 def test_paged_everything_at_once(rng, impl):
-    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=8, num_kv_heads=2,
+    problem = make_varlen_problem(rng, PREFIX_Q_LENS, PREFIX_K_LENS, num_q_heads=4, num_kv_heads=2,
                                   head_size=80, dtype=jnp.float16, paged=True, block_size=32,
                                   cache_dtype=jnp.float8_e4m3fn, k_scale=0.05, v_scale=0.05)
     check_against_oracle(problem, impl, causal=True, window_size=(9, 0), softcap=3.0,
-                         softmax_scale=0.3, alibi_slopes=alibi_slopes(8))
+                         softmax_scale=0.3, alibi_slopes=alibi_slopes(4))
 
 
 # --------------------------------------------------------------------------- flash_attn_with_kvcache
@@ -608,6 +695,9 @@ def test_paged_everything_at_once(rng, impl):
 DECODE_LENS = [1, 17, 40, 33]
 
 
+@triton_covered_by(TRITON_DECODE.format("gqa4-d128-bs16-causal-bf16-3splits"),
+                   TRITON_DECODE.format("mha-d64-softcap-noncausal-f32"),
+                   TRITON_DECODE.format("gqa8-d256-sq3-fp8e4m3-bf16"))  # 1 and 3 query tokens
 @parametrize_impl
 @pytest.mark.parametrize("num_queries", [1, 4])
 @pytest.mark.parametrize("causal", [False, True])
@@ -617,6 +707,9 @@ def test_decode(rng, impl, num_queries, causal):
     check_against_oracle(problem, impl, causal=causal)
 
 
+@triton_covered_by(TRITON_DECODE.format("mha-d64-softcap-noncausal-f32"),
+                   TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits"),
+                   TRITON_DECODE.format("gqa4-d128-bs16-causal-bf16-3splits"))
 @parametrize_impl
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_dtypes(rng, impl, dtype):
@@ -624,15 +717,29 @@ def test_decode_dtypes(rng, impl, dtype):
     check_against_oracle(problem, impl, causal=True)
 
 
+# The Triton decode grid's cases at each head size (block sizes 16 and 32 among them).
+DECODE_TRITON_AT_HEAD_SIZE = {
+    64: [TRITON_DECODE.format("mha-d64-softcap-noncausal-f32"),
+         TRITON_DECODE.format("gqa4-d64-bs32-fp8e5m2-window-alibi-softcap-f16")],
+    80: [TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits")],
+    128: [TRITON_DECODE.format("gqa4-d128-bs16-causal-bf16-3splits")],
+    256: [TRITON_DECODE.format("gqa8-d256-sq3-fp8e4m3-bf16")],
+}
+
+
 @parametrize_impl
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+@pytest.mark.parametrize("head_size", [pytest.param(d, marks=triton_covered_by(*cases))
+                                       for d, cases in DECODE_TRITON_AT_HEAD_SIZE.items()])
 def test_decode_head_and_block_sizes(rng, impl, block_size, head_size):
     problem = make_kvcache_problem(rng, [9, 50], num_q_heads=2, num_kv_heads=1, head_size=head_size,
                                    block_size=block_size, dtype=jnp.bfloat16)
     check_against_oracle(problem, impl, causal=True)
 
 
+@triton_covered_by(TRITON_DECODE.format("mha-d64-softcap-noncausal-f32"),
+                   TRITON_DECODE.format("gqa4-d128-bs16-causal-bf16-3splits"),
+                   TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits"))
 @parametrize_impl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (8, 1)])
 def test_decode_gqa(rng, impl, num_q_heads, num_kv_heads):
@@ -641,6 +748,9 @@ def test_decode_gqa(rng, impl, num_q_heads, num_kv_heads):
     check_against_oracle(problem, impl, causal=True)
 
 
+@triton_covered_by(TRITON_DECODE.format("gqa8-d128-fp8e4m3-window-alibi-bf16-prefetched-ids"),
+                   TRITON_DECODE.format("gqa8-d256-sq3-fp8e4m3-bf16"),
+                   TRITON_DECODE.format("gqa4-d64-bs32-fp8e5m2-window-alibi-softcap-f16"))
 @parametrize_impl
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("num_queries", [1, 4])
@@ -650,18 +760,29 @@ def test_decode_fp8_cache(rng, impl, cache_dtype, num_queries):
     check_against_oracle(problem, impl, causal=True)
 
 
+# The Triton decode grid's cases with a causal window, a soft-cap, ALiBi; the empty and
+# the right-only windows and a custom softmax_scale with all of them run here.
+DECODE_FEATURE_TRITON_COVERED_BY = {
+    "window_causal": [TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits")],
+    "softcap": [TRITON_DECODE.format("mha-d64-softcap-noncausal-f32")],
+    "alibi": [TRITON_DECODE.format("mqa-d80-bs32-sq3-window-alibi-f16-2splits"),
+              TRITON_DECODE.format("gqa8-d128-fp8e4m3-window-alibi-bf16-prefetched-ids")],
+}
+
+
 @parametrize_impl
 @pytest.mark.parametrize(
     "attention",
-    [
-        dict(window_size=(8, 0), causal=True),
-        dict(window_size=(0, 0)),
-        dict(window_size=(-1, 3)),
-        dict(softcap=2.0, softmax_scale=1.0),
-        dict(alibi=True, causal=True),
-        dict(alibi=True, softcap=5.0, window_size=(20, 0), causal=True, softmax_scale=0.2),
-    ],
-    ids=["window_causal", "window_0_0", "window_right", "softcap", "alibi", "everything"],
+    [pytest.param(a, id=i, marks=triton_covered_by(*DECODE_FEATURE_TRITON_COVERED_BY[i])
+                  if i in DECODE_FEATURE_TRITON_COVERED_BY else ())
+     for i, a in [
+        ("window_causal", dict(window_size=(8, 0), causal=True)),
+        ("window_0_0", dict(window_size=(0, 0))),
+        ("window_right", dict(window_size=(-1, 3))),
+        ("softcap", dict(softcap=2.0, softmax_scale=1.0)),
+        ("alibi", dict(alibi=True, causal=True)),
+        ("everything", dict(alibi=True, softcap=5.0, window_size=(20, 0), causal=True, softmax_scale=0.2)),
+    ]],
 )
 def test_decode_features(rng, impl, attention):
     attention = dict(attention)

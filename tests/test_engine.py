@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import CompileCounter, assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
+from conftest import (ENGINE_GROUP, CompileCounter, assert_no_data_dependent_branch, cuda_lowering_target, engine_base,
+                      random_prompts)
 from jax_paged_attn.engine import (
     EngineConfig,
     LLMEngine,
@@ -28,6 +29,8 @@ from jax_paged_attn.engine.decode_batch import DecodeBatch
 from jax_paged_attn.engine.model_runner import DecodeState, decode_batch_rows
 from jax_paged_attn.builder import ScheduledSequence
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = engine_base()
 

@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import engine_base, random_prompts
+from conftest import ENGINE_GROUP, engine_base, random_prompts
 from jax_paged_attn.engine import EngineConfig, EngineLoad, LLMEngine, SamplingParams
 from jax_paged_attn.engine.block_allocator import BlockAllocator
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = engine_base()
 PROMPTS = random_prompts(11, [40, 23, 33])

@@ -21,10 +21,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import ENGINE_GROUP
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.engine import decode_batch, outputs, step_loop
 from jax_paged_attn.engine import engine as engine_module
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
                     num_host_blocks=32, batch_buckets=(4,), token_buckets=(32,),

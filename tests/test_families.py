@@ -24,14 +24,13 @@ result for that forward, not ``generate``'s cache.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 
 from jax_paged_attn.builder import FlashAttentionMetadataBuilder, ScheduledSequence
@@ -47,9 +46,31 @@ from jax_paged_attn.models import (
 )
 from conftest import count_in_calls, engine_base, lower_for_cuda
 
+
+
+class _OnFirstUse:
+    """A module imported when one of its attributes is first read: torch and transformers
+    take seconds of CPU to import, which only the one pytest-xdist worker that runs this
+    module (its group, below) spends, not every worker that collects it."""
+
+    def __init__(self, name: str, on_import=lambda module: None) -> None:
+        self._name, self._on_import, self._module = name, on_import, None
+
+    def __getattr__(self, attribute: str):
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+            self._on_import(self._module)
+        return getattr(self._module, attribute)
+
+
 # One intra-op thread: the references are tiny models, and torch's thread pool spinning
 # beside JAX's on two cores took 20x the CPU time of a single thread.
-torch.set_num_threads(1)
+torch = _OnFirstUse("torch", on_import=lambda torch: torch.set_num_threads(1))
+transformers = _OnFirstUse("transformers")
+
+# One pytest-xdist worker runs the module: each case's checkpoint (`case`, a module
+# fixture) is written and loaded once, and the tests of a family share its compiled programs.
+pytestmark = pytest.mark.xdist_group("families")
 
 VOCAB = 128
 WINDOW = 8
@@ -61,10 +82,13 @@ _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
 
 
+CASES = ("qwen2-yarn", "qwen3-linear", "gemma2-dynamic", "llama-llama3")  # `_hf_configs`' names
+
+
 def _hf_configs() -> dict[str, transformers.PretrainedConfig]:
     """Each case's transformers config: every family, every rope scaling, 2 layers each."""
     family = dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    return {
+    configs = {
         # Qwen2.5's long-context rope (yarn); a window on layer 1 (max_window_layers), tied
         # embeddings, biased q / k / v.
         "qwen2-yarn": transformers.Qwen2Config(
@@ -86,9 +110,9 @@ def _hf_configs() -> dict[str, transformers.PretrainedConfig]:
             **_SMALL, rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8, rope_theta=100.0)),
     }
+    assert tuple(configs) == CASES
+    return configs
 
-
-CASES = tuple(_hf_configs())
 FAMILIES = ("qwen2", "qwen3", "gemma2")
 FAMILY_CASES = dict(zip(FAMILIES, CASES))
 
@@ -253,16 +277,16 @@ def test_engine_on_the_gpu_matches_transformers(case):
 # The real long-context ropes (head size 128): Qwen2.5's yarn over 32,768 positions to
 # 131,072, Llama 3.1's llama3 over 8,192 to 131,072, linear and dynamic NTK at 4x.
 LONG_ROPES = {
-    "qwen2.5-yarn": (transformers.Qwen2Config, dict(
+    "qwen2.5-yarn": ("Qwen2Config", dict(
         max_position_embeddings=131072, rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e6,
                                                              original_max_position_embeddings=32768))),
-    "llama3.1-llama3": (transformers.LlamaConfig, dict(
+    "llama3.1-llama3": ("LlamaConfig", dict(
         max_position_embeddings=131072, rope_parameters=dict(
             rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=5e5,
             original_max_position_embeddings=8192))),
-    "qwen3-linear": (transformers.Qwen3Config, dict(
+    "qwen3-linear": ("Qwen3Config", dict(
         max_position_embeddings=32768, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e6))),
-    "gemma2-dynamic": (transformers.Gemma2Config, dict(
+    "gemma2-dynamic": ("Gemma2Config", dict(
         max_position_embeddings=8192, rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4))),
 }
 # Around the original context's end and the scaled one's, where the scalings part ways.
@@ -275,7 +299,7 @@ def test_long_context_rope_angles_match_transformers(name):
     transformers' rotary embedding, to the float32 rounding of each angle (both compute
     position x frequency in float32; the frequencies may differ in their last bit)."""
     config_class, fields = LONG_ROPES[name]
-    hf_config = config_class(vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+    hf_config = getattr(transformers, config_class)(vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=128, **fields)
     config = LlamaConfig.from_hf_config(hf_config.to_dict())
     positions = np.asarray(LONG_POSITIONS)

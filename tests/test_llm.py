@@ -22,9 +22,12 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from conftest import ENGINE_GROUP
 from jax_paged_attn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams, load_tokenizer
 from jax_paged_attn.models import dense_greedy_generate
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, save_checkpoint
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 CORPUS = ["the cat sat on the mat", "a dog ran to the red house", "my name is jax and i like paged caches"]
 # Small shared shapes (see tests/test_engine.py): few programs to compile on a CPU.

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
+from conftest import ENGINE_GROUP, assert_no_data_dependent_branch, cuda_lowering_target, engine_base, random_prompts
 from jax_paged_attn.engine import LLM, LLMEngine, Logprob, SamplingParams
 from jax_paged_attn.engine.sampling import MAX_LOGPROBS, logprob_dicts, logprobs_bucket, token_logprobs
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_dense
 
 from test_llm import ENGINE, checkpoint  # noqa: F401  (fixture: tiny checkpoint + tokenizer.json)
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = engine_base()
 ATOL = 2e-4

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import engine_base, random_prompts
+from conftest import ENGINE_GROUP, engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams, sample_tokens
 from jax_paged_attn.engine.penalties import Penalties, PenaltyTokens, apply_penalties, with_token_counts
 from jax_paged_attn.engine.sampling import MAX_LOGIT_BIAS
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, jit_forward_dense
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = dataclasses.replace(engine_base(), num_scheduler_steps=4)
 VOCAB = LlamaConfig.tiny().vocab_size

@@ -355,24 +355,24 @@ def test_nonfinite_values_reach_only_the_rows_that_see_them(config, paged, inter
 # tiles that visit more KV blocks than the ring holds, in both forms: one warpgroup that
 # refills the ring itself, and warp-specialized (a producer warpgroup, 1 or 2 compute
 # warpgroups: the GPU default; the interpreter runs each warpgroup as a thread, ~2 s per
-# grid point, so those cases are small).
+# grid point, so those cases are small: one head, or the fewest the case's feature needs).
 _SINGLE = tuning.MOSAIC_PREFILL_CONFIG_SINGLE_WARPGROUP
 # Partial warpgroups at sequence ends and after lead rows, 1-row and whole 64-row sequences.
-_OUTPUT_STORE_PROBLEM = dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=2,
+_OUTPUT_STORE_PROBLEM = dict(q_lens=[150, 9, 1, 70, 64], k_lens=[260, 30, 5, 70, 64], num_q_heads=1,
                              num_kv_heads=1, head_size=64, q_padding_rows=3)
 MOSAIC_TILINGS = [
     ("single-ring2-packed-window-wraps",
      dataclasses.replace(_SINGLE, block_k=64, num_stages=2),
-     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=64, q_padding_rows=2),
+     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=1, num_kv_heads=1, head_size=64, q_padding_rows=2),
      dict(causal=True, window_size=(100, 0))),
     ("single-ring3-paged-bs48-three-copies-per-block",
      dataclasses.replace(_SINGLE, block_k=64, num_stages=3),
-     dict(q_lens=[65, 3], k_lens=[260, 50], num_q_heads=4, num_kv_heads=2, head_size=32, paged=True,
+     dict(q_lens=[65, 3], k_lens=[260, 50], num_q_heads=2, num_kv_heads=2, head_size=32, paged=True,
           block_size=48, extra_blocks=4),
      dict(causal=True)),
     ("single-ring2-causal-fence-softmax",
      dataclasses.replace(_SINGLE, block_k=64, num_stages=2, fence_softmax=True),
-     dict(q_lens=[200, 9], k_lens=[260, 30], num_q_heads=2, num_kv_heads=1, head_size=64),
+     dict(q_lens=[200, 9], k_lens=[260, 30], num_q_heads=1, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     # Persistent: 3 programs walk the (tile, head) items, ring and barriers reused across
     # items of different lengths (ragged tiles, surplus tiles of the static grid).
@@ -406,7 +406,7 @@ MOSAIC_TILINGS = [
     # the other hidden from its rows (the first tile) or seen whole by them (the second).
     ("single-bk128-masked-parts-causal-hidden-and-whole-parts",
      dataclasses.replace(_SINGLE, block_k=128, num_stages=2, masked_block_k=64),
-     dict(q_lens=[200, 9], k_lens=[200, 30], num_q_heads=2, num_kv_heads=1, head_size=64),
+     dict(q_lens=[200, 9], k_lens=[200, 30], num_q_heads=1, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     ("specialized-1wg-bk128-masked-parts-paged-fp8-keys",
      tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=1, masked_block_k=64),
@@ -441,7 +441,7 @@ MOSAIC_TILINGS = [
     # window's skipped lead blocks, surplus tiles.
     ("specialized-1wg-persistent-3-programs-paged-ring3-window",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=3, compute_warpgroups=1, persistent_programs=3),
-     dict(q_lens=[150, 9, 70, 1], k_lens=[300, 30, 70, 130], num_q_heads=2, num_kv_heads=1, head_size=32,
+     dict(q_lens=[150, 9, 70, 1], k_lens=[300, 30, 70, 130], num_q_heads=1, num_kv_heads=1, head_size=32,
           paged=True, block_size=32, extra_blocks=2),
      dict(causal=True, window_size=(100, 0))),
     # ... and with two query tiles, each item's queries loaded at the previous item's
@@ -480,7 +480,7 @@ MOSAIC_TILINGS = [
     # MHA program's heads each their own (the stream changes KV head mid-ring).
     ("single-heads-per-program-2-gqa-paged-alibi",
      dataclasses.replace(_SINGLE, block_k=64, num_stages=3, heads_per_program=2),
-     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=4, num_kv_heads=1, head_size=64, paged=True,
+     dict(q_lens=[70, 9], k_lens=[300, 30], num_q_heads=2, num_kv_heads=1, head_size=64, paged=True,
           block_size=32, extra_blocks=2),
      dict(causal=True, alibi=True)),
     ("single-heads-per-program-3-mha-packed-window",
@@ -521,17 +521,16 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(block_k=128, num_stages=2, compute_warpgroups=2, nonfinite_check="probe",
                                 precheck_values=True, heads_per_program=4, prefetch_queries=True,
                                 pingpong_across_items=True),
-     dict(q_lens=[256, 100, 31, 1, 77], k_lens=[256, 164, 31, 9, 77], num_q_heads=4, num_kv_heads=1,
-          head_size=128),
+     dict(q_lens=[256, 100, 1], k_lens=[256, 164, 9], num_q_heads=4, num_kv_heads=1, head_size=128),
      dict(causal=True)),
     ("specialized-2wg-pingpong-across-items-persistent-5-programs-window",
      tuning.MosaicPrefillConfig(block_k=64, num_stages=2, compute_warpgroups=2, persistent_programs=5,
                                 pingpong_across_items=True),
-     dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=4, num_kv_heads=2, head_size=64),
+     dict(q_lens=[256, 100, 31], k_lens=[256, 164, 31], num_q_heads=2, num_kv_heads=2, head_size=64),
      dict(causal=True, window_size=(100, 0))),
     ("specialized-2wg-pingpong-key-flags-query-tile-d256-heads-per-program-2",
      tuning.MosaicPrefillConfig(nonfinite_check="key_flags", heads_per_program=2),
-     dict(q_lens=[300, 77, 1], k_lens=[300, 140, 9], num_q_heads=2, num_kv_heads=2, head_size=256),
+     dict(q_lens=[300, 1], k_lens=[300, 9], num_q_heads=2, num_kv_heads=2, head_size=256),
      dict(causal=True, window_size=(120, 0))),
     # Three compute warpgroups (D 64: 192-row tiles, no ping-pong): the third sees the
     # first two's diagonal blocks whole; sequences shorter than a tile leave warpgroups
@@ -539,7 +538,7 @@ MOSAIC_TILINGS = [
     ("specialized-3wg-causal-whole-blocks-probe-precheck",
      tuning.MosaicPrefillConfig(compute_warpgroups=3, nonfinite_check="probe", precheck_values=True,
                                 heads_per_program=2),
-     dict(q_lens=[200, 100, 31, 1], k_lens=[200, 164, 31, 9], num_q_heads=2, num_kv_heads=1, head_size=64),
+     dict(q_lens=[200, 31, 1], k_lens=[200, 31, 9], num_q_heads=2, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     ("specialized-3wg-bk128-masked-parts-paged-window-alibi",
      tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe"),
@@ -579,8 +578,8 @@ MOSAIC_TILINGS = [
      tuning.MosaicPrefillConfig(compute_warpgroups=3, block_k=128, masked_block_k=64, nonfinite_check="probe",
                                 overlap_softmax=True),
      # 400 rows: 192-row tiles whose warpgroups' unmasked runs of 128-key blocks are 0
-     # (rows 0-127), 1 (rows 128-255) and 2 or 3 (rows 256-399) long.
-     dict(q_lens=[400, 100, 31, 1], k_lens=[400, 164, 31, 9], num_q_heads=2, num_kv_heads=1, head_size=64),
+     # (rows 0-127), 1 (rows 128-255) and 2 or 3 (rows 256-399) long; a tile of 31 rows.
+     dict(q_lens=[400, 31], k_lens=[400, 31], num_q_heads=1, num_kv_heads=1, head_size=64),
      dict(causal=True)),
     ("specialized-2wg-overlap-softmax-key-flags-d256",
      tuning.MosaicPrefillConfig(nonfinite_check="key_flags", overlap_softmax=True),
@@ -588,7 +587,7 @@ MOSAIC_TILINGS = [
      dict(causal=True)),
     ("specialized-2wg-overlap-softmax-paged-fp8-runs-blocks-one-by-one",
      tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, nonfinite_check="probe", overlap_softmax=True),
-     dict(q_lens=[200, 3], k_lens=[400, 50], num_q_heads=2, num_kv_heads=1, head_size=128, paged=True,
+     dict(q_lens=[200, 3], k_lens=[400, 50], num_q_heads=1, num_kv_heads=1, head_size=128, paged=True,
           block_size=16, extra_blocks=2, cache_dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0),
      dict(causal=True)),
     ("specialized-1wg-paged-bs48-ring3-fp8",

@@ -21,11 +21,13 @@ from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import engine_base, random_prompts
+from conftest import ENGINE_GROUP, engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams
 from jax_paged_attn.engine.request import RequestStatus, SchedulerOutput
 from jax_paged_attn.engine.scheduler import Scheduler
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM, dense_greedy_generate
+
+pytestmark = ENGINE_GROUP  # one worker compiles the tiny Llama's programs once (conftest.py)
 
 BASE = engine_base()
 BLOCK_SIZE = BASE.block_size
