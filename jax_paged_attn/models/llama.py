@@ -357,10 +357,7 @@ def _gate_up_kernel_init(intermediate_size: int) -> Callable[..., Array]:
     return init
 
 
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "silu": jax.nn.silu,
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
-}
+ACTIVATIONS = matmul.GATE_ACTIVATIONS
 """`LlamaConfig.hidden_act` -> the gate's activation."""
 
 
