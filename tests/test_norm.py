@@ -116,28 +116,43 @@ def test_gemma_norm_scales_in_float32_before_its_one_rounding(implementation):
     assert differing[0] <= want.size // 100 < differing[1], differing  # the double rounding: many a unit
 
 
+def check_sandwich_norm(implementation, interpret, rows, cols, splits):
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((rows, cols)), jnp.bfloat16)
+    partials = jnp.asarray(rng.standard_normal((splits, rows, cols)), jnp.float32)
+    post_norm, next_norm = (RMSNorm(cols, eps=EPS, param_dtype=jnp.bfloat16, unit_offset=True) for _ in range(2))
+    for n in (post_norm, next_norm):
+        n.weight[...] = jnp.asarray(rng.standard_normal(cols) * 0.5, jnp.bfloat16)
+    hidden, normed = next_norm.add_and_norm(partials, x, update_norm=post_norm, implementation=implementation,
+                                            interpret=interpret)
+    want_hidden = x + post_norm(partials.sum(0).astype(jnp.bfloat16))
+    assert ulp_diff(hidden, want_hidden, jnp.bfloat16) <= 1.0
+    assert ulp_diff(normed, next_norm(want_hidden), jnp.bfloat16) <= 2.0
+    return next_norm
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_sandwich_norm_of_the_update_runs_in_the_add_kernel(implementation):
     """Gemma 2's sandwich norm through the fused kernel: ``residual + post_norm(update)``
     (the update's split-K partials summed, rounded, normed, rounded), then the next norm:
     as the unfused norms compute it, in one kernel; a norm of other eps or scaling is
     refused."""
-    rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
-    partials = jnp.asarray(rng.standard_normal((2, 12, 256)), jnp.float32)
-    post_norm, next_norm = (RMSNorm(256, eps=EPS, param_dtype=jnp.bfloat16, unit_offset=True) for _ in range(2))
-    for n in (post_norm, next_norm):
-        n.weight[...] = jnp.asarray(rng.standard_normal(256) * 0.5, jnp.bfloat16)
-    hidden, normed = next_norm.add_and_norm(partials, x, update_norm=post_norm, implementation=implementation,
-                                            interpret=implementation == "triton")
-    want_hidden = x + post_norm(partials.sum(0).astype(jnp.bfloat16))
-    assert ulp_diff(hidden, want_hidden, jnp.bfloat16) <= 1.0
-    assert ulp_diff(normed, next_norm(want_hidden), jnp.bfloat16) <= 2.0
+    next_norm = check_sandwich_norm(implementation, implementation == "triton", rows=12, cols=256, splits=2)
+    x, partials = jnp.zeros((12, 256), jnp.bfloat16), jnp.zeros((2, 12, 256), jnp.float32)
     other = RMSNorm(256, eps=EPS * 10, param_dtype=jnp.bfloat16, unit_offset=True)
     with pytest.raises(ValueError, match="update_norm must have this norm's unit_offset and eps"):
         next_norm.add_and_norm(partials, x, update_norm=other, implementation=implementation, interpret=False)
     with pytest.raises(ValueError, match=r"update_norm_weight must have shape \[N\] = \[256\], got \(128,\)"):
         norm.add_rms_norm(partials, x, next_norm.scale, eps=EPS, partials=True, update_norm_weight=jnp.ones(128))
+
+
+@pytest.mark.gpu
+def test_compiled_sandwich_norm_matches_unfused_on_the_gpu():
+    """Gemma-2-9B's sandwich norm (3,584 columns, split-K partials of a decode batch) in
+    the compiled kernel, against the unfused norms."""
+    assert jax.default_backend() == "gpu", "the gpu suite needs a GPU"
+    for rows in (1, 32):
+        check_sandwich_norm("triton", False, rows=rows, cols=3584, splits=4)
 
 
 def test_plan_takes_whole_rows_and_a_warp_per_1024_loads():
