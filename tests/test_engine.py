@@ -171,8 +171,24 @@ def test_multi_step_decoding_matches_dense_and_stops_on_time(model):
     eos = expected[1][9]  # request 1 stops at its 10th token (or earlier, if eos came before)
     cut = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in expected]
     engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, eos_token_id=eos))
+    events, run_mixed, dispatch = [], engine.runner.run_mixed, engine.runner.run_decode_window
+
+    def watching_mixed(*args, **kwargs):
+        events.append("mixed")
+        return run_mixed(*args, **kwargs)
+
+    def watching_dispatch(*args, **kwargs):  # steps counted without a prompt, before this window
+        events.append(engine._loop.batch.steps_since_prompts)
+        return dispatch(*args, **kwargs)
+
+    engine.runner.run_mixed, engine.runner.run_decode_window = watching_mixed, watching_dispatch
     outs = run_with_arrivals(engine, prompts, greedy(24), arrivals=[0, 0, 3, 9])
     assert [o.outputs[0].token_ids for o in outs] == cut
+    # The prompts arriving at steps 3 and 9 joined in mixed steps, each starting the
+    # batch's count of steps without a prompt (its shrink delay) again; windows add theirs.
+    after_mixed = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "mixed" and events[i + 1] != "mixed"]
+    assert events.count("mixed") >= 2 and after_mixed and set(after_mixed) == {0}, events
+    assert any(e == 4 for e in events), events
     assert [o.outputs[0].finish_reason for o in outs] == ["stop" if eos in ref else "length" for ref in expected]
     # Decode-only stretches ran four model steps per scheduling step.
     assert engine.stats.num_steps < engine.stats.num_generated_tokens * 0.6
@@ -193,10 +209,11 @@ def test_256_step_decode_compiles_few_programs_and_matches_dense():
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [256, 256]
-    # 1 mixed prompt + decode program + 1 decode-window program: the persistent batch's
+    # 1 mixed prompt + decode program and 2 decode-window programs: the mixed batch's
+    # rows (4) for its first two windows, then the batch shrunk to the 2 live rows, whose
     # block tables are sized for the requests' last positions, so growing sequences
     # compile nothing.
-    assert engine.num_compiled_programs == 2, engine.num_compiled_programs
+    assert engine.num_compiled_programs == 3, engine.num_compiled_programs
     programs = (engine.runner.mixed_program, engine.runner.window_program)
     if all(hasattr(p, "_cache_size") for p in programs):
         assert sum(p._cache_size() for p in programs) == engine.num_compiled_programs
@@ -423,6 +440,33 @@ def test_admissions_join_the_running_batch_without_draining_it(model):
     # and the running rows got a window behind each such prefill, before the newcomer joined
     assert all(events[i + 1] == "window" for i, e in enumerate(events) if e == "prefill"), events
     assert_all_blocks_free(engine)
+
+
+def test_a_batch_shrinks_only_after_two_windows_without_a_prompt():
+    """A batch whose live rows fit a smaller bucket keeps its rows while prompts keep
+    joining (each shrink would drain it, and the next prompt's mixed step would need the
+    largest bucket back): it shrinks once ``2 * num_scheduler_steps`` steps passed with
+    no prompt; a prompt joining starts the count again."""
+    from types import SimpleNamespace
+
+    from jax_paged_attn.engine.shapes import ProgramShapes
+
+    shapes = ProgramShapes(block_table_width=16, window_widths=(16,), decode_rows=(2, 4, 8), mixed_rows=(8,),
+                           prompt_shapes=((32, 4),))
+    requests = [SimpleNamespace(is_finished=i >= 3) for i in range(8)]  # 3 live rows of 8: a 4-row bucket fits
+    batch = DecodeBatch(scheduler=None, runner=None, config=dataclasses.replace(BASE, num_scheduler_steps=4),
+                        vocab_size=64, requests=requests, num_rows=8, width=16, num_stop_ids=1,
+                        next_position=np.zeros(8, np.int64), table_len=np.zeros(8, np.int64),
+                        last_input=np.zeros(8, np.int64), greedy=True)
+    assert batch.shrink_after_steps() == 8
+    for steps, rebuild in [(0, False), (4, False), (7, False), (8, True), (40, True)]:
+        batch.steps_since_prompts = steps
+        assert batch.needs_rebuild(shapes) == rebuild, steps
+    batch.requests = [SimpleNamespace(is_finished=i >= 5) for i in range(8)]  # 5 live: the 8-row bucket
+    assert not batch.needs_rebuild(shapes)
+    batch.missing_rows = True  # a request that could not join rebuilds at once, as before
+    batch.steps_since_prompts = 0
+    assert batch.needs_rebuild(shapes)
 
 
 def test_a_request_that_cannot_join_the_batch_rebuilds_it(model):

@@ -71,6 +71,7 @@ class DecodeBatch:
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     wants_wider_table: bool = False
     missing_rows: bool = False  # a decoding request could not join (`join`, `joining_rows`)
+    steps_since_prompts: int = 0  # steps dispatched since the batch started or last took a prompt
 
     @classmethod
     def start(cls, requests: list[Request], *, mixing: bool, scheduler: Scheduler, runner: ModelRunner,
@@ -120,14 +121,24 @@ class DecodeBatch:
 
     def needs_rebuild(self, shapes: ProgramShapes) -> bool:
         """A request outgrew its block-table row, a decoding request is outside the batch,
-        most rows stopped (a smaller batch bucket runs faster), or the batch applies
-        penalties that no live row uses any more (the program without them runs faster)."""
+        most rows stopped and no prompt joined for `shrink_after_steps` steps (a smaller
+        batch bucket runs faster), or the batch applies penalties that no live row uses
+        any more (the program without them runs faster)."""
         if self.wants_wider_table or self.missing_rows:
             return True
         live = [r for r in self.requests if not r.is_finished]
         if live and self.penalized and not uses_penalties(live):
             return True
-        return bool(live) and shapes.rows_for(len(live), mixing=False) < self.num_rows
+        return (bool(live) and shapes.rows_for(len(live), mixing=False) < self.num_rows
+                and self.steps_since_prompts >= self.shrink_after_steps())
+
+    def shrink_after_steps(self) -> int:
+        """Steps without a prompt joining before the batch may shrink to a smaller bucket:
+        two full windows. A shrink drains the batch (the device idles while the host reads
+        every window in flight and uploads the rows again), and the next prompt's mixed
+        step needs the largest bucket back (a second drain): while requests keep arriving,
+        as a server's do, the batch keeps its rows; once they pause, it shrinks."""
+        return 2 * self.config.num_scheduler_steps
 
     # ------------------------------------------------------------- joining
     def joining_rows(self, out: SchedulerOutput, rows: np.ndarray, num_seqs: int
@@ -183,6 +194,7 @@ class DecodeBatch:
             row_index[j] = row
             self.take_row(row, request, next_position=request.num_tokens - 1)
         self.runner.insert_decode_rows(row_index, values)
+        self.steps_since_prompts = 0
         return len(requests)
 
     def take_row(self, row: int, request: Request, *, next_position: int) -> None:
@@ -258,6 +270,7 @@ class DecodeBatch:
                                             num_logprobs=self.num_logprobs)
         self.inflight.append(InFlight(out, list(self.requests)))  # the rows' requests when dispatched
         self.next_position[live] += k
+        self.steps_since_prompts += k
         return True
 
     def read_window(self) -> tuple[list[Request], int]:

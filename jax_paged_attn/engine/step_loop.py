@@ -243,6 +243,7 @@ class StepLoop:
         sched.commit(out)  # the next schedule starts each prompt where this step leaves it
         batch.inflight.append(InFlight(rows_result, list(batch.requests), PromptTokens(out, prompt_result, rows)))
         batch.next_position[live] += 1
+        batch.steps_since_prompts = 0
         for row, request in joining:
             batch.take_row(row, request, next_position=request.num_tokens)  # the token it samples
         stats = self.recorder.stats
