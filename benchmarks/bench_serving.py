@@ -218,7 +218,9 @@ def run_arrivals(engine: LLMEngine, workload: Workload, arrivals_s: np.ndarray, 
                 compile_s_after_start=counter.seconds, max_late_ms=1e3 * float(late_s.max()),
                 decode_batches=getattr(stats, "num_decode_batches", None),
                 joined_rows=getattr(stats, "num_inserted_rows", None),
-                preemptions=getattr(stats, "num_preemptions", None))
+                preemptions=getattr(stats, "num_preemptions", None), steps=getattr(stats, "num_steps", None),
+                mixed_steps=getattr(stats, "num_mixed_steps", None),
+                decode_step_s=getattr(stats, "decode_time_s", None), prompt_step_s=getattr(stats, "prefill_time_s", None))
 
 
 def measure_parts(engine: LLMEngine, workload: Workload, batch: int) -> dict[str, Any]:
@@ -331,6 +333,10 @@ def run_serving(args: argparse.Namespace, engine_options: dict[str, Any]) -> dic
         print(f"rate {row['rate_entry']}: {row['decode_batches']} decode batches built, {row['joined_rows']} requests "
               f"joined a running batch, {row['preemptions']} preemptions; requests submitted up to "
               f"{row['max_late_ms']:,.0f} ms after their arrival (a step was running)")
+        if row.get("steps") is not None:  # where the host's time went, step by step
+            print(f"rate {row['rate_entry']}: {row['steps']:,} engine steps ({row['mixed_steps']:,} with prompts "
+                  f"beside the batch), {row['decode_step_s']:.2f} s in decode-only steps, "
+                  f"{row['prompt_step_s']:.2f} s in steps with prompts")
     if args.profile:
         result["profile"] = profile_run(engine, workload, pathlib.Path(args.profile))
     del engine

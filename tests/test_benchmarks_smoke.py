@@ -1003,6 +1003,8 @@ def test_bench_serving_quick_sweeps_two_rates_with_no_compile_after_start(capsys
         assert row["requests"] == 8 and row["total_tok_s"] > row["output_tok_s"] > 0
         assert row_cells[header.index("sum of parts s")] == f"{result['sum_of_parts_s']:.2f}"
         assert int(row_cells[header.index("compiles after start")]) == row["compiles_after_start"] == 0
+        assert row["steps"] >= row["mixed_steps"] >= 1 and row["decode_step_s"] + row["prompt_step_s"] > 0
+        assert f"rate {row['rate_entry']}: {row['steps']:,} engine steps ({row['mixed_steps']:,} with prompts" in out
 
 
 # A --full case: the program store's round trip runs by default in test_engine.py
