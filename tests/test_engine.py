@@ -832,6 +832,9 @@ def test_a_second_engine_loads_its_programs_from_the_program_store(model, monkey
     with caplog.at_level("WARNING"):
         second, again = start()
     assert again == tokens and "torn file" in caplog.text
+    # The first warm-up's programs were read ahead, in its order (the penalized ones,
+    # which the warm-up left out, loaded as the request reached them).
+    assert "those this configuration's last warm-up used, in its order" in second.start_report
     # Every other program loaded; the torn one compiled again and replaced.
     assert second.runner.program_store.num_loaded == stored - 1 and second.runner.program_store.num_stored == 1
     assert second.runner.num_traces - traces <= 1  # nothing but the torn one traced anew

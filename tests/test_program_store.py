@@ -23,7 +23,7 @@ from flax import nnx
 
 from conftest import engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams
-from jax_paged_attn.engine import program_store, startup
+from jax_paged_attn.engine import program_store, startup, trusted_directory
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -107,20 +107,20 @@ def test_a_file_whose_key_matches_but_whose_program_does_not_is_refused_before_i
 
 def test_untrusted_directories_are_named(tmp_path):
     trusted = tmp_path / "mine"
-    assert program_store.make_private_directory(trusted / "a" / "b") is None
+    assert trusted_directory.make_private_directory(trusted / "a" / "b") is None
     assert (trusted / "a" / "b").stat().st_mode & 0o777 == 0o700
     for mode in (0o770, 0o707):
         loose = tmp_path / f"loose{mode:o}"
         loose.mkdir()
         loose.chmod(mode)
-        assert "writable by group or others" in program_store.untrusted_directory_reason(loose)
-        assert "ancestor" in program_store.untrusted_directory_reason(loose / "child")
-        assert program_store.make_private_directory(loose / "child") is not None
+        assert "writable by group or others" in trusted_directory.untrusted_directory_reason(loose)
+        assert "ancestor" in trusted_directory.untrusted_directory_reason(loose / "child")
+        assert trusted_directory.make_private_directory(loose / "child") is not None
     if os.getuid() == 0:  # root can hand a directory to another user
         foreign = tmp_path / "foreign"
         foreign.mkdir(mode=0o700)
         os.chown(foreign, 12345, 12345)
-        assert "owned by uid 12345" in program_store.untrusted_directory_reason(foreign)
+        assert "owned by uid 12345" in trusted_directory.untrusted_directory_reason(foreign)
 
 
 @pytest.fixture
@@ -203,6 +203,40 @@ def test_a_program_of_another_model_under_the_base_models_name_is_not_loaded(mon
     assert tokens == base_tokens
     assert store.num_loaded == len(base) - planted and store.num_stored == planted
     assert caplog.text.count("it holds another program") == planted
+
+
+def test_a_warm_start_prefetches_its_own_configurations_programs_in_their_order(tmp_path):
+    """The programs a warm-up used are listed under its configuration (`write_manifest`);
+    the next `prefetch` under that configuration reads those, in that order, and no other
+    configuration's; with no list (or a list naming anything but the store's program
+    files) it reads every program of the key, as before."""
+    device = jax.devices()[0]
+    store = program_store.ProgramStore(tmp_path, ["shared"], device=device)
+    programs = {n: program_store.StoredProgram(jax.jit(lambda x, n=n: x * n), f"times{n}", store, params_first=False)
+                for n in range(1, 6)}
+    for n in (3, 1, 2):
+        programs[n](jnp.ones(n))
+    store.write_manifest(["engine a"])
+    store.used.clear()
+    for n in (4, 5):
+        programs[n](jnp.ones(n))
+    store.write_manifest(["engine b"])
+    names = {n: store._path(f"times{n}", program_store.call_signature((jnp.ones(n),), {})).name for n in programs}
+
+    def prefetched(lines):
+        fresh = program_store.ProgramStore(tmp_path, ["shared"], device=device)
+        return fresh.prefetch({}, lines), fresh.prefetched_from_manifest, [p.name for p in fresh._prefetched]
+
+    assert prefetched(["engine a"]) == (3, True, [names[3], names[1], names[2]])
+    assert prefetched(["engine b"]) == (2, True, [names[4], names[5]])
+    assert prefetched(["engine c"]) == (5, False, sorted(names.values()))
+    store._write_value("manifest", ["engine d"], ["../../etc/passwd", names[1]])
+    assert prefetched(["engine d"])[:2] == (5, False)
+    again = program_store.ProgramStore(tmp_path, ["shared"], device=device)
+    again.prefetch({}, ["engine a"])
+    reread = program_store.StoredProgram(jax.jit(lambda x: x * 3), "times3", again, params_first=False)
+    np.testing.assert_array_equal(reread(jnp.ones(3)), 3.0)
+    assert again.num_prefetched == again.num_loaded == 1 and again.num_stored == 0
 
 
 _ENGINE_SCRIPT = """

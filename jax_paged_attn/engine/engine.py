@@ -31,7 +31,8 @@ Beneath the rooms: ``block_allocator.py`` (the scheduler's block pools and prefi
 cache), ``model_runner.py`` (the device side), ``sampling.py`` (`SamplingParams`, the
 samplers), ``penalties.py`` (the penalties, ``logit_bias`` and ``min_tokens`` on the
 device, and the per-row token counts they read), ``shapes.py`` (the programs' static
-shapes) and ``program_store.py`` (compiled programs kept on disk); above them,
+shapes), ``program_store.py`` (compiled programs kept on disk) and
+``trusted_directory.py`` (whether a directory may hold them); above them,
 ``llm.py`` (`LLM`: text in, text out).
 
 A walk through `LLMEngine.step`, top to bottom, one module each:
@@ -143,9 +144,12 @@ class LLMEngine:
             num_blocks, line = startup.kv_cache_blocks_for_memory(model, config, max_model_len,
                                                                   startup.program_store_dir(config))
             report.append(line)
+        # The warm-up's programs are this configuration's: the store reads those first at the next start.
+        self._manifest_lines = [f"engine {config!r}", f"num_blocks {num_blocks}", f"max_model_len {max_model_len}"]
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   compiler_options=config.compiler_options,
-                                  program_store_dir=startup.program_store_dir(config))
+                                  program_store_dir=startup.program_store_dir(config),
+                                  manifest_lines=self._manifest_lines)
         report.append(self.runner.program_store_line)
         bytes_per_block = sum(int(c.nbytes) for c in self.runner.kv_caches) // num_blocks
         num_host_blocks = config.num_host_blocks
@@ -432,6 +436,8 @@ class LLMEngine:
                 bar.close()
             self.runner.drop_decode_state()
             self._loop.batch = None
+        if self.runner.program_store is not None:
+            self.runner.program_store.write_manifest(self._manifest_lines)
         report = WarmupReport(num_programs=len(tasks), num_compiled=stats_lib.backend_compiles() - compiles_before,
                               num_cache_hits=stats_lib.cache_hits() - hits_before, seconds=time.perf_counter() - start,
                               slowest_program_s=max(seconds, default=0.0))

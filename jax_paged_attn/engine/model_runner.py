@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged_attn.engine import program_store as store_lib
+from jax_paged_attn.engine.trusted_directory import make_private_directory
 from jax_paged_attn.engine.penalties import (
     Penalties,
     PenaltyTokens,
@@ -424,7 +425,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int,
-                 compiler_options: Mapping[str, Any] | None = None, program_store_dir: str | None = None) -> None:
+                 compiler_options: Mapping[str, Any] | None = None, program_store_dir: str | None = None,
+                 manifest_lines: Sequence[str] = ()) -> None:
         check_model(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -441,7 +443,7 @@ class ModelRunner:
         self.program_store_line = "program store: off"
         if program_store_dir is not None:
             key, reason = store_lib.model_key(graphdef, model, self.params, options)
-            untrusted = None if reason else store_lib.make_private_directory(program_store_dir)
+            untrusted = None if reason else make_private_directory(program_store_dir)
             if reason:
                 self.program_store_line = f"program store: off ({reason}: its programs cannot be keyed by source)"
             elif untrusted:
@@ -462,9 +464,12 @@ class ModelRunner:
                 self.program_store_line = (f"program store: {program_store_dir} (compiled programs by source, "
                                            f"model, JAX and device; a second start loads them without tracing)")
                 started = store.prefetch({**{name: dict(options) for name in ("step", "window", "mixed")},
-                                          "insert": None})
+                                          "insert": None}, manifest_lines)
                 if started:
-                    self.program_store_line += f"; its {started} stored programs read and compiled side by side"
+                    self.program_store_line += (
+                        f"; {started} stored programs read and compiled side by side: " + (
+                            "those this configuration's last warm-up used, in its order" if store.prefetched_from_manifest
+                            else "every program of this model (no warm-up of this configuration recorded yet)"))
 
     @property
     def num_traces(self) -> int:

@@ -14,11 +14,13 @@ once per key (`read_figure` / `write_figure`: the KV-cache sizing's activation b
 measurement traces and compiles the model's largest step), so that the warm start's claim
 holds on a GPU too. A single-device model's programs place every argument on its device,
 so they can be compiled from their shapes alone: at the runner's start the store reads and
-compiles every program it holds under the model's key in a pool of threads (`prefetch`),
-and the warm-up's calls take them from there.
+compiles, in a pool of threads (`prefetch`), the programs the last warm-up of the same
+engine configuration used, in its order (`write_manifest`; every program it holds under
+the model's key where none is recorded: a store shared by many configurations and models
+costs a start only its own), and the warm-up's calls take them from there.
 
 Where: a directory beside JAX's persistent cache (the engine's ``compilation_cache_dir``),
-used only when it is trusted (`untrusted_directory_reason`: owned by this user, not
+used only when it is trusted (`trusted_directory.untrusted_directory_reason`: owned by this user, not
 writable by group or others, nor any ancestor unless sticky): whoever can write there
 chooses the code this process runs, through JAX's cache if not through the store.
 
@@ -51,7 +53,6 @@ import logging
 import os
 import pathlib
 import re
-import stat
 import sys
 import tempfile
 from typing import Any, Callable, Mapping, Sequence
@@ -70,7 +71,8 @@ FILE_MAGIC = b"jax_paged_attn program store\n"
 
 FILE_SUFFIX = ".jaxprog"
 FIGURE_SUFFIX = ".figure"
-"""Files of figures measured once per key (`read_figure`)."""
+"""Files of figures measured once per key (`read_figure`) and of warm-up manifests (`write_manifest`)."""
+_PROGRAM_FILE_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{40}" + re.escape(FILE_SUFFIX))  # `ProgramStore._path`'s names
 
 # The engine's programs may hold Pallas Triton kernels: XLA does not promise to read a
 # Triton custom call of another version, and the key pins JAX, jaxlib and the devices,
@@ -188,69 +190,6 @@ def signature_text(signature: tuple) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x?", text)  # object addresses differ between processes
 
 
-def untrusted_directory_reason(path: str | os.PathLike) -> str | None:
-    """Why ``path`` (a directory, existing or not) cannot be trusted with programs this
-    process will run, or None where it can: as ssh and pip judge theirs, the directory
-    must be owned by this user and not writable by group or others, and each ancestor
-    owned by this user or root and not writable by group or others unless sticky
-    (``/tmp``); a missing directory is judged by its nearest existing ancestor."""
-    if not hasattr(os, "getuid"):  # pragma: no cover - POSIX only
-        return "file ownership cannot be checked on this platform"
-    uid = os.getuid()
-    current = pathlib.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
-    is_target = True
-    while True:
-        try:
-            info = os.stat(current)  # follows links: the directory the files land in
-        except FileNotFoundError:
-            if current.parent == current:
-                return f"{current} does not exist"
-            current, is_target = current.parent, False
-            continue
-        except OSError as error:
-            return f"{current} cannot be examined ({error})"
-        if not stat.S_ISDIR(info.st_mode):
-            return f"{current} is not a directory"
-        writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if is_target:
-            if info.st_uid != uid:
-                return f"{current} is owned by uid {info.st_uid}, not by this user (uid {uid})"
-            if writable_by_others:
-                return f"{current} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
-        else:
-            if info.st_uid not in (uid, 0):
-                return f"its ancestor {current} is owned by uid {info.st_uid}, neither this user nor root"
-            if writable_by_others and not info.st_mode & stat.S_ISVTX:
-                return (f"its ancestor {current} is writable by group or others and not sticky "
-                        f"(mode {stat.S_IMODE(info.st_mode):o})")
-        if current.parent == current:
-            return None
-        current, is_target = current.parent, False
-
-
-def make_private_directory(path: str | os.PathLike) -> str | None:
-    """Creates ``path`` and its missing ancestors with mode 0o700 and returns
-    `untrusted_directory_reason` of it (None: trusted). An existing directory is left as
-    it is: a loose one is refused, not repaired behind the user's back."""
-    path = pathlib.Path(os.path.expanduser(os.fspath(path)))
-    reason = untrusted_directory_reason(path)
-    if reason is not None and path.exists():
-        return reason
-    missing = []
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            break
-        missing.append(candidate)
-    for directory in reversed(missing):
-        try:
-            directory.mkdir(mode=0o700)
-        except FileExistsError:  # another process made it first: judged below
-            pass
-        except OSError as error:
-            return f"{directory} cannot be created ({error})"
-    return untrusted_directory_reason(path)
-
-
 def _encode_aux(value: Any) -> Any:
     """JSON of a pytree node's static data, tuples tagged (JSON has only lists, and a
     tree with a list where the program had a tuple is another tree)."""
@@ -349,7 +288,7 @@ class ProgramStore:
 
     Args:
       directory: where the files live (created with mode 0o700 if missing; the caller
-        checks it is trusted: `make_private_directory`).
+        checks it is trusted: `trusted_directory.make_private_directory`).
       program_key: what decides the programs besides each call (`model_key`: the
         environment, the package and model source digests, the parameters' shapes, the
         XLA options).
@@ -368,15 +307,26 @@ class ProgramStore:
         self._prefetched: dict[pathlib.Path, concurrent.futures.Future[_Prefetched | None]] = {}
         self.num_stored = 0  # programs compiled and written to it
         self.num_unserializable = 0  # programs export refused: compiled by their plain jit, not stored
+        self.used: list[str] = []  # file names of the programs this process took from the store or wrote, in order
+        self.prefetched_from_manifest = False  # `prefetch` took its files from a `write_manifest` list
 
-    def prefetch(self, compiler_options: Mapping[str, Mapping[str, Any] | None], max_workers: int = 8) -> int:
-        """Starts reading and compiling, in a pool of threads, every program stored under
-        this store's key (``compiler_options``: each program name's XLA options), so a warm
-        start loads them side by side (each compilation, mostly a cache read and a load,
-        releases the GIL); returns how many files it started on (0 without a ``device``).
+    def prefetch(self, compiler_options: Mapping[str, Mapping[str, Any] | None], manifest_lines: Sequence[str] = (),
+                 max_workers: int = 8) -> int:
+        """Starts reading and compiling, in a pool of threads, the programs a warm-up under
+        ``manifest_lines`` (the engine's configuration) used last time, in its order
+        (`write_manifest`), or with no such list every program stored under this store's
+        key (``compiler_options``: each program name's XLA options), so a warm start loads
+        them side by side (each compilation, mostly a cache read and a load, releases the
+        GIL); returns how many files it started on (0 without a ``device``).
         `load_or_compile` takes a program from there once its file's key and the call's
         arguments match; any other is loaded or compiled as without this."""
-        paths = sorted(self.directory.glob(f"*{FILE_SUFFIX}")) if self.device is not None else []
+        if self.device is None:
+            return 0
+        names = self._read_value("manifest", manifest_lines)
+        self.prefetched_from_manifest = isinstance(names, list) and all(
+            isinstance(n, str) and _PROGRAM_FILE_NAME.fullmatch(n) for n in names)
+        paths = ([self.directory / n for n in names] if self.prefetched_from_manifest
+                 else sorted(self.directory.glob(f"*{FILE_SUFFIX}")))
         if not paths:
             return 0
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="program-prefetch")
@@ -409,21 +359,35 @@ class ProgramStore:
         """A figure measured at an earlier start under the same key (the store's key and
         ``key_lines``), or None when none is stored; a file that is not this figure is
         said once in the log and left for `write_figure` to replace."""
+        value = self._read_value(name, key_lines)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            logger.warning("program store: figure %s is %r, not an integer; measuring again", name, value)
+            return None
+        return value
+
+    def write_figure(self, name: str, key_lines: Sequence[str], value: int) -> None:  # for `read_figure`
+        self._write_value(name, key_lines, int(value))
+
+    def write_manifest(self, manifest_lines: Sequence[str]) -> None:
+        """Records the programs this process used so far (`used`), in order, as the list
+        the next `prefetch` under ``manifest_lines`` reads, so that a warm start reads
+        and compiles its own programs first and no other configuration's or model's."""
+        if self.used:
+            self._write_value("manifest", manifest_lines, list(dict.fromkeys(self.used)))
+
+    def _read_value(self, name: str, key_lines: Sequence[str]) -> Any:
         path, key = self._figure_path(name, key_lines)
         if not path.exists():
             return None
         try:
-            value = json.loads(self._read(path, key))["value"]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise StoredFileError(f"its value {value!r} is not an integer")
-            return value
+            return json.loads(self._read(path, key))["value"]
         except (StoredFileError, ValueError, TypeError, KeyError) as error:
-            logger.warning("program store: %s not used (%s); measuring again", path, error)
+            logger.warning("program store: %s not used (%s)", path, error)
             return None
 
-    def write_figure(self, name: str, key_lines: Sequence[str], value: int) -> None:  # for `read_figure`
+    def _write_value(self, name: str, key_lines: Sequence[str], value: Any) -> None:
         path, key = self._figure_path(name, key_lines)
-        self._write(path, key, json.dumps({"value": int(value)}).encode())
+        self._write(path, key, json.dumps({"value": value}).encode())
 
     def _figure_path(self, name: str, key_lines: Sequence[str]) -> tuple[pathlib.Path, list[str]]:
         key = [*self.program_key, f"figure {name}", *key_lines]
@@ -456,6 +420,7 @@ class ProgramStore:
         if ahead is not None and ahead.key == key and _mismatch(ahead.exported, in_tree, leaves) is None:
             self.num_loaded += 1
             self.num_prefetched += 1
+            self.used.append(path.name)
             return _FlatCall(ahead.compiled)
         if path.exists():
             try:
@@ -465,6 +430,7 @@ class ProgramStore:
                     raise StoredFileError(f"it does not fit the call: {reason}")
                 compiled = _compile_exported(exported, donated, leaves, compiler_options, self.device)
                 self.num_loaded += 1
+                self.used.append(path.name)
                 return _FlatCall(compiled)
             except Exception as error:  # noqa: BLE001 - any file that is not this program is recompiled
                 logger.warning("program store: %s not used (%s: %s); compiling the program again",
@@ -483,7 +449,8 @@ class ProgramStore:
             logger.warning("program store: %s cannot be exported (%s: %s); it is compiled without the store, "
                            "and again at the next start", path.name, type(error).__name__, error)
             return traced.lower().compile()
-        self._write(path, key, bytes(data))
+        self.num_stored += self._write(path, key, bytes(data))
+        self.used.append(path.name)
         return _FlatCall(compiled)
 
     @staticmethod
@@ -524,7 +491,7 @@ class ProgramStore:
             raise StoredFileError(f"torn file: {len(payload)} payload bytes of {length}, or their SHA-256 differs")
         return payload
 
-    def _write(self, path: pathlib.Path, key: list[str], payload: bytes) -> None:
+    def _write(self, path: pathlib.Path, key: list[str], payload: bytes) -> bool:
         header = dict(format=STORE_FORMAT, key=key, payload_bytes=len(payload),
                       payload_sha256=hashlib.sha256(payload).hexdigest())
         try:
@@ -532,9 +499,10 @@ class ProgramStore:
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, prefix=".", suffix=".tmp") as f:
                 f.write(FILE_MAGIC + json.dumps(header).encode() + b"\n" + payload)
             os.replace(f.name, path)  # readers see the whole file or none
-            self.num_stored += 1
+            return True
         except OSError as error:  # the program runs; only the next start pays
             logger.warning("program store: %s not written (%s)", path, error)
+            return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jax_paged_attn.builder import ScheduledSequence
+from jax_paged_attn.engine import trusted_directory
 from jax_paged_attn.engine.config import DEFAULT_NUM_BLOCKS_WITHOUT_MEMORY_STATS, EngineConfig
 
 Array = jax.Array
@@ -34,13 +35,11 @@ def program_store_dir(config: EngineConfig) -> str | None:
     """Where the engine keeps its compiled programs (`program_store`): beside JAX's
     persistent compilation cache, in its directory, and off when that cache is off
     (`use_compilation_cache` leaves it off in an untrusted directory). The runner checks
-    the directory itself again (`program_store.make_private_directory`)."""
-    from jax_paged_attn.engine import program_store
-
+    the directory itself again (`trusted_directory.make_private_directory`)."""
     if not config.compilation_cache or not jax.config.jax_enable_compilation_cache:
         return None
     directory = jax.config.jax_compilation_cache_dir
-    if not directory or program_store.untrusted_directory_reason(directory):
+    if not directory or trusted_directory.untrusted_directory_reason(directory):
         return None
     return os.path.join(directory, "jax_paged_attn_programs")
 
@@ -54,11 +53,9 @@ def use_compilation_cache(config: EngineConfig) -> str:
     process chose one; returns the line saying what holds.
 
     The cache and the program store load native code from the directory, so a directory
-    others can write (`program_store.untrusted_directory_reason`) is not used: the
+    others can write (`trusted_directory.untrusted_directory_reason`) is not used: the
     engine runs without both and says so. JAX's cache is one per process: an engine
     whose ``compilation_cache_dir`` differs from the directory in use raises."""
-    from jax_paged_attn.engine import program_store
-
     current = jax.config.jax_compilation_cache_dir
     if not config.compilation_cache:
         return f"compilation cache: off (EngineConfig.compilation_cache=False){'' if not current else f'; JAX caches in {current}'}"
@@ -70,7 +67,7 @@ def use_compilation_cache(config: EngineConfig) -> str:
             f"EngineConfig.compilation_cache_dir={config.compilation_cache_dir!r}, but JAX's persistent compilation "
             f"cache (one per process) already uses {current!r}; pass that directory or None.")
     if current:
-        reason = program_store.untrusted_directory_reason(current)
+        reason = trusted_directory.untrusted_directory_reason(current)
         owner = "an engine" if current in _CACHE_DIR_SET_BY_ENGINE else "the process"
         if reason:
             return (f"compilation cache: {current} (set by {owner}); program store off: the directory is not safe "
@@ -80,7 +77,7 @@ def use_compilation_cache(config: EngineConfig) -> str:
     if directory is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "jax_paged_attn", "xla")
-    reason = program_store.make_private_directory(directory)
+    reason = trusted_directory.make_private_directory(directory)
     if reason:
         # JAX's cache would load executables from there as the store would: both off.
         return (f"compilation cache: off, program store off ({reason}; a directory others can write would choose "
@@ -222,7 +219,7 @@ def stored_activation_bytes(model: Any, config: EngineConfig, max_model_len: int
         graphdef, state = nnx.split(model)
         options = tuple(sorted((config.compiler_options or {}).items()))
         key, reason = program_store.model_key(graphdef, model, tuple(jax.tree_util.tree_leaves(state)), options)
-        if not reason and not program_store.make_private_directory(store_dir):
+        if not reason and not trusted_directory.make_private_directory(store_dir):
             store = program_store.ProgramStore(store_dir, key)
     sizes = [f"max_num_batched_tokens {config.max_num_batched_tokens}", f"max_num_seqs {config.max_num_seqs}",
              f"max_model_len {max_model_len}", f"block_size {config.block_size}"]
