@@ -6,7 +6,9 @@ Order at start: the flags are checked (an `EngineConfig` is built from them, so 
 value is an argparse error naming its flag before anything loads), the checkpoint and
 tokenizer load through `LLM`, every program is compiled or loaded from the program
 store (`LLMEngine.warmup`; ``--no-warmup`` skips it, for CPU tests), and only then does
-the port open. One log line says what the server chose where the user did not.
+the port open. With the engine process, it starts first and loads and warms up while this
+process imports the HTTP stack and reads the tokenizer and the chat template. One log
+line says what the server chose where the user did not.
 
 ``--engine-core``: ``process`` (the default) runs the engine loop in an engine process of
 its own, which loads the model and warms up while the server's process holds only the
@@ -154,6 +156,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_server_args(args, parser)
     options = engine_options(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm_options = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                       implementation=None if args.implementation == "auto" else args.implementation,
+                       tensor_parallel_size=args.tensor_parallel_size, **options)
+    chose = []
+    if args.engine_core is None:
+        args.engine_core = "process"
+        chose.append("--engine-core process (the engine loop in a process of its own, so its host work and the "
+                     "HTTP server's do not share a GIL; --engine-core thread keeps one process)")
+    core = None
+    if args.engine_core == "process":  # first: the engine loads and warms up while this process starts the server
+        from jax_paged_attn.serve.engine_core import ProcessCore
+
+        core = ProcessCore(args.model, llm_options, warmup=not args.no_warmup, log_level=args.log_level.upper())
     try:
         import uvicorn
 
@@ -168,30 +183,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     max_waiting = args.max_waiting_requests
     if max_waiting is None:
         max_waiting = DEFAULT_WAITING_PER_SEQ * options["max_num_seqs"]
-    chose = [f"served model name {model_name!r}" + ("" if args.served_model_name else " (MODEL_DIR as given)")]
+    chose.insert(0, f"served model name {model_name!r}" + ("" if args.served_model_name else " (MODEL_DIR as given)"))
     if args.max_waiting_requests is None:
         chose.append(f"--max-waiting-requests {max_waiting} ({DEFAULT_WAITING_PER_SEQ} x --max-num-seqs)")
     if not args.api_key:
         chose.append("no API key (anyone who reaches the port may generate)")
-    if args.engine_core is None:
-        args.engine_core = "process"
-        chose.append("--engine-core process (the engine loop in a process of its own, so its host work and the "
-                     "HTTP server's do not share a GIL; --engine-core thread keeps one process)")
     chat_template = load_chat_template(args.model)
     if chat_template is None:
         chose.append("no chat template in the checkpoint: /v1/chat/completions answers 400")
     logger.info("serve: chose %s.", "; ".join(chose))
 
-    llm_options = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                       implementation=None if args.implementation == "auto" else args.implementation,
-                       tensor_parallel_size=args.tensor_parallel_size, **options)
     if args.no_warmup:
         logger.info("serve: --no-warmup: programs compile on first use (the first requests wait for them).")
-    if args.engine_core == "process":
-        from jax_paged_attn.serve.engine_core import ProcessCore
-
+    if core is not None:
         try:
-            core = ProcessCore(args.model, llm_options, warmup=not args.no_warmup, log_level=args.log_level.upper())
+            core.wait_ready()
         except RuntimeError as e:
             sys.exit(f"jax-paged-attn serve: {e}")
         if core.warmup_report is not None:

@@ -102,19 +102,28 @@ class ThreadCore:
 class ProcessCore:
     """The engine loop in an engine process of its own (module docstring), which loads
     ``model_dir`` with `LLM` (``llm_options``: its keyword arguments) and warms it up
-    (unless ``warmup`` is False) before this returns. The server's process loads only the
-    tokenizer. RuntimeError, with the engine process's error, when it fails to start."""
+    (unless ``warmup`` is False). The server's process loads only the tokenizer.
+
+    The process starts here; `wait_ready` waits until it is ready (RuntimeError, with
+    the engine process's error, when it fails to start), so the server's own start-up
+    (its imports, the chat template) runs meanwhile."""
 
     def __init__(self, model_dir: str, llm_options: dict[str, Any], *, warmup: bool = True,
                  log_level: str = "INFO") -> None:
-        from jax_paged_attn.engine.llm import load_tokenizer
-
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no JAX state, no threads, inherited
         self._conn, child = context.Pipe()
+        self.model_dir = model_dir
         self.process = context.Process(target=engine_process_main, name="llm-engine-core", daemon=True,
                                        args=(child, model_dir, llm_options, warmup, log_level))
         self.process.start()
         child.close()
+
+    def wait_ready(self) -> None:
+        """Waits for the engine process to load and warm up, and loads the tokenizer
+        meanwhile; RuntimeError, with the engine process's error, when it fails to start."""
+        from jax_paged_attn.engine.llm import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.model_dir)
         try:
             kind, info = decode(self._conn.recv_bytes())
         except EOFError:
@@ -124,7 +133,6 @@ class ProcessCore:
         if kind != "ready":
             self.process.join(timeout=10)
             raise RuntimeError(f"the engine process failed to start: {info}")
-        self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len: int = info["max_model_len"]
         self.max_num_seqs: int = info["max_num_seqs"]
         self.vocab_size: int = info["vocab_size"]
