@@ -57,6 +57,10 @@ class _OnFirstUse:
         self._name, self._on_import, self._module = name, on_import, None
 
     def __getattr__(self, attribute: str):
+        if attribute.startswith("__") and attribute.endswith("__"):
+            # pytest's collection asks every module global for ``__test__`` (and other
+            # dunders): answering would import the module in every worker that collects.
+            raise AttributeError(attribute)
         if self._module is None:
             self._module = importlib.import_module(self._name)
             self._on_import(self._module)
