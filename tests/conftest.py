@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Sequence
 
 # On a host without JAX's CUDA plugin the suite runs on the CPU, where most of its time is
 # XLA compiling interpret-mode kernels and engine programs (each a fresh program); XLA's
@@ -60,37 +61,43 @@ if _CPU_HOST and "xla_backend_optimization_level" not in os.environ.get("XLA_FLA
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
-def _xla_knows_flag(flag: str) -> bool:
-    """Whether this jaxlib's XLA takes ``flag`` in XLA_FLAGS (an unknown flag aborts the
-    process that parses them): asked of a child process, which parses them at once."""
+def _xla_knows_flags(flags: Sequence[str]) -> bool:
+    """Whether this jaxlib's XLA takes every one of ``flags`` in XLA_FLAGS (an unknown flag
+    aborts the process that parses them): asked of a child process, which parses them at
+    once."""
     import subprocess
     import sys
 
-    name = flag.lstrip("-").split("=")[0]
     probe = ("import jaxlib._jax as xla\n"
              "options = xla.CompileOptions(); build = options.executable_build_options\n"
              "print(build.debug_options)\n")
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+    env = dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
     try:
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
         return False
-    return done.returncode == 0 and f"{name}: " in done.stdout
+    return done.returncode == 0 and all(f"{flag.lstrip('-').split('=')[0]}: " in done.stdout for flag in flags)
 
 
-# XLA:CPU's fusion emitters (its MLIR ones, the default) compile the suite's many one-off
-# programs (interpret-mode kernels, engine programs, references) 3-4x slower than its
-# classic ones: off on a CPU host, the suite's CPU time drops by about a third (2026-12,
-# jax 0.10.2), with the same IEEE operations. Set where this jaxlib knows the flag (asked
-# once: pytest-xdist workers and the tests' subprocesses inherit XLA_FLAGS); a setting
-# the user made is kept.
-_CLASSIC_CPU_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if (_CPU_HOST and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
-        and os.environ.get("JPA_TEST_CLASSIC_CPU_EMITTERS") != "unknown"):
-    if _xla_knows_flag(_CLASSIC_CPU_EMITTERS):
-        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_CLASSIC_CPU_EMITTERS}"
-    else:
-        os.environ["JPA_TEST_CLASSIC_CPU_EMITTERS"] = "unknown"  # the workers need not ask again
+# XLA:CPU flags that make the suite's many one-off programs (interpret-mode kernels,
+# engine programs, references) quicker to compile on a CPU host, with the same IEEE
+# operations:
+# * its classic fusion emitters, not its MLIR ones (the default): 3-4x faster to compile;
+#   the suite's CPU time dropped by about a third (2026-12, jax 0.10.2);
+# * LLVM code generation in one piece (``split_count=1``), not split into 32 modules
+#   compiled on XLA's thread pool: on a 2-core host that pool (NPROC threads, below) only
+#   adds the splitting and the threads' hand-offs (tests/test_engine.py alone: XLA compile
+#   time 37-45 -> 29 s, its CPU time 52-55 -> 43-45 s; 2026-12, jax 0.10.2).
+# Set where this jaxlib knows them (asked once: pytest-xdist workers and the tests'
+# subprocesses inherit XLA_FLAGS); a setting the user made is kept.
+_CPU_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+if _CPU_HOST and os.environ.get("JPA_TEST_CPU_COMPILE_FLAGS") != "asked":
+    _wanted = [flag for flag in _CPU_COMPILE_FLAGS
+               if flag.lstrip("-").split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+    if _wanted and not _xla_knows_flags(_wanted):  # one probe for all; one a flag where one is unknown
+        _wanted = [flag for flag in _wanted if _xla_knows_flags([flag])]
+    os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"], *_wanted])
+    os.environ["JPA_TEST_CPU_COMPILE_FLAGS"] = "asked"  # the workers need not ask again
 # The Mosaic GPU interpreter runs each warpgroup of a warp-specialized kernel as a thread
 # whose barrier waits block inside callbacks that XLA's CPU client runs on its worker
 # pool, one thread a core by default: on a 2-core host two blocked warpgroups left the
