@@ -98,13 +98,18 @@ def start_server(directory, log_path: str, *flags: str) -> Server:
     port = free_port()
     extra = {k: v for k, v in ENGINE.items() if k not in ("num_blocks", "block_size", "max_num_seqs",
                                                             "max_num_batched_tokens")}
+    # The server is a process of its own, which tests/conftest.py's "no compilation cache"
+    # does not reach: its engine would keep its programs under the user's ~/.cache and load
+    # what an earlier run left there. It keeps them beside the checkpoint (this run's
+    # temporary directory): the module's first server compiles, the later ones load.
+    cache = directory.parent / f"{directory.name}_compilation_cache"
     command = [sys.executable, "-m", "jax_paged_attn.serve", str(directory), "--port", str(port),
                "--implementation", "xla", "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
                "--num-blocks", str(ENGINE["num_blocks"]), "--block-size", str(ENGINE["block_size"]),
                "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
                "--max-waiting-requests", "256", "--shutdown-timeout", "60", "--log-level", "warning",
-               "--engine-options", json.dumps(extra), *flags]
+               "--compilation-cache-dir", str(cache), "--engine-options", json.dumps(extra), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
