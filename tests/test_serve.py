@@ -30,7 +30,6 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 from flax import nnx
 
@@ -75,6 +74,15 @@ def offline(checkpoint):
     return LLM(checkpoint[0], implementation="xla", **ENGINE)
 
 
+def openai():
+    """The openai client package, imported on first use: its import takes about a second of
+    CPU, which only the pytest-xdist worker that runs this module (its group) spends, not
+    every worker that collects it."""
+    import openai
+
+    return openai
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,7 +93,7 @@ class Server:
     def __init__(self, process: subprocess.Popen, port: int, log_path: str) -> None:
         self.process, self.port, self.log_path = process, port, log_path
         self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        self.client = openai().OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -375,8 +383,8 @@ def test_chat_errors_and_api_key(server):
         status, body, _ = post(server, "/v1/completions", {"prompt": "the cat"}, key=key)
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert get(server, "/health")[0] == 200 and "vllm:num_requests_running" in metrics(server)  # open routes
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai().AuthenticationError):
+        openai().OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     reply = server.client.completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens == 2  # still serving
 
