@@ -410,6 +410,31 @@ def test_windows_shorten_while_no_request_waits(model):
     assert_all_blocks_free(engine)
 
 
+def test_short_windows_only_below_the_row_cap(model):
+    """With ``latency_max_rows``, a window dispatched while none waits is short only
+    while at most that many requests run (the host's work per window grows with its
+    rows); above the cap it runs ``num_scheduler_steps``. Tokens stay the dense ones."""
+    engine = LLMEngine(model, dataclasses.replace(BASE, num_scheduler_steps=4, latency_scheduler_steps=1,
+                                                  latency_max_rows=2))
+    windows = []
+    dispatch = engine.runner.run_decode_window
+
+    def counting_dispatch(*args, **kwargs):
+        sched = engine.scheduler
+        windows.append((kwargs["num_steps"], bool(sched.waiting), len(sched.running)))
+        return dispatch(*args, **kwargs)
+
+    engine.runner.run_decode_window = counting_dispatch
+    prompts = random_prompts(13, [20, 21, 22, 23])
+    lengths = [6, 10, 30, 40]  # the batch drains from four rows to one
+    outs = engine.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        dense_greedy_generate(model, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert {steps for steps, waiting, running in windows if running > 2} == {4}, windows
+    assert {steps for steps, waiting, running in windows if running <= 2 and not waiting} == {1}, windows
+    assert_all_blocks_free(engine)
+
+
 def test_admissions_join_the_running_batch_without_draining_it(model):
     """Without mixed steps (``decode_during_prefill=False``), a prompt admitted while the
     persistent batch decodes is prefilled beside it, with the batch's windows still in
@@ -607,6 +632,8 @@ def test_engine_config_errors():
         EngineConfig(num_scheduler_steps=4, latency_scheduler_steps=8)
     with pytest.raises(ValueError, match="latency_scheduler_steps must be an int >= 1, got 0"):
         EngineConfig(latency_scheduler_steps=0)
+    with pytest.raises(ValueError, match="latency_max_rows must be an int >= 1, got 0"):
+        EngineConfig(latency_scheduler_steps=1, latency_max_rows=0)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -69,6 +69,12 @@ class EngineConfig:
         ``num_scheduler_steps`` windows while requests queue keep the host's work per
         token low when throughput is what counts. None: ``num_scheduler_steps`` always.
         Each length is its own set of window programs (`LLMEngine.warmup` compiles both).
+      latency_max_rows: short windows only while at most this many requests run (None:
+        any number). The host's work per window grows with its rows (each row's tokens
+        read, recorded and, in a server, decoded to text and sent), and a short window
+        of many rows of a small model takes the host longer than the device's steps:
+        the device then waits for the host, and a full batch draining (the tail of a
+        burst) loses throughput. Above the cap the windows run ``num_scheduler_steps``.
       decode_during_prefill: True (default): a step that prefills prompt chunks also
         runs one decode step of every request in the persistent batch, in one program
         (vLLM's chunked-prefill scheduling, Sarathi's mixed batches): the weights are
@@ -132,6 +138,7 @@ class EngineConfig:
     coarse_length_bounds: bool = False
     num_scheduler_steps: int = 8
     latency_scheduler_steps: int | None = None
+    latency_max_rows: int | None = None
     decode_during_prefill: bool = True
     async_scheduling: bool = True
     compiler_options: Mapping[str, Any] | None = None
@@ -153,6 +160,8 @@ class EngineConfig:
             if self.latency_scheduler_steps > self.num_scheduler_steps:
                 raise ValueError(f"latency_scheduler_steps must be at most num_scheduler_steps "
                                  f"({self.num_scheduler_steps}), got {self.latency_scheduler_steps}.")
+        if self.latency_max_rows is not None:
+            _check_int(self.latency_max_rows, "latency_max_rows", 1)
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}.")
         if self.num_host_blocks is not None:

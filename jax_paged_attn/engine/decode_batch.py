@@ -252,9 +252,12 @@ class DecodeBatch:
 
     def window_steps(self) -> int:
         """The next window's length: ``latency_scheduler_steps`` while no request waits
-        (tokens stream as they are sampled), ``num_scheduler_steps`` while some do."""
+        and at most ``latency_max_rows`` run (tokens stream as they are sampled),
+        ``num_scheduler_steps`` otherwise."""
         cfg, sched = self.config, self.scheduler
         if cfg.latency_scheduler_steps is None or sched.waiting or sched.swapped:
+            return cfg.num_scheduler_steps
+        if cfg.latency_max_rows is not None and len(sched.running) > cfg.latency_max_rows:
             return cfg.num_scheduler_steps
         return cfg.latency_scheduler_steps
 

@@ -49,6 +49,7 @@ ENGINE_FLAGS = {  # EngineConfig field -> its flag
     "swap_space_gib": "--swap-space",
     "num_scheduler_steps": "--num-scheduler-steps",
     "latency_scheduler_steps": "--latency-scheduler-steps",
+    "latency_max_rows": "--latency-max-rows",
     "seed": "--seed",
     "enable_prefix_caching": "--no-enable-prefix-caching",
     "compilation_cache": "--no-compilation-cache",
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode steps per window while requests queue")
     engine.add_argument("--latency-scheduler-steps", type=int, default=EngineConfig.latency_scheduler_steps,
                         help="decode steps per window while no request waits (default: --num-scheduler-steps)")
+    engine.add_argument("--latency-max-rows", type=int, default=EngineConfig.latency_max_rows,
+                        help="--latency-scheduler-steps windows only while at most this many requests run")
     engine.add_argument("--seed", type=int, default=EngineConfig.seed)
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--no-compilation-cache", action="store_true")
@@ -113,6 +116,7 @@ def engine_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_blocks=args.num_blocks, block_size=args.block_size, swap_space_gib=args.swap_space,
         num_scheduler_steps=args.num_scheduler_steps, latency_scheduler_steps=args.latency_scheduler_steps,
+        latency_max_rows=args.latency_max_rows,
         seed=args.seed,
         enable_prefix_caching=not args.no_enable_prefix_caching, compilation_cache=not args.no_compilation_cache,
         compilation_cache_dir=args.compilation_cache_dir)
