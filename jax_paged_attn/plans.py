@@ -497,6 +497,8 @@ class MosaicPrefillTiling:
         the second tile), else 1.
       pingpong_across_items: the ping-pong's two compute warpgroups stay staggered across
         a program's work items (`tuning.MosaicPrefillConfig.pingpong_across_items`).
+      exp2_fma_columns: keys of each unmasked block whose probabilities come from the
+        FMA-pipe polynomial (`tuning.MosaicPrefillConfig.exp2_fma_columns`; 0: none).
     """
 
     compute_warpgroups: int
@@ -517,6 +519,7 @@ class MosaicPrefillTiling:
     query_buffers: int = 1
     overlap_softmax: bool = False
     pingpong_across_items: bool = False
+    exp2_fma_columns: int = 0
 
     @property
     def block_q(self) -> int:
@@ -560,10 +563,19 @@ def check_mosaic_prefill_config(config: tuning.MosaicPrefillConfig) -> None:
     if config.value_work_tile not in tuning.MOSAIC_VALUE_WORK_TILES:
         raise ValueError(f"config.value_work_tile must be one of {tuning.MOSAIC_VALUE_WORK_TILES}, got "
                          f"{config.value_work_tile!r}.")
+    if not (isinstance(config.exp2_fma_columns, int) and not isinstance(config.exp2_fma_columns, bool)
+            and 0 <= config.exp2_fma_columns < config.block_k and config.exp2_fma_columns % MOSAIC_EXP2_FMA_STEP == 0):
+        raise ValueError(f"config.exp2_fma_columns must be a multiple of {MOSAIC_EXP2_FMA_STEP} (a P·V wgmma's K) "
+                         f"below config.block_k ({config.block_k}), got {config.exp2_fma_columns!r}.")
     if not config.warp_specialized and config.compute_warpgroups != 1:
         raise ValueError("config.compute_warpgroups must be 1 without warp specialization (the one "
                          f"warpgroup also issues the copies), got {config.compute_warpgroups}.")
 
+
+MOSAIC_EXP2_FMA_STEP = 64
+"""`tuning.MosaicPrefillConfig.exp2_fma_columns` comes in steps of this many keys: each
+part of the probabilities is the operand of its own P·V wgmma, whose K is a multiple of
+the value tile's 128-byte swizzle, 64 keys of 16-bit values."""
 
 MOSAIC_THREE_WARPGROUPS_MAX_HEAD_SIZE = 64
 """Largest head size at which the Mosaic GPU prefill runs three compute warpgroups (192
@@ -729,6 +741,13 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
     elif pingpong_across_items and not has_next:  # (ping-pong has a producer: persistent programs have items)
         pingpong_across_items = drop("pingpong_across_items",
                                      "a program has one work item (one head a program, not persistent)")
+    exp2_fma_columns = config.exp2_fma_columns
+    if exp2_fma_columns and v_itemsize != q_itemsize:
+        exp2_fma_columns = drop("exp2_fma_columns", "fp8 values are converted whole, for one P·V a block")
+    elif exp2_fma_columns and overlap_softmax:
+        exp2_fma_columns = drop("exp2_fma_columns", "overlap_softmax issues one P·V a block")
+    elif exp2_fma_columns >= block_k:
+        exp2_fma_columns = drop("exp2_fma_columns", f"the plan's blocks hold {block_k} keys (shared memory)")
     return MosaicPrefillTiling(compute_warpgroups=workers, block_k=block_k, num_stages=stages,
                                copy_rows=copy_rows, warp_specialized=config.warp_specialized,
                                pingpong=config.pingpong, longest_first=config.longest_first,
@@ -741,7 +760,8 @@ def plan_mosaic_prefill_tiling(head_size: int, q_itemsize: int, k_itemsize: int,
                                work_rows=work_rows(),
                                precheck_values=config.precheck_values and block_size is None,
                                heads_per_program=heads_per_program, query_buffers=query_buffers,
-                               overlap_softmax=overlap_softmax, pingpong_across_items=pingpong_across_items)
+                               overlap_softmax=overlap_softmax, pingpong_across_items=pingpong_across_items,
+                               exp2_fma_columns=int(exp2_fma_columns))
 
 
 MOSAIC_AUTO_HEADS_PER_PROGRAM = 4

@@ -452,6 +452,17 @@ class MosaicPrefillConfig:
     x1.02 / x1.00 there, against x1.056 / x1.052 for the prefetch alone (the H200,
     2026-12-05, alternating rounds), though the per-item meetings it removes measured
     1.4 µs of a 4-head program's 74 at B8 S2048 D128 (2026-12-04).
+    exp2_fma_columns: in the unmasked blocks, the probabilities of the first this many
+    columns (keys) of each block come from an FMA-pipe polynomial
+    (`jax_paged_attn.kernels.common.exp2_fma`, relative error <= 1.02e-4) and the rest
+    from the XU's exp2, and P·V runs as one wgmma per part: FlashAttention-4's split of
+    the exponentials between the two pipes, for head size 64, where a block's exp2 keeps
+    the XU as long as its matmuls keep the tensor cores (the H100 under Nsight Compute,
+    2026-12-05). A multiple of 64 below ``block_k`` (0: none, the default; 64 of a 128-key
+    block: half its exponentials on each pipe). Where a call's
+    plan cannot honour it (fp8 values, ``overlap_softmax``, a block the plan narrowed to
+    that many keys or fewer) a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so.
+    Not yet timed on a GPU: off in the package's configs.
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
@@ -476,6 +487,7 @@ class MosaicPrefillConfig:
     prefetch_queries: bool = False
     overlap_softmax: bool = False
     pingpong_across_items: bool = False
+    exp2_fma_columns: int = 0
 
 
 MOSAIC_NONFINITE_CHECKS = ("product", "key_flags", "probe")

@@ -302,6 +302,9 @@ MOSAIC_FORMS = {
     "specialized-2wg-pingpong-probe": dict(compute_warpgroups=2, nonfinite_check="probe"),
     "specialized-2wg-pingpong-bk128-masked-parts-probe": dict(compute_warpgroups=2, block_k=128, masked_block_k=64,
                                                               nonfinite_check="probe"),
+    # Half of each unmasked block's exponentials from the FMA polynomial, one P·V wgmma per half.
+    "specialized-2wg-pingpong-bk128-masked-parts-probe-exp2-fma": dict(
+        compute_warpgroups=2, block_k=128, masked_block_k=64, nonfinite_check="probe", exp2_fma_columns=64),
     # The package's D 128 fields with 4 heads a program and the next head's queries
     # prefetched: over the paged cache, the engine's fresh prompts (queries are the keys).
     "package-d128-heads-per-program-4-prefetch-queries": dict(

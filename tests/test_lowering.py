@@ -542,6 +542,32 @@ def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size,
     assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
 
 
+@pytest.mark.parametrize("head_size, compute_warpgroups", [(64, 2), (64, 3), (128, 2)])
+def test_split_exponentials_lower(head_size, compute_warpgroups):
+    """The unmasked blocks' exponentials split between the FMA polynomial and exp2 (one
+    P·V wgmma per part, `tuning.MosaicPrefillConfig.exp2_fma_columns`) lower for CUDA:
+    the polynomial's bit arithmetic on the WGMMA-layout scores and the register operands
+    of 64 keys."""
+    from jax_paged_attn import plans, prefill, tuning
+    from jax_paged_attn.spec import AttentionSpec
+
+    columns = 64
+    config = tuning.MosaicPrefillConfig(compute_warpgroups=compute_warpgroups, block_k=128, masked_block_k=64,
+                                        nonfinite_check="probe", exp2_fma_columns=columns)
+    tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=8, max_seqlen_q=1024,
+                                              max_seqlen_k=1024, block_size=None, config=config)
+    assert (tiling.exp2_fma_columns, tiling.block_k) == (columns, 128)
+    sds = jax.ShapeDtypeStruct
+    q = sds((2048, 8, head_size), jnp.bfloat16)
+    kv = sds((2048, 2, head_size), jnp.bfloat16)
+    cu = sds((3,), jnp.int32)
+    spec = AttentionSpec.create(head_size, causal=True)
+    fn = lambda q, k, v, cq, ck: prefill.varlen_attention(q, k, v, cq, ck, None, None, None, 1.0, 1.0, spec=spec,
+                                                          max_seqlen_q=1024, max_seqlen_k=1024,
+                                                          lowering="mosaic_gpu", config=config)
+    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
+
+
 @pytest.mark.parametrize("fields", [dict(nonfinite_check="probe", precheck_values=True, heads_per_program=4),
                                     dict(block_k=128, masked_block_k=64, nonfinite_check="probe")],
                          ids=["d64-default-fields", "d64-bk128-masked-parts"])

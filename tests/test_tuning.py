@@ -208,12 +208,34 @@ def test_the_tables_in_use_are_described_in_words():
     ("masked_block_k", 100), ("direct_output", 1), ("fence_softmax", None), ("persistent_programs", -1),
     ("nonfinite_check", "none"), ("value_work_tile", "shared"), ("heads_per_program", -1),
     ("heads_per_program", 2.0), ("prefetch_queries", 1), ("overlap_softmax", "yes"),
-    ("pingpong_across_items", 1)])
+    ("pingpong_across_items", 1), ("exp2_fma_columns", 32), ("exp2_fma_columns", 64), ("exp2_fma_columns", -64),
+    ("exp2_fma_columns", True)])
 def test_mosaic_prefill_config_rejects_bad_fields(field, value):
     """A Mosaic GPU prefill config the kernel cannot compile is refused, naming the field."""
     config = dataclasses.replace(tuning.MosaicPrefillConfig(), **{field: value})
     with pytest.raises(ValueError, match=f"config.{field}"):
         plans.check_mosaic_prefill_config(config)
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(exp2_fma_columns=64, overlap_softmax=True), "overlap_softmax issues one P·V a block"),
+    (dict(exp2_fma_columns=64), "fp8 values are converted whole"),
+])
+def test_split_exponentials_dropped_where_the_plan_cannot_split(fields, reason, monkeypatch):
+    """``exp2_fma_columns`` off, said once, where a block's P·V is one wgmma (the
+    overlapped form; fp8 values converted whole); kept otherwise."""
+    monkeypatch.setattr(plans, "_dropped_fields", set())
+    config = tuning.MosaicPrefillConfig(block_k=128, masked_block_k=64, **fields)
+    v_itemsize = 1 if "fp8" in reason else 2
+    with pytest.warns(plans.ConfigFieldDroppedWarning, match=f"exp2_fma_columns is off for this call: {reason}"):
+        tiling = plans.plan_mosaic_prefill_tiling(64, 2, v_itemsize, v_itemsize, num_q_heads=8, max_seqlen_q=1024,
+                                                  max_seqlen_k=1024, block_size=None, config=config,
+                                                  warn_dropped=True)
+    assert tiling.exp2_fma_columns == 0
+    kept = plans.plan_mosaic_prefill_tiling(64, 2, 2, 2, num_q_heads=8, max_seqlen_q=1024, max_seqlen_k=1024,
+                                            block_size=None, config=tuning.MosaicPrefillConfig(
+                                                block_k=128, masked_block_k=64, exp2_fma_columns=64))
+    assert kept.exp2_fma_columns == 64
 
 
 def test_mosaic_prefill_config_takes_one_way_to_give_a_program_several_items():

@@ -5,6 +5,8 @@
   that has seen no key yet.
 * Integer division of non-negative int32 indices: `div`, `rem`, `cdiv`.
 * Tile masks: `col_mask` (head-dim padding), `rows_and_cols` (a row mask times it).
+* `exp2_fma`: 2**x for the softmax's x <= 0 from adds, multiplies and integer bits (the
+  FMA and ALU pipes) instead of the XU's exp2.
 * Optional inputs, one convention for every kernel: an absent optional input (ALiBi
   slopes, fp8 scales, a block table) is left out of the ``pallas_call`` operands
   (`append_optional`), never passed as a dummy array, and the kernel body takes the
@@ -24,7 +26,7 @@ from jax_paged_attn.plans import LOG2E
 Array = jax.Array
 
 __all__ = ["LOG2E", "LN_2", "RUNNING_MAX_INIT", "div", "rem", "cdiv", "col_mask", "rows_and_cols",
-           "append_optional", "pop_optional"]
+           "append_optional", "pop_optional", "exp2_fma"]
 
 LN_2 = math.log(2.0)
 """Converts a base-2 log-sum-exp back to natural log."""
@@ -70,6 +72,43 @@ def rows_and_cols(row_mask: Array | None, col_ok: Array | None, rows: int, cols:
         return jnp.broadcast_to(expanded(col_ok), (rows, cols))
     mask = jnp.broadcast_to(row_mask[:, None], (rows, cols))
     return mask if col_ok is None else mask & expanded(col_ok)
+
+
+EXP2_FMA_COEFFS = (0.6932829, 0.24221037, 0.05500858)
+"""``c1, c2, c3`` of ``1 + c1 f + c2 f^2 + c3 f^3`` ~ 2**f on [-1/2, 1/2] (fitted for the
+least largest relative error with the constant term fixed at 1, so 2**0 is exactly 1):
+relative error <= 1.02e-4 over the range, 26x under a bf16 probability's rounding."""
+
+_ROUND_MAGIC = 12582912.0
+"""1.5 * 2**23: ``x + it`` rounds x (|x| < 2**22) to an integer held in the sum's low
+mantissa bits, with no float-to-int conversion (a conversion runs on the XU)."""
+
+
+def exp2_fma(x: Array) -> Array:
+    """2**x of f32 ``x <= 0`` (the softmax's ``s - max``), computed without the XU's exp2:
+    x rounded to j + f (j an integer, |f| <= 1/2) by adding and subtracting
+    `_ROUND_MAGIC`, 2**f by a cubic in Horner form (`EXP2_FMA_COEFFS`), 2**j added to its
+    exponent bits: integer arithmetic on the bit patterns (the sum's low bits are j; shifted
+    23 left they are j in the exponent field, two's complement wrapping included).
+
+    Why: at head size 64 a prefill block's exp2 keeps the XU as busy as its matmuls keep
+    the tensor cores (benchmarks/NOTES.md, 2026-12-05), so taking part of a block's
+    exponentials to the FMA pipe (FlashAttention-4's split) shortens its softmax.
+
+    x below -126 gives 2**-126 (the least normal float), not less, so it is for scores
+    that some key of the row reaches (an unmasked block: no -inf); relative error <=
+    1.02e-4 above it. A NaN x gives NaN or an arbitrary finite value: the caller keeps
+    NaN rows NaN through their running max (a row whose max is NaN is NaN whatever its
+    probabilities)."""
+    x = jnp.maximum(x, -126.0)
+    # The barrier keeps a compiler from folding (x + magic) - magic into x (XLA's does).
+    shifted = lax.optimization_barrier(x + _ROUND_MAGIC)
+    frac = x - (shifted - _ROUND_MAGIC)
+    c1, c2, c3 = EXP2_FMA_COEFFS
+    poly = ((c3 * frac + c2) * frac + c1) * frac + 1.0
+    bits = lax.bitcast_convert_type(poly, jnp.int32) + lax.shift_left(
+        lax.bitcast_convert_type(shifted, jnp.int32), jnp.int32(23))
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def append_optional(inputs: list, array: Array | None, in_specs: list | None = None, spec=None) -> None:

@@ -160,6 +160,7 @@ the ``gpu``-marked tests on the H200.
 from __future__ import annotations
 
 import functools
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -280,6 +281,20 @@ class _Ops:
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b_ref)
+
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+
+    def mma_acc_parts(self, acc: Array, parts: Sequence[tuple[Array, Any]]) -> Array:
+        """``acc + sum(a @ b for a, b in parts)``: one wgmma a part into one accumulator,
+        waited for once (``a`` register arrays, ``b`` shared-memory refs)."""
+        if self.interpret:
+            for a, b_ref in parts:
+                acc = self.mma_acc(acc, a, b_ref)
+            return acc
+
+        def run(acc_ref):
+            for a, b_ref in parts:
+                plgpu.wgmma(acc_ref, a, b_ref)
 
         return pl.run_state(run)(plgpu.ACC.init(acc))
 
@@ -658,11 +673,14 @@ def _prefill_kernel(
                     release_v(kb, slot)
                     return carry
 
-                def softmax_part(s, kb, key0: int, m_prev, l_prev, *, masked: bool):
+                def softmax_part(s, kb, key0: int, m_prev, l_prev, *, masked: bool, fma_columns: int = 0):
                     """The online softmax of the raw scores ``s`` [64, width] of keys ``key0 ..``
                     of KV block ``kb``: (f32 probabilities, running max, row sums, the
                     accumulator's correction factor, the visibility mask (None unless
-                    ``masked``))."""
+                    ``masked``)). With ``fma_columns`` (an unmasked block only) the
+                    probabilities are two arrays: the first ``fma_columns`` columns'
+                    from `common.exp2_fma` (the FMA pipe), the rest's from exp2 (the XU),
+                    so the two pipes share the block's exponentials."""
                     score_shape = s.shape
                     visible = None
                     if not folded:
@@ -691,7 +709,13 @@ def _prefill_kernel(
                     row_max = s.max(axis=1)
                     m_next = jnp.maximum(m_prev, row_max * pre_tanh if folded else row_max)
                     correction = jnp.exp2(m_prev - m_next)
-                    p = jnp.exp2((s * pre_tanh if folded else s) - ops.row_bcast(m_next, score_shape))
+                    x = (s * pre_tanh if folded else s) - ops.row_bcast(m_next, score_shape)
+                    if fma_columns:
+                        assert not masked  # exp2_fma gives -inf no 0: unmasked scores only
+                        p = (common.exp2_fma(x[:, :fma_columns]), jnp.exp2(x[:, fma_columns:]))
+                        l_next = l_prev * correction + p[0].sum(axis=1) + p[1].sum(axis=1)
+                        return p, m_next, l_next, correction, visible
+                    p = jnp.exp2(x)
                     l_next = l_prev * correction + p.sum(axis=1)
                     return p, m_next, l_next, correction, visible
 
@@ -724,13 +748,16 @@ def _prefill_kernel(
                                 while_running=pingpong.meet if pingpong and first else None)  # [64, width]
                     if specialized and last:
                         plgpu.barrier_arrive(k_free.at[slot])  # the block's wgmmas have completed
-                    p, m_next, l_next, correction, visible = softmax_part(s, kb, key0, m_prev, l_prev, masked=masked)
+                    # Split exponentials: unmasked blocks only (`tiling.exp2_fma_columns`).
+                    fma_columns = 0 if masked else tiling.exp2_fma_columns
+                    p, m_next, l_next, correction, visible = softmax_part(s, kb, key0, m_prev, l_prev, masked=masked,
+                                                                          fma_columns=fma_columns)
                     acc = acc * ops.row_bcast(correction, out_shape)
                     p_in = p  # the P·V operand: f32 here, rounded to the query dtype at the product
                     if tiling.fence_softmax and not masked and not v_fp8:
                         # The stock kernel's order: everything of the softmax, the 16-bit
                         # probabilities included, before the barrier (no reordering past it).
-                        p_in = p.astype(dtype)
+                        p_in = jax.tree_util.tree_map(lambda x: x.astype(dtype), p)
                         acc, l_next, m_next, p_in = lax.optimization_barrier((acc, l_next, m_next, p_in))
                     if first:
                         if pingpong:  # softmax done: let the other warpgroup's wgmma run, then ours
@@ -771,7 +798,12 @@ def _prefill_kernel(
                             my_work[...] = _convert(ops.load(v_tile), dtype)
                             plgpu.commit_smem()
                             v_tile = my_work
-                        acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
+                        if fma_columns:  # one wgmma per part of the probabilities, on its rows of V
+                            acc = ops.mma_acc_parts(acc, [
+                                (p_in[0].astype(dtype), v_tile.at[pl.ds(0, fma_columns)]),
+                                (p_in[1].astype(dtype), v_tile.at[pl.ds(fma_columns, width - fma_columns)])])
+                        else:
+                            acc = ops.mma_acc(acc, p_in.astype(dtype), v_tile)
                     return acc, m_next, l_next
 
                 def masked_pv_with_key_flags(acc, p, v, visible, work, bad_flags):
