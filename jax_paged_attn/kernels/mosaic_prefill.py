@@ -49,6 +49,12 @@ each block's path, and spills). This form compiles without that note and with th
 default's hot loop (1 - 2 spill reloads a block), yet measured slower too: x0.89 - 0.98
 the default's speed on the four dense shapes (the H200, 2026-12-05).
 
+``exp2_fma_columns`` (off by default, not yet timed on a GPU): in the unmasked blocks the
+probabilities of the first that many keys come from `common.exp2_fma` (adds, a cubic and
+the exponent's bits: the FMA and ALU pipes) and the rest's from exp2 (the XU), and P·V
+runs one wgmma per part: FlashAttention-4's split of the exponentials, aimed at D 64,
+where a block's exp2 alone keeps the XU as long as its two wgmmas keep the tensor cores.
+
 Not done yet (the path to the FLOP/s targets of benchmarks/RESULTS.md): why that overlap
 and the persistent form lose (their timelines), GQA packing of a KV group's heads into
 one tile (K/V are read once per query head, the reuse left to L2), short work items
