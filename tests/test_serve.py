@@ -719,6 +719,34 @@ def test_chat_template_loading_and_rendering(tmp_path):
 def test_bad_flags_are_argparse_errors_naming_the_flag(checkpoint, capsys, flags, named):
     from jax_paged_attn.serve import cli
 
-    with pytest.raises(SystemExit) as exited:
-        cli.main([str(checkpoint[0]), *flags])
+    with pytest.raises(SystemExit) as exited:  # (the thread core: no engine process spawned per case)
+        cli.main([str(checkpoint[0]), *flags, "--engine-core", "thread"])
     assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_refused_flags_end_the_engine_process_spawned_before_them(checkpoint, capsys):
+    """The server spawns its engine process before it checks the flags (so the engine's
+    imports overlap its own, `jax_paged_attn.serve.engine_process`); a refused flag ends
+    that process, and the server's command line imports no JAX before spawning it."""
+    import multiprocessing
+
+    from jax_paged_attn.serve import cli
+
+    spawned = []
+    real = cli.spawn_engine_process_early
+    cli.spawn_engine_process_early = lambda argv: spawned.append(real(argv)) or spawned[-1]
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main([str(checkpoint[0]), "--max-num-seqs", "0"])
+    finally:
+        cli.spawn_engine_process_early = real
+    assert exited.value.code == 2 and "--max-num-seqs" in capsys.readouterr().err
+    (process,) = spawned
+    assert process is not None and not process.process.is_alive() and not process.started
+    assert process.process not in multiprocessing.active_children()
+    assert cli.spawn_engine_process_early(["--help"]) is None  # help, or the thread core: nothing spawned
+    assert cli.spawn_engine_process_early(["m", "--engine-core", "thread"]) is None
+    probe = "import sys, jax_paged_attn.serve.cli, jax_paged_attn.serve.engine_process; print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.strip() == "False", done.stderr

@@ -6,6 +6,7 @@
 * `async_engine`: the front end: admission, per-request streams, aborts, metrics.
 * `engine_core`: where the engine loop runs: a thread of the server, or a process of its
   own (``--engine-core process``), and the JSON between them.
+* `engine_process`: spawns that process before the server imports JAX (standard library only).
 * `engine_loop`: the engine's side: its requests, their text, each step's events.
 * `protocol`: OpenAI's request / response shapes and errors.
 * `detokenizer`: incremental text and stop strings for streaming.

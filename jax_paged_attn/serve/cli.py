@@ -6,9 +6,12 @@ Order at start: the flags are checked (an `EngineConfig` is built from them, so 
 value is an argparse error naming its flag before anything loads), the checkpoint and
 tokenizer load through `LLM`, every program is compiled or loaded from the program
 store (`LLMEngine.warmup`; ``--no-warmup`` skips it, for CPU tests), and only then does
-the port open. With the engine process, it starts first and loads and warms up while this
-process imports the HTTP stack and reads the tokenizer and the chat template. One log
-line says what the server chose where the user did not.
+the port open. With the engine process, it is spawned first, before this process imports
+JAX (`jax_paged_attn.serve.engine_process`; ``import jax_paged_attn`` loads nothing
+until used): it imports the engine while this process checks the flags, then loads and
+warms up while this process imports the HTTP stack and reads the tokenizer and the chat
+template; refused flags end it. One log line says what the server chose where the user
+did not.
 
 ``--engine-core``: ``process`` (the default) runs the engine loop in an engine process of
 its own, which loads the model and warms up while the server's process holds only the
@@ -28,10 +31,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from jax_paged_attn.cache import KV_CACHE_DTYPES
-from jax_paged_attn.engine import EngineConfig
+if TYPE_CHECKING:
+    from jax_paged_attn.serve.engine_process import EngineProcess
 
 logger = logging.getLogger("jax_paged_attn.serve")
 
@@ -58,6 +61,9 @@ ENGINE_FLAGS = {  # EngineConfig field -> its flag
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jax_paged_attn.cache import KV_CACHE_DTYPES
+    from jax_paged_attn.engine import EngineConfig
+
     parser = argparse.ArgumentParser(
         prog="jax-paged-attn serve",
         description="Serve a Hugging Face Llama checkpoint with an OpenAI-compatible HTTP API.")
@@ -111,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The `EngineConfig` fields the flags set, checked by building one (argparse errors
     naming the flag)."""
+    from jax_paged_attn.engine import EngineConfig
+
     options = dict(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -154,7 +162,33 @@ def check_server_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error(f"argument MODEL_DIR: {args.model!r} has no tokenizer.json; the server needs the tokenizer")
 
 
+def spawn_engine_process_early(argv: Sequence[str]) -> "EngineProcess | None":
+    """The engine process, spawned before this process imports JAX (it imports the
+    engine meanwhile; `jax_paged_attn.serve.engine_process`), unless the command line
+    asks for help or for the thread core."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("-h", "--help", action="store_true")
+    early.add_argument("--engine-core", default="process")
+    known, _ = early.parse_known_args(argv)
+    if known.help or known.engine_core != "process":
+        return None
+    from jax_paged_attn.serve.engine_process import EngineProcess
+
+    return EngineProcess()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    spawned = spawn_engine_process_early(argv)
+    try:
+        _serve(argv, spawned)
+    except BaseException:
+        if spawned is not None and not spawned.started:
+            spawned.cancel()  # refused flags (argparse's SystemExit), or a failure before the engine started
+        raise
+
+
+def _serve(argv: list[str], spawned: "EngineProcess | None") -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_server_args(args, parser)
@@ -172,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.engine_core == "process":  # first: the engine loads and warms up while this process starts the server
         from jax_paged_attn.serve.engine_core import ProcessCore
 
-        core = ProcessCore(args.model, llm_options, warmup=not args.no_warmup, log_level=args.log_level.upper())
+        core = ProcessCore(args.model, llm_options, warmup=not args.no_warmup, log_level=args.log_level.upper(),
+                           process=spawned)
     try:
         import uvicorn
 

@@ -11,8 +11,9 @@ beside the server on another core. The price: the model loads in the engine proc
 (the server's process holds only the tokenizer) and each step's events cross a pipe.
 
 The pipe carries JSON (`encode` / `decode`), never pickles: the server's process sends
-``["add", stream_id, prompts, sampling params]``, ``["abort", stream_id]`` and
-``["stop"]``; the engine process sends ``["ready", {...}]`` (or ``["error", text]``)
+``["start", {model, options}]`` once (`jax_paged_attn.serve.engine_process`, which spawns
+the process before the server imports JAX), then ``["add", stream_id, prompts, sampling
+params]``, ``["abort", stream_id]`` and ``["stop"]``; the engine process sends ``["ready", {...}]`` (or ``["error", text]``)
 once, then one list of `EngineLoop` events per step.
 """
 from __future__ import annotations
@@ -20,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing
-import signal
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from jax_paged_attn.engine import Logprob, SamplingParams
 from jax_paged_attn.serve.engine_loop import EngineLoop, Event, SequenceDelta
+from jax_paged_attn.serve.engine_process import EngineProcess
 
 if TYPE_CHECKING:
     from jax_paged_attn.engine import LLM
@@ -101,22 +101,22 @@ class ThreadCore:
 
 class ProcessCore:
     """The engine loop in an engine process of its own (module docstring), which loads
-    ``model_dir`` with `LLM` (``llm_options``: its keyword arguments) and warms it up
-    (unless ``warmup`` is False). The server's process loads only the tokenizer.
+    ``model_dir`` with `LLM` (``llm_options``: its keyword arguments, JSON values) and
+    warms it up (unless ``warmup`` is False). The server's process loads only the
+    tokenizer.
 
-    The process starts here; `wait_ready` waits until it is ready (RuntimeError, with
+    ``process``: an `jax_paged_attn.serve.engine_process.EngineProcess` spawned earlier
+    (the server spawns it before importing JAX), else one is spawned here; either way it
+    is told to start now, and `wait_ready` waits until it is ready (RuntimeError, with
     the engine process's error, when it fails to start), so the server's own start-up
     (its imports, the chat template) runs meanwhile."""
 
     def __init__(self, model_dir: str, llm_options: dict[str, Any], *, warmup: bool = True,
-                 log_level: str = "INFO") -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no JAX state, no threads, inherited
-        self._conn, child = context.Pipe()
+                 log_level: str = "INFO", process: EngineProcess | None = None) -> None:
+        spawned = process if process is not None else EngineProcess()
+        self._conn, self.process = spawned.conn, spawned.process
         self.model_dir = model_dir
-        self.process = context.Process(target=engine_process_main, name="llm-engine-core", daemon=True,
-                                       args=(child, model_dir, llm_options, warmup, log_level))
-        self.process.start()
-        child.close()
+        spawned.start(model_dir, llm_options, warmup, log_level)
 
     def wait_ready(self) -> None:
         """Waits for the engine process to load and warm up, and loads the tokenizer
@@ -180,15 +180,11 @@ class ProcessCore:
 
 
 # ------------------------------------------------------------------ the engine process
-def engine_process_main(conn: Any, model_dir: str, llm_options: dict[str, Any], warmup: bool,
-                        log_level: str) -> None:
-    """The engine process: loads the model, warms it up, says "ready", then applies the
-    server's messages between steps and sends each step's events."""
-    # The server's process decides when this one stops ("stop", or the pipe's end): a
-    # Ctrl-C or a SIGTERM sent to the process group must not end it before the server's
-    # graceful shutdown has finished the running requests.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def run_engine_process(conn: Any, model_dir: str, llm_options: dict[str, Any], warmup: bool,
+                       log_level: str) -> None:
+    """The engine process's work once told to start (`jax_paged_attn.serve.engine_process`):
+    loads the model, warms it up, says "ready", then applies the server's messages between
+    steps and sends each step's events."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     from jax_paged_attn.engine import LLM
 
