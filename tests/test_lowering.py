@@ -524,22 +524,30 @@ def test_two_compute_warpgroups_lower_where_the_work_tile_leaves_room(head_size,
     """The tilings that take two compute warpgroups only because the value work tile
     shrank or gave way to the query tile (`plans.mosaic_work_rows`) lower for CUDA,
     Mosaic GPU's own shared-memory check included."""
-    from jax_paged_attn import plans, prefill, tuning
-    from jax_paged_attn.spec import AttentionSpec
+    from jax_paged_attn import plans, tuning
 
     config = tuning.MosaicPrefillConfig(**fields)
     tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=1, max_seqlen_q=2048, max_seqlen_k=2048,
                                               block_size=None, config=config)
     assert tiling.compute_warpgroups == 2
+    assert MOSAIC_GPU_CALL in _lower_packed_causal_prefill(head_size, 2048, config)
+
+
+def _lower_packed_causal_prefill(head_size: int, max_seqlen: int, config) -> str:
+    """The CUDA lowering of a causal Mosaic GPU prefill of two packed bf16 sequences of up
+    to ``max_seqlen`` (8 query heads, 2 KV heads) with ``config``."""
+    from jax_paged_attn import prefill
+    from jax_paged_attn.spec import AttentionSpec
+
     sds = jax.ShapeDtypeStruct
-    q = sds((4096, 8, head_size), jnp.bfloat16)
-    kv = sds((4096, 2, head_size), jnp.bfloat16)
+    q = sds((2 * max_seqlen, 8, head_size), jnp.bfloat16)
+    kv = sds((2 * max_seqlen, 2, head_size), jnp.bfloat16)
     cu = sds((3,), jnp.int32)
     spec = AttentionSpec.create(head_size, causal=True)
     fn = lambda q, k, v, cq, ck: prefill.varlen_attention(q, k, v, cq, ck, None, None, None, 1.0, 1.0, spec=spec,
-                                                          max_seqlen_q=2048, max_seqlen_k=2048,
+                                                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                                                           lowering="mosaic_gpu", config=config)
-    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
+    return lower_for_cuda(fn, q, kv, kv, cu, cu)
 
 
 @pytest.mark.parametrize("head_size, compute_warpgroups", [(64, 2), (64, 3), (128, 2)])
@@ -548,8 +556,7 @@ def test_split_exponentials_lower(head_size, compute_warpgroups):
     P·V wgmma per part, `tuning.MosaicPrefillConfig.exp2_fma_columns`) lower for CUDA:
     the polynomial's bit arithmetic on the WGMMA-layout scores and the register operands
     of 64 keys."""
-    from jax_paged_attn import plans, prefill, tuning
-    from jax_paged_attn.spec import AttentionSpec
+    from jax_paged_attn import plans, tuning
 
     columns = 64
     config = tuning.MosaicPrefillConfig(compute_warpgroups=compute_warpgroups, block_k=128, masked_block_k=64,
@@ -557,15 +564,7 @@ def test_split_exponentials_lower(head_size, compute_warpgroups):
     tiling = plans.plan_mosaic_prefill_tiling(head_size, 2, 2, 2, num_q_heads=8, max_seqlen_q=1024,
                                               max_seqlen_k=1024, block_size=None, config=config)
     assert (tiling.exp2_fma_columns, tiling.block_k) == (columns, 128)
-    sds = jax.ShapeDtypeStruct
-    q = sds((2048, 8, head_size), jnp.bfloat16)
-    kv = sds((2048, 2, head_size), jnp.bfloat16)
-    cu = sds((3,), jnp.int32)
-    spec = AttentionSpec.create(head_size, causal=True)
-    fn = lambda q, k, v, cq, ck: prefill.varlen_attention(q, k, v, cq, ck, None, None, None, 1.0, 1.0, spec=spec,
-                                                          max_seqlen_q=1024, max_seqlen_k=1024,
-                                                          lowering="mosaic_gpu", config=config)
-    assert MOSAIC_GPU_CALL in lower_for_cuda(fn, q, kv, kv, cu, cu)
+    assert MOSAIC_GPU_CALL in _lower_packed_causal_prefill(head_size, 1024, config)
 
 
 @pytest.mark.parametrize("fields", [dict(nonfinite_check="probe", precheck_values=True, heads_per_program=4),
