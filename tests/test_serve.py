@@ -746,6 +746,10 @@ def test_refused_flags_end_the_engine_process_spawned_before_them(checkpoint, ca
     assert process.process not in multiprocessing.active_children()
     assert cli.spawn_engine_process_early(["--help"]) is None  # help, or the thread core: nothing spawned
     assert cli.spawn_engine_process_early(["m", "--engine-core", "thread"]) is None
+    abbreviated = cli.spawn_engine_process_early(["m", "--engine-c", "thread"])  # the full parser's to resolve
+    assert abbreviated is not None
+    abbreviated.cancel()
+    assert not abbreviated.process.is_alive()
     probe = "import sys, jax_paged_attn.serve.cli, jax_paged_attn.serve.engine_process; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

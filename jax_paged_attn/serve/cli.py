@@ -166,7 +166,7 @@ def spawn_engine_process_early(argv: Sequence[str]) -> "EngineProcess | None":
     """The engine process, spawned before this process imports JAX (it imports the
     engine meanwhile; `jax_paged_attn.serve.engine_process`), unless the command line
     asks for help or for the thread core."""
-    early = argparse.ArgumentParser(add_help=False)
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument("-h", "--help", action="store_true")
     early.add_argument("--engine-core", default="process")
     known, _ = early.parse_known_args(argv)
@@ -203,6 +203,9 @@ def _serve(argv: list[str], spawned: "EngineProcess | None") -> None:
         chose.append("--engine-core process (the engine loop in a process of its own, so its host work and the "
                      "HTTP server's do not share a GIL; --engine-core thread keeps one process)")
     core = None
+    if spawned is not None and args.engine_core != "process":  # (an abbreviated --engine-core the early parse missed)
+        spawned.cancel()
+        spawned = None
     if args.engine_core == "process":  # first: the engine loads and warms up while this process starts the server
         from jax_paged_attn.serve.engine_core import ProcessCore
 
