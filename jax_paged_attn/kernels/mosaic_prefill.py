@@ -280,22 +280,17 @@ class _Ops:
     def mma_acc(self, acc: Array, a, b_ref) -> Array:
         """``acc + a @ b`` (f32 accumulator in place on the GPU); ``a`` a register array or a
         shared-memory ref."""
-        if self.interpret:
-            a = a if isinstance(a, jax.Array) else a[...]
-            return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        return self.mma_acc_parts(acc, [(a, b_ref)])
 
-        def run(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_ref)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-
-    def mma_acc_parts(self, acc: Array, parts: Sequence[tuple[Array, Any]]) -> Array:
+    def mma_acc_parts(self, acc: Array, parts: Sequence[tuple[Any, Any]]) -> Array:
         """``acc + sum(a @ b for a, b in parts)``: one wgmma a part into one accumulator,
-        waited for once (``a`` register arrays, ``b`` shared-memory refs)."""
+        waited for once (``a`` register arrays or shared-memory refs, ``b`` shared-memory
+        refs)."""
         if self.interpret:
             for a, b_ref in parts:
-                acc = self.mma_acc(acc, a, b_ref)
+                a = a if isinstance(a, jax.Array) else a[...]
+                acc = acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
             return acc
 
         def run(acc_ref):

@@ -10,7 +10,7 @@ stack, a socket write per chunk and client). In its own process the engine loop 
 beside the server on another core. The price: the model loads in the engine process
 (the server's process holds only the tokenizer) and each step's events cross a pipe.
 
-The pipe carries JSON (`encode` / `decode`), never pickles: the server's process sends
+The pipe carries JSON (`encode` / `decode`, from `jax_paged_attn.serve.engine_process`), never pickles: the server's process sends
 ``["start", {model, options}]`` once (`jax_paged_attn.serve.engine_process`, which spawns
 the process before the server imports JAX), then ``["add", stream_id, prompts, sampling
 params]``, ``["abort", stream_id]`` and ``["stop"]``; the engine process sends ``["ready", {...}]`` (or ``["error", text]``)
@@ -19,14 +19,13 @@ once, then one list of `EngineLoop` events per step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from jax_paged_attn.engine import Logprob, SamplingParams
 from jax_paged_attn.serve.engine_loop import EngineLoop, Event, SequenceDelta
-from jax_paged_attn.serve.engine_process import EngineProcess
+from jax_paged_attn.serve.engine_process import EngineProcess, decode, encode
 
 if TYPE_CHECKING:
     from jax_paged_attn.engine import LLM
@@ -226,14 +225,6 @@ def run_engine_process(conn: Any, model_dir: str, llm_options: dict[str, Any], w
 
 
 # ------------------------------------------------------------------ the pipe's JSON
-def encode(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def decode(data: bytes) -> Any:
-    return json.loads(data)
-
-
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
     fields = dataclasses.asdict(params)
     if fields.get("logit_bias") is not None:

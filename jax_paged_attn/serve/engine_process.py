@@ -17,6 +17,15 @@ import signal
 from typing import Any
 
 
+def encode(value: Any) -> bytes:
+    """A pipe message: JSON, never a pickle (`jax_paged_attn.serve.engine_core`)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    return json.loads(data)
+
+
 class EngineProcess:
     """An engine process spawned early (module docstring), and the server's end of its pipe."""
 
@@ -32,8 +41,8 @@ class EngineProcess:
     def start(self, model_dir: str, llm_options: dict[str, Any], warmup: bool, log_level: str) -> None:
         """Tells the process what to load (``llm_options``: `LLM`'s keyword arguments, JSON
         values) and whether to warm up; it answers "ready" or "error" on the pipe."""
-        self.conn.send_bytes(json.dumps(["start", dict(model_dir=model_dir, llm_options=llm_options,
-                                                        warmup=warmup, log_level=log_level)]).encode())
+        self.conn.send_bytes(encode(["start", dict(model_dir=model_dir, llm_options=llm_options,
+                                                    warmup=warmup, log_level=log_level)]))
         self.started = True
 
     def cancel(self) -> None:
@@ -55,7 +64,7 @@ def engine_process_main(conn: Any) -> None:
     from jax_paged_attn.serve import engine_core  # the engine's imports, while the server's process starts
 
     try:
-        kind, start = json.loads(conn.recv_bytes())
+        kind, start = decode(conn.recv_bytes())
     except (EOFError, OSError):
         return  # cancelled
     if kind != "start":
