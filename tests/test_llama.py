@@ -343,6 +343,44 @@ def test_checkpoint_round_trip(tmp_path, model, sharded):
                                   np.asarray(jit_forward_dense(model)(ids)))
 
 
+def test_a_loaded_model_keeps_its_weights_when_the_file_is_rewritten_in_place(tmp_path, model):
+    """The loader reads the mapped file's bytes (`checkpoint._MappedTensors`); what it
+    gives the device is its own copy, so writing other weights into the same file (same
+    inode) afterwards changes nothing loaded, transposed weights or not."""
+    save_checkpoint(model, model.config, tmp_path)
+    loaded = load_llama(tmp_path, dtype=jnp.float32, implementation="xla")
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    other = {name: (value + 1).astype(value.dtype) for name, value in tensors.items()}
+    save_file(other, tmp_path / "other.safetensors")
+    with open(tmp_path / "other.safetensors", "rb") as src, open(path, "r+b") as dst:  # same file, rewritten
+        dst.write(src.read())
+        dst.truncate()
+    assert load_file(path)["model.norm.weight"][0] == tensors["model.norm.weight"][0] + 1
+    want = params_of(model)
+    for name, got in params_of(loaded).items():
+        np.testing.assert_array_equal(got, want[name], err_msg=str(name))
+
+
+@pytest.mark.parametrize("shape, dtype, strides", [
+    ((1100, 520), "bfloat16", "c"),  # over a MiB: tiles of 256 with ragged edges, on the threads
+    ((520, 600), "float32", "f"),
+    ((600, 1200), "float16", "every-other-column"),
+    ((40, 30), "float32", "c"),  # under a MiB: NumPy's own copy
+])
+def test_contiguous_transpose_equals_numpys(shape, dtype, strides):
+    from jax_paged_attn.models.checkpoint import contiguous_transpose
+
+    matrix = np.random.default_rng(0).standard_normal(shape).astype(jnp.dtype(dtype))
+    if strides == "f":
+        matrix = np.asfortranarray(matrix)
+    elif strides == "every-other-column":
+        matrix = np.concatenate([matrix, matrix], axis=1)[:, ::2]
+    got = contiguous_transpose(matrix)
+    assert got.dtype == matrix.dtype and got.flags.c_contiguous and got.shape == shape[::-1]
+    np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(matrix.T).view(np.uint8))
+
+
 def test_checkpoint_uses_hugging_face_names_and_layouts(tmp_path):
     config = LlamaConfig.tiny(tie_word_embeddings=True, num_hidden_layers=1)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(4))
