@@ -110,6 +110,7 @@ if _CPU_HOST:
 
 import dataclasses
 import functools
+import gc
 import itertools
 import sys
 from typing import Any, Sequence
@@ -242,6 +243,31 @@ def covering_cases(cases: Sequence[Any], *, id_of: Any = str, keep: Sequence[str
             for i, (values, _, marks) in enumerate(entries)]
 
 
+# Python's cyclic collector walks every tracked object of the generations it collects, and
+# a test process holds a large, long-lived heap (JAX, Flax, torch, transformers, the test
+# modules, JAX's caches of traced and compiled programs) while each test allocates many
+# short-lived objects (jaxprs, MLIR, interpreter state). Collected and frozen after
+# collection and again after each test module (its module-scoped fixtures torn down
+# first), the survivors leave later collections; a larger youngest generation makes those
+# rarer. tests/test_engine.py, test_attention.py and test_llama.py in one process: 23 s of
+# 138 s in the collector before, 4.5 s of 117 s after (2026-12, jax 0.10.2, one core).
+gc.set_threshold(50_000, 20, 10)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collects what importing the test modules left, then freezes the heap (above)."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)  # after the runner's teardown, which finalizes the module's fixtures
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """At the end of a test module: collects its garbage, then freezes what survives."""
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """In a pytest-xdist worker: frees JAX's compiled programs and collects the heap now,
     then freezes what is left out of later collections.
@@ -254,8 +280,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     green run with a PytestUnraisableExceptionWarning traceback. Collected here, before
     the report, that last collection has next to nothing to walk."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        import gc
-
         jax.clear_caches()
         gc.collect()
         gc.freeze()
