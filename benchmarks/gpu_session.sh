@@ -62,7 +62,8 @@ for step in "${steps[@]}"; do
         | tee "$out/serving.log" ;;
     http)  # the serving workload offline, then over HTTP (bench_http.py) against `jax-paged-attn
       # serve` with the same engine options, once per server in HTTP_ENGINE_CORES (default
-      # "process thread"; "core:N" adds --latency-scheduler-steps N): rates inf and half the
+      # "process thread"; "core:N" adds --latency-scheduler-steps N, "core:N:M" also
+      # --latency-max-rows M): rates inf and half the
       # saturating one (HTTP_RATES); each server's start (the offline run fills the caches
       # first) to its first served request, and a last start of the last server with the
       # program store filled; compilations after the port opened (/metrics)
@@ -72,7 +73,10 @@ for step in "${steps[@]}"; do
       cores=(${HTTP_ENGINE_CORES:-process thread})
       for core in "${cores[@]}" "${cores[-1]}-restart"; do
         server="${core%-restart}" latency=()
-        [ "${server#*:}" != "$server" ] && latency=(--latency-scheduler-steps "${server#*:}")
+        if [ "${server#*:}" != "$server" ]; then
+          steps="${server#*:}"; latency=(--latency-scheduler-steps "${steps%%:*}")
+          [ "${steps#*:}" != "$steps" ] && latency+=(--latency-max-rows "${steps#*:}")
+        fi
         t0=$(date +%s.%N)
         python3 -m jax_paged_attn.serve "$ckpt" --port "$port" --max-num-seqs 256 --max-num-batched-tokens 8192 \
           --num-scheduler-steps 16 "${latency[@]}" --max-model-len 4096 --block-size 16 --seed 0 \
