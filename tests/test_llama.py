@@ -362,6 +362,34 @@ def test_a_loaded_model_keeps_its_weights_when_the_file_is_rewritten_in_place(tm
         np.testing.assert_array_equal(got, want[name], err_msg=str(name))
 
 
+def test_mapped_tensors_refuse_byte_ranges_their_shapes_do_not_fit(tmp_path):
+    """The loader's own header reading (`checkpoint._MappedTensors`, used after
+    ``safe_open`` accepted the file): a tensor whose header entry does not fit the file
+    (changed since, or written by a faulty tool) is a CheckpointError naming the file and
+    the tensor, never a view of other bytes."""
+    import struct
+
+    from jax_paged_attn.models.checkpoint import _MappedTensors
+
+    def write(entries: dict, data: bytes) -> str:
+        header = json.dumps(entries).encode()
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+        return str(path)
+
+    values = np.arange(6, dtype=np.float32)
+    path = write({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}, values.tobytes())
+    np.testing.assert_array_equal(_MappedTensors(path).view("w"), values.reshape(2, 3))
+    for entry, problem in [
+        ({"dtype": "F32", "shape": [2, 4], "data_offsets": [0, 24]}, "do not hold a F32 tensor of shape \\[2, 4\\]"),
+        ({"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}, "within the file's 24 data bytes"),
+        ({"dtype": "F32", "shape": [2, 3]}, "no valid header entry for tensor 'w'"),
+    ]:
+        path = write({"w": entry}, values.tobytes())
+        with pytest.raises(CheckpointError, match=rf"{re.escape(path)} is not a readable safetensors file.*{problem}"):
+            _MappedTensors(path).view("w")
+
+
 @pytest.mark.parametrize("shape, dtype, strides", [
     ((1100, 520), "bfloat16", "c"),  # over a MiB: tiles of 256 with ragged edges, on the threads
     ((520, 600), "float32", "f"),
