@@ -462,7 +462,8 @@ class MosaicPrefillConfig:
     block: half its exponentials on each pipe). Where a call's
     plan cannot honour it (fp8 values, ``overlap_softmax``, a block the plan narrowed to
     that many keys or fewer) a `jax_paged_attn.plans.ConfigFieldDroppedWarning` says so.
-    Not yet timed on a GPU: off in the package's configs.
+    Off in the package's configs: on an H100 (2026-12-07, 64 of 128 keys) it made the
+    kernel 6-8 % slower at head sizes 64 and 128 alike (benchmarks/NOTES.md).
 
     The class default is the stock attention_mgpu kernel's shape (a producer and 2
     compute warpgroups of 64 rows, 2-slot ring) with 64-key blocks; the package runs it
