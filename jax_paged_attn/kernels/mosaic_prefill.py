@@ -49,7 +49,7 @@ each block's path, and spills). This form compiles without that note and with th
 default's hot loop (1 - 2 spill reloads a block), yet measured slower too: x0.89 - 0.98
 the default's speed on the four dense shapes (the H200, 2026-12-05).
 
-``exp2_fma_columns`` (off by default, not yet timed on a GPU): in the unmasked blocks the
+``exp2_fma_columns`` (off by default: 6–8 % slower on an H100, 2026-12-07): in the unmasked blocks the
 probabilities of the first that many keys come from `common.exp2_fma` (adds, a cubic and
 the exponent's bits: the FMA and ALU pipes) and the rest's from exp2 (the XU), and P·V
 runs one wgmma per part: FlashAttention-4's split of the exponentials, aimed at D 64,
