@@ -59,7 +59,7 @@ one parameter at a time:
   (`HFTensorPlacement.read_shard` maps the box back: a q/k/v shard of KV heads
   ``[a, b)`` reads q_proj's rows of query heads ``[a*group, b*group)`` and k_proj's and
   v_proj's rows of KV heads ``[a, b)``; a row-parallel o_proj / down_proj shard reads
-  columns), is transposed / reshaped into the fused layout on the host, and goes to the
+  columns), is transposed (`contiguous_transpose`) / reshaped into the fused layout on the host, and goes to the
   devices holding it before the next shard is read. Host memory holds about one shard
   at a time; a replicated parameter (embeddings, norms) is read once for all devices.
   With fewer KV heads than devices, the copies of a KV head
@@ -260,7 +260,7 @@ class HFTensorPlacement:
         first, last = lead_lo // replicas, -(-lead_hi // replicas)  # the tensor's entries the copies come from
         rows_per_entry = math.prod(out_shape[1:])
         rows = np.asarray(tensor[first * rows_per_entry:last * rows_per_entry, in_lo:in_hi])
-        values = rows.T.reshape(in_hi - in_lo, last - first, *out_shape[1:])
+        values = contiguous_transpose(rows).reshape(in_hi - in_lo, last - first, *out_shape[1:])
         if replicas > 1:
             start = lead_lo - first * replicas
             values = np.repeat(values, replicas, axis=1)[:, start:start + lead_hi - lead_lo]
