@@ -56,7 +56,7 @@ A walk through `LLMEngine.step`, top to bottom, one module each:
 8. ``stats.py``: `StatsRecorder.record` counts the step, as serving or as compiling.
 
 A decode window skips 3 to 5 (its rows' blocks are the batch's own reservation); a
-scheduled step without a batch skips 6 A mixed step visits 6 twice: the batch reserves its
+scheduled step without a batch skips 6. A mixed step visits 6 twice: the batch reserves its
 rows' next blocks before 3 plans the prompts beside them.
 
 Example::
