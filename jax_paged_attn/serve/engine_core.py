@@ -10,11 +10,12 @@ stack, a socket write per chunk and client). In its own process the engine loop 
 beside the server on another core. The price: the model loads in the engine process
 (the server's process holds only the tokenizer) and each step's events cross a pipe.
 
-The pipe carries JSON (`encode` / `decode`, from `jax_paged_attn.serve.engine_process`), never pickles: the server's process sends
-``["start", {model, options}]`` once (`jax_paged_attn.serve.engine_process`, which spawns
-the process before the server imports JAX), then ``["add", stream_id, prompts, sampling
-params]``, ``["abort", stream_id]`` and ``["stop"]``; the engine process sends ``["ready", {...}]`` (or ``["error", text]``)
-once, then one list of `EngineLoop` events per step.
+The pipe carries JSON (`jax_paged_attn.serve.engine_process`'s `encode` / `decode`, the
+module that spawns the process before the server imports JAX), never pickles: the
+server's process sends ``["start", {model, options}]`` once, then ``["add", stream_id,
+prompts, sampling params]``, ``["abort", stream_id]`` and ``["stop"]``; the engine
+process sends ``["ready", {...}]`` (or ``["error", text]``) once, then one list of
+`EngineLoop` events per step.
 """
 from __future__ import annotations
 
