@@ -262,25 +262,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)  # after the runner's teardown, which finalizes the module's fixtures
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """At the end of a test module: collects its garbage, then freezes what survives."""
+    """At the end of a test module: collects its garbage, then freezes what survives.
+
+    After a pytest-xdist worker's last test this also keeps its exit quick: the worker
+    reports that it finished, the controller closes its gateway, and execnet sends the
+    worker a SIGINT if it is still running 5 s later. pytest's own unconfigure runs full
+    ``gc.collect()`` s, which over the unfrozen heap of a long run took longer than that on
+    a loaded machine: the KeyboardInterrupt then landed in the first Python code after the
+    collection (hypothesis's gc callback) and ended a green run with a
+    PytestUnraisableExceptionWarning traceback. With the heap frozen here they have next to
+    nothing to walk."""
     if nextitem is None or nextitem.module is not item.module:
-        gc.collect()
-        gc.freeze()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """In a pytest-xdist worker: frees JAX's compiled programs and collects the heap now,
-    then freezes what is left out of later collections.
-
-    The worker reports that it finished after this hook; the controller then closes its
-    gateway, and execnet sends the worker a SIGINT if it is still running 5 s later.
-    pytest's own unconfigure runs a full ``gc.collect()``, which over the heap of a long
-    run took longer than that on a loaded machine: the KeyboardInterrupt then landed in
-    the first Python code after the collection (hypothesis's gc callback) and ended a
-    green run with a PytestUnraisableExceptionWarning traceback. Collected here, before
-    the report, that last collection has next to nothing to walk."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        jax.clear_caches()
         gc.collect()
         gc.freeze()
 
