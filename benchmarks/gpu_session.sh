@@ -69,7 +69,7 @@ for step in "${steps[@]}"; do
       # program store filled; compilations after the port opened (/metrics)
       ckpt=/tmp/bench_http_checkpoint port=8123 rates="${HTTP_RATES:-inf,0.5x}"
       python3 benchmarks/bench_http.py --write-checkpoint "$ckpt" 2>&1 | tail -1 | tee "$out/http.log"
-      timeout 240 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
+      timeout 420 python3 benchmarks/bench_serving.py --rates "$rates" --no-parts 2>&1 | tee -a "$out/http.log"
       cores=(${HTTP_ENGINE_CORES:-process thread})
       for core in "${cores[@]}" "${cores[-1]}-restart"; do
         server="${core%-restart}" latency=()
