@@ -2,8 +2,9 @@
 
 Every fenced ``python`` block right after a ``<!-- test:run NAME -->`` line is executed
 here, in a fresh namespace, so the quickstart and the attention example cannot drift
-from the code; every other ``python`` block is marked ``<!-- fragment -->`` (and says so
-in its text). The commands the README gives point at files and options that exist.
+from the code; the serve section's blocks (``<!-- test:serve NAME -->``) run in
+tests/test_serve.py against a live server; every other ``python`` block is marked
+``<!-- fragment -->`` (and says so in its text). The commands the README gives point at files and options that exist.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_attention_example_runs():
 def test_every_python_block_runs_or_is_marked_a_fragment():
     markers = re.findall(r"(?:^(<!-- [^\n]* -->)\n)?^```python$", README, re.MULTILINE)
     assert len(markers) >= 4
-    assert all(m.startswith("<!-- test:run ") or m == "<!-- fragment -->" for m in markers), markers
+    # test:serve blocks run in tests/test_serve.py, against its server
+    assert all(m.startswith(("<!-- test:run ", "<!-- test:serve ")) or m == "<!-- fragment -->" for m in markers), markers
 
 
 def test_readme_leads_with_use():

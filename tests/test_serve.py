@@ -8,7 +8,9 @@ logprobs, and every generation is compared with offline `LLM.generate` over the 
 checkpoint (`offline`): greedy and seeded sampling give the same tokens whatever shares
 the batch. Raw HTTP (urllib) sends what the client would refuse to (malformed JSON,
 wrong types) and checks each 4xx in OpenAI's error shape, the server still serving
-after. Then: 64 concurrent greedy requests, a client disconnecting mid-stream (its
+after. README's serve section runs as written against it (its curl stream, its openai
+example; its install and serve commands checked against pyproject and the server's
+parser). Then: 64 concurrent greedy requests, a client disconnecting mid-stream (its
 blocks come back: /metrics), the front end's admission limit and engine-failure path
 (in-process, over the offline `LLM`), and SIGTERM (running requests finish, then the
 process exits). Only bounded waits depend on time.
@@ -17,16 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import http.client
+import io
 import json
 import os
+import pathlib
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 
@@ -261,6 +268,64 @@ def test_chat_uses_the_chat_template_and_streams(server, offline, checkpoint):
     assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == reply.choices[0].message.content
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+
+
+# README's serve section: its three commands and its openai example, run against the server.
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+README_MODEL = "/path/to/Llama-3.2-1B-Instruct"
+README_URL = "http://127.0.0.1:8000"
+
+
+def readme_serve_block(name: str, language: str) -> str:
+    match = re.search(rf"<!-- test:serve {name} -->\n```{language}\n(.*?)\n```", README, re.DOTALL)
+    assert match, f"README.md has no `test:serve {name}` {language} block"
+    return match.group(1)
+
+
+def on_the_test_server(text: str, server: Server) -> str:
+    """README's model path and URL replaced by the test server's (each must occur)."""
+    assert README_MODEL in text and README_URL in text
+    return text.replace(README_MODEL, MODEL_NAME).replace(README_URL, server.url)
+
+
+def test_readme_serve_commands_install_serve_and_stream(server, checkpoint):
+    install, serve, curl = readme_serve_block("commands", "bash").replace("\\\n", " ").splitlines()
+    # 1: the extras it installs exist.
+    extras = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert shlex.split(install)[:4] == ["python3", "-m", "pip", "install"]
+    named = re.fullmatch(r"\.\[([\w,-]+)\]", shlex.split(install)[4]).group(1).split(",")
+    assert set(named) <= set(extras["project"]["optional-dependencies"]), named
+    # 2: the console script exists and the server's own parser takes the command's flags.
+    from jax_paged_attn.serve import cli
+
+    argv = shlex.split(serve, comments=True)
+    assert argv[:2] == ["jax-paged-attn", "serve"] and extras["project"]["scripts"]["jax-paged-attn"] == \
+        "jax_paged_attn.serve.cli:command"
+    parser = cli.build_parser()
+    args = parser.parse_args([str(checkpoint[0]) if a == README_MODEL else a for a in argv[2:]])
+    cli.check_server_args(args, parser)
+    assert (args.port, args.max_num_seqs) == (8000, 64)
+    # 3: curl's stream, as written, from the test server (plus its API key).
+    done = subprocess.run([*shlex.split(on_the_test_server(curl, server)), "--silent", "--show-error", "--fail",
+                           "-H", f"Authorization: Bearer {API_KEY}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = [line[len("data: "):] for line in done.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL_NAME for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    # max_tokens 16: one chunk per token (or per window's tokens), none empty
+    assert 1 <= len(chunks) <= 16 and all(c["choices"][0]["text"] for c in chunks[:-1])
+
+
+def test_readme_openai_example_streams_a_chat_answer(server):
+    code = on_the_test_server(readme_serve_block("openai", "python"), server)
+    assert code.count('api_key="unused"') == 1
+    code = code.replace('api_key="unused"', f'api_key="{API_KEY}"')
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md:serve-openai", "exec"), {"__name__": "readme_serve_openai"})
+    assert printed.getvalue().strip()
 
 
 def test_stop_strings_end_the_text_as_offline(server, offline):
