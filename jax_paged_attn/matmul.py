@@ -12,8 +12,9 @@ Measured on an H200 (benchmarks/NOTES.md, "Weight-streaming matmul" and "Fused
 decoder layers"): inside the engine's compiled decode step the kernel ran each product
 in XLA's time, but with the work XLA does not fuse into its GEMMs folded in (the
 residual add and norm after a product, the SwiGLU) a step took 0.88 / 1.01 ms at batch
-1 / 32 against 0.89 / 1.07 with XLA's dot; so auto takes the kernel there
-(`auto_takes_kernel`).
+1 / 32 against 0.89 / 1.07 with XLA's dot; so auto takes the kernel there, and on
+other GPUs only once the same comparison is made on them (`tuning.MATMUL_KERNEL_MEASURED`,
+`auto_takes_kernel`).
 """
 from __future__ import annotations
 
@@ -159,8 +160,8 @@ def linear(x: Array, w: Array, *, implementation: str | None = None, interpret: 
         `tuning.matmul_config`'s config, for products of at most
         `tuning.MATMUL_MAX_ROWS` rows (`streams`; ValueError where such a product's
         shape does not tile), XLA's dot for larger ones. None / "auto": the kernel for
-        such products of 16-bit activations that tile, on the H200 through CUDA
-        (`auto_takes_kernel`, `AUTO_CHOICE`); XLA's dot otherwise.
+        such products of 16-bit activations that tile, through CUDA on the GPUs where
+        it was measured faster (`auto_takes_kernel`, `auto_choice`); XLA's dot otherwise.
       interpret: run the kernel in Pallas interpret mode.
 
     Returns:
@@ -180,11 +181,38 @@ def _table_config(x: Array, w: Array) -> tuning.MatmulConfig:
 
 
 def auto_takes_kernel() -> bool:
-    """Auto's choice on JAX's default device: the kernel on the GPU it was measured on
-    (`tuning.REFERENCE_DEVICE_KIND`, through CUDA, with the Triton lowering installed),
-    XLA's dot elsewhere (`AUTO_CHOICE`)."""
-    return (dispatch.default_platform() == "cuda" and dispatch.lowering_unavailable_reason(dispatch.TRITON) is None
-            and tuning.target_device().kind == tuning.REFERENCE_DEVICE_KIND)
+    """Auto's choice on JAX's default device: the kernel on the GPUs it was measured
+    faster on (`tuning.MATMUL_KERNEL_MEASURED`, through CUDA, with the Triton lowering
+    installed), XLA's dot elsewhere (`auto_choice` says which and why)."""
+    return _auto_xla_reason() is None
+
+
+def _auto_xla_reason() -> str | None:
+    """Why auto keeps XLA's dot on JAX's default device, or None where it takes the kernel."""
+    if dispatch.default_platform() != "cuda":
+        return "the weight-streaming kernel runs through CUDA only"
+    unavailable = dispatch.lowering_unavailable_reason(dispatch.TRITON)
+    if unavailable is not None:
+        return unavailable
+    kind = tuning.target_device().kind
+    if kind not in tuning.MATMUL_KERNEL_MEASURED:
+        measured = " and ".join(f"the {k}" for k in tuning.MATMUL_KERNEL_MEASURED)
+        return (f"the weight-streaming kernel is measured against it on {measured} only, not on the {kind} "
+                "(benchmarks/bench_engine.py --matmul-implementation weight_streaming against xla measures it)")
+    return None
+
+
+def auto_choice() -> str:
+    """What auto runs for linear layers on JAX's default device, and why, in words (the
+    engine's start report)."""
+    reason = _auto_xla_reason()
+    if reason is not None:
+        return f"XLA's dot: {reason}"
+    kind = tuning.target_device().kind
+    return (f"on the {kind}, products of at most {tuning.MATMUL_MAX_ROWS} rows of 16-bit activations through the "
+            "weight-streaming kernel, with the fused decoder layers (residual add + RMSNorm in one kernel, the "
+            f"gate's activation inside the gate/up product): {tuning.MATMUL_KERNEL_MEASURED[kind]}; XLA's dot for "
+            "larger products, float32 and with a mesh")
 
 
 def streams(x: Array, implementation: str | None, w: Array | None = None) -> bool:
@@ -242,10 +270,3 @@ def gated_linear(x: Array, w: Array, *, activation: str = "silu", implementation
         return GATE_ACTIVATIONS[activation](gate_up[..., 0, :]) * gate_up[..., 1, :]
     return gated_weight_streaming_matmul(x, w, activation=activation, config=_table_config(x, w), interpret=interpret)
 
-
-AUTO_CHOICE = ("on the H200 through CUDA, products of at most 128 rows of 16-bit activations through the "
-               "weight-streaming kernel, with the fused decoder layers (residual add + RMSNorm in one kernel, "
-               "the gate's activation inside the gate/up product): 0.88 / 1.01 ms per decode step at batch "
-               "1 / 32 against 0.89 / 1.07 with XLA's dot for the ~1B Llama, 2026-12-02; XLA's dot for larger products, "
-               "float32, with a mesh and on other GPUs (not measured there)")
-"""What auto runs for linear layers, and why, in words (the engine's start report)."""

@@ -775,6 +775,17 @@ MATMUL_TABLE: dict[tuple[int, int, int], MatmulConfig] = {
 }
 
 
+MATMUL_KERNEL_MEASURED: dict[str, str] = {
+    REFERENCE_DEVICE_KIND: "0.88 / 1.01 ms per decode step at batch 1 / 32 against 0.89 / 1.07 with XLA's dot for "
+                           "the ~1B Llama, 2026-12-02",
+}
+"""GPU models on which auto runs decode-sized projections through the weight-streaming
+kernel and its fused decoder layers, each with the engine measurement that chose it
+(benchmarks/NOTES.md, "Fused decoder layers"); every other GPU keeps XLA's dot until
+the same comparison (`bench_engine.py --matmul-implementation weight_streaming` against
+``xla``) is made on it (`jax_paged_attn.matmul.auto_takes_kernel`)."""
+
+
 def matmul_config(num_rows: int, depth: int, num_cols: int, device: TuningDevice | None = None) -> MatmulConfig:
     """The weight-streaming matmul's config for ``[num_rows, depth] @ [depth, num_cols]`` on
     ``device`` (default: `target_device`): `MATMUL_TABLE`'s entry on the H200, else the

@@ -201,15 +201,18 @@ def test_configs_come_from_the_h200_table_else_the_default():
     assert tuning.matmul_config(32, 2048, 3072, other) == MatmulConfig()  # not measured there
 
 
-def test_auto_takes_the_kernel_for_16_bit_decode_products_on_the_h200_only(monkeypatch):
+def test_auto_takes_the_kernel_for_16_bit_decode_products_on_measured_gpus_only(monkeypatch):
     from jax_paged_attn import dispatch
 
     x, w = _operands((32,), 2048, (3072,))
     assert not matmul.auto_takes_kernel()  # this CPU host: XLA's dot
+    assert matmul.auto_choice() == "XLA's dot: the weight-streaming kernel runs through CUDA only"
     assert not matmul.streams(x, None, w)
     monkeypatch.setattr(dispatch, "default_platform", lambda: "cuda")
     monkeypatch.setattr(tuning, "target_device", lambda: tuning.REFERENCE_DEVICE)
     assert matmul.auto_takes_kernel()
+    choice = matmul.auto_choice()
+    assert choice.startswith("on the NVIDIA H200, products of at most 128 rows") and "0.88 / 1.01 ms" in choice
     assert matmul.streams(x, None, w) and matmul.streams(x, "auto", w)
     assert not matmul.streams(x.astype(jnp.float32), None, w)  # float32: not measured
     assert not matmul.streams(x[:, :2000], None, w[:2000])  # does not tile: XLA's, no error
@@ -218,6 +221,12 @@ def test_auto_takes_the_kernel_for_16_bit_decode_products_on_the_h200_only(monke
     other = tuning.device_from_properties("NVIDIA A100-SXM4-80GB", "8.0")
     monkeypatch.setattr(tuning, "target_device", lambda: other)
     assert not matmul.auto_takes_kernel()
+    choice = matmul.auto_choice()  # the start report names the reason and the measurement that would change it
+    assert choice.startswith("XLA's dot: ") and "on the NVIDIA H200 only, not on the NVIDIA A100-SXM4-80GB" in choice
+    assert "--matmul-implementation weight_streaming" in choice
+    monkeypatch.setitem(tuning.MATMUL_KERNEL_MEASURED, other.kind, "measured here")  # a GPU measured later
+    assert matmul.auto_takes_kernel() and matmul.auto_choice().endswith("measured here; XLA's dot for larger "
+                                                                          "products, float32 and with a mesh")
 
 
 def test_auto_with_a_mesh_keeps_xlas_dot():

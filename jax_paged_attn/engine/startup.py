@@ -129,7 +129,7 @@ def matmul_report(model: Any) -> str:
 
     impl = getattr(model, "matmul_implementation", None)
     if impl in (None, "auto"):
-        return f"auto: {matmul.AUTO_CHOICE}"
+        return f"auto: {matmul.auto_choice()}"
     return f"{impl} (chosen by the model's matmul_implementation argument)"
 
 

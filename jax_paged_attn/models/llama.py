@@ -522,8 +522,8 @@ class LlamaForCausalLM(nnx.Module):
       matmul_implementation: the decoder layers' projections in the serving forward
         (`__call__`): "xla" (XLA's dot), "weight_streaming" (the Pallas kernel; refused
         with a mesh, where the kernel is not partitioned over devices) or None / "auto"
-        (the kernel for 16-bit decode-sized products on the H200 without a mesh, else
-        XLA's dot: `jax_paged_attn.matmul.AUTO_CHOICE`). With the kernel, a
+        (the kernel for 16-bit decode-sized products without a mesh on the GPUs where it
+        was measured faster, else XLA's dot: `jax_paged_attn.matmul.auto_choice`). With the kernel, a
         forward of at most `tuning.MATMUL_MAX_ROWS` tokens also fuses each residual add
         into the next RMSNorm and the SwiGLU into the gate/up product
         (`LlamaDecoderLayer.fused`); larger forwards (prefills) use XLA's dot. The dense
