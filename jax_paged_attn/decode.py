@@ -227,6 +227,9 @@ def run_mosaic_decode(
     group = num_q_heads // num_kv_heads
     if config is None:
         config = tuning.mosaic_decode_config(head_size, k_cache.shape[1], group)
+    if config.keys_as_m and num_q_tokens > 1 and (spec.causal or spec.is_local):
+        raise ValueError("config.keys_as_m: several query tokens under a causal or window mask are not supported "
+                         f"(Sq = {num_q_tokens}; the non-finite quarantine of the other form is not built there).")
     tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,
                                              _mosaic_cache_itemsizes(k_cache, v_cache))
     rows = num_q_tokens * group
@@ -253,6 +256,12 @@ def run_mosaic_decode(
         return x.reshape(*lead, num_q_tokens, num_q_heads, *tail)
 
     if tiling.num_splits == 1:
-        return unpack_rows(result, True)
+        return unpack_rows(_untransposed(result, tiling), True)
     partial_out, lse = result
-    return combine_splits(unpack_rows(partial_out, True), unpack_rows(lse, False), q.dtype)
+    return combine_splits(unpack_rows(_untransposed(partial_out, tiling), True), unpack_rows(lse, False), q.dtype)
+
+
+def _untransposed(out: Array, tiling: plans.MosaicDecodeTiling) -> Array:
+    """The kernel's output rows ``[..., R, D]``: the keys-as-M form writes them ``[..., D, R]``
+    (its accumulator's layout); XLA folds the transpose into the rows' unpacking copy."""
+    return jnp.swapaxes(out, -1, -2) if tiling.keys_as_m else out

@@ -975,6 +975,10 @@ class MosaicDecodeTiling:
         warpgroup and that many compute warpgroups (`tuning.MosaicDecodeConfig`).
       items_per_program: consecutive sequences a warp-specialized program attends for,
         its ring carrying their tiles as one stream (1 without warp specialization).
+      keys_as_m: the keys as the wgmmas' M side (`tuning.MosaicDecodeConfig.keys_as_m`):
+        ``query_rows`` is then ``Sq * G`` rounded up to
+        `MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE`, the shared-memory query tile has just
+        those rows, and the kernel writes its output transposed, ``[..., D, query_rows]``.
     """
 
     row_blocks: int
@@ -986,6 +990,7 @@ class MosaicDecodeTiling:
     items_per_program: int = 1
     query_rows: int = MOSAIC_DECODE_ROWS
     copy_rows: int = 16
+    keys_as_m: bool = False
 
     @property
     def warp_specialized(self) -> bool:
@@ -1014,6 +1019,35 @@ def estimate_mosaic_decode_shared_memory(tile_keys: int, head_size: int, itemsiz
         buffers += [rows * head_size * 4, 2 * rows * 4]
     buffers += [8 * num_stages] * (3 if compute_warpgroups else 2) + [16] * 4  # mbarriers
     return sum(round_up(size, 1024) for size in buffers)
+
+
+MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE = 16
+"""With ``MosaicDecodeConfig.keys_as_m`` a program's query rows (the wgmmas' N) are a
+multiple of this: the probabilities' shared-memory tile is ``[tile_keys, N]``, and a
+wgmma's two shared-memory operands share one swizzle, so N rows of 16-bit elements set
+the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU tiles)."""
+
+
+def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
+                                        cache_itemsizes: tuple[int, int], itemsize: int,
+                                        compute_warpgroups: int, spec: AttentionSpec | None = None) -> str | None:
+    """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: one warpgroup,
+    16-bit caches, head sizes that are multiples of 64 (the values' M side), at most
+    `MOSAIC_DECODE_ROWS` query rows a KV head, and (given ``spec``) no causal or window
+    mask over several query tokens (keys hidden from some rows only: the non-finite
+    quarantine of the other form is not built here)."""
+    if compute_warpgroups:
+        return f"it runs in one warpgroup (config.compute_warpgroups 0, got {compute_warpgroups})"
+    if any(size != itemsize for size in cache_itemsizes):
+        return "it reads 16-bit caches of the queries' dtype only (no fp8 upcast yet)"
+    if head_size % 64:
+        return f"the head size must be a multiple of 64 (the values' wgmma M side), got {head_size}"
+    if num_q_tokens * group_size > MOSAIC_DECODE_ROWS:
+        return (f"a KV head's query rows (Sq * G = {num_q_tokens * group_size}) must be at most "
+                f"{MOSAIC_DECODE_ROWS}")
+    if spec is not None and num_q_tokens > 1 and (spec.causal or spec.is_local):
+        return "several query tokens under a causal or window mask are not supported (the non-finite quarantine)"
+    return None
 
 
 MOSAIC_DECODE_TILE_KEYS = (64, 128)
@@ -1064,6 +1098,13 @@ def plan_mosaic_decode_tiling(
     row_blocks = -(-rows // MOSAIC_DECODE_ROWS)
     query_rows = MOSAIC_DECODE_ROWS if row_blocks > 1 else round_up(rows, MOSAIC_DECODE_QUERY_ROW_MULTIPLE)
     itemsize = jnp.dtype(q_dtype).itemsize
+    if config.keys_as_m:
+        reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size,
+                                                     cache_itemsizes or (itemsize, itemsize), itemsize,
+                                                     config.compute_warpgroups)
+        if reason is not None:
+            raise ValueError(f"config.keys_as_m: {reason}.")
+        query_rows = round_up(rows, MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE)
     num_splits = choose_num_splits(batch, num_kv_heads, row_blocks, max_blocks * block_size, tile_keys, config)
     out_itemsize = itemsize if num_splits == 1 else 4
     items = min(config.items_per_program, batch)
@@ -1104,7 +1145,7 @@ def plan_mosaic_decode_tiling(
     return MosaicDecodeTiling(row_blocks=row_blocks, tile_keys=tile_keys,
                               pages_per_tile=tile_keys // copy_rows, num_stages=stages,
                               num_splits=num_splits, compute_warpgroups=workers, items_per_program=items,
-                              query_rows=query_rows, copy_rows=copy_rows)
+                              query_rows=query_rows, copy_rows=copy_rows, keys_as_m=config.keys_as_m)
 
 
 # =========================================================================== cache write

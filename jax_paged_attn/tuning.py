@@ -258,6 +258,16 @@ class MosaicDecodeConfig:
     0: auto, as many as make one wave of programs
     (about one per SM, `TuningDevice.multiprocessors`: ``ceil(B * Hk * row_blocks *
     splits / SMs)``, at most B); without warp specialization always 1.
+
+    keys_as_m: the keys as the wgmmas' M side (``S^T = K Q^T`` over ``N`` query rows,
+    ``O^T += V^T P^T``): a tile's ``Sq * G`` query rows are the N of a wgmma, rounded up
+    to 16 (`plans.MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE`), instead of the M side's 64, so
+    a GQA group of 4 computes 4x its scores, not 16x, and the softmax runs on 16 columns
+    of each key tile (its reductions cross the warpgroup's warps). One warpgroup
+    (``compute_warpgroups`` 0), 16-bit caches, head sizes that are multiples of 64, at
+    most 64 query rows a KV head, and no causal or window mask over several query tokens
+    (`plans.mosaic_keys_as_m_unsupported_reason`). Off by default: built and tested in
+    interpret mode and lowered for CUDA, not yet timed on a GPU.
     """
 
     tile_keys: int = 64
@@ -267,6 +277,7 @@ class MosaicDecodeConfig:
     min_tiles_per_split: int = 4
     compute_warpgroups: int = 0
     items_per_program: int = 1
+    keys_as_m: bool = False
 
 
 # Shared memory the Mosaic GPU decode kernel may take: Hopper's 227 KiB per block (the

@@ -523,6 +523,61 @@ MOSAIC_GRID = [
 ]
 
 
+# The keys as the wgmmas' M side (S^T = K Q^T over 16, 32, 48 or 64 query rows, the
+# values' swizzle set by them): NaN pages, splits, windows, ALiBi, soft-cap, 128-key
+# stages, several query tokens without a causal mask, head sizes 64-256.
+KEYS_AS_M = functools.partial(MosaicDecodeConfig, keys_as_m=True)
+MOSAIC_KEYS_AS_M_GRID = [
+    Case("mgpu-keys-as-m-gqa4-d64", head_size=64, lowering=MOSAIC, config=KEYS_AS_M(num_splits=1)),
+    Case("mgpu-keys-as-m-gqa4-d128-2splits-128keys", lowering=MOSAIC, config=KEYS_AS_M(tile_keys=128, num_splits=2)),
+    Case("mgpu-keys-as-m-mqa-d128-bs32-window-alibi-softcap-f16", dtype="float16", num_q_heads=4, num_kv_heads=1,
+         block_size=32, window=(40, 0), softcap=10.0, alibi=True, seqlens=(0, 120, 55, 1), max_blocks=4,
+         lowering=MOSAIC, config=KEYS_AS_M(tile_keys=128, num_splits=2)),
+    Case("mgpu-keys-as-m-gqa32-d64-sq2-noncausal-64rows-3splits", num_q_heads=64, num_kv_heads=2, head_size=64,
+         num_q_tokens=2, causal=False, seqlens=(2, 90, 0, 127), lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=3, num_stages=3)),
+    Case("mgpu-keys-as-m-mha-d256-bs64-window", num_q_heads=2, num_kv_heads=2, head_size=256, block_size=64,
+         window=(70, 0), seqlens=(200, 64, 1), max_blocks=4, num_blocks=16, lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=1)),
+    Case("mgpu-keys-as-m-gqa16-d64-sq3-noncausal-48rows-alibi", num_q_heads=16, num_kv_heads=1, head_size=64,
+         num_q_tokens=3, causal=False, alibi=True, seqlens=(3, 70, 130), max_blocks=9, num_blocks=40,
+         lowering=MOSAIC, config=KEYS_AS_M()),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_KEYS_AS_M_GRID, ids=str)
+def test_mosaic_keys_as_m_matches_reference_in_interpret_mode(case: Case) -> None:
+    """The keys-as-M form in Mosaic GPU interpret mode (CPU) against the reference."""
+    inputs = make_inputs(case)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
+    """What the keys-as-M form does not take is a ValueError naming ``config.keys_as_m``
+    and the reason, never a wrong answer; its plan reads Sq * G rows rounded up to 16."""
+    plan = functools.partial(plans.plan_mosaic_decode_tiling, max_blocks=64, q_dtype=jnp.bfloat16)
+    # (Sq, Hq, Hk) -> rows Sq * G: 4, 12, 8, 20, 64
+    for (num_q_tokens, num_q_heads, num_kv_heads), expected in (((1, 32, 8), 16), ((3, 32, 8), 16),
+                                                                ((1, 64, 8), 16), ((5, 32, 8), 32),
+                                                                ((2, 64, 2), 64)):
+        t = plan((8, num_q_tokens, num_q_heads, 128), (512, 16, num_kv_heads, 128), config=KEYS_AS_M())
+        assert (t.keys_as_m, t.query_rows, t.row_blocks) == (True, expected, 1), (num_q_tokens, num_q_heads)
+    for q_shape, cache_shape, config, words in (
+            ((8, 1, 32, 80), (512, 16, 8, 80), KEYS_AS_M(), "multiple of 64"),
+            ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64"),
+            ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=1), "one warpgroup")):
+        with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
+            plan(q_shape, cache_shape, config=config)
+    with pytest.raises(ValueError, match="config.keys_as_m: .*16-bit caches"):
+        plan((8, 1, 32, 128), (512, 16, 8, 128), config=KEYS_AS_M(), cache_itemsizes=(1, 1))
+    q = jnp.zeros((2, 2, 8, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    rest = (jnp.array([3, 4], jnp.int32), jnp.zeros((2, 4), jnp.int32), None, 1.0, 1.0)
+    with pytest.raises(ValueError, match="config.keys_as_m: several query tokens under a causal"):
+        decode.paged_decode_attention(q, cache, cache, *rest, spec=AttentionSpec.create(128, causal=True),
+                                      lowering=MOSAIC, config=KEYS_AS_M(), interpret=True)
+
+
 @pytest.mark.parametrize("case", covering_cases(MOSAIC_GRID))
 def test_mosaic_matches_reference_in_interpret_mode(case: Case) -> None:
     """The Mosaic GPU kernel in Mosaic GPU interpret mode (CPU): NaN pages and garbage
@@ -596,6 +651,12 @@ def test_mosaic_every_tile_boundary() -> None:
     Case("mgpu-gpu-h200-shape-specialized-1wg-fp8", num_q_heads=64, num_kv_heads=8, seqlens=(2048, 77, 1),
          max_blocks=128, num_blocks=400, cache_dtype="float8_e4m3fn", lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1, num_stages=4, compute_warpgroups=1)),
+    *MOSAIC_KEYS_AS_M_GRID,
+    Case("mgpu-gpu-h200-shape-keys-as-m-splits", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
+         max_blocks=256, num_blocks=1300, lowering=MOSAIC, config=KEYS_AS_M(num_splits=5, num_stages=4)),
+    Case("mgpu-gpu-h200-shape-keys-as-m-d64-gqa8", num_q_heads=32, num_kv_heads=4, head_size=64,
+         seqlens=tuple((i * 397) % 3000 for i in range(12)), max_blocks=192, num_blocks=2400, lowering=MOSAIC,
+         config=KEYS_AS_M(tile_keys=128, num_splits=1, num_stages=3)),
 ], ids=str)
 def test_mosaic_compiled_on_gpu_matches_reference(case: Case) -> None:
     """The Mosaic GPU scenarios compiled for a Hopper GPU (run with ``pytest -m gpu``)."""

@@ -357,6 +357,39 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, item
 
 
 @pytest.mark.parametrize(
+    "q_dtype,head_size,block_size,num_q_heads,num_q_tokens,num_splits,tile_keys,options",
+    [(jnp.bfloat16, 128, 16, 8, 1, 1, 64, {}),
+     (jnp.bfloat16, 64, 16, 16, 1, 2, 64, dict(softcap=30.0)),
+     (jnp.float16, 256, 32, 8, 1, 1, 128, dict(window_size=(30, 0), alibi=True)),
+     (jnp.bfloat16, 128, 64, 8, 3, 2, 128, dict(causal=False)),
+     (jnp.bfloat16, 64, 16, 64, 1, 1, 64, {})],
+    ids=["bf16-d128-16rows", "bf16-d64-32rows-softcap-splits", "f16-d256-bs32-window-alibi-128keys",
+         "bf16-d128-bs64-sq3-noncausal-splits", "bf16-d64-64rows"],
+)
+def test_keys_as_m_decode_lowers_to_mosaic_gpu_kernel(q_dtype, head_size, block_size, num_q_heads, num_q_tokens,
+                                                      num_splits, tile_keys, options):
+    """The keys-as-M decode form (``MosaicDecodeConfig.keys_as_m``: S^T = K Q^T, O^T += V^T
+    P^T) lowers for CUDA to one Mosaic GPU kernel at 16, 32 and 64 query rows (the values'
+    swizzle 32, 64 and 128 bytes), every mask and split kind it takes, head sizes 64-256."""
+    from jax_paged_attn import decode
+    from jax_paged_attn.spec import AttentionSpec
+    from jax_paged_attn.tuning import MosaicDecodeConfig
+
+    options = dict(options)
+    alibi = jnp.linspace(0.1, 0.5, num_q_heads, dtype=jnp.float32) if options.pop("alibi", False) else None
+    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=q_dtype)
+    q = jnp.ones((2, num_q_tokens, num_q_heads, head_size), q_dtype)
+    lens, table = jnp.array([5, 40], jnp.int32), jnp.zeros((2, 48), jnp.int32)
+    config = MosaicDecodeConfig(keys_as_m=True, num_splits=num_splits, tile_keys=tile_keys, num_stages=3)
+    spec = AttentionSpec.create(head_size, causal=options.pop("causal", True), has_alibi=alibi is not None,
+                                **options)
+    fn = lambda q, k, v, n, t: decode.paged_decode_attention(q, k, v, n, t, alibi, 1.0, 1.0, spec=spec,
+                                                             lowering="mosaic_gpu", config=config)
+    text = lower_for_cuda(fn, q, k, v, lens, table)
+    assert len(MOSAIC_CALL.findall(text)) == 1 and TRITON_CALL not in text
+
+
+@pytest.mark.parametrize(
     "q_dtype,cache_dtype,head_size,block_size",
     [(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16), (jnp.float16, jnp.float8_e5m2, 64, 16),
      (jnp.bfloat16, jnp.float8_e4m3fn, 256, 32), (jnp.bfloat16, jnp.float8_e4m3fn, 192, 16),

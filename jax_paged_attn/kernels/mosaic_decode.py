@@ -524,6 +524,15 @@ def _decode_kernel(
         # nothing in the kernel reads the output.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    if tiling.keys_as_m:
+        _keys_as_m_program(
+            item_at(jnp.int32(0)), page_ids, issue, q_ref=q_ref, k_smem=k_smem, v_smem=v_smem,
+            q_smem=q_smems.at[0], p_smem=p_smems.at[0], o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref,
+            lse_ref=lse_ref, q_barrier=q_barriers.at[0], k_barriers=k_barriers, v_barriers=v_barriers,
+            alibi_ref=alibi_ref, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens, group_size=group_size,
+            kv_head=kv_head, head_block=head_block, split=split)
+        return
+
     if not workers:
         it = item_at(jnp.int32(0))
         zero_query_tiles()
@@ -641,6 +650,136 @@ def _decode_kernel(
         lax.fori_loop(0, items, next_item, jnp.int32(0))
 
 
+def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_smem, p_smem, o_smem, lse_smem,
+                       o_ref, lse_ref, q_barrier, k_barriers, v_barriers, alibi_ref, spec: AttentionSpec,
+                       tiling: MosaicDecodeTiling, num_q_tokens: int, group_size: int, kv_head, head_block,
+                       split) -> None:
+    """One program of the keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`): item
+    ``it``'s tiles through the ring in one warpgroup, the scores transposed.
+
+    ``S^T = K Q^T`` is a wgmma with the tile's keys as M and the ``N = tiling.query_rows``
+    query rows as N (``Q^T`` a transposed view of the ``[N, D]`` query tile), so its
+    ``[tile_keys, N]`` f32 scores hold each query row in a column: the online softmax's
+    max and sum reduce over axis 0, across the warpgroup's warps, and its running
+    statistics are column vectors. ``P^T`` (the scores' own layout) goes to shared memory
+    as the ``[tile_keys, N]`` operand of ``O^T += V^T P^T``, whose M side is the head
+    (``V^T`` a transposed view of the V stage), accumulated as ``[D, N]`` f32. The values'
+    stages take the probabilities' swizzle (a wgmma's shared-memory operands share one),
+    which N rows of 16-bit elements set. The output leaves transposed, ``[D, N]`` (the
+    wrapper transposes it back with the rows it unpacks anyway). Masks, the sequence end,
+    ALiBi, soft-cap, splits and the zeroed out-of-range value rows are the other form's;
+    `plans.mosaic_keys_as_m_unsupported_reason` names what this form does not take."""
+    n, tile_keys, stages = tiling.query_rows, tiling.tile_keys, tiling.num_stages
+    dtype = q_ref.dtype
+    head_size = q_ref.shape[-1]
+    plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], q_smem, q_barrier)
+    with jax.named_scope("fill"):
+        for s in range(stages):
+            pl.when(s < it.num_steps)(functools.partial(issue, s, page_ids(it, s)))
+
+    def score_iota(dimension: int) -> Array:
+        """i32 [tile_keys, N]: each transposed score's key offset (0) or query row (1)."""
+        return plgpu.broadcasted_iota(jnp.int32, (tile_keys, n), dimension, layout=plgpu.Layout.WGMMA)
+
+    def query_tokens():
+        """Each column's query token (column ``c`` is token ``c // G``); 0 with one token."""
+        if num_q_tokens == 1:
+            return jnp.int32(0)
+        return lax.div(score_iota(1), jnp.int32(group_size))
+
+    slopes = None  # f32[N] per query row, in the scores' column layout
+    if alibi_ref is not None:
+        head_in_group = lax.rem(score_iota(1), jnp.int32(group_size))
+        slopes_2d = jnp.zeros((tile_keys, n), jnp.float32)
+        for g in range(group_size):
+            slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
+        slopes = slopes_2d.max(axis=0)  # every row holds the column's slope
+
+    def step_fn(step, carry):
+        acc, col_max, col_sum, pages = carry  # f32[D, N], f32[N], f32[N], the next refill's page ids
+        slot = lax.rem(step, jnp.int32(stages))
+        first_key = it.base + (it.tile_begin + step) * tile_keys
+        with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(k_barriers.at[slot])
+        with jax.named_scope("scores"):
+            def kq(acc_ref):
+                plgpu.wgmma(acc_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(kq, plgpu.ACC((tile_keys, n), jnp.float32))
+            # Scores in log2 units (exp2 is the fast path): s * log2(e).
+            if spec.softcap > 0:
+                s = jnp.tanh(s * (spec.softmax_scale / spec.softcap)) * (spec.softcap * LOG2E)
+            else:
+                s = s * (spec.softmax_scale * LOG2E)
+            if slopes is not None:
+                dist = reference.alibi_distance(query_tokens(), first_key + score_iota(0), num_q_tokens, it.seq_len)
+                s = s - lax.broadcast_in_dim(slopes, s.shape, [1]) * dist
+
+            def visible():
+                """bool [tile_keys, N]: the mask (causal / window, sequence end, kv_lo)."""
+                key = first_key + score_iota(0)
+                return (reference.key_visible(query_tokens(), key, num_q_tokens, it.seq_len, spec)
+                        & (key >= it.kv_lo))
+
+            masked = (first_key < it.free_lo) | (first_key + tile_keys > it.free_hi)
+            s = lax.cond(masked, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
+            new_max = jnp.maximum(col_max, s.max(axis=0))
+            correction = jnp.exp2(col_max - new_max)
+            p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [1]))  # masked: exp2(-inf) = 0
+            col_sum = col_sum * correction + p.sum(axis=0)
+            p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
+        with jax.named_scope("wait_v"):
+            plgpu.barrier_wait(v_barriers.at[slot])
+        with jax.named_scope("values"):
+            v_tile = v_smem.at[slot]
+
+            # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
+            # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
+            @pl.when((first_key < it.kv_lo) | (first_key + tile_keys > it.seq_len))
+            def _():
+                v = v_tile[...]
+                v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                v_tile[...] = jnp.where((v_key >= it.kv_lo) & (v_key < it.seq_len), v, 0).astype(v.dtype)
+
+            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
+            plgpu.commit_smem()  # P (and the zeroed V rows) become visible to the wgmma
+
+            def vp(acc_ref):
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)), p_smem)
+                return acc_ref[...]  # waits for the wgmma: the slot is free again
+
+            acc = acc + pl.run_scoped(vp, plgpu.ACC((head_size, n), jnp.float32))
+        pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
+        return acc, new_max, col_sum, page_ids(it, step + stages + 1)
+
+    carry = (plgpu.layout_cast(jnp.zeros((head_size, n), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((n,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+             plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+             page_ids(it, stages))
+    with jax.named_scope("q_wait"):
+        plgpu.barrier_wait(q_barrier)
+    acc, col_max, col_sum, _ = lax.fori_loop(0, it.num_steps, step_fn, carry)
+
+    with jax.named_scope("epilogue"):
+        # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column
+        # whose accumulator holds a NaN / inf in any channel is NaN in all of them (the
+        # reference's NaN rule, `common.nan_rows_scale` transposed).
+        seen = col_sum > 0
+        safe_sum = jnp.where(seen, col_sum, 1.0)
+        total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
+        inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
+        o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
+        o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
+        if lse_ref is not None:
+            lse_smem[...] = jnp.where(seen, (col_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_cols)
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, it.seq, head_block])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 PROFILE_RANGES_PER_TILE = 4
 """Named regions a compute warpgroup records per tile (waits for K and V, scores,
 values), what the profiler's event buffer is sized for, beside `PROFILE_RANGES_FIXED`."""
@@ -690,7 +829,8 @@ def paged_decode_call(
     ``tiling.num_splits == 1``, else ``(partial_out f32[splits, B, Hk * row_blocks, R, D],
     lse f32[splits, B, Hk * row_blocks, R])``, each split normalized over its own keys,
     ``lse`` the natural log-sum-exp of its scores (-inf for a split that saw no key).
-    Padding rows hold 0 (-inf log-sum-exp).
+    Padding rows hold 0 (-inf log-sum-exp). With ``tiling.keys_as_m`` the output rows
+    are transposed: ``[B, Hk, D, R]`` (``[splits, B, Hk, D, R]`` f32 with splits).
 
     ``profile_dir`` (GPU only): each call also writes a timeline of every warpgroup's
     named regions (the ring's fill, and per tile the waits for K and V, the scores and
@@ -700,7 +840,6 @@ def paged_decode_call(
     """
     batch, head_blocks, query_rows, head_size = q_rows.shape
     assert query_rows == tiling.query_rows, (q_rows.shape, tiling)
-    rows = MOSAIC_DECODE_ROWS  # the shared-memory tiles' rows: a wgmma's M
     _, block_size, _, _ = k_cache.shape
     dtype = q_rows.dtype
     itemsize = jnp.dtype(dtype).itemsize
@@ -711,12 +850,14 @@ def paged_decode_call(
     common.append_optional(inputs, alibi_slopes_log2)
     common.append_optional(inputs, scales if (k_dequant or v_dequant) else None)
     splits = tiling.num_splits
+    # keys_as_m: the output rows leave transposed, [..., D, query_rows]
+    out_rows = (batch, head_blocks, head_size, query_rows) if tiling.keys_as_m else q_rows.shape
     if splits == 1:
-        out_type = jax.ShapeDtypeStruct(q_rows.shape, dtype)
+        out_type = jax.ShapeDtypeStruct(out_rows, dtype)
         out_dtype = dtype
     else:
         out_type = (
-            jax.ShapeDtypeStruct((splits, *q_rows.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *out_rows), jnp.float32),
             jax.ShapeDtypeStruct((splits, batch, head_blocks, query_rows), jnp.float32),
         )
         out_dtype = jnp.float32
@@ -729,6 +870,34 @@ def paged_decode_call(
         return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
 
     operand = _operand_transforms(itemsize, head_size)
+    if tiling.keys_as_m:
+        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_program`).
+        values = _operand_transforms(itemsize, query_rows)
+        scratch = [
+            plgpu.SMEM((1, query_rows, head_size), dtype, transforms=operand),  # Q
+            ring(k_cache),  # K ring
+            plgpu.SMEM((tiling.num_stages, keys, head_size), v_cache.dtype, transforms=values),  # V ring
+            plgpu.SMEM((1, keys, query_rows), dtype, transforms=values),  # P^T
+            plgpu.SMEM((head_size, query_rows), out_dtype),  # the output, transposed
+            plgpu.SMEM((query_rows,), jnp.float32),  # log-sum-exp
+            plgpu.SMEM((1, keys), jnp.float32),  # (the other form's flags; unused)
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # Q
+            plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
+            plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
+        ]
+    else:
+        scratch = _scratch_types(tiling, q_rows, k_cache, v_cache, ring, operand, out_dtype, k_dequant, v_dequant)
+    return _launch(scratch, inputs, out_type, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
+                   group_size=group_size, block_size=block_size, k_cache=k_cache, v_cache=v_cache,
+                   has_alibi=alibi_slopes_log2 is not None, k_dequant=k_dequant, v_dequant=v_dequant,
+                   interpret=interpret, profile_dir=profile_dir, max_keys=block_table.shape[1] * block_size)
+
+
+def _scratch_types(tiling: MosaicDecodeTiling, q_rows: Array, k_cache: CachePlane, v_cache: CachePlane, ring,
+                   operand: tuple, out_dtype, k_dequant: bool, v_dequant: bool) -> list:
+    """The scratch buffers of the form with the queries as the wgmmas' M side."""
+    rows = MOSAIC_DECODE_ROWS
+    head_size, dtype, keys = q_rows.shape[-1], q_rows.dtype, tiling.tile_keys
     workers = tiling.compute_warpgroups
     per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
     chunk = plans.mosaic_output_chunk(head_size)
@@ -762,6 +931,16 @@ def paged_decode_call(
     # fp8 stages upcast to q's dtype for the wgmma, K then V, one per compute warpgroup.
     scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=operand)
                 for d in (k_dequant, v_dequant) if d]
+    return scratch
+
+
+def _launch(scratch: list, inputs: list, out_type, *, spec: AttentionSpec, tiling: MosaicDecodeTiling,
+            num_q_tokens: int, group_size: int, block_size: int, k_cache: CachePlane, v_cache: CachePlane,
+            has_alibi: bool, k_dequant: bool, v_dequant: bool, interpret: bool, profile_dir: str | None,
+            max_keys: int):
+    """The kernel over the grid (KV heads x row blocks, sequences, splits), either form."""
+    batch, head_blocks = inputs[0].shape[0], inputs[0].shape[1]
+    workers, items, splits = tiling.compute_warpgroups, tiling.items_per_program, tiling.num_splits
     kernel = functools.partial(
         _decode_kernel,
         spec=spec,
@@ -771,7 +950,7 @@ def paged_decode_call(
         block_size=block_size,
         k_plane=k_cache.plane,
         v_plane=v_cache.plane,
-        has_alibi=alibi_slopes_log2 is not None,
+        has_alibi=has_alibi,
         k_dequant=k_dequant,
         v_dequant=v_dequant,
         interpret=interpret,
@@ -784,7 +963,7 @@ def paged_decode_call(
         grid=(head_blocks, -(-batch // items), splits),
         grid_names=("heads", "batch", "split"),
         **({"num_threads": workers + 1, "thread_name": "wg"} if workers else {}),
-        compiler_params=_compiler_params(profile_dir, tiling, block_table.shape[1] * block_size),
+        compiler_params=_compiler_params(profile_dir, tiling, max_keys),
         kernel_name="paged_decode_attention_mgpu",
         **extra,
     )(*inputs)
