@@ -1029,17 +1029,14 @@ the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU til
 
 
 def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
-                                        cache_itemsizes: tuple[int, int], itemsize: int,
                                         compute_warpgroups: int, spec: AttentionSpec | None = None) -> str | None:
     """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: one warpgroup,
-    16-bit caches, head sizes that are multiples of 64 (the values' M side), at most
+    head sizes that are multiples of 64 (the values' M side), at most
     `MOSAIC_DECODE_ROWS` query rows a KV head, and (given ``spec``) no causal or window
     mask over several query tokens (keys hidden from some rows only: the non-finite
     quarantine of the other form is not built here)."""
     if compute_warpgroups:
         return f"it runs in one warpgroup (config.compute_warpgroups 0, got {compute_warpgroups})"
-    if any(size != itemsize for size in cache_itemsizes):
-        return "it reads 16-bit caches of the queries' dtype only (no fp8 upcast yet)"
     if head_size % 64:
         return f"the head size must be a multiple of 64 (the values' wgmma M side), got {head_size}"
     if num_q_tokens * group_size > MOSAIC_DECODE_ROWS:
@@ -1100,7 +1097,6 @@ def plan_mosaic_decode_tiling(
     itemsize = jnp.dtype(q_dtype).itemsize
     if config.keys_as_m:
         reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size,
-                                                     cache_itemsizes or (itemsize, itemsize), itemsize,
                                                      config.compute_warpgroups)
         if reason is not None:
             raise ValueError(f"config.keys_as_m: {reason}.")

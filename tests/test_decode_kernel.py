@@ -525,7 +525,7 @@ MOSAIC_GRID = [
 
 # The keys as the wgmmas' M side (S^T = K Q^T over 16, 32, 48 or 64 query rows, the
 # values' swizzle set by them): NaN pages, splits, windows, ALiBi, soft-cap, 128-key
-# stages, several query tokens without a causal mask, head sizes 64-256.
+# stages, several query tokens without a causal mask, head sizes 64-256, fp8 pages.
 KEYS_AS_M = functools.partial(MosaicDecodeConfig, keys_as_m=True)
 MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-gqa4-d64", head_size=64, lowering=MOSAIC, config=KEYS_AS_M(num_splits=1)),
@@ -542,6 +542,12 @@ MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-gqa16-d64-sq3-noncausal-48rows-alibi", num_q_heads=16, num_kv_heads=1, head_size=64,
          num_q_tokens=3, causal=False, alibi=True, seqlens=(3, 70, 130), max_blocks=9, num_blocks=40,
          lowering=MOSAIC, config=KEYS_AS_M()),
+    Case("mgpu-keys-as-m-gqa8-d128-fp8e4m3-window-alibi-2splits", num_q_heads=8, num_kv_heads=1,
+         cache_dtype="float8_e4m3fn", window=(70, 0), alibi=True, seqlens=(128, 90, 0, 17), lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=2)),
+    Case("mgpu-keys-as-m-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
+         softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC,
+         config=KEYS_AS_M(tile_keys=128)),
 ]
 
 
@@ -568,8 +574,6 @@ def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
             ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=1), "one warpgroup")):
         with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
             plan(q_shape, cache_shape, config=config)
-    with pytest.raises(ValueError, match="config.keys_as_m: .*16-bit caches"):
-        plan((8, 1, 32, 128), (512, 16, 8, 128), config=KEYS_AS_M(), cache_itemsizes=(1, 1))
     q = jnp.zeros((2, 2, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
     rest = (jnp.array([3, 4], jnp.int32), jnp.zeros((2, 4), jnp.int32), None, 1.0, 1.0)

@@ -362,22 +362,27 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, item
      (jnp.bfloat16, 64, 16, 16, 1, 2, 64, dict(softcap=30.0)),
      (jnp.float16, 256, 32, 8, 1, 1, 128, dict(window_size=(30, 0), alibi=True)),
      (jnp.bfloat16, 128, 64, 8, 3, 2, 128, dict(causal=False)),
-     (jnp.bfloat16, 64, 16, 64, 1, 1, 64, {})],
+     (jnp.bfloat16, 64, 16, 64, 1, 1, 64, {}),
+     (jnp.bfloat16, 128, 16, 8, 1, 2, 64, dict(cache_dtype=jnp.float8_e4m3fn)),
+     (jnp.float16, 64, 32, 16, 1, 1, 128, dict(cache_dtype=jnp.float8_e5m2, softcap=30.0))],
     ids=["bf16-d128-16rows", "bf16-d64-32rows-softcap-splits", "f16-d256-bs32-window-alibi-128keys",
-         "bf16-d128-bs64-sq3-noncausal-splits", "bf16-d64-64rows"],
+         "bf16-d128-bs64-sq3-noncausal-splits", "bf16-d64-64rows", "bf16-e4m3-d128-splits",
+         "f16-e5m2-d64-bs32-32rows-128keys"],
 )
 def test_keys_as_m_decode_lowers_to_mosaic_gpu_kernel(q_dtype, head_size, block_size, num_q_heads, num_q_tokens,
                                                       num_splits, tile_keys, options):
     """The keys-as-M decode form (``MosaicDecodeConfig.keys_as_m``: S^T = K Q^T, O^T += V^T
     P^T) lowers for CUDA to one Mosaic GPU kernel at 16, 32 and 64 query rows (the values'
-    swizzle 32, 64 and 128 bytes), every mask and split kind it takes, head sizes 64-256."""
+    swizzle 32, 64 and 128 bytes), every mask and split kind it takes, head sizes 64-256,
+    fp8 pages (upcast into the operands' swizzles)."""
     from jax_paged_attn import decode
     from jax_paged_attn.spec import AttentionSpec
     from jax_paged_attn.tuning import MosaicDecodeConfig
 
     options = dict(options)
     alibi = jnp.linspace(0.1, 0.5, num_q_heads, dtype=jnp.float32) if options.pop("alibi", False) else None
-    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size, dtype=q_dtype)
+    k, v = _paged_cache(num_blocks=64, block_size=block_size, head_size=head_size,
+                        dtype=options.pop("cache_dtype", q_dtype))
     q = jnp.ones((2, num_q_tokens, num_q_heads, head_size), q_dtype)
     lens, table = jnp.array([5, 40], jnp.int32), jnp.zeros((2, 48), jnp.int32)
     config = MosaicDecodeConfig(keys_as_m=True, num_splits=num_splits, tile_keys=tile_keys, num_stages=3)

@@ -84,8 +84,12 @@ known performance gap):
 
 * its wgmmas are synchronous: in the single-warpgroup form the ring's depth is the only
   overlap of memory and math, in the specialized form the other compute warpgroup's;
-* the query tile is always 64 rows, so a GQA group of 4 with one token wastes 15/16 of
-  the tensor-core work (decode is bandwidth-bound, so it may not matter; unmeasured);
+* the query tile is 64 rows, so a GQA group of 4 with one token wastes 15/16 of the
+  tensor-core work, which makes the D 64 decode compute-bound (benchmarks/NOTES.md,
+  2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_program`,
+  ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
+  rounded up to 16 as N) computes a quarter of it, in one warpgroup; it is tested in
+  interpret mode and lowered for CUDA, not yet timed, so it is off by default;
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
   (wgmma would compute in TF32); head sizes that are not multiples of 64 take 64- or
@@ -530,7 +534,9 @@ def _decode_kernel(
             q_smem=q_smems.at[0], p_smem=p_smems.at[0], o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref,
             lse_ref=lse_ref, q_barrier=q_barriers.at[0], k_barriers=k_barriers, v_barriers=v_barriers,
             alibi_ref=alibi_ref, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens, group_size=group_size,
-            kv_head=kv_head, head_block=head_block, split=split)
+            kv_head=kv_head, head_block=head_block, split=split, load_fp8=load_fp8,
+            k_conv=k_convs.at[0] if k_dequant else None, v_conv=v_convs.at[0] if v_dequant else None,
+            k_scale=scales_ref[0] if k_dequant else None, v_scale=scales_ref[1] if v_dequant else None)
         return
 
     if not workers:
@@ -653,22 +659,25 @@ def _decode_kernel(
 def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_smem, p_smem, o_smem, lse_smem,
                        o_ref, lse_ref, q_barrier, k_barriers, v_barriers, alibi_ref, spec: AttentionSpec,
                        tiling: MosaicDecodeTiling, num_q_tokens: int, group_size: int, kv_head, head_block,
-                       split) -> None:
+                       split, load_fp8, k_conv, v_conv, k_scale, v_scale) -> None:
     """One program of the keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`): item
     ``it``'s tiles through the ring in one warpgroup, the scores transposed.
 
     ``S^T = K Q^T`` is a wgmma with the tile's keys as M and the ``N = tiling.query_rows``
     query rows as N (``Q^T`` a transposed view of the ``[N, D]`` query tile), so its
     ``[tile_keys, N]`` f32 scores hold each query row in a column: the online softmax's
-    max and sum reduce over axis 0, across the warpgroup's warps, and its running
-    statistics are column vectors. ``P^T`` (the scores' own layout) goes to shared memory
+    max reduces over axis 0, across the warpgroup's warps, each tile (its sum's terms
+    accumulate elementwise and reduce once, after the loop), and its running statistics
+    are column vectors. ``P^T`` (the scores' own layout) goes to shared memory
     as the ``[tile_keys, N]`` operand of ``O^T += V^T P^T``, whose M side is the head
     (``V^T`` a transposed view of the V stage), accumulated as ``[D, N]`` f32. The values'
     stages take the probabilities' swizzle (a wgmma's shared-memory operands share one),
     which N rows of 16-bit elements set. The output leaves transposed, ``[D, N]`` (the
     wrapper transposes it back with the rows it unpacks anyway). Masks, the sequence end,
-    ALiBi, soft-cap, splits and the zeroed out-of-range value rows are the other form's;
-    `plans.mosaic_keys_as_m_unsupported_reason` names what this form does not take."""
+    ALiBi, soft-cap, splits, the zeroed out-of-range value rows and the fp8 stages'
+    upcast (``k_conv`` / ``v_conv``: the K tile in the queries' swizzle, the V tile in the
+    probabilities'; ``k_scale`` / ``v_scale`` scale the scores and the output) are the
+    other form's; `plans.mosaic_keys_as_m_unsupported_reason` names what it does not take."""
     n, tile_keys, stages = tiling.query_rows, tiling.tile_keys, tiling.num_stages
     dtype = q_ref.dtype
     head_size = q_ref.shape[-1]
@@ -687,6 +696,7 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
             return jnp.int32(0)
         return lax.div(score_iota(1), jnp.int32(group_size))
 
+    score_scale = spec.softmax_scale if k_scale is None else spec.softmax_scale * k_scale
     slopes = None  # f32[N] per query row, in the scores' column layout
     if alibi_ref is not None:
         head_in_group = lax.rem(score_iota(1), jnp.int32(group_size))
@@ -696,22 +706,31 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
         slopes = slopes_2d.max(axis=0)  # every row holds the column's slope
 
     def step_fn(step, carry):
-        acc, col_max, col_sum, pages = carry  # f32[D, N], f32[N], f32[N], the next refill's page ids
+        # f32[D, N], f32[N], f32[tile_keys, N] (the column sums' terms, summed over the keys
+        # once after the loop: one cross-warp reduction a tile, the max's, not two), the
+        # next refill's page ids
+        acc, col_max, sum_terms, pages = carry
         slot = lax.rem(step, jnp.int32(stages))
         first_key = it.base + (it.tile_begin + step) * tile_keys
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_barriers.at[slot])
         with jax.named_scope("scores"):
+            k_tile = k_smem.at[slot]
+            if k_conv is not None:  # wgmma takes fp8 only with fp8 on both sides: upcast the keys
+                k_conv[...] = _upcast(load_fp8(k_tile), dtype)
+                plgpu.commit_smem()
+                k_tile = k_conv
+
             def kq(acc_ref):
-                plgpu.wgmma(acc_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
+                plgpu.wgmma(acc_ref, k_tile, plgpu.transpose_ref(q_smem, (1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(kq, plgpu.ACC((tile_keys, n), jnp.float32))
             # Scores in log2 units (exp2 is the fast path): s * log2(e).
             if spec.softcap > 0:
-                s = jnp.tanh(s * (spec.softmax_scale / spec.softcap)) * (spec.softcap * LOG2E)
+                s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
             else:
-                s = s * (spec.softmax_scale * LOG2E)
+                s = s * (score_scale * LOG2E)
             if slopes is not None:
                 dist = reference.alibi_distance(query_tokens(), first_key + score_iota(0), num_q_tokens, it.seq_len)
                 s = s - lax.broadcast_in_dim(slopes, s.shape, [1]) * dist
@@ -727,20 +746,26 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
             new_max = jnp.maximum(col_max, s.max(axis=0))
             correction = jnp.exp2(col_max - new_max)
             p = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [1]))  # masked: exp2(-inf) = 0
-            col_sum = col_sum * correction + p.sum(axis=0)
+            sum_terms = sum_terms * lax.broadcast_in_dim(correction, s.shape, [1]) + p
             p_smem[...] = p.astype(dtype)  # early: the store overlaps the V copy still in flight
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_barriers.at[slot])
         with jax.named_scope("values"):
             v_tile = v_smem.at[slot]
 
+            def in_range_values(v):
+                v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                return jnp.where((v_key >= it.kv_lo) & (v_key < it.seq_len), v, 0).astype(dtype)
+
             # A tile reaching outside [kv_lo, seq_len) has rows of unused page slots (or of
             # keys before the window) in its V stage: zero them, or 0 * NaN reaches P V.
-            @pl.when((first_key < it.kv_lo) | (first_key + tile_keys > it.seq_len))
-            def _():
-                v = v_tile[...]
-                v_key = first_key + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-                v_tile[...] = jnp.where((v_key >= it.kv_lo) & (v_key < it.seq_len), v, 0).astype(v.dtype)
+            if v_conv is None:
+                @pl.when((first_key < it.kv_lo) | (first_key + tile_keys > it.seq_len))
+                def _():
+                    v_tile[...] = in_range_values(v_tile[...])
+            else:  # through registers anyway: zero the out-of-range rows of every tile
+                v_conv[...] = in_range_values(_upcast(load_fp8(v_tile), dtype))
+                v_tile = v_conv
 
             acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
             plgpu.commit_smem()  # P (and the zeroed V rows) become visible to the wgmma
@@ -751,15 +776,16 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
 
             acc = acc + pl.run_scoped(vp, plgpu.ACC((head_size, n), jnp.float32))
         pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
-        return acc, new_max, col_sum, page_ids(it, step + stages + 1)
+        return acc, new_max, sum_terms, page_ids(it, step + stages + 1)
 
     carry = (plgpu.layout_cast(jnp.zeros((head_size, n), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((n,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
-             plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+             plgpu.layout_cast(jnp.zeros((tile_keys, n), jnp.float32), plgpu.Layout.WGMMA),
              page_ids(it, stages))
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(q_barrier)
-    acc, col_max, col_sum, _ = lax.fori_loop(0, it.num_steps, step_fn, carry)
+    acc, col_max, sum_terms, _ = lax.fori_loop(0, it.num_steps, step_fn, carry)
+    col_sum = sum_terms.sum(axis=0)
 
     with jax.named_scope("epilogue"):
         # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column
@@ -769,6 +795,8 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
         safe_sum = jnp.where(seen, col_sum, 1.0)
         total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
         inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
+        if v_scale is not None:
+            inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
         o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
         o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
         if lse_ref is not None:
@@ -872,11 +900,13 @@ def paged_decode_call(
     operand = _operand_transforms(itemsize, head_size)
     if tiling.keys_as_m:
         # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_program`).
+        # fp8 stages keep their own swizzle: the wgmma reads their upcast copies.
         values = _operand_transforms(itemsize, query_rows)
         scratch = [
             plgpu.SMEM((1, query_rows, head_size), dtype, transforms=operand),  # Q
             ring(k_cache),  # K ring
-            plgpu.SMEM((tiling.num_stages, keys, head_size), v_cache.dtype, transforms=values),  # V ring
+            ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
+                                                       transforms=values),  # V ring
             plgpu.SMEM((1, keys, query_rows), dtype, transforms=values),  # P^T
             plgpu.SMEM((head_size, query_rows), out_dtype),  # the output, transposed
             plgpu.SMEM((query_rows,), jnp.float32),  # log-sum-exp
@@ -885,6 +915,9 @@ def paged_decode_call(
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
         ]
+        # fp8 stages upcast to q's dtype for the wgmma: K in the queries' swizzle, V in P's.
+        scratch += [plgpu.SMEM((1, keys, head_size), dtype, transforms=t)
+                    for d, t in ((k_dequant, operand), (v_dequant, values)) if d]
     else:
         scratch = _scratch_types(tiling, q_rows, k_cache, v_cache, ring, operand, out_dtype, k_dequant, v_dequant)
     return _launch(scratch, inputs, out_type, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
