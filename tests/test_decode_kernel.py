@@ -548,6 +548,16 @@ MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC,
          config=KEYS_AS_M(tile_keys=128)),
+    # Beside a producer warpgroup: one sequence a program, or several (their tiles one
+    # stream through the ring, queries in two alternating tiles; the last program's last
+    # items past the batch).
+    Case("mgpu-keys-as-m-producer-gqa4-d128-window-2splits", window=(50, 0), seqlens=(4, 200, 0, 127),
+         max_blocks=13, num_blocks=64, lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=2, num_stages=3, compute_warpgroups=1)),
+    Case("mgpu-keys-as-m-producer-items3-gqa8-d64-fp8e4m3-alibi", num_q_heads=8, num_kv_heads=1, head_size=64,
+         cache_dtype="float8_e4m3fn", alibi=True, seqlens=(128, 90, 0, 17, 1, 64, 250), max_blocks=16,
+         num_blocks=120, lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=1, num_stages=4, compute_warpgroups=1, items_per_program=3)),
 ]
 
 
@@ -571,7 +581,7 @@ def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
     for q_shape, cache_shape, config, words in (
             ((8, 1, 32, 80), (512, 16, 8, 80), KEYS_AS_M(), "multiple of 64"),
             ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64"),
-            ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=1), "one warpgroup")):
+            ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=2), "one compute warpgroup")):
         with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
             plan(q_shape, cache_shape, config=config)
     q = jnp.zeros((2, 2, 8, 128), jnp.bfloat16)

@@ -364,17 +364,21 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, item
      (jnp.bfloat16, 128, 64, 8, 3, 2, 128, dict(causal=False)),
      (jnp.bfloat16, 64, 16, 64, 1, 1, 64, {}),
      (jnp.bfloat16, 128, 16, 8, 1, 2, 64, dict(cache_dtype=jnp.float8_e4m3fn)),
-     (jnp.float16, 64, 32, 16, 1, 1, 128, dict(cache_dtype=jnp.float8_e5m2, softcap=30.0))],
+     (jnp.float16, 64, 32, 16, 1, 1, 128, dict(cache_dtype=jnp.float8_e5m2, softcap=30.0)),
+     (jnp.bfloat16, 128, 16, 8, 1, 2, 64, dict(compute_warpgroups=1, window_size=(30, 0))),
+     (jnp.bfloat16, 64, 16, 16, 1, 1, 128, dict(compute_warpgroups=1, items_per_program=2,
+                                                cache_dtype=jnp.float8_e4m3fn))],
     ids=["bf16-d128-16rows", "bf16-d64-32rows-softcap-splits", "f16-d256-bs32-window-alibi-128keys",
          "bf16-d128-bs64-sq3-noncausal-splits", "bf16-d64-64rows", "bf16-e4m3-d128-splits",
-         "f16-e5m2-d64-bs32-32rows-128keys"],
+         "f16-e5m2-d64-bs32-32rows-128keys", "producer-bf16-d128-window-splits", "producer-items2-e4m3-d64"],
 )
 def test_keys_as_m_decode_lowers_to_mosaic_gpu_kernel(q_dtype, head_size, block_size, num_q_heads, num_q_tokens,
                                                       num_splits, tile_keys, options):
     """The keys-as-M decode form (``MosaicDecodeConfig.keys_as_m``: S^T = K Q^T, O^T += V^T
     P^T) lowers for CUDA to one Mosaic GPU kernel at 16, 32 and 64 query rows (the values'
     swizzle 32, 64 and 128 bytes), every mask and split kind it takes, head sizes 64-256,
-    fp8 pages (upcast into the operands' swizzles)."""
+    fp8 pages (upcast into the operands' swizzles), alone or beside a producer warpgroup
+    (one sequence a program or two)."""
     from jax_paged_attn import decode
     from jax_paged_attn.spec import AttentionSpec
     from jax_paged_attn.tuning import MosaicDecodeConfig
@@ -385,7 +389,9 @@ def test_keys_as_m_decode_lowers_to_mosaic_gpu_kernel(q_dtype, head_size, block_
                         dtype=options.pop("cache_dtype", q_dtype))
     q = jnp.ones((2, num_q_tokens, num_q_heads, head_size), q_dtype)
     lens, table = jnp.array([5, 40], jnp.int32), jnp.zeros((2, 48), jnp.int32)
-    config = MosaicDecodeConfig(keys_as_m=True, num_splits=num_splits, tile_keys=tile_keys, num_stages=3)
+    config = MosaicDecodeConfig(keys_as_m=True, num_splits=num_splits, tile_keys=tile_keys, num_stages=3,
+                                compute_warpgroups=options.pop("compute_warpgroups", 0),
+                                items_per_program=options.pop("items_per_program", 1))
     spec = AttentionSpec.create(head_size, causal=options.pop("causal", True), has_alibi=alibi is not None,
                                 **options)
     fn = lambda q, k, v, n, t: decode.paged_decode_attention(q, k, v, n, t, alibi, 1.0, 1.0, spec=spec,

@@ -88,7 +88,8 @@ known performance gap):
   tensor-core work, which makes the D 64 decode compute-bound (benchmarks/NOTES.md,
   2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_program`,
   ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
-  rounded up to 16 as N) computes a quarter of it, in one warpgroup; it is tested in
+  rounded up to 16 as N) computes a quarter of it, in one compute warpgroup (beside a
+  producer or not, several sequences a program or one); it is tested in
   interpret mode and lowered for CUDA, not yet timed, so it is off by default;
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
@@ -294,7 +295,7 @@ def _decode_kernel(
         """Zeros the query tiles' rows past the program's ``R`` (the copies of `load_queries`
         write rows ``[0, R)`` only), before the first copy is issued, by the thread issuing
         it: padding rows then compute zeros, never stale shared memory."""
-        if query_rows < rows:
+        if query_rows < q_smems.shape[1]:  # (the keys-as-M form's tiles are R rows: nothing to zero)
             for t in range(q_smems.shape[0]):
                 q_smems.at[t][...] = plgpu.layout_cast(jnp.zeros((rows, head_size), q_smems.dtype),
                                                        plgpu.Layout.WGMMA)
@@ -528,16 +529,19 @@ def _decode_kernel(
         # nothing in the kernel reads the output.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    if tiling.keys_as_m:
-        _keys_as_m_program(
-            item_at(jnp.int32(0)), page_ids, issue, q_ref=q_ref, k_smem=k_smem, v_smem=v_smem,
-            q_smem=q_smems.at[0], p_smem=p_smems.at[0], o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref,
-            lse_ref=lse_ref, q_barrier=q_barriers.at[0], k_barriers=k_barriers, v_barriers=v_barriers,
-            alibi_ref=alibi_ref, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens, group_size=group_size,
-            kv_head=kv_head, head_block=head_block, split=split, load_fp8=load_fp8,
-            k_conv=k_convs.at[0] if k_dequant else None, v_conv=v_convs.at[0] if v_dequant else None,
-            k_scale=scales_ref[0] if k_dequant else None, v_scale=scales_ref[1] if v_dequant else None)
-        return
+    def keys_as_m_item(it: _Item, j, first_step, step_stride: int, slot_of, after_step, extra) -> None:
+        """`_keys_as_m_item` over this program's buffers: the ``j``-th item's steps and output."""
+        q_tile = query_tile(j)
+        _keys_as_m_item(
+            it, first_step=first_step, step_stride=step_stride, slot_of=slot_of, after_step=after_step,
+            extra=extra, q_smem=q_smems.at[q_tile], q_barrier=q_barriers.at[q_tile],
+            q_free_barrier=q_free_barriers.at[q_tile] if items > 1 else None, q_ref=q_ref, k_smem=k_smem,
+            v_smem=v_smem, p_smem=p_smems.at[0], o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref, lse_ref=lse_ref,
+            k_barriers=k_barriers, v_barriers=v_barriers, alibi_ref=alibi_ref, spec=spec, tiling=tiling,
+            num_q_tokens=num_q_tokens, group_size=group_size, kv_head=kv_head, head_block=head_block, split=split,
+            load_fp8=load_fp8, k_conv=k_convs.at[0] if k_dequant else None,
+            v_conv=v_convs.at[0] if v_dequant else None, k_scale=scales_ref[0] if k_dequant else None,
+            v_scale=scales_ref[1] if v_dequant else None)
 
     if not workers:
         it = item_at(jnp.int32(0))
@@ -554,6 +558,10 @@ def _decode_kernel(
             pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
             return page_ids(it, step + stages + 1)
 
+        if tiling.keys_as_m:
+            keys_as_m_item(it, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
+                           page_ids(it, stages))
+            return
         result = compute(it, 0, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
                          page_ids(it, stages))
         with jax.named_scope("epilogue"):
@@ -644,6 +652,10 @@ def _decode_kernel(
             # This warpgroup's first tile of the item: the first stream tile >= first that is
             # wg modulo W.
             mine = lax.rem(wg - lax.rem(first, jnp.int32(workers)) + workers, jnp.int32(workers))
+            if tiling.keys_as_m:  # (one compute warpgroup)
+                keys_as_m_item(it, j, mine, workers, lambda step: lax.rem(first + step, jnp.int32(stages)),
+                               release, ())
+                return first + it.num_steps
             acc, row_max, row_sum = compute(it, j, wg, mine, workers,
                                             lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
             if workers == 1:
@@ -656,12 +668,19 @@ def _decode_kernel(
         lax.fori_loop(0, items, next_item, jnp.int32(0))
 
 
-def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_smem, p_smem, o_smem, lse_smem,
-                       o_ref, lse_ref, q_barrier, k_barriers, v_barriers, alibi_ref, spec: AttentionSpec,
-                       tiling: MosaicDecodeTiling, num_q_tokens: int, group_size: int, kv_head, head_block,
-                       split, load_fp8, k_conv, v_conv, k_scale, v_scale) -> None:
-    """One program of the keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`): item
-    ``it``'s tiles through the ring in one warpgroup, the scores transposed.
+def _keys_as_m_item(it: _Item, *, first_step, step_stride: int, slot_of, after_step, extra, q_smem, q_barrier,
+                    q_free_barrier, q_ref, k_smem, v_smem, p_smem, o_smem, lse_smem, o_ref, lse_ref, k_barriers,
+                    v_barriers, alibi_ref, spec: AttentionSpec, tiling: MosaicDecodeTiling, num_q_tokens: int,
+                    group_size: int, kv_head, head_block, split, load_fp8, k_conv, v_conv, k_scale,
+                    v_scale) -> None:
+    """The keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`) of one compute
+    warpgroup's work on item ``it``: its steps ``first_step, first_step + step_stride,
+    ...`` of the ring (step ``i`` in slot ``slot_of(i)``; ``after_step(step, slot, extra)``
+    runs after each step's wgmmas and returns the next loop-carried ``extra``: the
+    single-warpgroup form refills the slot, the warp-specialized one releases it to the
+    producer), then, for an item in the batch, its output. The queries arrive in
+    ``q_smem`` (``q_barrier``); ``q_free_barrier`` (several items a program) is arrived on
+    once they are read.
 
     ``S^T = K Q^T`` is a wgmma with the tile's keys as M and the ``N = tiling.query_rows``
     query rows as N (``Q^T`` a transposed view of the ``[N, D]`` query tile), so its
@@ -678,14 +697,9 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
     upcast (``k_conv`` / ``v_conv``: the K tile in the queries' swizzle, the V tile in the
     probabilities'; ``k_scale`` / ``v_scale`` scale the scores and the output) are the
     other form's; `plans.mosaic_keys_as_m_unsupported_reason` names what it does not take."""
-    n, tile_keys, stages = tiling.query_rows, tiling.tile_keys, tiling.num_stages
+    n, tile_keys = tiling.query_rows, tiling.tile_keys
     dtype = q_ref.dtype
     head_size = q_ref.shape[-1]
-    plgpu.copy_gmem_to_smem(q_ref.at[it.seq, head_block], q_smem, q_barrier)
-    with jax.named_scope("fill"):
-        for s in range(stages):
-            pl.when(s < it.num_steps)(functools.partial(issue, s, page_ids(it, s)))
-
     def score_iota(dimension: int) -> Array:
         """i32 [tile_keys, N]: each transposed score's key offset (0) or query row (1)."""
         return plgpu.broadcasted_iota(jnp.int32, (tile_keys, n), dimension, layout=plgpu.Layout.WGMMA)
@@ -705,12 +719,12 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
             slopes_2d = jnp.where(head_in_group == g, alibi_ref[kv_head * group_size + g], slopes_2d)
         slopes = slopes_2d.max(axis=0)  # every row holds the column's slope
 
-    def step_fn(step, carry):
+    def step_fn(i, carry):
         # f32[D, N], f32[N], f32[tile_keys, N] (the column sums' terms, summed over the keys
-        # once after the loop: one cross-warp reduction a tile, the max's, not two), the
-        # next refill's page ids
-        acc, col_max, sum_terms, pages = carry
-        slot = lax.rem(step, jnp.int32(stages))
+        # once after the loop: one cross-warp reduction a tile, the max's, not two), extra
+        acc, col_max, sum_terms, extra = carry
+        step = first_step + i * step_stride
+        slot = slot_of(step)
         first_key = it.base + (it.tile_begin + step) * tile_keys
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_barriers.at[slot])
@@ -775,37 +789,41 @@ def _keys_as_m_program(it: _Item, page_ids, issue, *, q_ref, k_smem, v_smem, q_s
                 return acc_ref[...]  # waits for the wgmma: the slot is free again
 
             acc = acc + pl.run_scoped(vp, plgpu.ACC((head_size, n), jnp.float32))
-        pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
-        return acc, new_max, sum_terms, page_ids(it, step + stages + 1)
+        return acc, new_max, sum_terms, after_step(step, slot, extra)
 
     carry = (plgpu.layout_cast(jnp.zeros((head_size, n), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((n,), RUNNING_MAX_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
              plgpu.layout_cast(jnp.zeros((tile_keys, n), jnp.float32), plgpu.Layout.WGMMA),
-             page_ids(it, stages))
+             extra)
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(q_barrier)
-    acc, col_max, sum_terms, _ = lax.fori_loop(0, it.num_steps, step_fn, carry)
+    my_steps = lax.div(jnp.maximum(it.num_steps - first_step, 0) + (step_stride - 1), jnp.int32(step_stride))
+    acc, col_max, sum_terms, _ = lax.fori_loop(0, my_steps, step_fn, carry)
+    if q_free_barrier is not None:
+        plgpu.barrier_arrive(q_free_barrier)  # its wgmmas have completed
     col_sum = sum_terms.sum(axis=0)
 
-    with jax.named_scope("epilogue"):
-        # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column
-        # whose accumulator holds a NaN / inf in any channel is NaN in all of them (the
-        # reference's NaN rule, `common.nan_rows_scale` transposed).
-        seen = col_sum > 0
-        safe_sum = jnp.where(seen, col_sum, 1.0)
-        total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
-        inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
-        if v_scale is not None:
-            inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
-        o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
-        o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
-        if lse_ref is not None:
-            lse_smem[...] = jnp.where(seen, (col_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_cols)
-        if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, it.seq, head_block])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    @pl.when(it.valid)
+    def _epilogue():
+        with jax.named_scope("epilogue"):
+            # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column
+            # whose accumulator holds a NaN / inf in any channel is NaN in all of them (the
+            # reference's NaN rule, `common.nan_rows_scale` transposed).
+            seen = col_sum > 0
+            safe_sum = jnp.where(seen, col_sum, 1.0)
+            total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
+            inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
+            if v_scale is not None:
+                inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
+            o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
+            o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
+            if lse_ref is not None:
+                lse_smem[...] = jnp.where(seen, (col_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_cols)
+            if lse_ref is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, it.seq, head_block])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 PROFILE_RANGES_PER_TILE = 4
@@ -902,8 +920,9 @@ def paged_decode_call(
         # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_program`).
         # fp8 stages keep their own swizzle: the wgmma reads their upcast copies.
         values = _operand_transforms(itemsize, query_rows)
+        query_tiles = 2 if tiling.items_per_program > 1 else 1
         scratch = [
-            plgpu.SMEM((1, query_rows, head_size), dtype, transforms=operand),  # Q
+            plgpu.SMEM((query_tiles, query_rows, head_size), dtype, transforms=operand),  # Q
             ring(k_cache),  # K ring
             ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
                                                        transforms=values),  # V ring
@@ -911,10 +930,14 @@ def paged_decode_call(
             plgpu.SMEM((head_size, query_rows), out_dtype),  # the output, transposed
             plgpu.SMEM((query_rows,), jnp.float32),  # log-sum-exp
             plgpu.SMEM((1, keys), jnp.float32),  # (the other form's flags; unused)
-            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # Q
+            plgpu.Barrier(num_arrivals=1, num_barriers=query_tiles),  # Q
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
         ]
+        if tiling.compute_warpgroups:  # (one: a producer and one compute warpgroup)
+            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=tiling.num_stages))  # a slot's tile is done
+        if tiling.items_per_program > 1:
+            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=2))  # a query tile is read
         # fp8 stages upcast to q's dtype for the wgmma: K in the queries' swizzle, V in P's.
         scratch += [plgpu.SMEM((1, keys, head_size), dtype, transforms=t)
                     for d, t in ((k_dequant, operand), (v_dequant, values)) if d]
