@@ -24,21 +24,24 @@ from timing import Context
 
 def mosaic_decode_grid(quick: bool) -> list[Any]:
     """MosaicDecodeConfigs the ours_mosaic_gpu peer sweeps, the package default first:
-    (tile_keys, num_stages, target_programs, compute_warpgroups, items_per_program).
-    Starting points: stage depth (bytes in flight per program) against programs per SM
-    (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16, plus ~40 KiB),
-    the warp-specialized forms and several sequences a program (0: one wave) first."""
+    (tile_keys, num_stages, target_programs, compute_warpgroups, items_per_program,
+    keys_as_m). Starting points: stage depth (bytes in flight per program) against
+    programs per SM (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16,
+    plus ~40 KiB), the warp-specialized forms and several sequences a program (0: one
+    wave) first, the keys as the wgmmas' M side (untimed when added) next to them."""
     from jax_paged_attn.tuning import MOSAIC_DECODE_MEASURED, MosaicDecodeConfig
 
-    choices = ((64, 4, 512, 1, 0), (64, 4, 512, 2, 1)) if quick else (
-        (64, 4, 512, 1, 0), (64, 4, 512, 2, 0), (64, 4, 512, 1, 4), (64, 4, 512, 2, 1), (64, 4, 1024, 2, 1),
-        (64, 4, 1024, 1, 1), (64, 2, 1024, 1, 1), (64, 2, 1024, 2, 1), (64, 4, 1024, 1, 0),
-        (64, 3, 1024, 0, 1), (64, 6, 1024, 0, 1), (128, 2, 1024, 0, 1), (128, 3, 1024, 0, 1),
-        (64, 4, 512, 0, 1), (64, 4, 2048, 0, 1), (64, 4, 4096, 0, 1),
+    choices = ((64, 4, 512, 1, 0, False), (64, 4, 512, 1, 0, True), (64, 4, 512, 2, 1, False)) if quick else (
+        (64, 4, 512, 1, 0, False), (64, 4, 512, 1, 0, True), (64, 2, 1024, 0, 1, True), (128, 3, 1024, 0, 1, True),
+        (64, 4, 512, 2, 0, False), (64, 4, 512, 1, 4, False), (64, 4, 512, 2, 1, False),
+        (64, 4, 1024, 2, 1, False), (64, 4, 1024, 1, 1, False), (64, 2, 1024, 1, 1, False),
+        (64, 2, 1024, 2, 1, False), (64, 4, 1024, 1, 0, False), (64, 3, 1024, 0, 1, False),
+        (64, 6, 1024, 0, 1, False), (128, 2, 1024, 0, 1, False), (128, 3, 1024, 0, 1, False),
+        (64, 4, 512, 0, 1, False), (64, 4, 2048, 0, 1, False), (64, 4, 4096, 0, 1, False),
     )
     grid = [MosaicDecodeConfig(tile_keys=t, num_stages=st, target_programs=p, compute_warpgroups=w,
-                               items_per_program=i)
-            for t, st, p, w, i in choices]
+                               items_per_program=i, keys_as_m=k)
+            for t, st, p, w, i, k in choices]
     return list(dict.fromkeys([MOSAIC_DECODE_MEASURED] + grid))
 
 
