@@ -147,6 +147,30 @@ def _operand_transforms(itemsize: int, row_elements: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _readable_stage(tile, conv, load_fp8, dtype):
+    """The K stage a wgmma reads: ``tile`` itself, or (fp8 pages, ``conv`` given) its
+    upcast copy in ``conv``, since wgmma takes fp8 only with fp8 on both sides."""
+    if conv is None:
+        return tile
+    conv[...] = _upcast(load_fp8(tile), dtype)
+    plgpu.commit_smem()
+    return conv
+
+
+def _log2_scores(s: Array, spec: AttentionSpec, score_scale, slopes: Array | None, slope_axis: int,
+                 alibi_distance) -> Array:
+    """Raw scores ``s`` in log2 units (exp2 is the fast path): scaled, soft-capped, and
+    with ``slopes`` (one per query row, along ``slope_axis`` of ``s``) times
+    ``alibi_distance()`` subtracted."""
+    if spec.softcap > 0:
+        s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
+    else:
+        s = s * (score_scale * LOG2E)
+    if slopes is not None:
+        s = s - lax.broadcast_in_dim(slopes, s.shape, [slope_axis]) * alibi_distance()
+    return s
+
+
 class _Item(NamedTuple):
     """One (sequence, KV head row block, split) a program attends for: i32 scalars."""
 
@@ -345,26 +369,15 @@ def _decode_kernel(
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_barriers.at[slot])
         with jax.named_scope("scores"):
-            k_tile = k_smem.at[slot]
-            if k_conv is not None:
-                # wgmma takes fp8 only with fp8 on both sides: upcast the page rows instead.
-                k_conv[...] = _upcast(load_fp8(k_tile), dtype)
-                plgpu.commit_smem()
-                k_tile = k_conv
+            k_tile = _readable_stage(k_smem.at[slot], k_conv, load_fp8, dtype)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32))
-            # Scores in log2 units (exp2 is the fast path): s * log2(e).
-            if spec.softcap > 0:
-                s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
-            else:
-                s = s * (score_scale * LOG2E)
-            if slopes is not None:
-                dist = reference.alibi_distance(query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len)
-                s = s - lax.broadcast_in_dim(slopes, s.shape, [0]) * dist
+            s = _log2_scores(pl.run_scoped(qk, plgpu.ACC((rows, tile_keys), jnp.float32)), spec, score_scale,
+                             slopes, 0, lambda: reference.alibi_distance(
+                                 query_tokens(), first_key + score_iota(1), num_q_tokens, seq_len))
 
             def visible():
                 """bool [64, tile_keys]: the mask (causal / window, sequence end, kv_lo)."""
@@ -729,25 +742,15 @@ def _keys_as_m_item(it: _Item, *, first_step, step_stride: int, slot_of, after_s
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_barriers.at[slot])
         with jax.named_scope("scores"):
-            k_tile = k_smem.at[slot]
-            if k_conv is not None:  # wgmma takes fp8 only with fp8 on both sides: upcast the keys
-                k_conv[...] = _upcast(load_fp8(k_tile), dtype)
-                plgpu.commit_smem()
-                k_tile = k_conv
+            k_tile = _readable_stage(k_smem.at[slot], k_conv, load_fp8, dtype)
 
             def kq(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, plgpu.transpose_ref(q_smem, (1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(kq, plgpu.ACC((tile_keys, n), jnp.float32))
-            # Scores in log2 units (exp2 is the fast path): s * log2(e).
-            if spec.softcap > 0:
-                s = jnp.tanh(s * (score_scale / spec.softcap)) * (spec.softcap * LOG2E)
-            else:
-                s = s * (score_scale * LOG2E)
-            if slopes is not None:
-                dist = reference.alibi_distance(query_tokens(), first_key + score_iota(0), num_q_tokens, it.seq_len)
-                s = s - lax.broadcast_in_dim(slopes, s.shape, [1]) * dist
+            s = _log2_scores(pl.run_scoped(kq, plgpu.ACC((tile_keys, n), jnp.float32)), spec, score_scale,
+                             slopes, 1, lambda: reference.alibi_distance(
+                                 query_tokens(), first_key + score_iota(0), num_q_tokens, it.seq_len))
 
             def visible():
                 """bool [tile_keys, N]: the mask (causal / window, sequence end, kv_lo)."""
