@@ -227,9 +227,11 @@ def run_mosaic_decode(
     group = num_q_heads // num_kv_heads
     if config is None:
         config = tuning.mosaic_decode_config(head_size, k_cache.shape[1], group)
-    if config.keys_as_m and num_q_tokens > 1 and (spec.causal or spec.is_local):
-        raise ValueError("config.keys_as_m: several query tokens under a causal or window mask are not supported "
-                         f"(Sq = {num_q_tokens}; the non-finite quarantine of the other form is not built there).")
+    if config.keys_as_m:  # (the plan checks the shapes; the mask needs the spec)
+        reason = plans.mosaic_keys_as_m_unsupported_reason(num_q_tokens, group, head_size, config.compute_warpgroups,
+                                                           spec)
+        if reason is not None:
+            raise ValueError(f"config.keys_as_m: {reason}.")
     tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,
                                              _mosaic_cache_itemsizes(k_cache, v_cache))
     rows = num_q_tokens * group

@@ -1031,10 +1031,10 @@ the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU til
 def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
                                         compute_warpgroups: int, spec: AttentionSpec | None = None) -> str | None:
     """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: one compute
-    warpgroup (``compute_warpgroups`` 0 or 1), head sizes that are multiples of 64 (the values' M side), at most
-    `MOSAIC_DECODE_ROWS` query rows a KV head, and (given ``spec``) no causal or window
-    mask over several query tokens (keys hidden from some rows only: the non-finite
-    quarantine of the other form is not built here)."""
+    warpgroup (``compute_warpgroups`` 0 or 1), head sizes that are multiples of 64 (the
+    values' M side), at most `MOSAIC_DECODE_ROWS` query rows a KV head, and (given
+    ``spec``) no causal or window mask over several query tokens (keys hidden from some
+    rows only: the non-finite quarantine of the other form is not built here)."""
     if compute_warpgroups > 1:
         return (f"it runs in one compute warpgroup, with or without a producer (config.compute_warpgroups 0 or 1, "
                 f"got {compute_warpgroups})")
