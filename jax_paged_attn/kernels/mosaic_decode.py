@@ -86,7 +86,7 @@ known performance gap):
   overlap of memory and math, in the specialized form the other compute warpgroup's;
 * the query tile is 64 rows, so a GQA group of 4 with one token wastes 15/16 of the
   tensor-core work, which makes the D 64 decode compute-bound (benchmarks/NOTES.md,
-  2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_program`,
+  2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_item`,
   ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
   rounded up to 16 as N) computes a quarter of it, in one compute warpgroup (beside a
   producer or not, several sequences a program or one); it is tested in
@@ -920,7 +920,7 @@ def paged_decode_call(
 
     operand = _operand_transforms(itemsize, head_size)
     if tiling.keys_as_m:
-        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_program`).
+        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_item`).
         # fp8 stages keep their own swizzle: the wgmma reads their upcast copies.
         values = _operand_transforms(itemsize, query_rows)
         query_tiles = 2 if tiling.items_per_program > 1 else 1
