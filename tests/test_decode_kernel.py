@@ -548,6 +548,10 @@ MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC,
          config=KEYS_AS_M(tile_keys=128)),
+    Case("mgpu-keys-as-m-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5,
+         num_blocks=40, lowering=MOSAIC, config=KEYS_AS_M(num_splits=2)),
+    Case("mgpu-keys-as-m-d64-bs256-slices-window", head_size=64, block_size=256, seqlens=(300, 1, 0, 257),
+         max_blocks=2, num_blocks=12, window=(100, 0), lowering=MOSAIC, config=KEYS_AS_M(tile_keys=128)),
     # Beside a producer warpgroup: one sequence a program, or several (their tiles one
     # stream through the ring, queries in two alternating tiles; the last program's last
     # items past the batch).
@@ -565,6 +569,15 @@ MOSAIC_KEYS_AS_M_GRID = [
 def test_mosaic_keys_as_m_matches_reference_in_interpret_mode(case: Case) -> None:
     """The keys-as-M form in Mosaic GPU interpret mode (CPU) against the reference."""
     inputs = make_inputs(case)
+    assert_matches_reference(case, inputs, run_kernel(case, inputs))
+
+
+def test_mosaic_keys_as_m_every_tile_boundary() -> None:
+    """Lengths 0..69 with 64-key stages and an 18-key window, one query token: the window
+    start and the sequence end fall on every offset of a stage and of a page."""
+    case = Case("mgpu-keys-as-m-boundaries", num_q_heads=2, num_kv_heads=1, head_size=64, seqlens=tuple(range(70)),
+                max_blocks=5, num_blocks=352, window=(18, 0), lowering=MOSAIC, config=KEYS_AS_M(num_splits=1))
+    inputs = make_inputs(case, seed=4)
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
