@@ -228,8 +228,7 @@ def run_mosaic_decode(
     if config is None:
         config = tuning.mosaic_decode_config(head_size, k_cache.shape[1], group)
     if config.keys_as_m:  # (the plan checks the shapes; the mask needs the spec)
-        reason = plans.mosaic_keys_as_m_unsupported_reason(num_q_tokens, group, head_size, config.compute_warpgroups,
-                                                           spec)
+        reason = plans.mosaic_keys_as_m_unsupported_reason(num_q_tokens, group, head_size, spec)
         if reason is not None:
             raise ValueError(f"config.keys_as_m: {reason}.")
     tiling = plans.plan_mosaic_decode_tiling(q.shape, k_cache.shape, block_table.shape[1], q.dtype, config,

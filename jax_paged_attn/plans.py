@@ -1029,15 +1029,12 @@ the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU til
 
 
 def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
-                                        compute_warpgroups: int, spec: AttentionSpec | None = None) -> str | None:
-    """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: one compute
-    warpgroup (``compute_warpgroups`` 0 or 1), head sizes that are multiples of 64 (the
-    values' M side), at most `MOSAIC_DECODE_ROWS` query rows a KV head, and (given
-    ``spec``) no causal or window mask over several query tokens (keys hidden from some
-    rows only: the non-finite quarantine of the other form is not built here)."""
-    if compute_warpgroups > 1:
-        return (f"it runs in one compute warpgroup, with or without a producer (config.compute_warpgroups 0 or 1, "
-                f"got {compute_warpgroups})")
+                                        spec: AttentionSpec | None = None) -> str | None:
+    """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: head sizes that
+    are multiples of 64 (the values' M side), at most `MOSAIC_DECODE_ROWS` query rows a KV
+    head, and (given ``spec``) no causal or window mask over several query tokens (keys
+    hidden from some rows only: the non-finite quarantine of the other form is not built
+    here)."""
     if head_size % 64:
         return f"the head size must be a multiple of 64 (the values' wgmma M side), got {head_size}"
     if num_q_tokens * group_size > MOSAIC_DECODE_ROWS:
@@ -1097,8 +1094,7 @@ def plan_mosaic_decode_tiling(
     query_rows = MOSAIC_DECODE_ROWS if row_blocks > 1 else round_up(rows, MOSAIC_DECODE_QUERY_ROW_MULTIPLE)
     itemsize = jnp.dtype(q_dtype).itemsize
     if config.keys_as_m:
-        reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size,
-                                                     config.compute_warpgroups)
+        reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size)
         if reason is not None:
             raise ValueError(f"config.keys_as_m: {reason}.")
         query_rows = round_up(rows, MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE)

@@ -562,6 +562,14 @@ MOSAIC_KEYS_AS_M_GRID = [
          cache_dtype="float8_e4m3fn", alibi=True, seqlens=(128, 90, 0, 17, 1, 64, 250), max_blocks=16,
          num_blocks=120, lowering=MOSAIC,
          config=KEYS_AS_M(num_splits=1, num_stages=4, compute_warpgroups=1, items_per_program=3)),
+    # Two compute warpgroups taking the tiles in turn, merged (transposed) at the end.
+    Case("mgpu-keys-as-m-2wg-gqa4-d128-window-2splits", window=(150, 0), seqlens=(4, 200, 0, 190),
+         max_blocks=13, num_blocks=64, lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=2, num_stages=4, compute_warpgroups=2)),
+    Case("mgpu-keys-as-m-2wg-items3-gqa16-d64-fp8e5m2-softcap-f16", dtype="float16", num_q_heads=16,
+         num_kv_heads=1, head_size=64, cache_dtype="float8_e5m2", softcap=10.0, seqlens=(0, 250, 55, 1, 130),
+         max_blocks=16, num_blocks=90, lowering=MOSAIC,
+         config=KEYS_AS_M(num_splits=1, num_stages=4, compute_warpgroups=2, items_per_program=3)),
 ]
 
 
@@ -593,8 +601,7 @@ def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
         assert (t.keys_as_m, t.query_rows, t.row_blocks) == (True, expected, 1), (num_q_tokens, num_q_heads)
     for q_shape, cache_shape, config, words in (
             ((8, 1, 32, 80), (512, 16, 8, 80), KEYS_AS_M(), "multiple of 64"),
-            ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64"),
-            ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=2), "one compute warpgroup")):
+            ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64")):
         with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
             plan(q_shape, cache_shape, config=config)
     q = jnp.zeros((2, 2, 8, 128), jnp.bfloat16)

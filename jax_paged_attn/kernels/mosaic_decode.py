@@ -86,10 +86,10 @@ known performance gap):
   overlap of memory and math, in the specialized form the other compute warpgroup's;
 * the query tile is 64 rows, so a GQA group of 4 with one token wastes 15/16 of the
   tensor-core work, which makes the D 64 decode compute-bound (benchmarks/NOTES.md,
-  2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_item`,
+  2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_attend`,
   ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
-  rounded up to 16 as N) computes a quarter of it, in one compute warpgroup (beside a
-  producer or not, several sequences a program or one); it is tested in
+  rounded up to 16 as N) computes a quarter of it, alone or with one or two compute
+  warpgroups beside a producer (several sequences a program or one); it is tested in
   interpret mode and lowered for CUDA, not yet timed, so it is off by default;
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
@@ -542,19 +542,49 @@ def _decode_kernel(
         # nothing in the kernel reads the output.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def keys_as_m_item(it: _Item, j, first_step, step_stride: int, slot_of, after_step, extra) -> None:
-        """`_keys_as_m_item` over this program's buffers: the ``j``-th item's steps and output."""
+    def keys_as_m_attend(it: _Item, j, w, first_step, step_stride: int, slot_of, after_step, extra):
+        """`_keys_as_m_attend` over compute warpgroup ``w``'s buffers, for the ``j``-th item."""
         q_tile = query_tile(j)
-        _keys_as_m_item(
+        return _keys_as_m_attend(
             it, first_step=first_step, step_stride=step_stride, slot_of=slot_of, after_step=after_step,
             extra=extra, q_smem=q_smems.at[q_tile], q_barrier=q_barriers.at[q_tile],
             q_free_barrier=q_free_barriers.at[q_tile] if items > 1 else None, q_ref=q_ref, k_smem=k_smem,
-            v_smem=v_smem, p_smem=p_smems.at[0], o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref, lse_ref=lse_ref,
-            k_barriers=k_barriers, v_barriers=v_barriers, alibi_ref=alibi_ref, spec=spec, tiling=tiling,
-            num_q_tokens=num_q_tokens, group_size=group_size, kv_head=kv_head, head_block=head_block, split=split,
-            load_fp8=load_fp8, k_conv=k_convs.at[0] if k_dequant else None,
-            v_conv=v_convs.at[0] if v_dequant else None, k_scale=scales_ref[0] if k_dequant else None,
-            v_scale=scales_ref[1] if v_dequant else None)
+            v_smem=v_smem, p_smem=p_smems.at[w], k_barriers=k_barriers, v_barriers=v_barriers, alibi_ref=alibi_ref,
+            spec=spec, tiling=tiling, num_q_tokens=num_q_tokens, group_size=group_size, kv_head=kv_head,
+            load_fp8=load_fp8, k_conv=k_convs.at[w] if k_dequant else None,
+            v_conv=v_convs.at[w] if v_dequant else None, k_scale=scales_ref[0] if k_dequant else None)
+
+    def keys_as_m_store(it: _Item, acc, col_max, col_sum) -> None:
+        with jax.named_scope("epilogue"):
+            pl.when(it.valid)(lambda: _keys_as_m_store(
+                it, acc, col_max, col_sum, o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref, lse_ref=lse_ref,
+                head_block=head_block, split=split, v_scale=scales_ref[1] if v_dequant else None))
+
+    def keys_as_m_merge_and_store(it: _Item, acc, col_max, col_sum) -> None:
+        """Two compute warpgroups of the keys-as-M form: as `merge_and_store`, transposed
+        (the statistics are the columns', the output ``[D, N]``)."""
+        @pl.when(wg == 1)
+        def _hand_over():
+            with jax.named_scope("merge"):
+                merge_acc_smem[...] = acc
+                merge_stats_smem.at[0][...] = col_max
+                merge_stats_smem.at[1][...] = col_sum
+                plgpu.barrier_arrive(merged_barrier)
+                plgpu.barrier_wait(merge_read_barrier)  # (the buffers are free for the next item)
+
+        @pl.when(wg == 0)
+        def _merge_and_store():
+            with jax.named_scope("merge"):
+                plgpu.barrier_wait(merged_barrier)
+                other_max = plgpu.layout_cast(merge_stats_smem.at[0][...], plgpu.Layout.WGMMA.reduce(0))
+                other_sum = plgpu.layout_cast(merge_stats_smem.at[1][...], plgpu.Layout.WGMMA.reduce(0))
+                new_max = jnp.maximum(col_max, other_max)
+                mine, other = jnp.exp2(col_max - new_max), jnp.exp2(other_max - new_max)
+                merged = (acc * lax.broadcast_in_dim(mine, acc.shape, [1])
+                          + plgpu.layout_cast(merge_acc_smem[...], plgpu.Layout.WGMMA)
+                          * lax.broadcast_in_dim(other, acc.shape, [1]))
+                plgpu.barrier_arrive(merge_read_barrier)
+            keys_as_m_store(it, merged, new_max, col_sum * mine + other_sum * other)
 
     if not workers:
         it = item_at(jnp.int32(0))
@@ -572,8 +602,9 @@ def _decode_kernel(
             return page_ids(it, step + stages + 1)
 
         if tiling.keys_as_m:
-            keys_as_m_item(it, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
-                           page_ids(it, stages))
+            keys_as_m_store(it, *keys_as_m_attend(it, 0, 0, jnp.int32(0), 1,
+                                                  lambda step: lax.rem(step, jnp.int32(stages)), refill,
+                                                  page_ids(it, stages)))
             return
         result = compute(it, 0, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
                          page_ids(it, stages))
@@ -665,9 +696,10 @@ def _decode_kernel(
             # This warpgroup's first tile of the item: the first stream tile >= first that is
             # wg modulo W.
             mine = lax.rem(wg - lax.rem(first, jnp.int32(workers)) + workers, jnp.int32(workers))
-            if tiling.keys_as_m:  # (one compute warpgroup)
-                keys_as_m_item(it, j, mine, workers, lambda step: lax.rem(first + step, jnp.int32(stages)),
-                               release, ())
+            if tiling.keys_as_m:
+                result = keys_as_m_attend(it, j, wg, mine, workers,
+                                          lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
+                (keys_as_m_store if workers == 1 else keys_as_m_merge_and_store)(it, *result)
                 return first + it.num_steps
             acc, row_max, row_sum = compute(it, j, wg, mine, workers,
                                             lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
@@ -681,19 +713,19 @@ def _decode_kernel(
         lax.fori_loop(0, items, next_item, jnp.int32(0))
 
 
-def _keys_as_m_item(it: _Item, *, first_step, step_stride: int, slot_of, after_step, extra, q_smem, q_barrier,
-                    q_free_barrier, q_ref, k_smem, v_smem, p_smem, o_smem, lse_smem, o_ref, lse_ref, k_barriers,
-                    v_barriers, alibi_ref, spec: AttentionSpec, tiling: MosaicDecodeTiling, num_q_tokens: int,
-                    group_size: int, kv_head, head_block, split, load_fp8, k_conv, v_conv, k_scale,
-                    v_scale) -> None:
+def _keys_as_m_attend(it: _Item, *, first_step, step_stride: int, slot_of, after_step, extra, q_smem, q_barrier,
+                      q_free_barrier, q_ref, k_smem, v_smem, p_smem, k_barriers, v_barriers, alibi_ref,
+                      spec: AttentionSpec, tiling: MosaicDecodeTiling, num_q_tokens: int, group_size: int, kv_head,
+                      load_fp8, k_conv, v_conv, k_scale) -> tuple[Array, Array, Array]:
     """The keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`) of one compute
     warpgroup's work on item ``it``: its steps ``first_step, first_step + step_stride,
     ...`` of the ring (step ``i`` in slot ``slot_of(i)``; ``after_step(step, slot, extra)``
     runs after each step's wgmmas and returns the next loop-carried ``extra``: the
     single-warpgroup form refills the slot, the warp-specialized one releases it to the
-    producer), then, for an item in the batch, its output. The queries arrive in
-    ``q_smem`` (``q_barrier``); ``q_free_barrier`` (several items a program) is arrived on
-    once they are read.
+    producer). The queries arrive in ``q_smem`` (``q_barrier``); ``q_free_barrier``
+    (several items a program) is arrived on once they are read. Returns the transposed
+    running output f32 ``[D, N]`` and the columns' max (log2 units) and sum, f32 ``[N]``
+    (`_keys_as_m_store` normalizes and stores them).
 
     ``S^T = K Q^T`` is a wgmma with the tile's keys as M and the ``N = tiling.query_rows``
     query rows as N (``Q^T`` a transposed view of the ``[N, D]`` query tile), so its
@@ -708,8 +740,8 @@ def _keys_as_m_item(it: _Item, *, first_step, step_stride: int, slot_of, after_s
     wrapper transposes it back with the rows it unpacks anyway). Masks, the sequence end,
     ALiBi, soft-cap, splits, the zeroed out-of-range value rows and the fp8 stages'
     upcast (``k_conv`` / ``v_conv``: the K tile in the queries' swizzle, the V tile in the
-    probabilities'; ``k_scale`` / ``v_scale`` scale the scores and the output) are the
-    other form's; `plans.mosaic_keys_as_m_unsupported_reason` names what it does not take."""
+    probabilities'; ``k_scale`` scales the scores, ``v_scale`` the output) are the other
+    form's; `plans.mosaic_keys_as_m_unsupported_reason` names what it does not take."""
     n, tile_keys = tiling.query_rows, tiling.tile_keys
     dtype = q_ref.dtype
     head_size = q_ref.shape[-1]
@@ -804,29 +836,32 @@ def _keys_as_m_item(it: _Item, *, first_step, step_stride: int, slot_of, after_s
     acc, col_max, sum_terms, _ = lax.fori_loop(0, my_steps, step_fn, carry)
     if q_free_barrier is not None:
         plgpu.barrier_arrive(q_free_barrier)  # its wgmmas have completed
-    col_sum = sum_terms.sum(axis=0)
+    return acc, col_max, sum_terms.sum(axis=0)
 
-    @pl.when(it.valid)
-    def _epilogue():
-        with jax.named_scope("epilogue"):
-            # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column
-            # whose accumulator holds a NaN / inf in any channel is NaN in all of them (the
-            # reference's NaN rule, `common.nan_rows_scale` transposed).
-            seen = col_sum > 0
-            safe_sum = jnp.where(seen, col_sum, 1.0)
-            total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
-            inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
-            if v_scale is not None:
-                inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
-            o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
-            o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
-            if lse_ref is not None:
-                lse_smem[...] = jnp.where(seen, (col_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_cols)
-            if lse_ref is not None:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, it.seq, head_block])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def _keys_as_m_store(it: _Item, acc: Array, col_max: Array, col_sum: Array, *, o_smem, lse_smem, o_ref, lse_ref,
+                     head_block, split, v_scale) -> None:
+    """Normalizes item ``it``'s keys-as-M output (`_keys_as_m_attend`'s) and stores it,
+    transposed ``[D, N]``, with its log-sum-exp where the call has splits."""
+    # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column whose
+    # accumulator holds a NaN / inf in any channel is NaN in all of them (the reference's
+    # NaN rule, `common.nan_rows_scale` transposed).
+    seen = col_sum > 0
+    safe_sum = jnp.where(seen, col_sum, 1.0)
+    total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
+    inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
+    if v_scale is not None:
+        inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
+    o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
+    o_smem[...] = (acc * lax.broadcast_in_dim(inv_sum, acc.shape, [1])).astype(o_smem.dtype)
+    if lse_ref is not None:
+        lse_smem[...] = jnp.where(seen, (col_max + jnp.log2(safe_sum)) * LN_2, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_cols)
+    if lse_ref is not None:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, it.seq, head_block])
+    # Only until the copies have read the buffers (the next item's output goes there).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 PROFILE_RANGES_PER_TILE = 4
@@ -920,16 +955,17 @@ def paged_decode_call(
 
     operand = _operand_transforms(itemsize, head_size)
     if tiling.keys_as_m:
-        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_item`).
+        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_attend`).
         # fp8 stages keep their own swizzle: the wgmma reads their upcast copies.
         values = _operand_transforms(itemsize, query_rows)
         query_tiles = 2 if tiling.items_per_program > 1 else 1
+        per_worker = max(tiling.compute_warpgroups, 1)
         scratch = [
             plgpu.SMEM((query_tiles, query_rows, head_size), dtype, transforms=operand),  # Q
             ring(k_cache),  # K ring
             ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
                                                        transforms=values),  # V ring
-            plgpu.SMEM((1, keys, query_rows), dtype, transforms=values),  # P^T
+            plgpu.SMEM((per_worker, keys, query_rows), dtype, transforms=values),  # P^T, a compute warpgroup's
             plgpu.SMEM((head_size, query_rows), out_dtype),  # the output, transposed
             plgpu.SMEM((query_rows,), jnp.float32),  # log-sum-exp
             plgpu.SMEM((1, keys), jnp.float32),  # (the other form's flags; unused)
@@ -937,12 +973,17 @@ def paged_decode_call(
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
             plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
         ]
-        if tiling.compute_warpgroups:  # (one: a producer and one compute warpgroup)
+        if tiling.compute_warpgroups:  # a producer warpgroup beside them
             scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=tiling.num_stages))  # a slot's tile is done
         if tiling.items_per_program > 1:
-            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=2))  # a query tile is read
-        # fp8 stages upcast to q's dtype for the wgmma: K in the queries' swizzle, V in P's.
-        scratch += [plgpu.SMEM((1, keys, head_size), dtype, transforms=t)
+            scratch.append(plgpu.Barrier(num_arrivals=tiling.compute_warpgroups, num_barriers=2))  # a query tile is read
+        if tiling.compute_warpgroups == 2:  # the second one's output and (max, sum), for the first to merge
+            scratch += [plgpu.SMEM((head_size, query_rows), jnp.float32, transforms=_operand_transforms(4, query_rows)),
+                        plgpu.SMEM((2, query_rows), jnp.float32),
+                        plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)]  # written, read
+        # fp8 stages upcast to q's dtype for the wgmma, one per compute warpgroup: K in the
+        # queries' swizzle, V in P's.
+        scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=t)
                     for d, t in ((k_dequant, operand), (v_dequant, values)) if d]
     else:
         scratch = _scratch_types(tiling, q_rows, k_cache, v_cache, ring, operand, out_dtype, k_dequant, v_dequant)
