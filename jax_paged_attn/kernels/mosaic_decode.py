@@ -560,32 +560,6 @@ def _decode_kernel(
                 it, acc, col_max, col_sum, o_smem=o_smem, lse_smem=lse_smem, o_ref=o_ref, lse_ref=lse_ref,
                 head_block=head_block, split=split, v_scale=scales_ref[1] if v_dequant else None))
 
-    def keys_as_m_merge_and_store(it: _Item, acc, col_max, col_sum) -> None:
-        """Two compute warpgroups of the keys-as-M form: as `merge_and_store`, transposed
-        (the statistics are the columns', the output ``[D, N]``)."""
-        @pl.when(wg == 1)
-        def _hand_over():
-            with jax.named_scope("merge"):
-                merge_acc_smem[...] = acc
-                merge_stats_smem.at[0][...] = col_max
-                merge_stats_smem.at[1][...] = col_sum
-                plgpu.barrier_arrive(merged_barrier)
-                plgpu.barrier_wait(merge_read_barrier)  # (the buffers are free for the next item)
-
-        @pl.when(wg == 0)
-        def _merge_and_store():
-            with jax.named_scope("merge"):
-                plgpu.barrier_wait(merged_barrier)
-                other_max = plgpu.layout_cast(merge_stats_smem.at[0][...], plgpu.Layout.WGMMA.reduce(0))
-                other_sum = plgpu.layout_cast(merge_stats_smem.at[1][...], plgpu.Layout.WGMMA.reduce(0))
-                new_max = jnp.maximum(col_max, other_max)
-                mine, other = jnp.exp2(col_max - new_max), jnp.exp2(other_max - new_max)
-                merged = (acc * lax.broadcast_in_dim(mine, acc.shape, [1])
-                          + plgpu.layout_cast(merge_acc_smem[...], plgpu.Layout.WGMMA)
-                          * lax.broadcast_in_dim(other, acc.shape, [1]))
-                plgpu.barrier_arrive(merge_read_barrier)
-            keys_as_m_store(it, merged, new_max, col_sum * mine + other_sum * other)
-
     if not workers:
         it = item_at(jnp.int32(0))
         zero_query_tiles()
@@ -658,10 +632,18 @@ def _decode_kernel(
         plgpu.barrier_arrive(free_barriers.at[slot])
         return extra
 
-    def merge_and_store(it: _Item, acc, row_max, row_sum):
-        """Two compute warpgroups: the second hands its output and (max, sum) to the first
-        through shared memory, which merges them as split partials are merged and stores
-        the item's output."""
+    def store(it: _Item, acc, row_max, row_sum) -> None:
+        with jax.named_scope("epilogue"):
+            pl.when(it.valid)(lambda: epilogue(it, acc, row_max, row_sum))
+
+    def merge_and_store(it: _Item, acc: tuple, row_max, row_sum, stat_axis: int, store_fn) -> None:
+        """Two compute warpgroups: the second hands its output (``acc``'s chunks) and its
+        (max, sum) to the first through shared memory, which merges them as split partials
+        are merged and stores the item's output with ``store_fn(it, acc, max, sum)``. The
+        statistics run along ``stat_axis`` of the output: 0, one per row (``[64, chunk]``
+        chunks), or 1 for the keys-as-M form, one per column (its one ``[D, N]`` chunk)."""
+        stats = plgpu.Layout.WGMMA.reduce(1 - stat_axis)
+
         @pl.when(wg == 1)
         def _hand_over():
             with jax.named_scope("merge"):
@@ -676,18 +658,17 @@ def _decode_kernel(
         def _merge_and_store():
             with jax.named_scope("merge"):
                 plgpu.barrier_wait(merged_barrier)
-                other_max = plgpu.layout_cast(merge_stats_smem.at[0][...], plgpu.Layout.WGMMA.reduce(1))
-                other_sum = plgpu.layout_cast(merge_stats_smem.at[1][...], plgpu.Layout.WGMMA.reduce(1))
+                other_max = plgpu.layout_cast(merge_stats_smem.at[0][...], stats)
+                other_sum = plgpu.layout_cast(merge_stats_smem.at[1][...], stats)
                 new_max = jnp.maximum(row_max, other_max)
                 mine, other = jnp.exp2(row_max - new_max), jnp.exp2(other_max - new_max)
                 merged = tuple(
-                    a * lax.broadcast_in_dim(mine, a.shape, [0])
+                    a * lax.broadcast_in_dim(mine, a.shape, [stat_axis])
                     + plgpu.layout_cast(merge_acc_smem.at[c][...], plgpu.Layout.WGMMA)
-                    * lax.broadcast_in_dim(other, a.shape, [0])
+                    * lax.broadcast_in_dim(other, a.shape, [stat_axis])
                     for c, a in enumerate(acc))
                 plgpu.barrier_arrive(merge_read_barrier)
-            with jax.named_scope("epilogue"):
-                pl.when(it.valid)(lambda: epilogue(it, merged, new_max, row_sum * mine + other_sum * other))
+            store_fn(it, merged, new_max, row_sum * mine + other_sum * other)
 
     @pl.when(wg < workers)
     def _compute():
@@ -696,18 +677,22 @@ def _decode_kernel(
             # This warpgroup's first tile of the item: the first stream tile >= first that is
             # wg modulo W.
             mine = lax.rem(wg - lax.rem(first, jnp.int32(workers)) + workers, jnp.int32(workers))
+            def slot_of(step):
+                return lax.rem(first + step, jnp.int32(stages))
+
             if tiling.keys_as_m:
-                result = keys_as_m_attend(it, j, wg, mine, workers,
-                                          lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
-                (keys_as_m_store if workers == 1 else keys_as_m_merge_and_store)(it, *result)
-                return first + it.num_steps
-            acc, row_max, row_sum = compute(it, j, wg, mine, workers,
-                                            lambda step: lax.rem(first + step, jnp.int32(stages)), release, ())
-            if workers == 1:
-                with jax.named_scope("epilogue"):
-                    pl.when(it.valid)(lambda: epilogue(it, acc, row_max, row_sum))
+                acc, row_max, row_sum = keys_as_m_attend(it, j, wg, mine, workers, slot_of, release, ())
+                acc, stat_axis = (acc,), 1  # one [D, N] chunk, statistics per column
+
+                def store_fn(it, acc, *stats):
+                    keys_as_m_store(it, acc[0], *stats)
             else:
-                merge_and_store(it, acc, row_max, row_sum)
+                acc, row_max, row_sum = compute(it, j, wg, mine, workers, slot_of, release, ())
+                store_fn, stat_axis = store, 0
+            if workers == 1:
+                store_fn(it, acc, row_max, row_sum)
+            else:
+                merge_and_store(it, acc, row_max, row_sum, stat_axis, store_fn)
             return first + it.num_steps
 
         lax.fori_loop(0, items, next_item, jnp.int32(0))
@@ -978,7 +963,8 @@ def paged_decode_call(
         if tiling.items_per_program > 1:
             scratch.append(plgpu.Barrier(num_arrivals=tiling.compute_warpgroups, num_barriers=2))  # a query tile is read
         if tiling.compute_warpgroups == 2:  # the second one's output and (max, sum), for the first to merge
-            scratch += [plgpu.SMEM((head_size, query_rows), jnp.float32, transforms=_operand_transforms(4, query_rows)),
+            scratch += [plgpu.SMEM((1, head_size, query_rows), jnp.float32,
+                                   transforms=_operand_transforms(4, query_rows)),
                         plgpu.SMEM((2, query_rows), jnp.float32),
                         plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)]  # written, read
         # fp8 stages upcast to q's dtype for the wgmma, one per compute warpgroup: K in the
