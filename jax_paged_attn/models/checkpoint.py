@@ -119,10 +119,11 @@ def contiguous_transpose(matrix: np.ndarray) -> np.ndarray:
     element's size (NumPy's own loops, which release the GIL, whatever the dtype).
     """
     rows, columns = matrix.shape
-    if matrix.size * matrix.itemsize < (1 << 20) or matrix.itemsize not in (1, 2, 4, 8):
+    if (matrix.size * matrix.itemsize < (1 << 20) or matrix.itemsize not in (1, 2, 4, 8)
+            or matrix.flags.f_contiguous):  # (small, odd-sized, or its transpose already row-major)
         return np.ascontiguousarray(matrix.T)
     bits = np.dtype(f"u{matrix.itemsize}")
-    source = (matrix if matrix.flags.c_contiguous or matrix.flags.f_contiguous else np.ascontiguousarray(matrix)).view(bits)
+    source = matrix.view(bits)  # (a view of the same item size keeps any strides: no copy)
     out = np.empty((columns, rows), bits)
 
     def copy_row_tiles(start: int) -> None:
