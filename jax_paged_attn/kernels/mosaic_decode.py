@@ -548,7 +548,7 @@ def _decode_kernel(
         return _keys_as_m_attend(
             it, first_step=first_step, step_stride=step_stride, slot_of=slot_of, after_step=after_step,
             extra=extra, q_smem=q_smems.at[q_tile], q_barrier=q_barriers.at[q_tile],
-            q_free_barrier=q_free_barriers.at[q_tile] if items > 1 else None, q_ref=q_ref, k_smem=k_smem,
+            q_free_barrier=q_free_barriers.at[q_tile] if items > 1 else None, k_smem=k_smem,
             v_smem=v_smem, p_smem=p_smems.at[w], k_barriers=k_barriers, v_barriers=v_barriers, alibi_ref=alibi_ref,
             spec=spec, tiling=tiling, num_q_tokens=num_q_tokens, group_size=group_size, kv_head=kv_head,
             load_fp8=load_fp8, k_conv=k_convs.at[w] if k_dequant else None,
@@ -699,7 +699,7 @@ def _decode_kernel(
 
 
 def _keys_as_m_attend(it: _Item, *, first_step, step_stride: int, slot_of, after_step, extra, q_smem, q_barrier,
-                      q_free_barrier, q_ref, k_smem, v_smem, p_smem, k_barriers, v_barriers, alibi_ref,
+                      q_free_barrier, k_smem, v_smem, p_smem, k_barriers, v_barriers, alibi_ref,
                       spec: AttentionSpec, tiling: MosaicDecodeTiling, num_q_tokens: int, group_size: int, kv_head,
                       load_fp8, k_conv, v_conv, k_scale) -> tuple[Array, Array, Array]:
     """The keys-as-M form (`tuning.MosaicDecodeConfig.keys_as_m`) of one compute
@@ -728,8 +728,7 @@ def _keys_as_m_attend(it: _Item, *, first_step, step_stride: int, slot_of, after
     probabilities'; ``k_scale`` scales the scores, ``v_scale`` the output) are the other
     form's; `plans.mosaic_keys_as_m_unsupported_reason` names what it does not take."""
     n, tile_keys = tiling.query_rows, tiling.tile_keys
-    dtype = q_ref.dtype
-    head_size = q_ref.shape[-1]
+    dtype, head_size = q_smem.dtype, q_smem.shape[-1]
     def score_iota(dimension: int) -> Array:
         """i32 [tile_keys, N]: each transposed score's key offset (0) or query row (1)."""
         return plgpu.broadcasted_iota(jnp.int32, (tile_keys, n), dimension, layout=plgpu.Layout.WGMMA)
@@ -939,40 +938,7 @@ def paged_decode_call(
         return plgpu.SMEM((tiling.num_stages, keys, head_size), cache_dtype, transforms=transforms)
 
     operand = _operand_transforms(itemsize, head_size)
-    if tiling.keys_as_m:
-        # The probabilities [tile_keys, N] set the values' swizzle (`_keys_as_m_attend`).
-        # fp8 stages keep their own swizzle: the wgmma reads their upcast copies.
-        values = _operand_transforms(itemsize, query_rows)
-        query_tiles = 2 if tiling.items_per_program > 1 else 1
-        per_worker = max(tiling.compute_warpgroups, 1)
-        scratch = [
-            plgpu.SMEM((query_tiles, query_rows, head_size), dtype, transforms=operand),  # Q
-            ring(k_cache),  # K ring
-            ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
-                                                       transforms=values),  # V ring
-            plgpu.SMEM((per_worker, keys, query_rows), dtype, transforms=values),  # P^T, a compute warpgroup's
-            plgpu.SMEM((head_size, query_rows), out_dtype),  # the output, transposed
-            plgpu.SMEM((query_rows,), jnp.float32),  # log-sum-exp
-            plgpu.SMEM((1, keys), jnp.float32),  # (the other form's flags; unused)
-            plgpu.Barrier(num_arrivals=1, num_barriers=query_tiles),  # Q
-            plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # K stages
-            plgpu.Barrier(num_arrivals=tiling.pages_per_tile, num_barriers=tiling.num_stages),  # V stages
-        ]
-        if tiling.compute_warpgroups:  # a producer warpgroup beside them
-            scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=tiling.num_stages))  # a slot's tile is done
-        if tiling.items_per_program > 1:
-            scratch.append(plgpu.Barrier(num_arrivals=tiling.compute_warpgroups, num_barriers=2))  # a query tile is read
-        if tiling.compute_warpgroups == 2:  # the second one's output and (max, sum), for the first to merge
-            scratch += [plgpu.SMEM((1, head_size, query_rows), jnp.float32,
-                                   transforms=_operand_transforms(4, query_rows)),
-                        plgpu.SMEM((2, query_rows), jnp.float32),
-                        plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)]  # written, read
-        # fp8 stages upcast to q's dtype for the wgmma, one per compute warpgroup: K in the
-        # queries' swizzle, V in P's.
-        scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=t)
-                    for d, t in ((k_dequant, operand), (v_dequant, values)) if d]
-    else:
-        scratch = _scratch_types(tiling, q_rows, k_cache, v_cache, ring, operand, out_dtype, k_dequant, v_dequant)
+    scratch = _scratch_types(tiling, q_rows, k_cache, v_cache, ring, operand, out_dtype, k_dequant, v_dequant)
     return _launch(scratch, inputs, out_type, spec=spec, tiling=tiling, num_q_tokens=num_q_tokens,
                    group_size=group_size, block_size=block_size, k_cache=k_cache, v_cache=v_cache,
                    has_alibi=alibi_slopes_log2 is not None, k_dequant=k_dequant, v_dequant=v_dequant,
@@ -981,23 +947,48 @@ def paged_decode_call(
 
 def _scratch_types(tiling: MosaicDecodeTiling, q_rows: Array, k_cache: CachePlane, v_cache: CachePlane, ring,
                    operand: tuple, out_dtype, k_dequant: bool, v_dequant: bool) -> list:
-    """The scratch buffers of the form with the queries as the wgmmas' M side."""
-    rows = MOSAIC_DECODE_ROWS
+    """The kernel's scratch buffers, in the order `_decode_kernel` unpacks them.
+
+    With the queries as the wgmmas' M side, the tiles are 64 rows (the query rows
+    zero-padded) and the probabilities take the head's swizzle. With ``tiling.keys_as_m``
+    (`_keys_as_m_attend`) the query tiles are the program's ``R`` rows, the
+    probabilities ``P^T`` are ``[tile_keys, R]`` and set the values' swizzle (a wgmma's
+    shared-memory operands share one; fp8 stages keep their own, since the wgmma reads
+    their upcast copies), the output and the merge buffer are ``[D, R]``, and the
+    non-finite key flags go unused."""
     head_size, dtype, keys = q_rows.shape[-1], q_rows.dtype, tiling.tile_keys
+    itemsize = jnp.dtype(dtype).itemsize
     workers = tiling.compute_warpgroups
     per_worker = max(workers, 1)  # the single-warpgroup form's buffers: one of each
-    chunk = plans.mosaic_output_chunk(head_size)
     items = tiling.items_per_program
     query_tiles = 2 if items > 1 else 1
+    if tiling.keys_as_m:
+        rows = tiling.query_rows
+        values = _operand_transforms(itemsize, rows)
+        v_ring = ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
+                                                            transforms=values)
+        probabilities = plgpu.SMEM((per_worker, keys, rows), dtype, transforms=values)  # P^T
+        output = plgpu.SMEM((head_size, rows), out_dtype)  # transposed
+        # the second compute warpgroup's output (swizzled: a plain f32 tile has no
+        # bank-conflict-free transfer in the wgmma layout under jax 0.10)
+        merge_output = plgpu.SMEM((1, head_size, rows), jnp.float32, transforms=_operand_transforms(4, rows))
+    else:
+        rows, values = MOSAIC_DECODE_ROWS, operand
+        chunk = plans.mosaic_output_chunk(head_size)
+        v_ring = ring(v_cache)
+        # P: the values' swizzle, the head's (a wgmma's two shared-memory operands must share
+        # one), which rows of 64 or 128 keys always fit
+        probabilities = plgpu.SMEM((per_worker, rows, keys), dtype, transforms=operand)
+        # output rows, a column chunk at a time
+        output = plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype)
+        merge_output = plgpu.SMEM((head_size // chunk, rows, chunk), jnp.float32,
+                                  transforms=_operand_transforms(4, chunk))
     scratch = [
         plgpu.SMEM((query_tiles, rows, head_size), dtype, transforms=operand),  # Q
         ring(k_cache),  # K ring
-        ring(v_cache),  # V ring
-        # P: the values' swizzle, the head's (a wgmma's two shared-memory operands must share
-        # one), which rows of 64 or 128 keys always fit
-        plgpu.SMEM((per_worker, rows, keys), dtype, transforms=operand),
-        # output rows, a column chunk at a time
-        plgpu.SMEM((rows, plans.mosaic_store_chunk(head_size, jnp.dtype(out_dtype).itemsize)), out_dtype),
+        v_ring,  # V ring
+        probabilities,
+        output,
         plgpu.SMEM((rows,), jnp.float32),  # log-sum-exp
         plgpu.SMEM((per_worker, keys), jnp.float32),  # 1.0 for a key with a non-finite value (several query tokens)
         plgpu.Barrier(num_arrivals=1, num_barriers=query_tiles),  # Q
@@ -1009,14 +1000,13 @@ def _scratch_types(tiling: MosaicDecodeTiling, q_rows: Array, k_cache: CachePlan
     if items > 1:
         scratch.append(plgpu.Barrier(num_arrivals=workers, num_barriers=2))  # a query tile is read
     if workers == 2:
-        # the second warpgroup's output (swizzled: a plain f32 tile has no bank-conflict-free
-        # transfer in the wgmma layout under jax 0.10)
-        scratch += [plgpu.SMEM((head_size // chunk, rows, chunk), jnp.float32, transforms=_operand_transforms(4, chunk)),
+        scratch += [merge_output,
                     plgpu.SMEM((2, rows), jnp.float32),  # and its running max and sum
                     plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)]  # written, read
-    # fp8 stages upcast to q's dtype for the wgmma, K then V, one per compute warpgroup.
-    scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=operand)
-                for d in (k_dequant, v_dequant) if d]
+    # fp8 stages upcast to q's dtype for the wgmma, K then V, one per compute warpgroup (K in
+    # the queries' swizzle, V in the probabilities').
+    scratch += [plgpu.SMEM((per_worker, keys, head_size), dtype, transforms=t)
+                for d, t in ((k_dequant, operand), (v_dequant, values)) if d]
     return scratch
 
 
