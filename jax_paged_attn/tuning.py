@@ -264,10 +264,10 @@ class MosaicDecodeConfig:
     to 16 (`plans.MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE`), instead of the M side's 64, so
     a GQA group of 4 computes 4x its scores, not 16x, and the softmax runs on 16 columns
     of each key tile (its reductions cross the warpgroup's warps); every
-    ``compute_warpgroups`` / ``items_per_program`` form. Head sizes that are multiples of
-    64, at most 64 query rows a KV head, and no causal or window mask over several query tokens
-    (`plans.mosaic_keys_as_m_unsupported_reason`). Off by default: built and tested in
-    interpret mode and lowered for CUDA, not yet timed on a GPU.
+    ``compute_warpgroups`` / ``items_per_program`` form. Head sizes that are multiples
+    of 64, at most 64 query rows a KV head, and no causal or window mask over several
+    query tokens (`plans.mosaic_keys_as_m_unsupported_reason`). Off by default: built
+    and tested in interpret mode and lowered for CUDA, not yet timed on a GPU.
     """
 
     tile_keys: int = 64
