@@ -573,7 +573,7 @@ MOSAIC_KEYS_AS_M_GRID = [
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_KEYS_AS_M_GRID, ids=str)
+@pytest.mark.parametrize("case", covering_cases(MOSAIC_KEYS_AS_M_GRID))
 def test_mosaic_keys_as_m_matches_reference_in_interpret_mode(case: Case) -> None:
     """The keys-as-M form in Mosaic GPU interpret mode (CPU) against the reference."""
     inputs = make_inputs(case)
