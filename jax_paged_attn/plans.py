@@ -1029,12 +1029,18 @@ the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU til
 
 
 def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
-                                        spec: AttentionSpec | None = None) -> str | None:
+                                        spec: AttentionSpec | None = None, *, block_size: int | None = None,
+                                        compute_warpgroups: int = 0) -> str | None:
     """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: head sizes that
     are multiples of 64 (the values' M side), at most `MOSAIC_DECODE_ROWS` query rows a KV
     head, and (given ``spec``) no causal or window mask over several query tokens (keys
     hidden from some rows only: the non-finite quarantine of the other form is not built
-    here)."""
+    here). Given ``block_size``: pages that are whole copies (block sizes dividing 128;
+    stages of runs within pages or slices of 256-key pages, compiled for an H100, did not
+    match the reference). Given ``compute_warpgroups``: at most one beside the producer
+    (the softmax's column max and sum reduce across a warpgroup's warps, which Mosaic GPU
+    does through one shared-memory scratch buffer at a fixed offset: two compute
+    warpgroups reducing at once would overwrite each other's partials)."""
     if head_size % 64:
         return f"the head size must be a multiple of 64 (the values' wgmma M side), got {head_size}"
     if num_q_tokens * group_size > MOSAIC_DECODE_ROWS:
@@ -1042,6 +1048,12 @@ def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head
                 f"{MOSAIC_DECODE_ROWS}")
     if spec is not None and num_q_tokens > 1 and (spec.causal or spec.is_local):
         return "several query tokens under a causal or window mask are not supported (the non-finite quarantine)"
+    if block_size is not None and 128 % block_size:
+        return (f"the block size must divide 128 (whole pages a copy), got {block_size}: stages of runs within "
+                f"pages or slices of pages did not match the reference compiled for an H100")
+    if compute_warpgroups > 1:
+        return (f"at most one compute warpgroup, got {compute_warpgroups}: the softmax's cross-warp reductions "
+                f"share Mosaic GPU's one reduction scratch buffer, on which two would race")
     return None
 
 
@@ -1094,7 +1106,9 @@ def plan_mosaic_decode_tiling(
     query_rows = MOSAIC_DECODE_ROWS if row_blocks > 1 else round_up(rows, MOSAIC_DECODE_QUERY_ROW_MULTIPLE)
     itemsize = jnp.dtype(q_dtype).itemsize
     if config.keys_as_m:
-        reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size)
+        reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size,
+                                                     block_size=block_size,
+                                                     compute_warpgroups=config.compute_warpgroups)
         if reason is not None:
             raise ValueError(f"config.keys_as_m: {reason}.")
         query_rows = round_up(rows, MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE)

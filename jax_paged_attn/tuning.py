@@ -263,11 +263,12 @@ class MosaicDecodeConfig:
     ``O^T += V^T P^T``): a tile's ``Sq * G`` query rows are the N of a wgmma, rounded up
     to 16 (`plans.MOSAIC_DECODE_KEYS_AS_M_ROW_MULTIPLE`), instead of the M side's 64, so
     a GQA group of 4 computes 4x its scores, not 16x, and the softmax runs on 16 columns
-    of each key tile (its reductions cross the warpgroup's warps); every
-    ``compute_warpgroups`` / ``items_per_program`` form. Head sizes that are multiples
-    of 64, at most 64 query rows a KV head, and no causal or window mask over several
-    query tokens (`plans.mosaic_keys_as_m_unsupported_reason`). Off by default: built
-    and tested in interpret mode and lowered for CUDA, not yet timed on a GPU.
+    of each key tile (its reductions cross the warpgroup's warps); alone or with one
+    compute warpgroup beside a producer, one or several sequences a program. Head sizes
+    that are multiples of 64, at most 64 query rows a KV head, block sizes that divide
+    128, no causal or window mask over several query tokens, not two compute warpgroups
+    (`plans.mosaic_keys_as_m_unsupported_reason` says why each). Off by default until
+    timed against the other form.
     """
 
     tile_keys: int = 64

@@ -548,10 +548,6 @@ MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-gqa4-d64-bs32-fp8e5m2-softcap-f16", dtype="float16", head_size=64, block_size=32,
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC,
          config=KEYS_AS_M(tile_keys=128)),
-    Case("mgpu-keys-as-m-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5,
-         num_blocks=40, lowering=MOSAIC, config=KEYS_AS_M(num_splits=2)),
-    Case("mgpu-keys-as-m-d64-bs256-slices-window", head_size=64, block_size=256, seqlens=(300, 1, 0, 257),
-         max_blocks=2, num_blocks=12, window=(100, 0), lowering=MOSAIC, config=KEYS_AS_M(tile_keys=128)),
     # Beside a producer warpgroup: one sequence a program, or several (their tiles one
     # stream through the ring, queries in two alternating tiles; the last program's last
     # items past the batch).
@@ -562,14 +558,6 @@ MOSAIC_KEYS_AS_M_GRID = [
          cache_dtype="float8_e4m3fn", alibi=True, seqlens=(128, 90, 0, 17, 1, 64, 250), max_blocks=16,
          num_blocks=120, lowering=MOSAIC,
          config=KEYS_AS_M(num_splits=1, num_stages=4, compute_warpgroups=1, items_per_program=3)),
-    # Two compute warpgroups taking the tiles in turn, merged (transposed) at the end.
-    Case("mgpu-keys-as-m-2wg-gqa4-d128-window-2splits", window=(150, 0), seqlens=(4, 200, 0, 190),
-         max_blocks=13, num_blocks=64, lowering=MOSAIC,
-         config=KEYS_AS_M(num_splits=2, num_stages=4, compute_warpgroups=2)),
-    Case("mgpu-keys-as-m-2wg-items3-gqa16-d64-fp8e5m2-softcap-f16", dtype="float16", num_q_heads=16,
-         num_kv_heads=1, head_size=64, cache_dtype="float8_e5m2", softcap=10.0, seqlens=(0, 250, 55, 1, 130),
-         max_blocks=16, num_blocks=90, lowering=MOSAIC,
-         config=KEYS_AS_M(num_splits=1, num_stages=4, compute_warpgroups=2, items_per_program=3)),
 ]
 
 
@@ -601,7 +589,13 @@ def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
         assert (t.keys_as_m, t.query_rows, t.row_blocks) == (True, expected, 1), (num_q_tokens, num_q_heads)
     for q_shape, cache_shape, config, words in (
             ((8, 1, 32, 80), (512, 16, 8, 80), KEYS_AS_M(), "multiple of 64"),
-            ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64")):
+            ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64"),
+            # (both compiled wrong on an H100: runs of 16 rows in 48-key pages, slices of
+            # 256-key pages; two compute warpgroups racing on the reduction scratch)
+            ((8, 1, 32, 128), (512, 48, 8, 128), KEYS_AS_M(), "block size must divide 128.*got 48"),
+            ((8, 1, 32, 64), (512, 256, 8, 64), KEYS_AS_M(tile_keys=128), "got 256"),
+            ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=2, num_stages=4),
+             "at most one compute warpgroup, got 2.*race")):
         with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
             plan(q_shape, cache_shape, config=config)
     q = jnp.zeros((2, 2, 8, 128), jnp.bfloat16)
@@ -691,6 +685,9 @@ def test_mosaic_every_tile_boundary() -> None:
     Case("mgpu-gpu-h200-shape-keys-as-m-d64-gqa8", num_q_heads=32, num_kv_heads=4, head_size=64,
          seqlens=tuple((i * 397) % 3000 for i in range(12)), max_blocks=192, num_blocks=2400, lowering=MOSAIC,
          config=KEYS_AS_M(tile_keys=128, num_splits=1, num_stages=3)),
+    Case("mgpu-gpu-h200-shape-keys-as-m-items-auto-1wg", num_q_heads=32, num_kv_heads=8,
+         seqlens=tuple((i * 97) % 1000 for i in range(40)), max_blocks=64, num_blocks=2600, lowering=MOSAIC,
+         config=KEYS_AS_M(num_stages=4, target_programs=512, compute_warpgroups=1, items_per_program=0)),
 ], ids=str)
 def test_mosaic_compiled_on_gpu_matches_reference(case: Case) -> None:
     """The Mosaic GPU scenarios compiled for a Hopper GPU (run with ``pytest -m gpu``)."""

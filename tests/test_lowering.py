@@ -368,20 +368,20 @@ def test_specialized_decode_lowers_to_mosaic_gpu_kernel(compute_warpgroups, item
      (jnp.bfloat16, 128, 16, 8, 1, 2, 64, dict(compute_warpgroups=1, window_size=(30, 0))),
      (jnp.bfloat16, 64, 16, 16, 1, 1, 128, dict(compute_warpgroups=1, items_per_program=2,
                                                 cache_dtype=jnp.float8_e4m3fn)),
-     (jnp.bfloat16, 128, 16, 8, 1, 2, 64, dict(compute_warpgroups=2, items_per_program=2)),
-     (jnp.float16, 64, 16, 32, 1, 1, 64, dict(compute_warpgroups=2, cache_dtype=jnp.float8_e5m2, softcap=30.0))],
+     (jnp.float16, 64, 16, 32, 1, 1, 64, dict(compute_warpgroups=1, items_per_program=0,
+                                              cache_dtype=jnp.float8_e5m2, softcap=30.0))],
     ids=["bf16-d128-16rows", "bf16-d64-32rows-softcap-splits", "f16-d256-bs32-window-alibi-128keys",
          "bf16-d128-bs64-sq3-noncausal-splits", "bf16-d64-64rows", "bf16-e4m3-d128-splits",
          "f16-e5m2-d64-bs32-32rows-128keys", "producer-bf16-d128-window-splits", "producer-items2-e4m3-d64",
-         "2wg-items2-bf16-d128-splits", "2wg-e5m2-d64-32rows"],
+         "producer-items-auto-e5m2-d64-32rows"],
 )
 def test_keys_as_m_decode_lowers_to_mosaic_gpu_kernel(q_dtype, head_size, block_size, num_q_heads, num_q_tokens,
                                                       num_splits, tile_keys, options):
     """The keys-as-M decode form (``MosaicDecodeConfig.keys_as_m``: S^T = K Q^T, O^T += V^T
     P^T) lowers for CUDA to one Mosaic GPU kernel at 16, 32 and 64 query rows (the values'
     swizzle 32, 64 and 128 bytes), every mask and split kind it takes, head sizes 64-256,
-    fp8 pages (upcast into the operands' swizzles), alone or with one or two compute
-    warpgroups beside a producer (one sequence a program or two)."""
+    fp8 pages (upcast into the operands' swizzles), alone or with a compute warpgroup
+    beside a producer (one sequence a program, two, or one wave's worth)."""
     from jax_paged_attn import decode
     from jax_paged_attn.spec import AttentionSpec
     from jax_paged_attn.tuning import MosaicDecodeConfig

@@ -88,9 +88,12 @@ known performance gap):
   tensor-core work, which makes the D 64 decode compute-bound (benchmarks/NOTES.md,
   2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_attend`,
   ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
-  rounded up to 16 as N) computes a quarter of it, alone or with one or two compute
-  warpgroups beside a producer (several sequences a program or one); it is tested in
-  interpret mode and lowered for CUDA, not yet timed, so it is off by default;
+  rounded up to 16 as N) computes a quarter of it, alone or with one compute warpgroup
+  beside a producer (several sequences a program or one); off by default until timed.
+  Its softmax reduces across the warpgroup's warps, which Mosaic GPU does through one
+  shared-memory scratch buffer at a fixed offset: two compute warpgroups would race on
+  it, so the form refuses them, and block sizes that do not divide 128 (compiled for an
+  H100 those did not match the reference; `plans.mosaic_keys_as_m_unsupported_reason`);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
   (wgmma would compute in TF32); head sizes that are not multiples of 64 take 64- or
@@ -636,13 +639,11 @@ def _decode_kernel(
         with jax.named_scope("epilogue"):
             pl.when(it.valid)(lambda: epilogue(it, acc, row_max, row_sum))
 
-    def merge_and_store(it: _Item, acc: tuple, row_max, row_sum, stat_axis: int, store_fn) -> None:
-        """Two compute warpgroups: the second hands its output (``acc``'s chunks) and its
-        (max, sum) to the first through shared memory, which merges them as split partials
-        are merged and stores the item's output with ``store_fn(it, acc, max, sum)``. The
-        statistics run along ``stat_axis`` of the output: 0, one per row (``[64, chunk]``
-        chunks), or 1 for the keys-as-M form, one per column (its one ``[D, N]`` chunk)."""
-        stats = plgpu.Layout.WGMMA.reduce(1 - stat_axis)
+    def merge_and_store(it: _Item, acc: tuple, row_max, row_sum) -> None:
+        """Two compute warpgroups: the second hands its output (``acc``'s ``[64, chunk]``
+        chunks) and its (max, sum) to the first through shared memory, which merges them
+        as split partials are merged and stores the item's output."""
+        stats = plgpu.Layout.WGMMA.reduce(1)
 
         @pl.when(wg == 1)
         def _hand_over():
@@ -663,12 +664,12 @@ def _decode_kernel(
                 new_max = jnp.maximum(row_max, other_max)
                 mine, other = jnp.exp2(row_max - new_max), jnp.exp2(other_max - new_max)
                 merged = tuple(
-                    a * lax.broadcast_in_dim(mine, a.shape, [stat_axis])
+                    a * lax.broadcast_in_dim(mine, a.shape, [0])
                     + plgpu.layout_cast(merge_acc_smem.at[c][...], plgpu.Layout.WGMMA)
-                    * lax.broadcast_in_dim(other, a.shape, [stat_axis])
+                    * lax.broadcast_in_dim(other, a.shape, [0])
                     for c, a in enumerate(acc))
                 plgpu.barrier_arrive(merge_read_barrier)
-            store_fn(it, merged, new_max, row_sum * mine + other_sum * other)
+            store(it, merged, new_max, row_sum * mine + other_sum * other)
 
     @pl.when(wg < workers)
     def _compute():
@@ -680,19 +681,14 @@ def _decode_kernel(
             def slot_of(step):
                 return lax.rem(first + step, jnp.int32(stages))
 
-            if tiling.keys_as_m:
-                acc, row_max, row_sum = keys_as_m_attend(it, j, wg, mine, workers, slot_of, release, ())
-                acc, stat_axis = (acc,), 1  # one [D, N] chunk, statistics per column
-
-                def store_fn(it, acc, *stats):
-                    keys_as_m_store(it, acc[0], *stats)
-            else:
-                acc, row_max, row_sum = compute(it, j, wg, mine, workers, slot_of, release, ())
-                store_fn, stat_axis = store, 0
+            if tiling.keys_as_m:  # (one compute warpgroup: `plans.mosaic_keys_as_m_unsupported_reason`)
+                keys_as_m_store(it, *keys_as_m_attend(it, j, wg, mine, workers, slot_of, release, ()))
+                return first + it.num_steps
+            acc, row_max, row_sum = compute(it, j, wg, mine, workers, slot_of, release, ())
             if workers == 1:
-                store_fn(it, acc, row_max, row_sum)
+                store(it, acc, row_max, row_sum)
             else:
-                merge_and_store(it, acc, row_max, row_sum, stat_axis, store_fn)
+                merge_and_store(it, acc, row_max, row_sum)
             return first + it.num_steps
 
         lax.fori_loop(0, items, next_item, jnp.int32(0))
@@ -954,8 +950,8 @@ def _scratch_types(tiling: MosaicDecodeTiling, q_rows: Array, k_cache: CachePlan
     (`_keys_as_m_attend`) the query tiles are the program's ``R`` rows, the
     probabilities ``P^T`` are ``[tile_keys, R]`` and set the values' swizzle (a wgmma's
     shared-memory operands share one; fp8 stages keep their own, since the wgmma reads
-    their upcast copies), the output and the merge buffer are ``[D, R]``, and the
-    non-finite key flags go unused."""
+    their upcast copies), the output is ``[D, R]``, and the non-finite key flags go
+    unused."""
     head_size, dtype, keys = q_rows.shape[-1], q_rows.dtype, tiling.tile_keys
     itemsize = jnp.dtype(dtype).itemsize
     workers = tiling.compute_warpgroups
@@ -963,15 +959,13 @@ def _scratch_types(tiling: MosaicDecodeTiling, q_rows: Array, k_cache: CachePlan
     items = tiling.items_per_program
     query_tiles = 2 if items > 1 else 1
     if tiling.keys_as_m:
+        assert workers < 2, "the plan refuses two compute warpgroups with keys_as_m"
         rows = tiling.query_rows
         values = _operand_transforms(itemsize, rows)
         v_ring = ring(v_cache) if v_dequant else plgpu.SMEM((tiling.num_stages, keys, head_size), dtype,
                                                             transforms=values)
         probabilities = plgpu.SMEM((per_worker, keys, rows), dtype, transforms=values)  # P^T
         output = plgpu.SMEM((head_size, rows), out_dtype)  # transposed
-        # the second compute warpgroup's output (swizzled: a plain f32 tile has no
-        # bank-conflict-free transfer in the wgmma layout under jax 0.10)
-        merge_output = plgpu.SMEM((1, head_size, rows), jnp.float32, transforms=_operand_transforms(4, rows))
     else:
         rows, values = MOSAIC_DECODE_ROWS, operand
         chunk = plans.mosaic_output_chunk(head_size)
