@@ -1029,15 +1029,13 @@ the values' swizzle too (16 rows: 32 bytes, the narrowest swizzle Mosaic GPU til
 
 
 def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head_size: int,
-                                        spec: AttentionSpec | None = None, *, block_size: int | None = None,
+                                        spec: AttentionSpec | None = None, *,
                                         compute_warpgroups: int = 0) -> str | None:
     """Why ``MosaicDecodeConfig.keys_as_m`` cannot run a call, or None: head sizes that
     are multiples of 64 (the values' M side), at most `MOSAIC_DECODE_ROWS` query rows a KV
     head, and (given ``spec``) no causal or window mask over several query tokens (keys
     hidden from some rows only: the non-finite quarantine of the other form is not built
-    here). Given ``block_size``: pages that are whole copies (block sizes dividing 128;
-    stages of runs within pages or slices of 256-key pages, compiled for an H100, did not
-    match the reference). Given ``compute_warpgroups``: at most one beside the producer
+    here). Given ``compute_warpgroups``: at most one beside the producer
     (the softmax's column max and sum reduce across a warpgroup's warps, which Mosaic GPU
     does through one shared-memory scratch buffer at a fixed offset: two compute
     warpgroups reducing at once would overwrite each other's partials)."""
@@ -1048,9 +1046,6 @@ def mosaic_keys_as_m_unsupported_reason(num_q_tokens: int, group_size: int, head
                 f"{MOSAIC_DECODE_ROWS}")
     if spec is not None and num_q_tokens > 1 and (spec.causal or spec.is_local):
         return "several query tokens under a causal or window mask are not supported (the non-finite quarantine)"
-    if block_size is not None and 128 % block_size:
-        return (f"the block size must divide 128 (whole pages a copy), got {block_size}: stages of runs within "
-                f"pages or slices of pages did not match the reference compiled for an H100")
     if compute_warpgroups > 1:
         return (f"at most one compute warpgroup, got {compute_warpgroups}: the softmax's cross-warp reductions "
                 f"share Mosaic GPU's one reduction scratch buffer, on which two would race")
@@ -1094,6 +1089,13 @@ def plan_mosaic_decode_tiling(
     if config.tile_keys not in MOSAIC_DECODE_TILE_KEYS:
         raise ValueError(f"config.tile_keys must be one of {MOSAIC_DECODE_TILE_KEYS}, got {config.tile_keys}.")
     tile_keys, copy_rows = mosaic_decode_tile(block_size, config.tile_keys)
+    if not config.compute_warpgroups and copy_rows != block_size:
+        # (Its refills' page offsets are carried a step ahead through the loop; the
+        # warp-specialized form computes them where it copies, and compiles.)
+        raise ValueError(
+            f"config.compute_warpgroups: the single-warpgroup form (0) takes block sizes that divide 128, got "
+            f"{block_size}: its copies of runs within pages or slices of pages fail Mosaic GPU's layout inference "
+            f"(jax 0.11.2); 1 or 2 take any block size.")
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
     if config.compute_warpgroups not in (0, 1, 2):
@@ -1107,7 +1109,6 @@ def plan_mosaic_decode_tiling(
     itemsize = jnp.dtype(q_dtype).itemsize
     if config.keys_as_m:
         reason = mosaic_keys_as_m_unsupported_reason(num_q_tokens, num_q_heads // num_kv_heads, head_size,
-                                                     block_size=block_size,
                                                      compute_warpgroups=config.compute_warpgroups)
         if reason is not None:
             raise ValueError(f"config.keys_as_m: {reason}.")

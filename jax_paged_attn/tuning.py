@@ -246,7 +246,9 @@ class MosaicDecodeConfig:
     smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): two
     compute warpgroups at 4 stages and 512 target programs within -2..+3 % of the
     single-warpgroup form; the per-tile math then overlaps the copies (its timeline).
-    The fields' defaults are that single-warpgroup form; the package runs
+    The single-warpgroup form takes block sizes that divide 128 only (compiled with jax
+    0.11.2, its copies of runs within pages fail Mosaic GPU's layout inference; the plan
+    refuses the others). The fields' defaults are that single-warpgroup form; the package runs
     `MOSAIC_DECODE_MEASURED` (`mosaic_decode_config`). items_per_program (with
     warp specialization): consecutive sequences a program attends for, one after the
     other, the ring carrying their tiles as one stream (the producer runs on into the
@@ -265,8 +267,8 @@ class MosaicDecodeConfig:
     a GQA group of 4 computes 4x its scores, not 16x, and the softmax runs on 16 columns
     of each key tile (its reductions cross the warpgroup's warps); alone or with one
     compute warpgroup beside a producer, one or several sequences a program. Head sizes
-    that are multiples of 64, at most 64 query rows a KV head, block sizes that divide
-    128, no causal or window mask over several query tokens, not two compute warpgroups
+    that are multiples of 64, at most 64 query rows a KV head, no causal or window mask
+    over several query tokens, not two compute warpgroups
     (`plans.mosaic_keys_as_m_unsupported_reason` says why each). Off by default until
     timed against the other form.
     """

@@ -554,6 +554,11 @@ MOSAIC_KEYS_AS_M_GRID = [
     Case("mgpu-keys-as-m-producer-gqa4-d128-window-2splits", window=(50, 0), seqlens=(4, 200, 0, 127),
          max_blocks=13, num_blocks=64, lowering=MOSAIC,
          config=KEYS_AS_M(num_splits=2, num_stages=3, compute_warpgroups=1)),
+    Case("mgpu-keys-as-m-producer-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5,
+         num_blocks=40, lowering=MOSAIC, config=KEYS_AS_M(num_splits=2, num_stages=4, compute_warpgroups=1)),
+    Case("mgpu-keys-as-m-producer-d64-bs256-slices-window", head_size=64, block_size=256, seqlens=(300, 1, 0, 257),
+         max_blocks=2, num_blocks=12, window=(100, 0), lowering=MOSAIC,
+         config=KEYS_AS_M(tile_keys=128, num_stages=2, compute_warpgroups=1)),
     Case("mgpu-keys-as-m-producer-items3-gqa8-d64-fp8e4m3-alibi", num_q_heads=8, num_kv_heads=1, head_size=64,
          cache_dtype="float8_e4m3fn", alibi=True, seqlens=(128, 90, 0, 17, 1, 64, 250), max_blocks=16,
          num_blocks=120, lowering=MOSAIC,
@@ -590,10 +595,8 @@ def test_mosaic_keys_as_m_refuses_what_it_lacks() -> None:
     for q_shape, cache_shape, config, words in (
             ((8, 1, 32, 80), (512, 16, 8, 80), KEYS_AS_M(), "multiple of 64"),
             ((8, 3, 64, 128), (512, 16, 2, 128), KEYS_AS_M(), "at most 64"),
-            # (both compiled wrong on an H100: runs of 16 rows in 48-key pages, slices of
-            # 256-key pages; two compute warpgroups racing on the reduction scratch)
-            ((8, 1, 32, 128), (512, 48, 8, 128), KEYS_AS_M(), "block size must divide 128.*got 48"),
-            ((8, 1, 32, 64), (512, 256, 8, 64), KEYS_AS_M(tile_keys=128), "got 256"),
+            # (compiled wrong on an H100: two compute warpgroups racing on Mosaic GPU's
+            # one cross-warp reduction scratch)
             ((8, 1, 32, 128), (512, 16, 8, 128), KEYS_AS_M(compute_warpgroups=2, num_stages=4),
              "at most one compute warpgroup, got 2.*race")):
         with pytest.raises(ValueError, match=f"config.keys_as_m: .*{words}"):
@@ -797,14 +800,22 @@ def test_mosaic_tiling_plan() -> None:
         t.tile_keys, 256, 2, t.num_stages, 2 if t.num_splits == 1 else 4) <= tuning.MOSAIC_SHARED_MEMORY_LIMIT
     t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
     assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == (128, 1, 128)
-    # Block sizes that do not divide 128: runs of gcd(stage, block) rows, each within a page.
+    # Block sizes that do not divide 128: runs of gcd(stage, block) rows, each within a page,
+    # in the warp-specialized forms; the single-warpgroup form refuses them, naming the field
+    # (compiled with jax 0.11.2 its copies of runs failed Mosaic GPU's layout inference).
     for block_size, tile_keys, expected in ((48, 64, (64, 4, 16)), (96, 128, (128, 4, 32)),
                                             (256, 128, (128, 1, 128)), (256, 64, (64, 1, 64)),
                                             (80, 128, (128, 8, 16))):
-        t = plan((8, 1, 16, 64), (512, block_size, 2, 64), config=MosaicDecodeConfig(tile_keys=tile_keys))
+        t = plan((8, 1, 16, 64), (512, block_size, 2, 64),
+                 config=MosaicDecodeConfig(tile_keys=tile_keys, compute_warpgroups=1))
         assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == expected, block_size
+        for keys_as_m in (False, True):
+            with pytest.raises(ValueError, match=f"config.compute_warpgroups: .*divide 128, got {block_size}"):
+                plan((8, 1, 16, 64), (512, block_size, 2, 64),
+                     config=MosaicDecodeConfig(tile_keys=tile_keys, keys_as_m=keys_as_m))
     # D 256 at 256-key pages: 128-key slices do not fit beside two stages; 64-key ones do.
-    t = plan((8, 1, 16, 256), (512, 256, 2, 256), config=MosaicDecodeConfig(tile_keys=128, num_stages=2))
+    t = plan((8, 1, 16, 256), (512, 256, 2, 256),
+             config=MosaicDecodeConfig(tile_keys=128, num_stages=2, compute_warpgroups=1))
     assert (t.tile_keys, t.copy_rows) == (64, 64)
     assert [plans.mosaic_output_chunk(d) for d in (64, 128, 192, 256)] == [64, 128, 64, 128]
     # Other head sizes: chunks of whole swizzle tiles of the 16-bit value rows dividing the head.

@@ -92,8 +92,11 @@ known performance gap):
   beside a producer (several sequences a program or one); off by default until timed.
   Its softmax reduces across the warpgroup's warps, which Mosaic GPU does through one
   shared-memory scratch buffer at a fixed offset: two compute warpgroups would race on
-  it, so the form refuses them, and block sizes that do not divide 128 (compiled for an
-  H100 those did not match the reference; `plans.mosaic_keys_as_m_unsupported_reason`);
+  it, so the form refuses them (`plans.mosaic_keys_as_m_unsupported_reason`);
+* the single-warpgroup form carries its next refill's page offsets through the loop,
+  which Mosaic GPU's layout inference (jax 0.11.2) fails on where a copy starts inside a
+  page: it takes block sizes that divide 128 only (`plans.plan_mosaic_decode_tiling`
+  refuses the others; the warp-specialized forms take any);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
   (wgmma would compute in TF32); head sizes that are not multiples of 64 take 64- or
