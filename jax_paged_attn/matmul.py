@@ -12,8 +12,9 @@ Measured on an H200 (benchmarks/NOTES.md, "Weight-streaming matmul" and "Fused
 decoder layers"): inside the engine's compiled decode step the kernel ran each product
 in XLA's time, but with the work XLA does not fuse into its GEMMs folded in (the
 residual add and norm after a product, the SwiGLU) a step took 0.88 / 1.01 ms at batch
-1 / 32 against 0.89 / 1.07 with XLA's dot; so auto takes the kernel there, and on
-other GPUs only once the same comparison is made on them (`tuning.MATMUL_KERNEL_MEASURED`,
+1 / 32 against 0.89 / 1.07 with XLA's dot (on an H100 80GB, 2026-12-07: 1.05 / 1.29
+against 1.07 / 1.37); so auto takes the kernel on those two GPU models, and on others
+only once the same comparison is made on them (`tuning.MATMUL_KERNEL_MEASURED`,
 `auto_takes_kernel`).
 """
 from __future__ import annotations

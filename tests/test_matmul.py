@@ -222,8 +222,13 @@ def test_auto_takes_the_kernel_for_16_bit_decode_products_on_measured_gpus_only(
     monkeypatch.setattr(tuning, "target_device", lambda: other)
     assert not matmul.auto_takes_kernel()
     choice = matmul.auto_choice()  # the start report names the reason and the measurement that would change it
-    assert choice.startswith("XLA's dot: ") and "on the NVIDIA H200 only, not on the NVIDIA A100-SXM4-80GB" in choice
+    assert choice.startswith("XLA's dot: ") and ("on the NVIDIA H200 and the NVIDIA H100 80GB HBM3 only, not on the NVIDIA A100-SXM4-80GB"
+                                              in choice)
     assert "--matmul-implementation weight_streaming" in choice
+    h100 = tuning.device_from_properties(tuning.H100_DEVICE_KIND, "9.0")  # measured too (2026-12-07)
+    monkeypatch.setattr(tuning, "target_device", lambda: h100)
+    assert matmul.auto_takes_kernel() and "1.05 / 1.29 ms" in matmul.auto_choice()
+    monkeypatch.setattr(tuning, "target_device", lambda: other)
     monkeypatch.setitem(tuning.MATMUL_KERNEL_MEASURED, other.kind, "measured here")  # a GPU measured later
     assert matmul.auto_takes_kernel() and matmul.auto_choice().endswith("measured here; XLA's dot for larger "
                                                                           "products, float32 and with a mesh")
