@@ -28,7 +28,7 @@ def mosaic_decode_grid(quick: bool) -> list[Any]:
     keys_as_m). Starting points: stage depth (bytes in flight per program) against
     programs per SM (shared memory ~ num_stages * 2 * tile_keys * 256 B at D 128 bf16,
     plus ~40 KiB), the warp-specialized forms and several sequences a program (0: one
-    wave) first, the keys as the wgmmas' M side (untimed when added) next to them."""
+    wave) first, the keys as the wgmmas' M side (slower on an H100, 2026-12-07) next to them."""
     from jax_paged_attn.tuning import MOSAIC_DECODE_MEASURED, MosaicDecodeConfig
 
     choices = ((64, 4, 512, 1, 0, False), (64, 4, 512, 1, 0, True), (64, 4, 512, 2, 1, False)) if quick else (

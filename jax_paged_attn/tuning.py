@@ -269,8 +269,10 @@ class MosaicDecodeConfig:
     compute warpgroup beside a producer, one or several sequences a program. Head sizes
     that are multiples of 64, at most 64 query rows a KV head, no causal or window mask
     over several query tokens, not two compute warpgroups
-    (`plans.mosaic_keys_as_m_unsupported_reason` says why each). Off by default until
-    timed against the other form.
+    (`plans.mosaic_keys_as_m_unsupported_reason` says why each). Off: on an H100
+    (benchmarks/NOTES.md, 2026-12-07 12:41 UTC) ×1.15 the single-warpgroup form at D 64
+    GQA 4, slower at D 128 and GQA 8, and slower than `MOSAIC_DECODE_MEASURED` everywhere
+    (its cross-warp max each tile costs what its smaller wgmmas save).
     """
 
     tile_keys: int = 64

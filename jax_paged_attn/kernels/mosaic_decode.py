@@ -89,7 +89,8 @@ known performance gap):
   2026-12-05 05:24 UTC); the keys-as-M form (`_keys_as_m_attend`,
   ``MosaicDecodeConfig.keys_as_m``: the keys as the wgmmas' M side, the ``Sq * G`` rows
   rounded up to 16 as N) computes a quarter of it, alone or with one compute warpgroup
-  beside a producer (several sequences a program or one); off by default until timed.
+  beside a producer (several sequences a program or one); off: measured slower than the
+  default form on an H100 (its cross-warp max each tile costs what it saves).
   Its softmax reduces across the warpgroup's warps, which Mosaic GPU does through one
   shared-memory scratch buffer at a fixed offset: two compute warpgroups would race on
   it, so the form refuses them (`plans.mosaic_keys_as_m_unsupported_reason`);
