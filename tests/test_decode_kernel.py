@@ -573,6 +573,7 @@ def test_mosaic_keys_as_m_matches_reference_in_interpret_mode(case: Case) -> Non
     assert_matches_reference(case, inputs, run_kernel(case, inputs))
 
 
+@pytest.mark.full  # (the form is off by default, measured slower; its grid runs by default, all of it on the GPU)
 def test_mosaic_keys_as_m_every_tile_boundary() -> None:
     """Lengths 0..69 with 64-key stages and an 18-key window, one query token: the window
     start and the sequence end fall on every offset of a stage and of a page."""
