@@ -131,19 +131,20 @@ any sum of finite values stays finite (256 * f32 max * 2**-9 = f32 max / 2), so 
 non-finite sum means a non-finite value. A power of 2: the scaling itself is exact."""
 
 
-def nonfinite_rows(v: Array, *more_columns: Array) -> Array:
+def nonfinite_rows(v: Array, *more_columns: Array, channel_axis: int = 1) -> Array:
     """bool ``[N]``: row ``n`` of ``v`` ``[N, D]`` (with the same rows of ``more_columns``,
     further column chunks of one row of at most 256 columns in all) holds a NaN / inf.
     The row is summed scaled by `NONFINITE_SUM_SCALE` (a sum of finite values stays
     finite), and ``x - x`` is 0 for a finite sum, NaN otherwise: no ``isfinite``, which
-    the Mosaic GPU lowering has no rule for."""
-    total = jnp.sum(v.astype(jnp.float32) * NONFINITE_SUM_SCALE, axis=1)
+    the Mosaic GPU lowering has no rule for. ``channel_axis=0`` reads ``v`` transposed,
+    ``[D, N]``, one row a column."""
+    total = jnp.sum(v.astype(jnp.float32) * NONFINITE_SUM_SCALE, axis=channel_axis)
     for columns in more_columns:
-        total = total + jnp.sum(columns.astype(jnp.float32) * NONFINITE_SUM_SCALE, axis=1)
+        total = total + jnp.sum(columns.astype(jnp.float32) * NONFINITE_SUM_SCALE, axis=channel_axis)
     return (total - total) != 0
 
 
-def nan_rows_scale(inv_sum: Array, acc: Array, *more_columns: Array) -> Array:
+def nan_rows_scale(inv_sum: Array, acc: Array, *more_columns: Array, channel_axis: int = 1) -> Array:
     """The output's row scale ``inv_sum`` f32 ``[M]`` (1 / softmax denominator), NaN for
     each row whose accumulator ``acc`` ``[M, D]`` (and ``more_columns``, its further column
     chunks) holds a NaN / inf in any channel, so that the whole row of the output is NaN.
@@ -155,7 +156,7 @@ def nan_rows_scale(inv_sum: Array, acc: Array, *more_columns: Array) -> Array:
     non-finite value only into its own channel: this row check, once per output tile
     after the KV loop, finishes those rows. It costs one scaled row sum of the
     accumulator per output tile, nothing inside the KV loop."""
-    return jnp.where(nonfinite_rows(acc, *more_columns), jnp.nan, inv_sum)
+    return jnp.where(nonfinite_rows(acc, *more_columns, channel_axis=channel_axis), jnp.nan, inv_sum)
 
 
 def wgmma_accumulator_load(acc_ref, *, wait_n: int) -> Array:

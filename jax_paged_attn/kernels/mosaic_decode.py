@@ -829,11 +829,10 @@ def _keys_as_m_store(it: _Item, acc: Array, col_max: Array, col_sum: Array, *, o
     transposed ``[D, N]``, with its log-sum-exp where the call has splits."""
     # A column that saw no key has sum 0 and acc 0: it outputs 0, never NaN; a column whose
     # accumulator holds a NaN / inf in any channel is NaN in all of them (the reference's
-    # NaN rule, `common.nan_rows_scale` transposed).
+    # NaN rule; the accumulator's channels run down its columns).
     seen = col_sum > 0
     safe_sum = jnp.where(seen, col_sum, 1.0)
-    total = jnp.sum(acc * common.NONFINITE_SUM_SCALE, axis=0)
-    inv_sum = jnp.where((total - total) != 0, jnp.nan, 1.0 / safe_sum)
+    inv_sum = common.nan_rows_scale(1.0 / safe_sum, acc, channel_axis=0)
     if v_scale is not None:
         inv_sum = inv_sum * v_scale  # fp8 V is x / v_scale
     o_cols = o_ref.at[it.seq, head_block] if lse_ref is None else o_ref.at[split, it.seq, head_block]
