@@ -54,7 +54,7 @@ from typing import Sequence
 
 # The suite starts dozens of Python processes (pytest-xdist workers, servers and their
 # engine processes, two-process cache tests, fresh-process checks), each importing jax,
-# flax, torch and transformers. Where PYTHONDONTWRITEBYTECODE is set (CI images set it)
+# flax, torch and transformers. Where PYTHONDONTWRITEBYTECODE is set (the CI runs' host sets it)
 # each of them compiled those packages' sources again: about a fifth of the suite's CPU
 # time (2026-12-07, jax 0.10.2, 2 cores: 706 -> 557 s user CPU). Then the run keeps
 # the bytecode it compiles in a private temporary folder of its own (PYTHONPYCACHEPREFIX:
