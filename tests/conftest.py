@@ -66,13 +66,23 @@ import shutil
 import sys
 import tempfile
 
-BYTECODE_CACHE: str | None = None
-_BYTECODE_CACHE_TURNED_ON = bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and not os.environ.get("PYTHONPYCACHEPREFIX")
-if _BYTECODE_CACHE_TURNED_ON:
-    BYTECODE_CACHE = tempfile.mkdtemp(prefix="jax_paged_attn_tests_pycache_")
+
+def share_bytecode(environ: dict) -> str | None:
+    """Where ``environ`` turns Python's bytecode cache off (PYTHONDONTWRITEBYTECODE set,
+    no PYTHONPYCACHEPREFIX of the user's), turns it on in a fresh private folder
+    (``tempfile.mkdtemp``: mode 0700) and returns the folder; else changes nothing and
+    returns None."""
+    if not environ.get("PYTHONDONTWRITEBYTECODE") or environ.get("PYTHONPYCACHEPREFIX"):
+        return None
+    folder = tempfile.mkdtemp(prefix="jax_paged_attn_tests_pycache_")
+    environ["PYTHONPYCACHEPREFIX"] = folder
+    del environ["PYTHONDONTWRITEBYTECODE"]
+    return folder
+
+
+BYTECODE_CACHE = share_bytecode(os.environ)
+if BYTECODE_CACHE is not None:
     atexit.register(shutil.rmtree, BYTECODE_CACHE, ignore_errors=True)
-    os.environ["PYTHONPYCACHEPREFIX"] = BYTECODE_CACHE
-    del os.environ["PYTHONDONTWRITEBYTECODE"]
     sys.pycache_prefix, sys.dont_write_bytecode = BYTECODE_CACHE, False  # (this process: read at each import)
 
 # On a host without JAX's CUDA plugin the suite runs on the CPU, where most of its time is
@@ -320,7 +330,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     the environment turned Python's bytecode cache off, and that the server's tests are not
     collected here and why."""
     lines = []
-    if _BYTECODE_CACHE_TURNED_ON:
+    if BYTECODE_CACHE is not None:
         lines.append(f"PYTHONDONTWRITEBYTECODE is set: the suite's processes share their compiled bytecode "
                      f"under {BYTECODE_CACHE} (PYTHONPYCACHEPREFIX; nothing written beside the sources)")
     if _missing_serving_packages:
