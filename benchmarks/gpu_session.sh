@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything on a GPU host in one command: environment, the gpu test suite, then benchmarks.
-#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [http] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]] [ncu_pipes[=ARGS]]
+#   [TESTS_WORKERS=N] bash benchmarks/gpu_session.sh [tests[=PATHS]] [bench[=SUITES]] [tune[=SUITES]] [tuner[=HEAD_SIZES]] [apply] [matmul] [engine] [tp[=ARGS]] [serving] [http] [startup] [resources] [parts[=ARGS]] [ncu[=ARGS]] [ncu_pipes[=ARGS]]
 # Logs and results land in $OUT (default /tmp/gpu_session). TESTS_K: a pytest -k expression for the tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,6 +47,20 @@ for step in "${steps[@]}"; do
     tune|tune=*)
       suites="${step#tune}"; suites="${suites#=}"
       timeout 420 python3 benchmarks/bench_attention.py --tune --out "$out" --stem tuning --budget-s "${TUNE_BUDGET_S:-$budget}" ${suites:+--suite "$suites"} 2>&1 | tee "$out/tune.log" ;;
+    tuner|tuner=*)  # the package's tuner as a user runs it, the shipped table ignored, into a fresh
+      # folder, then --compare (its table against the shipped one in alternating rounds), per
+      # head size (tuner=128,64; default both) at Hq 32 Hk 8: whether the tuner reproduces the
+      # shipped figures within 5 %
+      sizes="$(step_args "$step")"
+      for head_size in ${sizes:-128 64}; do
+        folder="$(mktemp -d /tmp/tuner.XXXX)"
+        for mode in --ignore-shipped --compare; do
+          timeout "${TUNER_TIMEOUT_S:-240}" python3 -m jax_paged_attn.tune --head-sizes "$head_size" --num-q-heads 32 \
+            --num-kv-heads 8 --tuning-dir "$folder" "$mode" 2>&1 | grep -v "^W\|^I0\|Deprecat\|warnings.warn" \
+            | tee -a "$out/tuner.log"
+        done
+        cp "$folder"/*.json "$out/" 2>/dev/null
+      done ;;
     apply)  # the last sweep's winners become the package's measured table (copy kept in $out)
       python3 benchmarks/apply_tuning.py "$out/tuning.json" && cp jax_paged_attn/tuned_tables.json "$out/" ;;
     matmul)  # the weight-streaming matmul's sweep beside XLA's dot on the decode step's products
