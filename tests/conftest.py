@@ -325,8 +325,8 @@ _missing_serving_packages = [name for name in SERVING_TEST_PACKAGES if importlib
 collect_ignore = ["test_serve.py"] if _missing_serving_packages else []
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Says, at the top of every run, where the suite's processes keep their bytecode when
+def _run_notes() -> list[str]:
+    """What the run chose for the user: where the suite's processes keep their bytecode when
     the environment turned Python's bytecode cache off, and that the server's tests are not
     collected here and why."""
     lines = []
@@ -337,6 +337,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"tests/test_serve.py not collected: {', '.join(_missing_serving_packages)} not installed "
                      f"(python3 -m pip install '.[test]')")
     return lines
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """`_run_notes`, at the top of the run."""
+    return _run_notes()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """`_run_notes` at the end where ``-q`` hid the header (README's command): said once either way."""
+    if config.get_verbosity() < 0:
+        for line in _run_notes():
+            terminalreporter.write_line(line)
 
 
 hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, database=None,
