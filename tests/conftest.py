@@ -60,7 +60,7 @@ from typing import Sequence
 # the bytecode it compiles in a private temporary folder of its own (PYTHONPYCACHEPREFIX:
 # nothing is written beside the sources; a fresh folder, so no bytecode another user or
 # run left is ever loaded), shared by its processes (they inherit the environment) and
-# removed at its end. `pytest_report_header` says so.
+# removed at its end. `_run_notes` says so (in the header, or at the end under -q).
 import atexit
 import shutil
 import sys
