@@ -1089,13 +1089,6 @@ def plan_mosaic_decode_tiling(
     if config.tile_keys not in MOSAIC_DECODE_TILE_KEYS:
         raise ValueError(f"config.tile_keys must be one of {MOSAIC_DECODE_TILE_KEYS}, got {config.tile_keys}.")
     tile_keys, copy_rows = mosaic_decode_tile(block_size, config.tile_keys)
-    if not config.compute_warpgroups and copy_rows != block_size:
-        # (Its refills' page offsets are carried a step ahead through the loop; the
-        # warp-specialized form computes them where it copies, and compiles.)
-        raise ValueError(
-            f"config.compute_warpgroups: the single-warpgroup form (0) takes block sizes that divide 128, got "
-            f"{block_size}: its copies of runs within pages or slices of pages fail Mosaic GPU's layout inference "
-            f"(jax 0.11.2); 1 or 2 take any block size.")
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages must be at least 2, got {config.num_stages}.")
     if config.compute_warpgroups not in (0, 1, 2):

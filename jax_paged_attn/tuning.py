@@ -246,9 +246,7 @@ class MosaicDecodeConfig:
     smallest ring (D 256). Measured on the H200 (2026-12-03, page 16, D 128): two
     compute warpgroups at 4 stages and 512 target programs within -2..+3 % of the
     single-warpgroup form; the per-tile math then overlaps the copies (its timeline).
-    The single-warpgroup form takes block sizes that divide 128 only (compiled with jax
-    0.11.2, its copies of runs within pages fail Mosaic GPU's layout inference; the plan
-    refuses the others). The fields' defaults are that single-warpgroup form; the package runs
+    The fields' defaults are that single-warpgroup form; the package runs
     `MOSAIC_DECODE_MEASURED` (`mosaic_decode_config`). items_per_program (with
     warp specialization): consecutive sequences a program attends for, one after the
     other, the ring carrying their tiles as one stream (the producer runs on into the

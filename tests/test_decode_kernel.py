@@ -497,6 +497,10 @@ MOSAIC_GRID = [
          softcap=10.0, cache_dtype="float8_e5m2", seqlens=(0, 120, 55, 1), max_blocks=4, lowering=MOSAIC),
     Case("mgpu-gqa2-d192-fp8e4m3-2splits", num_q_heads=4, head_size=192, cache_dtype="float8_e4m3fn",
          seqlens=(100, 1, 37), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
+    # Block sizes that do not divide 128 in the one warpgroup: 16-row runs within pages,
+    # their rows recomputed at each refill (only the pages cross the loop).
+    Case("mgpu-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5, num_blocks=40,
+         lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2, num_stages=3)),
     # Warp-specialized: a producer warpgroup refills the ring; one compute warpgroup, or
     # two taking the tiles in turn and merging (3 and 5 stages round up to 4 and 6: each
     # slot keeps feeding one warpgroup; sequences of 0, 1 and several tiles, so a compute
@@ -684,6 +688,13 @@ def test_mosaic_every_tile_boundary() -> None:
          max_blocks=128, num_blocks=400, cache_dtype="float8_e4m3fn", lowering=MOSAIC,
          config=MosaicDecodeConfig(num_splits=1, num_stages=4, compute_warpgroups=1)),
     *MOSAIC_KEYS_AS_M_GRID,
+    Case("mgpu-gpu-d64-bs256-slices-window", head_size=64, block_size=256, seqlens=(300, 1, 0, 257),
+         max_blocks=2, num_blocks=12, window=(100, 0), lowering=MOSAIC,
+         config=MosaicDecodeConfig(tile_keys=128, num_stages=2)),
+    Case("mgpu-gpu-keys-as-m-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5,
+         num_blocks=40, lowering=MOSAIC, config=KEYS_AS_M(num_splits=2, num_stages=3)),
+    Case("mgpu-gpu-keys-as-m-d64-bs256-slices-window", head_size=64, block_size=256, seqlens=(300, 1, 0, 257),
+         max_blocks=2, num_blocks=12, window=(100, 0), lowering=MOSAIC, config=KEYS_AS_M(tile_keys=128, num_stages=2)),
     Case("mgpu-gpu-h200-shape-keys-as-m-splits", num_q_heads=32, num_kv_heads=8, seqlens=(4096, 1, 0, 3000, 17),
          max_blocks=256, num_blocks=1300, lowering=MOSAIC, config=KEYS_AS_M(num_splits=5, num_stages=4)),
     Case("mgpu-gpu-h200-shape-keys-as-m-d64-gqa8", num_q_heads=32, num_kv_heads=4, head_size=64,
@@ -802,18 +813,14 @@ def test_mosaic_tiling_plan() -> None:
     t = plan((8, 1, 16, 64), (512, 128, 2, 64), config=MosaicDecodeConfig())
     assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == (128, 1, 128)
     # Block sizes that do not divide 128: runs of gcd(stage, block) rows, each within a page,
-    # in the warp-specialized forms; the single-warpgroup form refuses them, naming the field
-    # (compiled with jax 0.11.2 its copies of runs failed Mosaic GPU's layout inference).
+    # in every form.
     for block_size, tile_keys, expected in ((48, 64, (64, 4, 16)), (96, 128, (128, 4, 32)),
                                             (256, 128, (128, 1, 128)), (256, 64, (64, 1, 64)),
                                             (80, 128, (128, 8, 16))):
-        t = plan((8, 1, 16, 64), (512, block_size, 2, 64),
-                 config=MosaicDecodeConfig(tile_keys=tile_keys, compute_warpgroups=1))
-        assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == expected, block_size
-        for keys_as_m in (False, True):
-            with pytest.raises(ValueError, match=f"config.compute_warpgroups: .*divide 128, got {block_size}"):
-                plan((8, 1, 16, 64), (512, block_size, 2, 64),
-                     config=MosaicDecodeConfig(tile_keys=tile_keys, keys_as_m=keys_as_m))
+        for workers, keys_as_m in ((1, False), (0, False), (0, True)):
+            t = plan((8, 1, 16, 64), (512, block_size, 2, 64),
+                     config=MosaicDecodeConfig(tile_keys=tile_keys, compute_warpgroups=workers, keys_as_m=keys_as_m))
+            assert (t.tile_keys, t.pages_per_tile, t.copy_rows) == expected, (block_size, workers, keys_as_m)
     # D 256 at 256-key pages: 128-key slices do not fit beside two stages; 64-key ones do.
     t = plan((8, 1, 16, 256), (512, 256, 2, 256),
              config=MosaicDecodeConfig(tile_keys=128, num_stages=2, compute_warpgroups=1))

@@ -94,10 +94,6 @@ known performance gap):
   Its softmax reduces across the warpgroup's warps, which Mosaic GPU does through one
   shared-memory scratch buffer at a fixed offset: two compute warpgroups would race on
   it, so the form refuses them (`plans.mosaic_keys_as_m_unsupported_reason`);
-* the single-warpgroup form carries its next refill's page offsets through the loop,
-  which Mosaic GPU's layout inference (jax 0.11.2) fails on where a copy starts inside a
-  page: it takes block sizes that divide 128 only (`plans.plan_mosaic_decode_tiling`
-  refuses the others; the warp-specialized forms take any);
 * the fp8 upcast is synchronous in the one warpgroup (a K and a V tile through
   registers per stage), and to bf16 it goes through f32; float32 queries are refused
   (wgmma would compute in TF32); head sizes that are not multiples of 64 take 64- or
@@ -290,27 +286,30 @@ def _decode_kernel(
             free_lo = seq_len - 1 - spec.window_left
         return _Item(seq, valid, seq_len, kv_lo, base, tile_begin, num_steps, free_lo, free_hi)
 
+    def tile_location(it: _Item, step) -> tuple:
+        """Where tile ``tile_begin + step`` starts, arithmetic only: a ``(table column,
+        first row)`` pair of i32 scalars per copy, the row None for whole pages."""
+        if whole_pages:  # (consecutive table columns: one division a tile, not one a copy)
+            first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
+            return tuple((first_col + p, None) for p in range(tiling.pages_per_tile))
+        first_key = it.base + (it.tile_begin + step) * tile_keys
+        located = []
+        for p in range(tiling.pages_per_tile):
+            col = lax.div(first_key + p * copy_rows, jnp.int32(block_size))
+            located.append((col, first_key + p * copy_rows - col * block_size))
+        return tuple(located)
+
     def page_ids(it: _Item, step) -> tuple:
         """Where tile ``tile_begin + step`` is in the cache: a ``(page, first row)`` pair
-        of i32 scalars per copy, the row None for whole pages.
+        of i32 scalars per copy, the row None for whole pages (`tile_location`'s rows).
 
         Pages past the sequence (or the table) hold no visible key: any in-bounds page
         serves, so the table column is clamped (a step past the last reads the table's
         last entry, harmlessly); ids outside the cache (unvalidated tables under jit)
         are clamped, never followed.
         """
-        def page(col):
-            return jnp.clip(block_table_ref[it.seq, jnp.minimum(col, max_blocks - 1)], 0, num_pages - 1)
-
-        if whole_pages:  # (consecutive table columns: one division a tile, not one a copy)
-            first_col = lax.div(it.base, jnp.int32(block_size)) + (it.tile_begin + step) * tiling.pages_per_tile
-            return tuple((page(first_col + p), None) for p in range(tiling.pages_per_tile))
-        first_key = it.base + (it.tile_begin + step) * tile_keys
-        located = []
-        for p in range(tiling.pages_per_tile):
-            col = lax.div(first_key + p * copy_rows, jnp.int32(block_size))
-            located.append((page(col), first_key + p * copy_rows - col * block_size))
-        return tuple(located)
+        return tuple((jnp.clip(block_table_ref[it.seq, jnp.minimum(col, max_blocks - 1)], 0, num_pages - 1), row)
+                     for col, row in tile_location(it, step))
 
     def issue(slot, pages: tuple):
         """Starts the TMA copies of the tile at ``pages`` (`page_ids`) into ring slot ``slot``."""
@@ -578,17 +577,24 @@ def _decode_kernel(
             for s in range(stages):
                 pl.when(s < it.num_steps)(functools.partial(issue, s, page_ids(it, s)))
 
+        # Only the pages cross the loop: a row offset carried through it is a loop argument
+        # whose divisibility Mosaic GPU's layout inference cannot see (copies inside a page
+        # then fail to compile), so the rows are recomputed where the copies start.
+        def pages_of(step) -> tuple:
+            return tuple(page for page, _ in page_ids(it, step))
+
         def refill(step, slot, pages):
-            pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, pages))
-            return page_ids(it, step + stages + 1)
+            rows = (row for _, row in tile_location(it, step + stages))
+            pl.when(step + stages < it.num_steps)(functools.partial(issue, slot, tuple(zip(pages, rows))))
+            return pages_of(step + stages + 1)
 
         if tiling.keys_as_m:
             keys_as_m_store(it, *keys_as_m_attend(it, 0, 0, jnp.int32(0), 1,
                                                   lambda step: lax.rem(step, jnp.int32(stages)), refill,
-                                                  page_ids(it, stages)))
+                                                  pages_of(stages)))
             return
         result = compute(it, 0, 0, jnp.int32(0), 1, lambda step: lax.rem(step, jnp.int32(stages)), refill,
-                         page_ids(it, stages))
+                         pages_of(stages))
         with jax.named_scope("epilogue"):
             epilogue(it, *result)
         return
