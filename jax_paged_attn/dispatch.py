@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 import warnings
 from typing import Any, Callable
 
@@ -114,6 +115,27 @@ def lowering_unavailable_reason(lowering: str) -> str | None:
     except ImportError as error:
         return f"the installed jax {jax.__version__} has no Pallas {lowering} lowering ({module}: {error})"
     return None
+
+
+# The Mosaic GPU custom call's target as a serialized StableHLO module stores it: one
+# entry of its NUL-separated string table (``mosaic_gpu_v2`` in jax 0.10, ``mosaic_gpu``
+# in some versions), not a substring of a source path or function name.
+_MOSAIC_GPU_CALL_TARGET = re.compile(rb"\x00mosaic_gpu(?:_v2)?\x00")
+
+
+def prepare_lowering_runtimes(serialized_module: bytes) -> None:
+    """Readies this process to compile ``serialized_module`` (a `jax.export` artifact's
+    ``mlir_module_serialized``) when it was not traced here.
+
+    XLA compiles a Mosaic GPU custom call's host code against JAX's Mosaic GPU runtime
+    library, which it finds through ``MOSAIC_GPU_RUNTIME_LIB_PATH``; JAX's Mosaic GPU module
+    sets that variable when it is imported, which tracing a kernel does and reading a
+    stored program does not. Without it the compile prints ``JIT session error: Symbols not
+    found: [ mosaic_gpu_init_tma_desc, mosaic_gpu_launch_kernel ]`` (jax 0.11.2, on an H100,
+    in a start that read programs an earlier one stored). So a module that holds such a call imports that lowering first;
+    any other module imports nothing."""
+    if _MOSAIC_GPU_CALL_TARGET.search(serialized_module):
+        lowering_unavailable_reason(MOSAIC_GPU)
 
 
 def normalize_implementation(implementation: str | None) -> str:

@@ -152,6 +152,47 @@ def test_a_second_engine_loads_its_compiled_kernels_from_the_program_store(model
     assert second.num_loaded == first.num_stored and traces_after == traces
 
 
+_STORED_MOSAIC_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
+from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, implementation="mosaic_gpu")
+engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                                       compilation_cache_dir=sys.argv[1]))
+outs = engine.generate([[1, 2, 3, 4, 5], [7, 8, 9] * 9], SamplingParams(temperature=0.0, max_tokens=12),
+                       use_tqdm=False)
+store = engine.runner.program_store
+print(json.dumps(dict(tokens=[o.outputs[0].token_ids for o in outs], loaded=store.num_loaded,
+                      stored=store.num_stored, traces=engine.runner.num_traces)))
+"""
+
+
+def test_a_fresh_process_runs_stored_mosaic_gpu_programs(tmp_path):
+    """A start that reads the Mosaic GPU kernels' programs an earlier process stored, in a
+    process that traces no kernel: XLA links their host code against JAX's Mosaic GPU
+    runtime (`dispatch.prepare_lowering_runtimes`), so each loads, none is traced again,
+    and the tokens are the first start's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's pool
+    env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)  # what a fresh process starts without
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _STORED_MOSAIC_SCRIPT, str(tmp_path / "cache")], env=env,
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "JIT session error" not in done.stderr and "not used" not in done.stderr, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["stored"] > 0 and second["loaded"] == first["stored"] and second["traces"] == 0
+    assert second["tokens"] == first["tokens"] and len(first["tokens"][1]) == 12
+
+
 def _prefill_then_decode_logits(model):
     """float32 logits ``[2, vocab]`` of a prefill of prompts of 21 and 7 tokens (their
     last tokens), then of one decode step of each, through `jit_forward`."""

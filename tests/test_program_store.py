@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_paged_attn as jpa
 from conftest import engine_base, random_prompts
 from jax_paged_attn.engine import LLMEngine, SamplingParams
 from jax_paged_attn.engine import program_store, startup, trusted_directory
@@ -317,3 +318,39 @@ def test_two_processes_writing_one_directory_at_once_leave_whole_files(tmp_path)
     done = subprocess.run([sys.executable, "-c", _WRITER_SCRIPT, str(tmp_path)], cwd=REPO, env=_CHILD_ENV,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["5", "0"], done.stderr[-3000:]
+
+
+def test_a_stored_program_with_a_mosaic_gpu_kernel_imports_its_lowering_before_it_compiles(tmp_path, monkeypatch):
+    """A process that compiles a stored program traced none of its kernels, so nothing
+    imported JAX's Mosaic GPU module, which names the runtime library XLA links the
+    kernel's host code against: every compile of a stored program first hands its module to
+    `dispatch.prepare_lowering_runtimes`, which asks for the Mosaic GPU lowering (its
+    import) where a Mosaic GPU kernel is in the module (a real one, exported for CUDA)
+    and for nothing elsewhere. tests/test_engine_gpu.py runs such programs in a fresh
+    process on a GPU."""
+    from conftest import cuda_lowering_target
+    from jax_paged_attn import dispatch
+
+    cache = jnp.zeros((12, 16, 2, 64), jnp.bfloat16)
+    lens, table = jnp.array([5, 17, 40], jnp.int32), jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    decode = jax.jit(lambda q, k, v, n, t: jpa.flash_attn_with_kvcache(q, k, v, n, t, causal=True,
+                                                                      implementation="mosaic_gpu"))
+    with cuda_lowering_target():
+        kernel = jax.export.export(decode, platforms=("cuda",))(jnp.ones((3, 1, 8, 64), jnp.bfloat16), cache, cache,
+                                                                 lens, table)
+    plain = jax.export.export(jax.jit(lambda x: x * 3))(jnp.ones(3))
+    asked = []
+    monkeypatch.setattr(dispatch, "lowering_unavailable_reason", asked.append)
+    dispatch.prepare_lowering_runtimes(plain.mlir_module_serialized)
+    assert asked == []
+    dispatch.prepare_lowering_runtimes(kernel.mlir_module_serialized)
+    assert asked == [dispatch.MOSAIC_GPU]
+
+    prepared = []
+    monkeypatch.setattr(dispatch, "prepare_lowering_runtimes", prepared.append)
+    for _ in range(2):  # stored (compiled as the next start will), then read back
+        store = program_store.ProgramStore(tmp_path, ["shared"])
+        times3 = program_store.StoredProgram(jax.jit(lambda x: x * 3), "times3", store, params_first=False)
+        np.testing.assert_array_equal(times3(jnp.ones(3)), 3.0)
+    assert store.num_stored == 0 and store.num_loaded == 1
+    assert len(prepared) == 2 and all(m.startswith(b"ML\xefR") for m in prepared)  # MLIR bytecode

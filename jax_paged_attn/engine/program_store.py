@@ -60,6 +60,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from jax_paged_attn import dispatch
+
 logger = logging.getLogger(__name__)
 
 STORE_FORMAT = 3
@@ -244,6 +246,7 @@ def _compile_exported(exported: jax.export.Exported, donated: Sequence[int], lea
     placed = {} if device is None else dict(
         in_shardings=tuple(jax.sharding.SingleDeviceSharding(device) for _ in exported.in_avals))
     wrapper = jax.jit(stored_program, donate_argnums=tuple(donated), **placed)
+    dispatch.prepare_lowering_runtimes(exported.mlir_module_serialized)
     return wrapper.trace(*leaves).lower().compile(compiler_options=dict(compiler_options or {}) or None)
 
 
