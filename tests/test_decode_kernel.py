@@ -498,9 +498,10 @@ MOSAIC_GRID = [
     Case("mgpu-gqa2-d192-fp8e4m3-2splits", num_q_heads=4, head_size=192, cache_dtype="float8_e4m3fn",
          seqlens=(100, 1, 37), lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2)),
     # Block sizes that do not divide 128 in the one warpgroup: 16-row runs within pages,
-    # their rows recomputed at each refill (only the pages cross the loop).
-    Case("mgpu-bs48-runs-2splits", block_size=48, seqlens=(0, 1, 47, 100, 191), max_blocks=5, num_blocks=40,
-         lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=2, num_stages=3)),
+    # their rows recomputed at each refill (only the pages cross the loop): three 64-key
+    # tiles through two stages, so the third is a refill.
+    Case("mgpu-bs48-runs-refill", block_size=48, seqlens=(0, 47, 191), max_blocks=4, num_blocks=16,
+         lowering=MOSAIC, config=MosaicDecodeConfig(num_splits=1, num_stages=2)),
     # Warp-specialized: a producer warpgroup refills the ring; one compute warpgroup, or
     # two taking the tiles in turn and merging (3 and 5 stages round up to 4 and 6: each
     # slot keeps feeding one warpgroup; sequences of 0, 1 and several tiles, so a compute
