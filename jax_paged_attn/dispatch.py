@@ -132,8 +132,8 @@ def prepare_lowering_runtimes(serialized_module: bytes) -> None:
     sets that variable when it is imported, which tracing a kernel does and reading a
     stored program does not. Without it the compile prints ``JIT session error: Symbols not
     found: [ mosaic_gpu_init_tma_desc, mosaic_gpu_launch_kernel ]`` (jax 0.11.2, on an H100,
-    in a start that read programs an earlier one stored). So a module that holds such a call imports that lowering first;
-    any other module imports nothing."""
+    in a start that read programs an earlier one stored). So a module that holds such a
+    call imports that lowering first; any other module imports nothing."""
     if _MOSAIC_GPU_CALL_TARGET.search(serialized_module):
         lowering_unavailable_reason(MOSAIC_GPU)
 
