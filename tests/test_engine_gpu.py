@@ -159,8 +159,9 @@ from flax import nnx
 from jax_paged_attn.engine import EngineConfig, LLMEngine, SamplingParams
 from jax_paged_attn.models import LlamaConfig, LlamaForCausalLM
 model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, implementation="mosaic_gpu")
-engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                                       compilation_cache_dir=sys.argv[1]))
+engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                                       batch_buckets=(2,), token_buckets=(64,), block_table_width_buckets=(4,),
+                                       max_model_len=64, compilation_cache_dir=sys.argv[1]))
 outs = engine.generate([[1, 2, 3, 4, 5], [7, 8, 9] * 9], SamplingParams(temperature=0.0, max_tokens=12),
                        use_tqdm=False)
 store = engine.runner.program_store
