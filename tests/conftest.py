@@ -145,8 +145,7 @@ import dataclasses
 import functools
 import gc
 import itertools
-import sys
-from typing import Any, Sequence
+from typing import Any
 
 import hypothesis
 import jax

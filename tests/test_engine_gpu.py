@@ -7,7 +7,11 @@ GPUs or more, the model tensor-parallel over two of them must give the one-GPU m
 tokens (skipped, saying so, on fewer).
 """
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -175,11 +179,6 @@ def test_a_fresh_process_runs_stored_mosaic_gpu_programs(tmp_path):
     process that traces no kernel: XLA links their host code against JAX's Mosaic GPU
     runtime (`dispatch.prepare_lowering_runtimes`), so each loads, none is traced again,
     and the tokens are the first start's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's pool
     env.pop("MOSAIC_GPU_RUNTIME_LIB_PATH", None)  # what a fresh process starts without
     runs = []
